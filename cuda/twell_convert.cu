@@ -1,0 +1,211 @@
+// Conversions between dense, CSR and TwELL storage (see docs/FORMAT.md for the layout).
+//
+// Every conversion that produces TwELL runs in up to two passes over the same input: pass 1
+// fills the slots and records each row-tile's true nonzero count; the host then applies the
+// overflow policy and, only when some row-tile overflowed under overflow="spill", launches pass
+// 2 (spill_offsets != nullptr) which writes the excess entries to the spill CSR at offsets the
+// host computed by a prefix sum. Nothing is ever written past a row-tile's capacity.
+#include "twell_types.cuh"
+
+using namespace twell;
+
+// One warp per (row, tile): lanes read consecutive runs of V columns, keep the entries the
+// activation/threshold selects, and a warp prefix sum gives each kept entry its slot, so the
+// output is canonical (columns increasing) with no sort.
+template <typename T, int ACT>
+__global__ void __launch_bounds__(256) dense_to_twell(
+    const T* __restrict__ x, long long ldx, int M, int N, int tile_n, int n_tiles, int capacity,
+    float threshold, T* __restrict__ data, short* __restrict__ indices, int* __restrict__ counts,
+    int* __restrict__ row_tile_nnz, const long long* __restrict__ spill_offsets,
+    int* __restrict__ spill_indices, T* __restrict__ spill_data) {
+  using A = typename acc_of<T>::type;
+  constexpr int V = sizeof(T) >= 8 ? 2 : 16 / (int)sizeof(T);
+  const long long rt = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (rt >= (long long)M * n_tiles) return;  // warp-uniform
+  const bool spill_pass = spill_offsets != nullptr;
+  long long spill_base = 0;
+  if (spill_pass) {
+    if (row_tile_nnz[rt] <= capacity) return;  // warp-uniform
+    spill_base = spill_offsets[rt];
+  }
+  const int row = (int)(rt / n_tiles), tile = (int)(rt % n_tiles);
+  const int col0 = tile * tile_n;
+  const int col_end = min(col0 + tile_n, N);
+  const T* xrow = x + (long long)row * ldx;
+  const long long slot0 = rt * capacity;
+  int found = 0;
+  for (int base = col0; base < col_end; base += 32 * V) {
+    T v[V];
+    bool k[V];
+    int local = 0;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int c = base + lane * V + j;
+      k[j] = false;
+      if (c < col_end) {
+        const T raw = xrow[c];
+        // Non-identity activations store the activated value rounded to T, and decide on it.
+        v[j] = ACT == ACT_IDENTITY ? raw : from_acc<T>(activate<ACT>(to_acc(raw)));
+        k[j] = keep(to_acc(v[j]), threshold);
+        local += k[j];
+      }
+    }
+    int incl = local;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int t = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += t;
+    }
+    int pos = found + incl - local;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      if (!k[j]) continue;
+      const int c = base + lane * V + j;
+      if (!spill_pass) {
+        if (pos < capacity) {
+          data[slot0 + pos] = v[j];
+          indices[slot0 + pos] = (short)(c - col0);
+        }
+      } else if (pos >= capacity) {
+        spill_data[spill_base + pos - capacity] = v[j];
+        spill_indices[spill_base + pos - capacity] = c;
+      }
+      ++pos;
+    }
+    found += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  if (!spill_pass) {
+    for (int s = found + lane; s < capacity; s += 32) {
+      data[slot0 + s] = zero_value<T>();
+      indices[slot0 + s] = -1;
+    }
+    if (lane == 0) {
+      counts[rt] = min(found, capacity);
+      row_tile_nnz[rt] = found;
+    }
+  }
+}
+
+// Largest r in [0, n) with a[r] <= v (a non-decreasing, a[0] <= v).
+__device__ __forceinline__ int last_le(const int* a, int n, long long v) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (a[mid] <= v) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// First i in [lo, hi) with a[i] >= v, or hi.
+__device__ __forceinline__ int first_ge(const int* a, int lo, int hi, int v) {
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (a[mid] < v) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+// Canonical CSR (sorted columns, no duplicates) to TwELL; one thread per stored entry. The
+// caller zero-fills data, fills indices with -1 and row_tile_nnz with 0.
+template <typename T>
+__global__ void __launch_bounds__(256) csr_to_twell(
+    const int* __restrict__ indptr, const int* __restrict__ cols, const T* __restrict__ vals,
+    int M, long long nnz, int tile_n, int n_tiles, int capacity, T* __restrict__ data,
+    short* __restrict__ indices, int* __restrict__ row_tile_nnz,
+    const long long* __restrict__ spill_offsets, int* __restrict__ spill_indices,
+    T* __restrict__ spill_data) {
+  const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (i >= nnz) return;
+  const int row = last_le(indptr, M + 1, i);
+  const int c = cols[i];
+  const int tile = c / tile_n;
+  const int first = first_ge(cols, indptr[row], (int)i, tile * tile_n);
+  const int pos = (int)i - first;
+  const long long rt = (long long)row * n_tiles + tile;
+  if (spill_offsets != nullptr) {
+    if (pos >= capacity) {
+      spill_data[spill_offsets[rt] + pos - capacity] = vals[i];
+      spill_indices[spill_offsets[rt] + pos - capacity] = c;
+    }
+    return;
+  }
+  if (pos < capacity) {
+    data[rt * capacity + pos] = vals[i];
+    indices[rt * capacity + pos] = (short)(c - tile * tile_n);
+  }
+  if (i + 1 == indptr[row + 1] || cols[i + 1] >= (tile + 1) * tile_n) row_tile_nnz[rt] = pos + 1;
+}
+
+// TwELL slots to dense (the caller zero-fills out); one thread per slot.
+template <typename T>
+__global__ void __launch_bounds__(256) twell_scatter_dense(
+    const T* __restrict__ data, const short* __restrict__ indices, const int* __restrict__ counts,
+    int M, int n_tiles, int tile_n, int capacity, T* __restrict__ out, long long ldo) {
+  const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (i >= (long long)M * n_tiles * capacity) return;
+  const long long rt = i / capacity;
+  if ((int)(i % capacity) >= counts[rt]) return;
+  const long long row = rt / n_tiles;
+  const int tile = (int)(rt % n_tiles);
+  out[row * ldo + tile * tile_n + indices[i]] = data[i];
+}
+
+// Spill CSR to dense; one warp per row.
+template <typename T>
+__global__ void __launch_bounds__(256) spill_scatter_dense(
+    const int* __restrict__ indptr, const int* __restrict__ cols, const T* __restrict__ vals,
+    int M, T* __restrict__ out, long long ldo) {
+  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  if (row >= M) return;
+  for (int i = indptr[row] + (threadIdx.x & 31); i < indptr[row + 1]; i += 32)
+    out[row * ldo + cols[i]] = vals[i];
+}
+
+// Per row-tile: how many entries it holds in total (slots + spill) and where its spill entries
+// start. One thread per row-tile; spill columns are sorted within each row.
+__global__ void __launch_bounds__(256) twell_tile_totals(
+    const int* __restrict__ counts, const int* __restrict__ spill_indptr,
+    const int* __restrict__ spill_cols, int M, int n_tiles, int tile_n, int* __restrict__ totals,
+    int* __restrict__ spill_start) {
+  const long long rt = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (rt >= (long long)M * n_tiles) return;
+  const int row = (int)(rt / n_tiles), tile = (int)(rt % n_tiles);
+  const int lo = first_ge(spill_cols, spill_indptr[row], spill_indptr[row + 1], tile * tile_n);
+  const int hi = first_ge(spill_cols, lo, spill_indptr[row + 1], (tile + 1) * tile_n);
+  totals[rt] = counts[rt] + (hi - lo);
+  spill_start[rt] = lo;
+}
+
+// TwELL slots to CSR at the row-tile offsets computed from twell_tile_totals; one thread per slot.
+template <typename T>
+__global__ void __launch_bounds__(256) twell_slots_to_csr(
+    const T* __restrict__ data, const short* __restrict__ indices, const int* __restrict__ counts,
+    const long long* __restrict__ offsets, int M, int n_tiles, int tile_n, int capacity,
+    int* __restrict__ out_cols, T* __restrict__ out_vals) {
+  const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (i >= (long long)M * n_tiles * capacity) return;
+  const long long rt = i / capacity;
+  const int s = (int)(i % capacity);
+  if (s >= counts[rt]) return;
+  const int tile = (int)(rt % n_tiles);
+  out_cols[offsets[rt] + s] = tile * tile_n + indices[i];
+  out_vals[offsets[rt] + s] = data[i];
+}
+
+// Spill entries to CSR, after their row-tile's slot entries; one thread per spill entry.
+template <typename T>
+__global__ void __launch_bounds__(256) twell_spill_to_csr(
+    const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
+    const T* __restrict__ spill_vals, const int* __restrict__ counts,
+    const int* __restrict__ spill_start, const long long* __restrict__ offsets, int M,
+    int n_tiles, int tile_n, int* __restrict__ out_cols, T* __restrict__ out_vals) {
+  const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (i >= spill_indptr[M]) return;
+  const int row = last_le(spill_indptr, M + 1, i);
+  const int c = spill_cols[i];
+  const long long rt = (long long)row * n_tiles + c / tile_n;
+  const long long dst = offsets[rt] + counts[rt] + (i - spill_start[rt]);
+  out_cols[dst] = c;
+  out_vals[dst] = spill_vals[i];
+}

@@ -1,0 +1,62 @@
+// Value types and conversions shared by every twellsparse kernel.
+//
+// The 16-bit types are plain bit containers converted with PTX `cvt` (sm_80+), so the kernels
+// need no CUDA headers at all: NVRTC compiles them on a machine without a GPU or toolkit.
+#pragma once
+
+namespace twell {
+
+struct bf16 { unsigned short bits; };
+struct f16 { unsigned short bits; };
+
+// Accumulator type: fp32 for every storage type but float64.
+template <typename T> struct acc_of { using type = float; };
+template <> struct acc_of<double> { using type = double; };
+
+__device__ __forceinline__ float to_acc(float v) { return v; }
+__device__ __forceinline__ double to_acc(double v) { return v; }
+__device__ __forceinline__ float to_acc(bf16 v) { return __uint_as_float(((unsigned)v.bits) << 16); }
+__device__ __forceinline__ float to_acc(f16 v) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
+  return f;
+}
+
+template <typename T> __device__ __forceinline__ T from_acc(typename acc_of<T>::type v);
+template <> __device__ __forceinline__ float from_acc<float>(float v) { return v; }
+template <> __device__ __forceinline__ double from_acc<double>(double v) { return v; }
+template <> __device__ __forceinline__ bf16 from_acc<bf16>(float v) {
+  bf16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(v));
+  return r;
+}
+template <> __device__ __forceinline__ f16 from_acc<f16>(float v) {
+  f16 r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(v));
+  return r;
+}
+
+template <typename T> __device__ __forceinline__ T zero_value() { return from_acc<T>(0); }
+
+// Activations (the names of twellsparse._validation.ACTIVATIONS, same order).
+enum Activation { ACT_RELU = 0, ACT_RELU2 = 1, ACT_SILU = 2, ACT_GELU = 3, ACT_IDENTITY = 4 };
+
+template <int ACT, typename A> __device__ __forceinline__ A activate(A z) {
+  if (ACT == ACT_RELU) return z > A(0) ? z : A(0);
+  if (ACT == ACT_RELU2) return z > A(0) ? z * z : A(0);
+  if (ACT == ACT_SILU) return z / (A(1) + exp(-z));
+  if (ACT == ACT_GELU) {
+    const A c = A(0.7978845608028654);  // sqrt(2 / pi), tanh form as in most checkpoints
+    return A(0.5) * z * (A(1) + tanh(c * (z + A(0.044715) * z * z * z)));
+  }
+  return z;
+}
+
+// Which entries a producer keeps: nonzero (NaN counts as nonzero), or |h| > threshold when
+// threshold >= 0. -0.0 compares equal to zero and is never stored, as in scipy.sparse.
+template <typename A> __device__ __forceinline__ bool keep(A h, float threshold) {
+  if (threshold < 0.0f) return h != A(0);
+  return fabs(h) > A(threshold);
+}
+
+}  // namespace twell

@@ -1,0 +1,145 @@
+"""Array-module, device and dtype helpers.
+
+CuPy is optional: it is imported lazily, so NumPy-only users never pay for it.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+bfloat16 = np.dtype(ml_dtypes.bfloat16)
+
+#: Value dtypes a TwELL matrix may hold (float64 runs everywhere, the 16-bit ones are the fast paths).
+VALUE_DTYPES: tuple[np.dtype, ...] = (
+    np.dtype(np.float16),
+    bfloat16,
+    np.dtype(np.float32),
+    np.dtype(np.float64),
+)
+
+
+@functools.cache
+def cupy_module() -> ModuleType | None:
+    """Return the ``cupy`` module, or None when it is not installed or cannot load."""
+    try:
+        import cupy
+    except Exception:  # ImportError, or a broken CUDA install: both mean "no GPU path"
+        return None
+    return cupy
+
+
+def gpu_available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device."""
+    cp = cupy_module()
+    if cp is None:
+        return False
+    try:
+        return bool(cp.cuda.runtime.getDeviceCount() > 0)
+    except Exception:
+        return False
+
+
+def is_cupy_array(x: Any) -> bool:
+    cp = cupy_module()
+    return cp is not None and isinstance(x, cp.ndarray)
+
+
+def array_module(x: Any) -> ModuleType:
+    """NumPy or CuPy, whichever owns ``x``."""
+    if is_cupy_array(x):
+        cp = cupy_module()
+        assert cp is not None
+        return cp
+    return np
+
+
+def device_name(x: Any) -> str:
+    """``"cpu"`` or ``"cuda:N"`` for an array; used in error messages and device checks."""
+    if is_cupy_array(x):
+        return f"cuda:{x.device.id}"
+    return "cpu"
+
+
+def as_array(x: Any, name: str) -> Any:
+    """NumPy or CuPy view of ``x`` (zero-copy for DLPack producers such as torch tensors).
+
+    Raises
+    ------
+    TypeError
+        When ``x`` is neither an array nor convertible to one.
+    """
+    if isinstance(x, np.ndarray) or is_cupy_array(x):
+        return x
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        device_type, _ = x.__dlpack_device__()
+        if int(device_type) in (2, 3, 13):  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
+            cp = cupy_module()
+            if cp is None:
+                raise TypeError(f"{name}: a CUDA array needs CuPy, which is not installed")
+            return cp.from_dlpack(x)
+        return _numpy_from_dlpack(x, name)
+    if isinstance(x, (list, tuple, int, float)) or hasattr(x, "__array__"):
+        return np.asarray(x)
+    raise TypeError(f"{name}: expected an array (NumPy, CuPy or DLPack producer), got {type(x).__name__}")
+
+
+def _numpy_from_dlpack(x: Any, name: str) -> np.ndarray:
+    try:
+        return np.from_dlpack(x)
+    except (BufferError, TypeError, RuntimeError):
+        pass
+    # NumPy's DLPack import refuses bfloat16; a torch CPU tensor can still hand over its bits.
+    if getattr(x, "dtype", None) is not None and str(x.dtype) == "torch.bfloat16":
+        return np.from_dlpack(x.view(__import__("torch").int16)).view(bfloat16)
+    raise TypeError(f"{name}: could not import {type(x).__name__} through DLPack on the CPU")
+
+
+def same_device(name_a: str, a: Any, name_b: str, b: Any) -> None:
+    """Raise ValueError unless ``a`` and ``b`` live on the same device."""
+    da, db = device_name(a), device_name(b)
+    if da != db:
+        raise ValueError(f"{name_b}: expected an array on {da} like {name_a}, got one on {db}")
+
+
+def to_host(x: Any) -> np.ndarray:
+    """NumPy copy (or the array itself) of a NumPy/CuPy array."""
+    if is_cupy_array(x):
+        return x.get()
+    return np.asarray(x)
+
+
+def to_device_like(x: np.ndarray, like: Any) -> Any:
+    """Move a NumPy array to the device of ``like`` (no-op on the CPU)."""
+    if is_cupy_array(like):
+        cp = cupy_module()
+        assert cp is not None
+        with cp.cuda.Device(like.device.id):
+            return cp.asarray(x)
+    return x
+
+
+def value_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
+    """Validate and normalise a value dtype (accepts ``"bfloat16"`` and ml_dtypes' type)."""
+    try:
+        dt = bfloat16 if str(dtype) == "bfloat16" else np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{name}: expected a floating dtype, got {dtype!r}") from None
+    if dt not in VALUE_DTYPES:
+        expected = ", ".join(d.name for d in VALUE_DTYPES)
+        raise TypeError(f"{name}: expected one of {expected}, got {dt.name}")
+    return dt
+
+
+def result_dtype(*dtypes: np.dtype) -> np.dtype:
+    """Promotion among value dtypes: the widest wins; bfloat16 with float16 gives float32."""
+    ds = set(dtypes)
+    if len(ds) == 1:
+        return dtypes[0]
+    if np.dtype(np.float64) in ds:
+        return np.dtype(np.float64)
+    return np.dtype(np.float32)

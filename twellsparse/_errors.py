@@ -1,0 +1,51 @@
+"""Exception and warning types of twellsparse.
+
+Every error is a builtin type (so ``except ValueError`` keeps working) with a narrow subclass
+where callers may want to tell cases apart.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TwELLCapacityError",
+    "TwELLDroppedEntriesWarning",
+    "TwELLFallbackWarning",
+    "TwELLFormatError",
+]
+
+
+class TwELLCapacityError(ValueError):
+    """A row-tile holds more nonzeros than the capacity, under ``overflow="error"``.
+
+    Attributes
+    ----------
+    row, tile : int
+        The worst row-tile (the first one with the largest count).
+    count : int
+        How many nonzeros that row-tile holds.
+    capacity : int
+        The slots per row-tile.
+    n_overflowing : int
+        How many row-tiles exceed the capacity.
+    """
+
+    def __init__(self, row: int, tile: int, count: int, capacity: int, n_overflowing: int):
+        self.row, self.tile, self.count = row, tile, count
+        self.capacity, self.n_overflowing = capacity, n_overflowing
+        super().__init__(
+            f"capacity: expected at most {capacity} nonzeros per row-tile, got {count} in "
+            f"row {row}, tile {tile} ({n_overflowing} row-tiles overflow); "
+            f'use overflow="spill" to keep them exactly or raise capacity'
+        )
+
+
+class TwELLFormatError(ValueError):
+    """Component arrays that do not form a valid TwELL matrix."""
+
+
+class TwELLDroppedEntriesWarning(UserWarning):
+    """``overflow="drop"`` discarded entries beyond the capacity (the only lossy mode)."""
+
+
+class TwELLFallbackWarning(UserWarning):
+    """An operation ran on a slower path than the one asked for (never silently)."""

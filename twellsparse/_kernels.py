@@ -1,0 +1,219 @@
+"""Kernel sources, instantiations and compilation: the only module that touches ``RawModule``.
+
+Kernel sources are the ``.cu``/``.cuh`` files of the ``twellsparse.cuda`` package, found with
+:mod:`importlib.resources` (so an installed wheel works, not only a checkout). Each source is
+compiled once per device with every template instantiation it needs (``name_expressions``).
+Local ``#include "x.cuh"`` lines are expanded here, so the code handed to NVRTC is
+self-contained (no ``-I`` path into the install, which an installed namespace package need not
+have). The options also carry a hash of every kernel source, as CuPy's on-disk cache keys on code
+and options only: editing a header can never serve a stale binary.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.resources
+import itertools
+import importlib
+import os
+import pathlib
+import re
+from typing import Any
+
+import numpy as np
+
+from ._backend import VALUE_DTYPES, bfloat16, cupy_module
+
+#: dtype -> C++ storage type used in template arguments (the one table of it).
+CXX_TYPE: dict[np.dtype, str] = {
+    np.dtype(np.float16): "twell::f16",
+    bfloat16: "twell::bf16",
+    np.dtype(np.float32): "float",
+    np.dtype(np.float64): "double",
+}
+
+#: Activation name -> template argument (twell::Activation in twell_types.cuh).
+ACTIVATION_ID = {"relu": 0, "relu2": 1, "silu": 2, "gelu": 3, "identity": 4}
+
+#: Values per thread of the SpMM kernels (template argument).
+SPMM_VPT = 4
+SPMM_THREADS = 128
+
+
+def _cxx(dtype: Any) -> str:
+    return CXX_TYPE[np.dtype(dtype)]
+
+
+def _instantiations() -> dict[str, list[str]]:
+    """Every template instantiation, per source file."""
+    types = [CXX_TYPE[d] for d in VALUE_DTYPES]
+    convert = [f"dense_to_twell<{t}, {a}>" for t, a in itertools.product(types, ACTIVATION_ID.values())]
+    for t in types:
+        convert += [
+            f"csr_to_twell<{t}>",
+            f"twell_scatter_dense<{t}>",
+            f"spill_scatter_dense<{t}>",
+            f"twell_slots_to_csr<{t}>",
+            f"twell_spill_to_csr<{t}>",
+        ]
+    convert.append("twell_tile_totals")
+    spmm = []
+    for t in types:
+        spmm += [
+            f"twell_spmm<{t}, {SPMM_VPT}>",
+            f"twell_spmm_t<{t}, {SPMM_VPT}>",
+            f"twell_cast_from_acc<{t}>",
+        ]
+    sddmm = [f"twell_sddmm_{part}<{t}, {s}>" for part in ("slots", "spill") for t in types for s in ("false", "true")]
+    return {"twell_convert.cu": convert, "twell_spmm.cu": spmm, "twell_sddmm.cu": sddmm}
+
+
+INSTANTIATIONS: dict[str, list[str]] = _instantiations()
+
+
+_LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)
+
+
+@functools.cache
+def sources_root() -> Any:
+    """The ``twellsparse.cuda`` resource folder (a Traversable).
+
+    ``twellsparse.cuda`` has no ``__init__.py`` (a top-level ``cuda/`` package would shadow
+    NVIDIA's ``cuda`` namespace when a checkout is on ``sys.path``), so it is a namespace package.
+    Python 3.11's resource reader rejects the non-directory entries that setuptools' editable
+    finder puts on such a package's path; the fallback takes the first real directory on it.
+    """
+    try:
+        return importlib.resources.files("twellsparse.cuda")
+    except NotADirectoryError:
+        package = importlib.import_module("twellsparse.cuda")
+        for entry in package.__path__:
+            if os.path.isdir(entry):
+                return pathlib.Path(entry)
+        raise RuntimeError("twellsparse.cuda: kernel sources not found; reinstall twellsparse") from None
+
+
+def _resource_text(name: str) -> str:
+    return sources_root().joinpath(name).read_text()
+
+
+def source_names() -> list[str]:
+    """Every kernel source and header shipped in ``twellsparse.cuda``, sorted."""
+    return sorted(p.name for p in sources_root().iterdir() if p.name.endswith((".cu", ".cuh")))
+
+
+@functools.cache
+def source_hash() -> str:
+    """SHA-256 (first 16 hex digits) over every kernel source and header, in name order."""
+    h = hashlib.sha256()
+    for name in source_names():
+        h.update(name.encode())
+        h.update(_resource_text(name).encode())
+    return h.hexdigest()[:16]
+
+
+def compile_options() -> tuple[str, ...]:
+    return ("-std=c++17", f"-DTWELL_SOURCES_SHA=0x{source_hash()}")
+
+
+@functools.cache
+def read_source(name: str) -> str:
+    """A kernel source with its local includes expanded (each header once)."""
+    seen: set[str] = set()
+
+    def expand(match: re.Match) -> str:
+        header = match.group(1)
+        if header in seen:
+            return ""
+        seen.add(header)
+        return _LOCAL_INCLUDE.sub(expand, _resource_text(header))
+
+    return _LOCAL_INCLUDE.sub(expand, _resource_text(name))
+
+
+@functools.cache
+def _module(name: str, device_id: int) -> Any:
+    """The compiled module of one source on one device (memoised per device)."""
+    cp = cupy_module()
+    if cp is None:
+        raise RuntimeError("GPU kernels need CuPy: pip install 'twellsparse[cuda12]' or '[cuda13]'")
+    with cp.cuda.Device(device_id):
+        mod = cp.RawModule(
+            code=read_source(name),
+            options=compile_options(),
+            name_expressions=INSTANTIATIONS[name],
+        )
+        mod.compile()
+    return mod
+
+
+def _source_of(expression: str) -> str:
+    for name, exprs in INSTANTIATIONS.items():
+        if expression in exprs:
+            return name
+    raise KeyError(f"no kernel instantiation {expression!r}")
+
+
+@functools.cache
+def _function(expression: str, device_id: int) -> Any:
+    return _module(_source_of(expression), device_id).get_function(expression)
+
+
+def get_kernel(expression: str) -> Any:
+    """The ``RawKernel`` of a name expression, compiled for the current device."""
+    cp = cupy_module()
+    assert cp is not None
+    return _function(expression, cp.cuda.Device().id)
+
+
+def launch(expression: str, n_threads: int, threads_per_block: int, args: tuple) -> None:
+    """Launch over a 1-D grid covering ``n_threads`` threads on CuPy's current stream."""
+    if n_threads <= 0:
+        return
+    blocks = -(-n_threads // threads_per_block)
+    get_kernel(expression)((blocks,), (threads_per_block,), args)
+
+
+def launch_grid(expression: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple) -> None:
+    """Launch with an explicit grid on CuPy's current stream (empty grids are skipped)."""
+    if min(grid) <= 0:
+        return
+    get_kernel(expression)(grid, block, args)
+
+
+def null_pointer() -> np.uint64:
+    """A null device pointer argument (a kernel's optional input that is absent)."""
+    return np.uint64(0)
+
+
+def compile_all_offline(arch: str = "sm_90a") -> dict[str, int]:
+    """Compile every instantiation with NVRTC for ``arch`` without touching a GPU.
+
+    Uses CuPy's low-level NVRTC binding, which needs only the NVRTC library (the
+    ``nvidia-cuda-nvrtc`` wheel), not a driver. Returns the cubin size of each source.
+
+    Raises
+    ------
+    RuntimeError
+        With NVRTC's log when a source fails to compile.
+    """
+    from cupy_backends.cuda.libs import nvrtc
+
+    sizes = {}
+    options = [f"-arch={arch}", *compile_options()]
+    for name, expressions in INSTANTIATIONS.items():
+        prog = nvrtc.createProgram(read_source(name), name, [], [])
+        try:
+            for expr in expressions:
+                nvrtc.addNameExpression(prog, expr)
+            try:
+                nvrtc.compileProgram(prog, options)
+            except nvrtc.NVRTCError as exc:
+                raise RuntimeError(f"{name}: NVRTC failed for {arch}:\n{nvrtc.getProgramLog(prog)}") from exc
+            for expr in expressions:
+                nvrtc.getLoweredName(prog, expr)  # raises if an instantiation is missing
+            sizes[name] = len(nvrtc.getCUBIN(prog))
+        finally:
+            nvrtc.destroyProgram(prog)
+    return sizes

@@ -1,0 +1,87 @@
+"""Argument checks shared by constructors and ops: one-line errors naming the argument."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+OVERFLOW_POLICIES = ("spill", "error", "drop")
+ACTIVATIONS = ("relu", "relu2", "silu", "gelu", "identity")
+MIN_TILE_N, MAX_TILE_N = 32, 1024
+#: Spill indices and CSR output are int32, so both dimensions stay below 2**31.
+MAX_DIM = 2**31 - 1
+
+
+def check_tile_n(tile_n: Any) -> int:
+    try:
+        t = operator.index(tile_n)
+    except TypeError:
+        raise TypeError(f"tile_n: expected an int, got {type(tile_n).__name__}") from None
+    if t < MIN_TILE_N or t > MAX_TILE_N or t & (t - 1):
+        raise ValueError(f"tile_n: expected a power of two from {MIN_TILE_N} to {MAX_TILE_N}, got {t}")
+    return t
+
+
+def check_capacity(capacity: Any, tile_n: int) -> int:
+    """``None`` means the default, ``tile_n // 8``."""
+    if capacity is None:
+        return tile_n // 8
+    try:
+        c = operator.index(capacity)
+    except TypeError:
+        raise TypeError(f"capacity: expected an int or None, got {type(capacity).__name__}") from None
+    if c < 1 or c > tile_n:
+        raise ValueError(f"capacity: expected 1 <= capacity <= tile_n ({tile_n}), got {c}")
+    return c
+
+
+def check_overflow(overflow: Any) -> str:
+    if overflow not in OVERFLOW_POLICIES:
+        raise ValueError(f"overflow: expected one of {', '.join(OVERFLOW_POLICIES)}, got {overflow!r}")
+    return str(overflow)
+
+
+def check_activation(activation: Any) -> str:
+    if activation is None:
+        return "identity"
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+    return str(activation)
+
+
+def check_threshold(threshold: Any) -> float | None:
+    if threshold is None:
+        return None
+    try:
+        t = float(threshold)
+    except (TypeError, ValueError):
+        raise TypeError(f"threshold: expected a float or None, got {type(threshold).__name__}") from None
+    if not t >= 0.0 or t == float("inf"):
+        raise ValueError(f"threshold: expected a finite value >= 0, got {threshold!r}")
+    return t
+
+
+def check_shape(shape: Any, name: str = "shape") -> tuple[int, int]:
+    try:
+        m, n = (operator.index(s) for s in shape)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a pair of ints (M, N), got {shape!r}") from None
+    if m < 0 or n < 0 or m > MAX_DIM or n > MAX_DIM:
+        raise ValueError(f"{name}: expected 0 <= M, N < 2**31, got {(m, n)}")
+    return m, n
+
+
+def check_ndim(x: Any, ndim: int | tuple[int, ...], name: str) -> None:
+    allowed = (ndim,) if isinstance(ndim, int) else ndim
+    if x.ndim not in allowed:
+        want = " or ".join(f"{d}-D" for d in allowed)
+        raise ValueError(f"{name}: expected a {want} array, got {x.ndim}-D with shape {tuple(x.shape)}")
+
+
+def check_inner_dims(name_a: str, k_a: int, name_b: str, k_b: int) -> None:
+    if k_a != k_b:
+        raise ValueError(f"{name_b}: expected {k_a} rows to match {name_a}'s {k_a} columns, got {k_b}")
+
+
+def n_tiles(n_cols: int, tile_n: int) -> int:
+    return -(-n_cols // tile_n)
