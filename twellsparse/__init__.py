@@ -1,0 +1,37 @@
+"""twellsparse: TwELL (tile-wise ELLPACK) sparse matrices for activation-sparse LLM FFNs.
+
+NumPy inputs run on the CPU reference path, CuPy inputs on the GPU kernels. The PyTorch and
+JAX adapters (``twellsparse.torch``, ``twellsparse.jax``) are never imported from here.
+"""
+
+from __future__ import annotations
+
+from ._backend import bfloat16
+from ._constructors import from_dense, from_ell
+from ._errors import TwELLCapacityError, TwELLDroppedEntriesWarning, TwELLFallbackWarning, TwELLFormatError
+from ._ops import ffn, gated_ffn, linear_to_twell, matmul, sddmm
+from ._parts import TwELLParts
+from ._transpose import twell_transpose
+from ._twell import is_twell, issparse, twell_array
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TwELLCapacityError",
+    "TwELLDroppedEntriesWarning",
+    "TwELLFallbackWarning",
+    "TwELLFormatError",
+    "TwELLParts",
+    "bfloat16",
+    "ffn",
+    "from_dense",
+    "from_ell",
+    "gated_ffn",
+    "is_twell",
+    "issparse",
+    "linear_to_twell",
+    "matmul",
+    "sddmm",
+    "twell_array",
+    "twell_transpose",
+]

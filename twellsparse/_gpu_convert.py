@@ -1,0 +1,162 @@
+"""GPU conversions between dense, CSR and TwELL parts (CuPy arrays, raw kernels).
+
+Producers run the two-pass scheme of cuda/twell_convert.cu: pass 1 fills the slots and counts
+each row-tile's nonzeros; the overflow policy is applied to those counts (one scalar read-back);
+pass 2 runs only when entries must spill, writing them at prefix-sum offsets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import _kernels as K
+from ._backend import cupy_module
+from ._parts import TwELLParts
+from ._reference import overflow_excess
+from ._validation import n_tiles
+
+_BLOCK = 256
+
+
+def _cp() -> Any:
+    cp = cupy_module()
+    assert cp is not None
+    return cp
+
+
+def row_stride(x: Any) -> tuple[Any, int]:
+    """``x`` with unit column stride and its row stride in elements (copying only if needed)."""
+    cp = _cp()
+    item = x.itemsize
+    unit_cols = x.shape[1] <= 1 or x.strides[1] == item
+    if not unit_cols or x.strides[0] % item or x.strides[0] < 0:
+        x = cp.ascontiguousarray(x)
+    return x, max(x.strides[0] // item, x.shape[1], 1)
+
+
+def _apply_overflow(
+    row_tile_nnz: Any, capacity: int, overflow: str, dtype: Any, spill_pass: Callable[..., None]
+) -> tuple[Any, Any, Any, int]:
+    """Apply the policy to the per-row-tile counts; run ``spill_pass`` where entries must spill.
+
+    Returns the spill CSR (data, indices, indptr) and the number of dropped entries.
+    """
+    cp = _cp()
+    m = row_tile_nnz.shape[0]
+    excess = overflow_excess(row_tile_nnz, capacity, overflow, xp=cp)
+    if excess == 0 or overflow == "drop":
+        empty = cp.empty(0, dtype=dtype), cp.empty(0, dtype=cp.int32), cp.zeros(m + 1, dtype=cp.int32)
+        return (*empty, excess)
+    per_tile = cp.maximum(row_tile_nnz.astype(cp.int64) - capacity, 0)
+    flat = per_tile.reshape(-1)
+    offsets = cp.cumsum(flat) - flat
+    indptr = cp.zeros(m + 1, dtype=cp.int32)
+    indptr[1:] = cp.cumsum(per_tile.sum(axis=1))
+    spill_data = cp.empty(excess, dtype=dtype)
+    spill_indices = cp.empty(excess, dtype=cp.int32)
+    spill_pass(offsets, spill_indices, spill_data)
+    return spill_data, spill_indices, indptr, 0
+
+
+def dense_to_parts(
+    x: Any, tile_n: int, capacity: int, overflow: str, threshold: float | None = None, activation: str = "identity"
+) -> tuple[TwELLParts, int]:
+    """Pack ``act(x)`` (entries kept if nonzero, or above the threshold); returns (parts, dropped)."""
+    cp = _cp()
+    x, ldx = row_stride(x)
+    m, n = x.shape
+    nt = n_tiles(n, tile_n)
+    data = cp.empty((m, nt, capacity), dtype=x.dtype)
+    indices = cp.empty((m, nt, capacity), dtype=cp.int16)
+    counts = cp.empty((m, nt), dtype=cp.int32)
+    row_tile_nnz = cp.empty((m, nt), dtype=cp.int32)
+    expr = f"dense_to_twell<{K.CXX_TYPE[x.dtype]}, {K.ACTIVATION_ID[activation]}>"
+    thr = np.float32(-1.0 if threshold is None else threshold)
+    head = (x, np.int64(ldx), np.int32(m), np.int32(n), np.int32(tile_n), np.int32(nt), np.int32(capacity), thr)
+
+    def run(offsets: Any, spill_indices: Any, spill_data: Any) -> None:
+        args = (*head, data, indices, counts, row_tile_nnz, offsets, spill_indices, spill_data)
+        K.launch(expr, m * nt * 32, _BLOCK, args)
+
+    run(K.null_pointer(), K.null_pointer(), K.null_pointer())
+    *spill, dropped = _apply_overflow(row_tile_nnz, capacity, overflow, x.dtype, run)
+    return TwELLParts(data, indices, counts, *spill), dropped
+
+
+def csr_to_parts(
+    indptr: Any, cols: Any, vals: Any, shape: tuple[int, int], tile_n: int, capacity: int, overflow: str
+) -> tuple[TwELLParts, int]:
+    """Pack a canonical CSR matrix (sorted columns, no duplicates, int32 indices)."""
+    cp = _cp()
+    m, n = shape
+    nt = n_tiles(n, tile_n)
+    indptr = cp.ascontiguousarray(indptr, dtype=cp.int32)
+    cols = cp.ascontiguousarray(cols, dtype=cp.int32)
+    vals = cp.ascontiguousarray(vals)
+    nnz = int(cols.size)
+    data = cp.zeros((m, nt, capacity), dtype=vals.dtype)
+    indices = cp.full((m, nt, capacity), -1, dtype=cp.int16)
+    row_tile_nnz = cp.zeros((m, nt), dtype=cp.int32)
+    expr = f"csr_to_twell<{K.CXX_TYPE[vals.dtype]}>"
+    head = (indptr, cols, vals, np.int32(m), np.int64(nnz), np.int32(tile_n), np.int32(nt), np.int32(capacity))
+
+    def run(offsets: Any, spill_indices: Any, spill_data: Any) -> None:
+        K.launch(expr, nnz, _BLOCK, (*head, data, indices, row_tile_nnz, offsets, spill_indices, spill_data))
+
+    run(K.null_pointer(), K.null_pointer(), K.null_pointer())
+    counts = cp.minimum(row_tile_nnz, capacity).astype(cp.int32)
+    *spill, dropped = _apply_overflow(row_tile_nnz, capacity, overflow, vals.dtype, run)
+    return TwELLParts(data, indices, counts, *spill), dropped
+
+
+def parts_to_dense(parts: TwELLParts, shape: tuple[int, int], tile_n: int, out: Any = None) -> Any:
+    """Dense copy; ``out`` (zero-filled here) may be given, with unit column stride."""
+    cp = _cp()
+    m, n = shape
+    nt, cap = parts.data.shape[1], parts.data.shape[2]
+    if out is None:
+        out = cp.zeros(shape, dtype=parts.data.dtype)
+    else:
+        out.fill(0)
+    ld = np.int64(max(out.strides[0] // out.itemsize, n, 1))
+    t = K.CXX_TYPE[parts.data.dtype]
+    K.launch(f"twell_scatter_dense<{t}>", m * nt * cap, _BLOCK,
+             (parts.data, parts.indices, parts.counts, np.int32(m), np.int32(nt), np.int32(tile_n),
+              np.int32(cap), out, ld))
+    if parts.spill_data.size:
+        K.launch(f"spill_scatter_dense<{t}>", m * 32, _BLOCK,
+                 (parts.spill_indptr, parts.spill_indices, parts.spill_data, np.int32(m), out, ld))
+    return out
+
+
+def parts_to_csr(parts: TwELLParts, shape: tuple[int, int], tile_n: int) -> tuple[Any, Any, Any]:
+    """CSR arrays (data, int32 indices, int32 indptr); columns sorted when the parts are canonical."""
+    cp = _cp()
+    m = shape[0]
+    nt, cap = parts.data.shape[1], parts.data.shape[2]
+    totals = cp.empty((m, nt), dtype=cp.int32)
+    spill_start = cp.empty((m, nt), dtype=cp.int32)
+    K.launch("twell_tile_totals", m * nt, _BLOCK,
+             (parts.counts, parts.spill_indptr, parts.spill_indices, np.int32(m), np.int32(nt),
+              np.int32(tile_n), totals, spill_start))
+    flat = totals.reshape(-1).astype(cp.int64)
+    ends = cp.cumsum(flat)
+    offsets = ends - flat
+    nnz = int(ends[-1]) if ends.size else 0
+    indptr = cp.zeros(m + 1, dtype=cp.int32)
+    if m and nt:
+        indptr[1:] = ends.reshape(m, nt)[:, -1]
+    cols = cp.empty(nnz, dtype=cp.int32)
+    vals = cp.empty(nnz, dtype=parts.data.dtype)
+    t = K.CXX_TYPE[parts.data.dtype]
+    K.launch(f"twell_slots_to_csr<{t}>", m * nt * cap, _BLOCK,
+             (parts.data, parts.indices, parts.counts, offsets, np.int32(m), np.int32(nt),
+              np.int32(tile_n), np.int32(cap), cols, vals))
+    if parts.spill_data.size:
+        K.launch(f"twell_spill_to_csr<{t}>", int(parts.spill_data.size), _BLOCK,
+                 (parts.spill_indptr, parts.spill_indices, parts.spill_data, parts.counts, spill_start,
+                  offsets, np.int32(m), np.int32(nt), np.int32(tile_n), cols, vals))
+    return vals, cols, indptr

@@ -1,0 +1,109 @@
+"""GPU products of TwELL parts with dense CuPy matrices (raw kernels plus cuBLAS)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _kernels as K
+from ._backend import bfloat16, cupy_module
+from ._gpu_convert import row_stride
+from ._parts import TwELLParts
+
+
+def _cp() -> Any:
+    cp = cupy_module()
+    assert cp is not None
+    return cp
+
+
+def _geometry(parts: TwELLParts, tile_n: int) -> tuple:
+    return (
+        parts.data, parts.indices, parts.counts, parts.spill_indptr, parts.spill_indices, parts.spill_data,
+        np.int32(parts.data.shape[1]), np.int32(tile_n), np.int32(parts.data.shape[2]),
+    )
+
+
+def _k_grid(k: int) -> int:
+    return -(-k // (K.SPMM_THREADS * K.SPMM_VPT))
+
+
+def spmm(parts: TwELLParts, tile_n: int, b: Any, out: Any) -> Any:
+    """``out = A @ b``; ``b`` (N x K) and ``out`` (M x K) share A's dtype, out has unit column stride."""
+    m = parts.data.shape[0]
+    b, ldb = row_stride(b)
+    k = b.shape[1]
+    ldo = np.int64(max(out.strides[0] // out.itemsize, k, 1))
+    expr = f"twell_spmm<{K.CXX_TYPE[b.dtype]}, {K.SPMM_VPT}>"
+    K.launch_grid(expr, (m, _k_grid(k)), (K.SPMM_THREADS,),
+                  (*_geometry(parts, tile_n), b, np.int64(ldb), np.int32(k), out, ldo))
+    return out
+
+
+def spmm_transposed(parts: TwELLParts, tile_n: int, n_cols: int, g: Any, out: Any) -> Any:
+    """``out = A.T @ g``; ``g`` (M x K), ``out`` (N x K)."""
+    cp = _cp()
+    m = parts.data.shape[0]
+    g, ldg = row_stride(g)
+    k = g.shape[1]
+    acc = cp.float64 if g.dtype == cp.float64 else cp.float32
+    ws = cp.zeros((n_cols, k), dtype=acc)
+    t = K.CXX_TYPE[g.dtype]
+    K.launch_grid(f"twell_spmm_t<{t}, {K.SPMM_VPT}>", (m, _k_grid(k)), (K.SPMM_THREADS,),
+                  (*_geometry(parts, tile_n), g, np.int64(ldg), np.int32(k), ws))
+    ldo = np.int64(max(out.strides[0] // out.itemsize, k, 1))
+    K.launch(f"twell_cast_from_acc<{t}>", n_cols * k, 256, (ws, np.int64(n_cols), np.int32(k), out, ldo))
+    return out
+
+
+def sddmm(parts: TwELLParts, tile_n: int, x: Any, y: Any, scale: bool) -> TwELLParts:
+    """Parts with the pattern of ``parts`` and values ``x[i] . y[j]`` (times the pattern's when
+    ``scale``); x, y and the pattern share one dtype."""
+    cp = _cp()
+    m, nt, cap = parts.data.shape
+    x, ldx = row_stride(x)
+    y, ldy = row_stride(y)
+    k = np.int32(x.shape[1])
+    t, s = K.CXX_TYPE[x.dtype], "true" if scale else "false"
+    data = cp.empty_like(parts.data)
+    K.launch(f"twell_sddmm_slots<{t}, {s}>", m * nt * 32, 256,
+             (x, np.int64(ldx), y, np.int64(ldy), k, parts.data, parts.indices, parts.counts,
+              np.int32(m), np.int32(nt), np.int32(tile_n), np.int32(cap), data))
+    spill = cp.empty_like(parts.spill_data)
+    K.launch(f"twell_sddmm_spill<{t}, {s}>", int(spill.size) * 32, 256,
+             (x, np.int64(ldx), y, np.int64(ldy), k, parts.spill_indptr, parts.spill_indices,
+              parts.spill_data, np.int32(m), spill))
+    return parts._replace(data=data, spill_data=spill)
+
+
+# cuBLAS enums (cublas_api.h / library_types.h)
+_CUDA_R = {np.dtype(np.float16): 2, bfloat16: 14, np.dtype(np.float32): 0, np.dtype(np.float64): 1}
+_COMPUTE_32F, _COMPUTE_64F, _OP_N, _OP_T, _GEMM_DEFAULT = 68, 70, 0, 1, -1
+
+
+def gemm_nt(x: Any, w: Any) -> Any:
+    """``x @ w.T`` through cuBLAS ``gemmEx`` (fp32 accumulation; fp64 for float64), on the current
+    stream. ``x`` (M x K) and ``w`` (F x K) share a dtype; works for bfloat16 as well."""
+    cp = _cp()
+    from cupy_backends.cuda.libs import cublas
+
+    x = cp.ascontiguousarray(x)
+    w = cp.ascontiguousarray(w)
+    m, k = x.shape
+    f = w.shape[0]
+    out = cp.empty((m, f), dtype=x.dtype)
+    if m == 0 or f == 0:
+        return out
+    if k == 0:
+        out.fill(0)
+        return out
+    dt = _CUDA_R[x.dtype]
+    wide = x.dtype == np.float64
+    alpha = np.ones(1, dtype=np.float64 if wide else np.float32)
+    beta = np.zeros(1, dtype=alpha.dtype)
+    handle = cp.cuda.device.get_cublas_handle()
+    # Row-major out (M x F) is column-major out^T (F x M) = w (op T on its K x F view) @ x^T.
+    cublas.gemmEx(handle, _OP_T, _OP_N, f, m, k, alpha.ctypes.data, w.data.ptr, dt, k, x.data.ptr, dt, k,
+                  beta.ctypes.data, out.data.ptr, dt, f, _COMPUTE_64F if wide else _COMPUTE_32F, _GEMM_DEFAULT)
+    return out

@@ -1,0 +1,279 @@
+"""Public math on TwELL matrices: products, SDDMM, the sparse producer and FFN blocks.
+
+Each op validates its inputs, then runs the CPU reference (NumPy inputs) or the GPU kernels
+(CuPy inputs); results come back on the inputs' device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import _convert as conv
+from . import _reference as ref
+from ._backend import as_array, device_name, is_cupy_array, result_dtype, value_dtype
+from ._parts import TwELLParts
+from ._transpose import twell_transpose
+from ._twell import twell_array
+from ._validation import (
+    check_activation,
+    check_capacity,
+    check_ndim,
+    check_overflow,
+    check_threshold,
+    check_tile_n,
+)
+
+
+def _dense(x: Any, name: str, ndim: int | tuple[int, ...] = 2) -> Any:
+    arr = as_array(x, name)
+    check_ndim(arr, ndim, name)
+    value_dtype(arr.dtype, f"{name}.dtype")
+    return arr
+
+
+def _same_device(ref_name: str, ref_arr: Any, **arrays: Any) -> None:
+    for name, a in arrays.items():
+        if device_name(a) != device_name(ref_arr):
+            raise ValueError(f"{name}: expected an array on {device_name(ref_arr)} like {ref_name}, got one on {device_name(a)}")
+
+
+def _cast_parts(parts: TwELLParts, dtype: Any) -> TwELLParts:
+    if parts.data.dtype == dtype:
+        return parts
+    return parts._replace(data=parts.data.astype(dtype), spill_data=parts.spill_data.astype(dtype))
+
+
+def matmul(a: Any, b: Any, *, out: Any = None) -> Any:
+    """Product of a TwELL matrix (or its ``.T``) with a dense matrix or vector.
+
+    Parameters
+    ----------
+    a : twell_array or twell_transpose
+        ``A`` (M x N) or ``A.T`` (N x M).
+    b : array_like
+        Dense 2-D (or 1-D) operand on ``a``'s device, with ``a.shape[1]`` rows.
+    out : array, optional
+        Written in place: C-contiguous-row array of the result's shape and dtype.
+
+    Returns
+    -------
+    array
+        ``a @ b`` in ``result_type(a.dtype, b.dtype)``, accumulated in fp32 (fp64 for float64).
+    """
+    if not isinstance(a, (twell_array, twell_transpose)):
+        raise TypeError(f"a: expected a twell_array or its .T, got {type(a).__name__}")
+    transposed = isinstance(a, twell_transpose)
+    base = a.base if transposed else a
+    bb = _dense(b, "b", (1, 2))
+    _same_device("a", base.data, b=bb)
+    vector = bb.ndim == 1
+    b2 = bb.reshape(-1, 1) if vector else bb
+    if b2.shape[0] != a.shape[1]:
+        raise ValueError(f"b: expected {a.shape[1]} rows to match a's shape {a.shape}, got {b2.shape[0]}")
+    dt = result_dtype(base.dtype, bb.dtype)
+    shape = (a.shape[0], b2.shape[1])
+    if out is not None:
+        _same_device("a", base.data, out=out)
+        want = shape[:1] if vector else shape
+        if tuple(out.shape) != want or out.dtype != dt:
+            raise ValueError(f"out: expected shape {want} and dtype {dt.name}, got {tuple(out.shape)} {out.dtype}")
+    if is_cupy_array(bb):
+        result = _matmul_gpu(base, b2.astype(dt, copy=False), dt, shape, transposed, out, vector)
+    else:
+        f = ref.matmul_transposed if transposed else ref.matmul
+        result = f(base.parts, base.shape, base.tile_n, b2, dt)
+        if out is not None:
+            out[...] = result.reshape(out.shape)
+            result = out
+    if vector and result.ndim == 2:
+        result = result.reshape(-1)
+    return result
+
+
+def _matmul_gpu(base: twell_array, b: Any, dt: Any, shape: tuple[int, int], transposed: bool, out: Any, vector: bool) -> Any:
+    import cupy as cp
+
+    from . import _gpu_ops
+
+    target = None
+    if out is not None:
+        target = out.reshape(shape) if vector else out
+        if shape[1] > 1 and target.strides[1] != target.itemsize:
+            target = None  # the kernels want unit column stride; copy at the end
+    result = target if target is not None else cp.empty(shape, dtype=dt)
+    parts = _cast_parts(base.parts, dt)
+    if transposed:
+        _gpu_ops.spmm_transposed(parts, base.tile_n, base.shape[1], b, result)
+    else:
+        _gpu_ops.spmm(parts, base.tile_n, b, result)
+    if out is not None and target is None:
+        out[...] = result.reshape(out.shape)
+        return out
+    return result
+
+
+def _sddmm_parts(x: Any, y: Any, pattern: twell_array, scale: bool) -> tuple[TwELLParts, Any]:
+    dt = result_dtype(x.dtype, y.dtype)
+    if is_cupy_array(x):
+        from . import _gpu_ops
+
+        parts = _cast_parts(pattern.parts, dt) if scale else pattern.parts
+        return _gpu_ops.sddmm(parts, pattern.tile_n, x.astype(dt, copy=False), y.astype(dt, copy=False), scale), dt
+    return ref.sddmm_values(pattern.parts, pattern.tile_n, x, y, dt, scale), dt
+
+
+def sddmm(x: Any, y: Any, pattern: twell_array) -> twell_array:
+    """Sampled dense-dense product: ``(x @ y.T)`` at the stored entries of ``pattern``.
+
+    Parameters
+    ----------
+    x : array_like, shape (M, K)
+    y : array_like, shape (N, K)
+    pattern : twell_array, shape (M, N)
+        Only its structure is used (stored entries, explicit zeros included).
+
+    Returns
+    -------
+    twell_array
+        Same structure as ``pattern``, dtype ``result_type(x.dtype, y.dtype)``.
+    """
+    if not isinstance(pattern, twell_array):
+        raise TypeError(f"pattern: expected a twell_array, got {type(pattern).__name__}")
+    xx, yy = _dense(x, "x"), _dense(y, "y")
+    _same_device("pattern", pattern.data, x=xx, y=yy)
+    m, n = pattern.shape
+    if xx.shape[0] != m:
+        raise ValueError(f"x: expected {m} rows like pattern {pattern.shape}, got {xx.shape[0]}")
+    if yy.shape[0] != n:
+        raise ValueError(f"y: expected {n} rows (pattern's columns), got {yy.shape[0]}")
+    if yy.shape[1] != xx.shape[1]:
+        raise ValueError(f"y: expected {xx.shape[1]} columns like x, got {yy.shape[1]}")
+    parts, _ = _sddmm_parts(xx, yy, pattern, scale=False)
+    return twell_array._from_parts(parts, pattern.shape, pattern.tile_n)
+
+
+def linear_to_twell(
+    x: Any,
+    weight: Any,
+    *,
+    activation: str = "relu",
+    tile_n: int = 256,
+    capacity: int | None = None,
+    threshold: float | None = None,
+    overflow: str = "spill",
+) -> twell_array:
+    """``act(x @ weight.T)`` packed into TwELL (the sparse producer of an FFN's hidden layer).
+
+    Parameters
+    ----------
+    x : array_like, shape (M, K)
+    weight : array_like, shape (F, K)
+        ``torch.nn.Linear`` layout (out_features, in_features).
+    activation : {"relu", "relu2", "silu", "gelu", "identity"}
+    tile_n, capacity, overflow
+        As for :class:`twell_array`.
+    threshold : float, optional
+        Keep entries with ``|act(z)| > threshold`` (needed for sparsity with silu/gelu).
+
+    Returns
+    -------
+    twell_array
+        M x F, dtype ``result_type(x.dtype, weight.dtype)``.
+    """
+    act = check_activation(activation)
+    tile_n = check_tile_n(tile_n)
+    capacity = check_capacity(capacity, tile_n)
+    overflow = check_overflow(overflow)
+    thr = check_threshold(threshold)
+    xx, ww = _dense(x, "x"), _dense(weight, "weight")
+    _same_device("x", xx, weight=ww)
+    if ww.shape[1] != xx.shape[1]:
+        raise ValueError(f"weight: expected {xx.shape[1]} columns (x's features), got shape {tuple(ww.shape)}")
+    dt = result_dtype(xx.dtype, ww.dtype)
+    if is_cupy_array(xx):
+        from . import _gpu_ops
+
+        z = _gpu_ops.gemm_nt(xx.astype(dt, copy=False), ww.astype(dt, copy=False))
+        parts, dropped = conv.dense_to_twell(z, tile_n, capacity, overflow, thr, act)
+    else:
+        h = ref.linear_dense(xx, ww, act).astype(dt)
+        parts, dropped = ref.pack_dense(h, tile_n, capacity, overflow, thr)
+    return twell_array._from_parts(parts, (xx.shape[0], ww.shape[0]), tile_n, dropped)
+
+
+def _check_ffn(x: Any, w_in: dict[str, Any], w_down: Any) -> None:
+    for name, w in w_in.items():
+        if w.shape[1] != x.shape[1]:
+            raise ValueError(f"{name}: expected {x.shape[1]} columns (x's features), got shape {tuple(w.shape)}")
+    first_name, first = next(iter(w_in.items()))
+    for name, w in w_in.items():
+        if w.shape != first.shape:
+            raise ValueError(f"{name}: expected shape {tuple(first.shape)} like {first_name}, got {tuple(w.shape)}")
+    if w_down.shape[1] != first.shape[0]:
+        raise ValueError(f"w_down: expected {first.shape[0]} columns (hidden units), got shape {tuple(w_down.shape)}")
+
+
+def ffn(
+    x: Any,
+    w_up: Any,
+    w_down: Any,
+    *,
+    activation: str = "relu",
+    tile_n: int = 256,
+    capacity: int | None = None,
+    threshold: float | None = None,
+) -> Any:
+    """Non-gated sparse FFN: ``act(x @ w_up.T) @ w_down.T`` with the hidden layer in TwELL.
+
+    Parameters
+    ----------
+    x : array_like, shape (M, d_model)
+    w_up : array_like, shape (d_ff, d_model)
+    w_down : array_like, shape (d_model, d_ff)
+
+    Returns
+    -------
+    array, shape (M, d_model)
+        Exact with respect to the sparse hidden layer (overflowing row-tiles spill).
+    """
+    xx, wu, wd = _dense(x, "x"), _dense(w_up, "w_up"), _dense(w_down, "w_down")
+    _same_device("x", xx, w_up=wu, w_down=wd)
+    _check_ffn(xx, {"w_up": wu}, wd)
+    h = linear_to_twell(xx, wu, activation=activation, tile_n=tile_n, capacity=capacity, threshold=threshold)
+    return matmul(h, wd.T)
+
+
+def gated_ffn(
+    x: Any,
+    w_gate: Any,
+    w_up: Any,
+    w_down: Any,
+    *,
+    activation: str = "relu",
+    tile_n: int = 256,
+    capacity: int | None = None,
+    threshold: float | None = None,
+) -> Any:
+    """Gated sparse FFN: ``(act(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T``.
+
+    The up projection is computed only at the active gate units (an SDDMM at the gate's TwELL
+    pattern), so its cost scales with the density.
+
+    Parameters
+    ----------
+    x : array_like, shape (M, d_model)
+    w_gate, w_up : array_like, shape (d_ff, d_model)
+    w_down : array_like, shape (d_model, d_ff)
+
+    Returns
+    -------
+    array, shape (M, d_model)
+    """
+    xx = _dense(x, "x")
+    wg, wu, wd = _dense(w_gate, "w_gate"), _dense(w_up, "w_up"), _dense(w_down, "w_down")
+    _same_device("x", xx, w_gate=wg, w_up=wu, w_down=wd)
+    _check_ffn(xx, {"w_gate": wg, "w_up": wu}, wd)
+    g = linear_to_twell(xx, wg, activation=activation, tile_n=tile_n, capacity=capacity, threshold=threshold)
+    parts, _ = _sddmm_parts(xx, wu, g, scale=True)
+    h = twell_array._from_parts(parts, g.shape, g.tile_n)
+    return matmul(h, wd.T)

@@ -1,0 +1,571 @@
+"""The ``twell_array`` container: a TwELL sparse matrix backed by NumPy or CuPy arrays."""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from typing import Any
+
+import numpy as np
+import scipy.sparse as sp
+
+from . import _convert as conv
+from ._backend import (
+    array_module,
+    as_array,
+    cupy_module,
+    device_name,
+    is_cupy_array,
+    result_dtype,
+    to_device_like,
+    value_dtype,
+)
+from ._errors import TwELLFallbackWarning, TwELLFormatError
+from ._parts import TwELLParts
+from ._validation import (
+    check_capacity,
+    check_ndim,
+    check_overflow,
+    check_shape,
+    check_threshold,
+    check_tile_n,
+    n_tiles,
+)
+
+__all__ = ["twell_array", "is_twell", "issparse"]
+
+
+def _is_cupyx_sparse(obj: Any) -> bool:
+    cp = cupy_module()
+    if cp is None:
+        return False
+    import cupyx.scipy.sparse as csp
+
+    return bool(csp.issparse(obj))
+
+
+class twell_array:
+    """A sparse matrix in TwELL (tile-wise ELLPACK) format.
+
+    Columns are cut into tiles of ``tile_n`` columns; each (row, tile) has ``capacity`` slots of
+    (value, tile-local column) plus a count, and entries beyond the capacity go to a CSR spill
+    part, so the format is lossless. See ``docs/FORMAT.md``.
+
+    Parameters
+    ----------
+    arg : array_like, sparse matrix, twell_array or tuple
+        A dense 2-D array (NumPy, CuPy, or any DLPack producer such as a torch tensor); a
+        ``scipy.sparse`` or ``cupyx.scipy.sparse`` matrix or array; another ``twell_array``
+        (re-tiled if ``tile_n``/``capacity`` differ); or component arrays
+        ``(data, indices, counts)`` or ``(data, indices, counts, spill_data, spill_indices,
+        spill_indptr)``, which need ``shape``.
+    shape : tuple of int, optional
+        ``(M, N)``; required for component arrays, checked against ``arg`` otherwise.
+    tile_n : int, default 256
+        Columns per tile, a power of two from 32 to 1024.
+    capacity : int, optional
+        Slots per row-tile, from 1 to ``tile_n``; default ``tile_n // 8``. For component arrays
+        it is ``data.shape[2]``.
+    dtype : dtype, optional
+        Value dtype (float16, bfloat16, float32, float64); default the input's.
+    overflow : {"spill", "error", "drop"}, default "spill"
+        What to do with row-tiles that hold more than ``capacity`` nonzeros: keep the excess
+        exactly in the spill part, raise :class:`TwELLCapacityError`, or drop it (lossy, warns,
+        and records the count in ``n_dropped``).
+
+    Notes
+    -----
+    Arithmetic follows ``scipy.sparse`` *array* semantics: ``*`` is elementwise and ``@`` is the
+    matrix product. The matrix lives on the device of its input (CPU for NumPy/SciPy, the GPU
+    for CuPy); ``get()`` copies it to the host.
+    """
+
+    format = "twell"
+    ndim = 2
+    __array_priority__ = 10.1  # let NumPy defer ``dense @ twell`` to __rmatmul__
+
+    def __init__(
+        self,
+        arg: Any,
+        shape: tuple[int, int] | None = None,
+        *,
+        tile_n: int = 256,
+        capacity: int | None = None,
+        dtype: Any = None,
+        overflow: str = "spill",
+    ) -> None:
+        tile_n = check_tile_n(tile_n)
+        overflow = check_overflow(overflow)
+        dt = None if dtype is None else value_dtype(dtype)
+        if shape is not None:
+            shape = check_shape(shape)
+        if isinstance(arg, tuple) and not (len(arg) == 2 and all(isinstance(s, int) for s in arg)):
+            if shape is None:
+                raise TypeError("shape: expected (M, N) with component arrays, got None")
+            self._init_from_parts(arg, shape, tile_n, capacity, dt)
+            return
+        capacity = check_capacity(capacity, tile_n)
+        if isinstance(arg, tuple):  # (M, N): an empty matrix, as in scipy.sparse
+            m, n = check_shape(arg, "arg")
+            if shape is not None and shape != (m, n):
+                raise ValueError(f"shape: expected {(m, n)} to match arg, got {shape}")
+            self._init_from_coo(*_empty_coo(dt or np.dtype(np.float64)), (m, n), tile_n, capacity, overflow, None)
+            return
+        if isinstance(arg, twell_array):
+            src = arg if dt is None else arg.astype(dt)
+            self._init_from_coo(*src._coo(), src.shape, tile_n, capacity, overflow, shape)
+            return
+        if sp.issparse(arg) or _is_cupyx_sparse(arg):
+            self._init_from_sparse(arg, tile_n, capacity, dt, overflow, shape)
+            return
+        x = as_array(arg, "arg")
+        check_ndim(x, 2, "arg")
+        if shape is not None and tuple(x.shape) != shape:
+            raise ValueError(f"shape: expected {tuple(x.shape)} to match arg, got {shape}")
+        x = x.astype(value_dtype(dt or x.dtype, "arg.dtype"), copy=False)
+        check_shape(x.shape, "arg.shape")
+        parts, dropped = conv.dense_to_twell(x, tile_n, capacity, overflow)
+        self._set(parts, x.shape, tile_n, dropped)
+
+    # ------------------------------------------------------------------ construction helpers
+
+    def _set(self, parts: TwELLParts, shape: tuple[int, int], tile_n: int, dropped: int = 0) -> None:
+        self._parts = parts
+        self._shape = (int(shape[0]), int(shape[1]))
+        self._tile_n = int(tile_n)
+        self.n_dropped = int(dropped)
+
+    @classmethod
+    def _from_parts(cls, parts: TwELLParts, shape: tuple[int, int], tile_n: int, dropped: int = 0) -> twell_array:
+        """Wrap trusted parts (made by this package) without validation."""
+        obj = cls.__new__(cls)
+        obj._set(parts, shape, tile_n, dropped)
+        return obj
+
+    def _init_from_coo(self, rows, cols, vals, src_shape, tile_n, capacity, overflow, shape) -> None:
+        if shape is not None and shape != tuple(src_shape):
+            raise ValueError(f"shape: expected {tuple(src_shape)} to match arg, got {shape}")
+        parts, dropped = conv.coo_to_twell(rows, cols, vals, tuple(src_shape), tile_n, capacity, overflow)
+        self._set(parts, src_shape, tile_n, dropped)
+
+    def _init_from_sparse(self, arg, tile_n, capacity, dt, overflow, shape) -> None:
+        m = arg.tocsr(copy=True)  # canonicalising below is in place: never touch the caller's matrix
+        m.sum_duplicates()
+        check_shape(m.shape, "arg.shape")
+        data = m.data.astype(value_dtype(dt or m.data.dtype, "arg.dtype"), copy=False)
+        if shape is not None and shape != tuple(m.shape):
+            raise ValueError(f"shape: expected {tuple(m.shape)} to match arg, got {shape}")
+        parts, dropped = conv.csr_to_twell(m.indptr, m.indices, data, tuple(m.shape), tile_n, capacity, overflow)
+        self._set(parts, m.shape, tile_n, dropped)
+
+    def _init_from_parts(self, arg: tuple, shape, tile_n, capacity, dt) -> None:
+        if len(arg) not in (3, 6):
+            raise TypeError(
+                "arg: expected (data, indices, counts) or (data, indices, counts, spill_data, "
+                f"spill_indices, spill_indptr), got a tuple of {len(arg)}"
+            )
+        names = TwELLParts._fields
+        arrays = [as_array(a, names[i]) for i, a in enumerate(arg)]
+        data = arrays[0]
+        xp = array_module(data)
+        for name, a in zip(names[1:], arrays[1:]):
+            if device_name(a) != device_name(data):
+                raise ValueError(f"{name}: expected an array on {device_name(data)} like data, got one on {device_name(a)}")
+        if len(arrays) == 3:
+            m = shape[0]
+            arrays += [xp.empty(0, dtype=data.dtype), xp.empty(0, dtype=xp.int32), xp.zeros(m + 1, dtype=xp.int32)]
+        if data.ndim == 3 and capacity is not None and check_capacity(capacity, tile_n) != data.shape[2]:
+            raise ValueError(f"capacity: expected data.shape[2] ({data.shape[2]}), got {capacity}")
+        vdt = value_dtype(dt or data.dtype, "data.dtype")
+        parts = TwELLParts(*arrays)
+        parts = parts._replace(data=parts.data.astype(vdt, copy=False), spill_data=parts.spill_data.astype(vdt, copy=False))
+        _check_parts(parts, shape, tile_n, full=False)
+        self._set(parts, shape, tile_n)
+
+    # ------------------------------------------------------------------ attributes
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self._shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._parts.data.dtype
+
+    @property
+    def tile_n(self) -> int:
+        return self._tile_n
+
+    @property
+    def capacity(self) -> int:
+        return int(self._parts.data.shape[2])
+
+    @property
+    def n_tiles(self) -> int:
+        return int(self._parts.data.shape[1])
+
+    @property
+    def nnz(self) -> int:
+        """Stored entries (slots in use plus spilled ones; explicit zeros included)."""
+        return int(self._parts.counts.sum()) + int(self._parts.spill_data.size)
+
+    @property
+    def n_spilled(self) -> int:
+        """Entries held in the spill part (beyond the capacity of their row-tile)."""
+        return int(self._parts.spill_data.size)
+
+    @property
+    def size(self) -> int:
+        return self.nnz
+
+    @property
+    def device(self) -> Any:
+        """``"cpu"`` for NumPy-backed matrices, the ``cupy.cuda.Device`` otherwise."""
+        return self._parts.data.device if is_cupy_array(self._parts.data) else "cpu"
+
+    @property
+    def parts(self) -> TwELLParts:
+        """The component arrays (see docs/FORMAT.md); shared, not copied."""
+        return self._parts
+
+    data = property(lambda self: self._parts.data, doc="Slot values, shape (M, n_tiles, capacity).")
+    indices = property(lambda self: self._parts.indices, doc="Tile-local int16 columns, -1 in unused slots.")
+    counts = property(lambda self: self._parts.counts, doc="Slots in use per row-tile, int32 (M, n_tiles).")
+    spill_data = property(lambda self: self._parts.spill_data, doc="Values of the spilled entries (CSR).")
+    spill_indices = property(lambda self: self._parts.spill_indices, doc="Global int32 columns of the spill CSR.")
+    spill_indptr = property(lambda self: self._parts.spill_indptr, doc="Row pointers (M + 1, int32) of the spill CSR.")
+
+    def _xp(self) -> Any:
+        return array_module(self._parts.data)
+
+    def __repr__(self) -> str:
+        m, n = self.shape
+        return (
+            f"<{m}x{n} twell_array of dtype {self.dtype.name} with {self.nnz} stored elements "
+            f"(tile_n={self.tile_n}, capacity={self.capacity}, {self.n_spilled} spilled) on {device_name(self.data)}>"
+        )
+
+    def __len__(self) -> int:
+        raise TypeError("sparse array length is ambiguous; use getnnz() or shape[0]")
+
+    def getnnz(self) -> int:
+        return self.nnz
+
+    # ------------------------------------------------------------------ conversions
+
+    def _coo(self) -> tuple[Any, Any, Any]:
+        return conv.twell_to_coo(self._parts, self.shape, self.tile_n)
+
+    def toarray(self, order: str | None = None, out: Any = None) -> Any:
+        """Dense copy (NumPy or CuPy, on the matrix's device)."""
+        dense = conv.twell_to_dense(self._parts, self.shape, self.tile_n)
+        if order == "F":
+            dense = self._xp().asfortranarray(dense)
+        if out is None:
+            return dense
+        if tuple(out.shape) != self.shape or out.dtype != self.dtype:
+            raise ValueError(f"out: expected shape {self.shape} and dtype {self.dtype.name}, got {tuple(out.shape)} {out.dtype}")
+        out[...] = dense
+        return out
+
+    todense = toarray
+
+    def tocsr(self, copy: bool = False) -> Any:
+        """``scipy.sparse.csr_array`` (CPU) or ``cupyx.scipy.sparse.csr_matrix`` (GPU).
+
+        cupyx.scipy.sparse holds no 16-bit values, so a GPU float16/bfloat16 matrix comes back as
+        float32 (exact) with a :class:`TwELLFallbackWarning`.
+        """
+        vals, cols, indptr = conv.twell_to_csr_arrays(self._parts, self.shape, self.tile_n)
+        if not is_cupy_array(vals):
+            return sp.csr_array((vals, cols, indptr), shape=self.shape)
+        import cupyx.scipy.sparse as csp
+
+        if vals.dtype.itemsize == 2:
+            warnings.warn(
+                f"tocsr: cupyx.scipy.sparse has no {vals.dtype.name}; returning float32 values (exact)",
+                TwELLFallbackWarning,
+                stacklevel=2,
+            )
+            vals = vals.astype(np.float32)
+        return csp.csr_matrix((vals, cols, indptr), shape=self.shape)
+
+    def tocoo(self, copy: bool = False) -> Any:
+        return self.tocsr().tocoo()
+
+    def toell(self, width: int | None = None) -> tuple[Any, Any]:
+        """ELLPACK arrays ``(values, indices)`` of shape (M, width), int32 indices, -1 padding.
+
+        ``width`` defaults to the largest row's nonzero count.
+        """
+        if width is not None:
+            width = operator.index(width)
+        rows, cols, vals = self._coo()
+        return conv.coo_to_ell(rows, cols, vals, self.shape[0], width)
+
+    def asformat(self, format: str | None, copy: bool = False) -> Any:
+        if format is None or format == "twell":
+            return self.copy() if copy else self
+        if format == "csr":
+            return self.tocsr()
+        if format in ("coo", "csc", "bsr", "dia", "dok", "lil"):
+            return self.tocsr().asformat(format)
+        raise ValueError(f"format: expected twell, csr, coo, csc, bsr, dia, dok or lil, got {format!r}")
+
+    def astype(self, dtype: Any, copy: bool = True) -> twell_array:
+        dt = value_dtype(dtype)
+        if dt == self.dtype and not copy:
+            return self
+        p = self._parts
+        parts = p._replace(data=p.data.astype(dt), spill_data=p.spill_data.astype(dt))
+        return twell_array._from_parts(parts, self.shape, self.tile_n)
+
+    def copy(self) -> twell_array:
+        parts = TwELLParts(*(a.copy() for a in self._parts))
+        return twell_array._from_parts(parts, self.shape, self.tile_n, self.n_dropped)
+
+    def get(self, stream: Any = None) -> twell_array:
+        """A NumPy-backed copy (the matrix itself if it is already on the CPU)."""
+        if not is_cupy_array(self._parts.data):
+            return self
+        parts = TwELLParts(*(a.get(stream=stream) for a in self._parts))
+        return twell_array._from_parts(parts, self.shape, self.tile_n, self.n_dropped)
+
+    def to_device(self, device: Any) -> twell_array:
+        """Copy to ``"cpu"``, a GPU id, ``"cuda:N"`` or a ``cupy.cuda.Device``."""
+        if device == "cpu":
+            return self.get()
+        cp = cupy_module()
+        if cp is None:
+            raise RuntimeError("device: moving to a GPU needs CuPy, which is not installed")
+        dev_id = int(str(device).split(":")[-1]) if isinstance(device, str) else getattr(device, "id", device)
+        with cp.cuda.Device(dev_id):
+            parts = TwELLParts(*(cp.asarray(a) for a in self._parts))
+        return twell_array._from_parts(parts, self.shape, self.tile_n, self.n_dropped)
+
+    # ------------------------------------------------------------------ structure
+
+    def check_format(self, full_check: bool = False) -> None:
+        """Raise :class:`TwELLFormatError` unless the parts form a valid TwELL matrix.
+
+        The cheap check covers shapes, dtypes and devices; ``full_check`` also checks every
+        count, column and the spill CSR (a few passes over the data).
+        """
+        _check_parts(self._parts, self.shape, self.tile_n, full=full_check)
+
+    @property
+    def has_canonical_format(self) -> bool:
+        """Columns strictly increasing within each row-tile, slots filled before any spill."""
+        return _is_canonical(self._parts, self.tile_n)
+
+    def _repack(self, keep: Any = None) -> None:
+        rows, cols, vals = self._coo()
+        if keep is not None:
+            mask = keep(vals)
+            rows, cols, vals = rows[mask], cols[mask], vals[mask]
+        parts, _ = conv.coo_to_twell(rows, cols, vals, self.shape, self.tile_n, self.capacity, "spill")
+        self._parts = parts
+
+    def sort_indices(self) -> None:
+        """Put the matrix in canonical form, in place."""
+        if not _is_canonical(self._parts, self.tile_n):
+            self._repack()
+
+    def eliminate_zeros(self) -> None:
+        """Remove stored zeros, in place (NaN stays)."""
+        self._repack(lambda v: v != 0)
+
+    # ------------------------------------------------------------------ arithmetic
+
+    def sum(self, axis: int | None = None, dtype: Any = None) -> Any:
+        """Sum of entries (``axis=None``), per column (``axis=0``, shape (N,)) or per row (``axis=1``)."""
+        xp = self._xp()
+        rows, cols, vals = self._coo()
+        v64 = vals.astype(xp.float64)
+        out_dt = value_dtype(dtype) if dtype is not None else self.dtype
+        if axis is None:
+            return v64.sum().astype(out_dt)
+        ax = operator.index(axis)
+        if ax not in (0, 1, -1, -2):
+            raise ValueError(f"axis: expected None, 0 or 1, got {axis}")
+        ax %= 2
+        idx, length = (cols, self.shape[1]) if ax == 0 else (rows, self.shape[0])
+        if idx.size == 0:
+            return xp.zeros(length, dtype=out_dt)
+        return xp.bincount(idx, weights=v64, minlength=length).astype(out_dt)
+
+    def multiply(self, other: Any) -> twell_array:
+        """Elementwise product with a scalar or a dense array broadcastable to ``shape``; the
+        result keeps this matrix's pattern."""
+        if np.isscalar(other):
+            p = self._parts
+            parts = p._replace(data=p.data * p.data.dtype.type(other), spill_data=p.spill_data * p.data.dtype.type(other))
+            return twell_array._from_parts(parts, self.shape, self.tile_n)
+        if isinstance(other, twell_array) or sp.issparse(other) or _is_cupyx_sparse(other):
+            other = other.toarray()
+        dense = as_array(other, "other")
+        if device_name(dense) != device_name(self.data):
+            raise ValueError(f"other: expected an array on {device_name(self.data)}, got one on {device_name(dense)}")
+        xp = self._xp()
+        try:
+            dense = xp.broadcast_to(dense, self.shape)
+        except ValueError:
+            raise ValueError(f"other: expected a shape broadcastable to {self.shape}, got {tuple(dense.shape)}") from None
+        dt = result_dtype(self.dtype, value_dtype(dense.dtype, "other.dtype"))
+        return _map_values(self, lambda rows, cols, vals: vals.astype(dt) * dense[rows, cols].astype(dt))
+
+    def __mul__(self, other: Any) -> twell_array:
+        return self.multiply(other)
+
+    __rmul__ = __mul__
+
+    def __neg__(self) -> twell_array:
+        return self.multiply(-1.0)
+
+    def __truediv__(self, other: Any) -> twell_array:
+        if not np.isscalar(other):
+            return NotImplemented
+        return self.multiply(1.0 / other)
+
+    def transpose(self, axes: Any = None, copy: bool = False) -> Any:
+        """A lazy transposed view (``twell_transpose``): ``a.T @ g`` runs without conversion."""
+        if axes is not None and tuple(axes) != (1, 0):
+            raise ValueError(f"axes: expected None or (1, 0), got {axes!r}")
+        from ._transpose import twell_transpose
+
+        return twell_transpose(self)
+
+    @property
+    def T(self) -> Any:
+        return self.transpose()
+
+    def dot(self, other: Any) -> Any:
+        return self @ other
+
+    def __matmul__(self, other: Any) -> Any:
+        from ._ops import matmul
+
+        if sp.issparse(other) or _is_cupyx_sparse(other):
+            return self.tocsr() @ other
+        return matmul(self, other)
+
+    def __rmatmul__(self, other: Any) -> Any:
+        from ._ops import matmul
+
+        x = as_array(other, "other")
+        if x.ndim == 1:
+            return matmul(self.T, x)
+        return matmul(self.T, x.T).T
+
+
+def _empty_coo(dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return np.empty(0, np.int32), np.empty(0, np.int32), np.empty(0, dtype)
+
+
+def _map_values(a: twell_array, fn: Any) -> twell_array:
+    """Same pattern, values ``fn(rows, cols, vals)`` (entries in canonical COO order)."""
+    p = a.parts
+    xp = array_module(p.data)
+    m, nt, cap = p.data.shape
+    used = xp.arange(cap) < p.counts[..., None]
+    r, t, s = xp.nonzero(used)
+    cols = t.astype(xp.int64) * a.tile_n + p.indices[r, t, s]
+    data_vals = fn(r, cols, p.data[r, t, s])
+    data = xp.zeros(p.data.shape, dtype=data_vals.dtype)
+    data[r, t, s] = data_vals
+    spill_rows = conv.csr_rows(p.spill_indptr, p.spill_data.size)
+    spill = fn(spill_rows, p.spill_indices, p.spill_data).astype(data.dtype)
+    return twell_array._from_parts(p._replace(data=data, spill_data=spill), a.shape, a.tile_n)
+
+
+def _is_canonical(parts: TwELLParts, tile_n: int) -> bool:
+    xp = array_module(parts.data)
+    m, nt, cap = parts.data.shape
+    used = xp.arange(cap) < parts.counts[..., None]
+    if cap > 1:
+        ordered = (parts.indices[..., 1:] > parts.indices[..., :-1]) | ~used[..., 1:]
+        if not bool(ordered.all()):
+            return False
+    if parts.spill_data.size == 0:
+        return True
+    # Every spilled entry's row-tile must be full, and its column above the tile's slots.
+    rows = conv.csr_rows(parts.spill_indptr, parts.spill_data.size)
+    tiles = parts.spill_indices // tile_n
+    full = parts.counts[rows, tiles] == cap
+    last = parts.indices[rows, tiles, cap - 1].astype(xp.int64) + tiles.astype(xp.int64) * tile_n
+    return bool((full & (parts.spill_indices > last)).all())
+
+
+def _check_parts(parts: TwELLParts, shape: tuple[int, int], tile_n: int, full: bool) -> None:
+    """Validate component arrays; see twell_array.check_format."""
+    m, n = shape
+    nt = n_tiles(n, tile_n)
+    data, indices, counts, sdata, sind, sptr = parts
+    xp = array_module(data)
+
+    def fail(msg: str) -> None:
+        raise TwELLFormatError(msg)
+
+    for name, a in zip(TwELLParts._fields, parts):
+        if device_name(a) != device_name(data):
+            fail(f"{name}: expected an array on {device_name(data)} like data, got one on {device_name(a)}")
+    if data.ndim != 3 or tuple(data.shape[:2]) != (m, nt):
+        fail(f"data: expected shape ({m}, {nt}, capacity) for shape {shape} and tile_n {tile_n}, got {tuple(data.shape)}")
+    cap = data.shape[2]
+    if not 1 <= cap <= tile_n:
+        fail(f"data: expected a capacity (data.shape[2]) from 1 to tile_n ({tile_n}), got {cap}")
+    if tuple(indices.shape) != tuple(data.shape) or indices.dtype != np.int16:
+        fail(f"indices: expected int16 of shape {tuple(data.shape)}, got {indices.dtype} {tuple(indices.shape)}")
+    if tuple(counts.shape) != (m, nt) or counts.dtype != np.int32:
+        fail(f"counts: expected int32 of shape {(m, nt)}, got {counts.dtype} {tuple(counts.shape)}")
+    if sdata.ndim != 1 or sdata.dtype != data.dtype:
+        fail(f"spill_data: expected a 1-D {data.dtype.name} array, got {sdata.dtype} with shape {tuple(sdata.shape)}")
+    if sind.ndim != 1 or sind.dtype != np.int32 or sind.size != sdata.size:
+        fail(f"spill_indices: expected 1-D int32 of length {sdata.size}, got {sind.dtype} {tuple(sind.shape)}")
+    if tuple(sptr.shape) != (m + 1,) or sptr.dtype != np.int32:
+        fail(f"spill_indptr: expected int32 of shape ({m + 1},), got {sptr.dtype} {tuple(sptr.shape)}")
+    if m and (int(sptr[0]) != 0 or int(sptr[-1]) != sdata.size):
+        fail(f"spill_indptr: expected to start at 0 and end at {sdata.size}, got {int(sptr[0])} and {int(sptr[-1])}")
+    if sdata.size:
+        # The kernels binary-search the spill: its columns must increase within each row.
+        if bool((sptr[1:] < sptr[:-1]).any()):
+            fail("spill_indptr: expected a non-decreasing array")
+        if bool(((sind < 0) | (sind >= n)).any()):
+            fail(f"spill_indices: expected columns in [0, {n})")
+        rows = conv.csr_rows(sptr, sdata.size)
+        if sdata.size > 1 and bool(((rows[1:] == rows[:-1]) & (sind[1:] <= sind[:-1])).any()):
+            fail("spill_indices: expected strictly increasing columns within each row")
+    if not full:
+        return
+    if bool(((counts < 0) | (counts > cap)).any()):
+        fail(f"counts: expected values in [0, {cap}]")
+    used = xp.arange(cap) < counts[..., None]
+    if bool((~used & (indices != -1)).any()):
+        fail("indices: expected -1 in every unused slot")
+    limit = xp.minimum(tile_n, n - xp.arange(nt) * tile_n)[None, :, None]
+    if bool((used & ((indices < 0) | (indices >= limit))).any()):
+        fail("indices: expected tile-local columns in [0, tile_n) that stay below N")
+    big = xp.int16(tile_n)
+    sorted_idx = xp.sort(xp.where(used, indices, big), axis=-1)
+    if cap > 1 and bool((used[..., 1:] & (sorted_idx[..., 1:] <= sorted_idx[..., :-1])).any()):
+        fail("indices: expected distinct columns within each row-tile")
+    if sdata.size:
+        rows = conv.csr_rows(sptr, sdata.size)
+        tiles = sind // tile_n
+        local = (sind % tile_n).astype(np.int16)
+        clash = (parts.indices[rows, tiles] == local[:, None]) & used[rows, tiles]
+        if bool(clash.any()):
+            fail("spill_indices: expected columns not also stored in the row-tile's slots")
+
+
+def is_twell(obj: Any) -> bool:
+    """True for a ``twell_array`` (or its transposed view)."""
+    from ._transpose import twell_transpose
+
+    return isinstance(obj, (twell_array, twell_transpose))
+
+
+def issparse(obj: Any) -> bool:
+    """True for TwELL matrices and for scipy.sparse / cupyx.scipy.sparse matrices."""
+    return is_twell(obj) or sp.issparse(obj) or _is_cupyx_sparse(obj)
+
