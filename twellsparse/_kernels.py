@@ -16,8 +16,6 @@ import hashlib
 import importlib.resources
 import itertools
 import importlib
-import os
-import pathlib
 import re
 from typing import Any
 
@@ -75,23 +73,9 @@ INSTANTIATIONS: dict[str, list[str]] = _instantiations()
 _LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)
 
 
-@functools.cache
 def sources_root() -> Any:
-    """The ``twellsparse.cuda`` resource folder (a Traversable).
-
-    ``twellsparse.cuda`` has no ``__init__.py`` (a top-level ``cuda/`` package would shadow
-    NVIDIA's ``cuda`` namespace when a checkout is on ``sys.path``), so it is a namespace package.
-    Python 3.11's resource reader rejects the non-directory entries that setuptools' editable
-    finder puts on such a package's path; the fallback takes the first real directory on it.
-    """
-    try:
-        return importlib.resources.files("twellsparse.cuda")
-    except NotADirectoryError:
-        package = importlib.import_module("twellsparse.cuda")
-        for entry in package.__path__:
-            if os.path.isdir(entry):
-                return pathlib.Path(entry)
-        raise RuntimeError("twellsparse.cuda: kernel sources not found; reinstall twellsparse") from None
+    """The ``twellsparse.cuda`` resource folder (a Traversable), wherever the package is installed."""
+    return importlib.resources.files("twellsparse.cuda")
 
 
 def _resource_text(name: str) -> str:

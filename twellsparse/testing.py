@@ -1,0 +1,111 @@
+"""Helpers for tests, demos and benchmarks: FFN-like sparse activations and comparisons.
+
+The activation patterns follow ``TARGETS.md``: (a) *uniform*, every unit fires with probability
+``density`` for every token; (b) *skewed*, 30% of the units never fire and the others get
+log-normal (sigma = 1) firing rates rescaled so the mean over all units is ``density``, each
+capped at 0.5.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import scipy.special
+
+from ._backend import array_module, to_host, value_dtype
+
+__all__ = ["firing_rates", "sparse_activations", "ffn_problem", "rel_error", "assert_twell_equal"]
+
+
+def firing_rates(n_units: int, density: float, pattern: str = "uniform", rng: Any = None) -> np.ndarray:
+    """Per-unit firing probabilities with mean ``density`` (see the module docstring)."""
+    rng = np.random.default_rng(rng)
+    if pattern == "uniform":
+        return np.full(n_units, float(density))
+    if pattern != "skewed":
+        raise ValueError(f"pattern: expected 'uniform' or 'skewed', got {pattern!r}")
+    rates = rng.lognormal(0.0, 1.0, n_units)
+    rates[rng.permutation(n_units)[: int(round(0.3 * n_units))]] = 0.0
+    target = density * n_units
+    for _ in range(50):  # rescale, cap, repeat: converges in a few rounds
+        rates = np.minimum(rates * (target / max(rates.sum(), 1e-300)), 0.5)
+        if abs(rates.sum() - target) <= 1e-9 * target:
+            break
+    return rates
+
+
+def sparse_activations(
+    m: int,
+    n: int,
+    density: float,
+    pattern: str = "uniform",
+    dtype: Any = np.float32,
+    rng: Any = None,
+    xp: Any = np,
+) -> Any:
+    """A dense M x N matrix of ReLU-like activations: positive values where units fire."""
+    rng = np.random.default_rng(rng)
+    rates = firing_rates(n, density, pattern, rng)
+    fire = rng.random((m, n)) < rates[None, :]
+    vals = np.abs(rng.standard_normal((m, n))) + 1e-3
+    out = np.where(fire, vals, 0.0).astype(value_dtype(dtype))
+    return xp.asarray(out) if xp is not np else out
+
+
+def ffn_problem(
+    m: int,
+    d_model: int,
+    d_ff: int,
+    density: float,
+    pattern: str = "uniform",
+    dtype: Any = np.float32,
+    rng: Any = None,
+    xp: Any = np,
+) -> dict[str, Any]:
+    """Random FFN inputs whose ReLU gate fires at the requested per-unit rates.
+
+    ``x ~ N(0, 1)`` with its last feature held at 1; for unit j the matching weight column is
+    ``-z_j * ||w_j||`` with ``z_j`` the standard normal quantile of ``1 - rate_j``, so
+    ``relu(x . w_j) > 0`` with probability ``rate_j``. Returns ``x``, ``w_gate``, ``w_up``,
+    ``w_down`` (torch.nn.Linear layout) and the ``rates``.
+    """
+    rng = np.random.default_rng(rng)
+    dt = value_dtype(dtype)
+    rates = firing_rates(d_ff, density, pattern, rng)
+    x = rng.standard_normal((m, d_model), dtype=np.float32)
+    x[:, -1] = 1.0
+    scale = 1.0 / np.sqrt(d_model)
+    w_gate = rng.standard_normal((d_ff, d_model), dtype=np.float32) * scale
+    w_gate[:, -1] = 0.0
+    z = scipy.special.ndtri(1.0 - np.clip(rates, 1e-9, 1.0))
+    w_gate[:, -1] = -z * np.linalg.norm(w_gate[:, :-1], axis=1)
+    w_up = rng.standard_normal((d_ff, d_model), dtype=np.float32) * scale
+    w_down = rng.standard_normal((d_model, d_ff), dtype=np.float32) / np.sqrt(max(density * d_ff, 1.0))
+    out = {"x": x, "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+    out = {k: (xp.asarray(v.astype(dt)) if xp is not np else v.astype(dt)) for k, v in out.items()}
+    out["rates"] = rates
+    return out
+
+
+def rel_error(out: Any, ref: Any) -> float:
+    """``||out - ref|| / ||ref||`` in float64 on the host (NaN anywhere gives inf)."""
+    o = to_host(out).astype(np.float64)
+    r = to_host(ref).astype(np.float64)
+    if not np.isfinite(o).all():
+        return float("inf")
+    denom = np.linalg.norm(r)
+    return float(np.linalg.norm(o - r) / (denom if denom > 0 else 1.0))
+
+
+def assert_twell_equal(a: Any, b: Any) -> None:
+    """Exact equality of two TwELL matrices' contents (shape, dtype and every stored entry)."""
+    assert a.shape == b.shape, f"shape {a.shape} != {b.shape}"
+    assert a.dtype == b.dtype, f"dtype {a.dtype} != {b.dtype}"
+    da, db = to_host(a.toarray()), to_host(b.toarray())
+    np.testing.assert_array_equal(da.view(np.uint8), db.view(np.uint8))
+
+
+def xp_of(x: Any) -> Any:
+    """NumPy or CuPy, whichever owns ``x`` (re-exported for tests)."""
+    return array_module(x)
