@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|all]...
+set -uo pipefail
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+what=${*:-all}
+status=0
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
+  python3 -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVersion())"
+} 2>&1 | tee "$OUT/env.txt"
+python3 -m pip install --no-deps --no-build-isolation -q -e . 2>&1 | tail -3
+for step in $what; do
+  case $step in
+    tests|all)
+      python3 -m pytest -m gpu -q -x --durations=10 -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+      status=$((status | ${PIPESTATUS[0]}))
+      ;;&
+    demo|all)
+      python3 -m twellsparse demo 2>&1 | tee "$OUT/demo.log"
+      status=$((status | ${PIPESTATUS[0]}))
+      ;;&
+    sanitize)
+      bash scripts/sanitize.sh 2>&1 | tee "$OUT/sanitize.log" | tail -30
+      status=$((status | ${PIPESTATUS[0]}))
+      ;;
+  esac
+done
+exit $status

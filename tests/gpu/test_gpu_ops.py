@@ -1,0 +1,150 @@
+"""GPU products, SDDMM, the producer and FFN blocks against the float64 CPU reference.
+
+16-bit results are judged against the error of the same computation done densely in the same
+precision (rounding where the sparse path rounds), in the spirit of flash-attention's tests.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import twellsparse as ts
+from twellsparse import _reference as ref
+from twellsparse.testing import ffn_problem, rel_error, sparse_activations
+
+pytestmark = pytest.mark.gpu
+
+FLOAT_TOL = {np.dtype(np.float32): 2e-6, np.dtype(np.float64): 1e-12}
+
+
+def _bound(dtype, dense_err):
+    dt = np.dtype(dtype)
+    if dt in FLOAT_TOL:
+        return FLOAT_TOL[dt]
+    return 2.0 * dense_err + 1e-4
+
+
+def _round(x, dtype):
+    return np.asarray(x, dtype=np.float64).astype(dtype).astype(np.float64)
+
+
+SHAPES = [(37, 301, 19, 32, 3), (128, 5632, 64, 256, None), (5, 70001, 7, 1024, 4), (1, 1, 1, 32, 1), (300, 700, 513, 64, 2)]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ts.bfloat16, np.float32, np.float64])
+@pytest.mark.parametrize("m, n, k, tile_n, capacity", SHAPES)
+def test_matmul_and_transposed(cp, rng, dtype, m, n, k, tile_n, capacity):
+    x = sparse_activations(m, n, 0.05, "skewed", dtype, rng)
+    a_cpu = ts.twell_array(x, tile_n=tile_n, capacity=capacity)
+    a = ts.twell_array(cp.asarray(x), tile_n=tile_n, capacity=capacity)
+    b = rng.standard_normal((n, k)).astype(dtype)
+    g = rng.standard_normal((m, k)).astype(dtype)
+    exp_b = x.astype(np.float64) @ b.astype(np.float64)
+    exp_g = x.astype(np.float64).T @ g.astype(np.float64)
+    out = a @ cp.asarray(b)
+    dense_err = rel_error(_round(exp_b, dtype), exp_b)
+    assert rel_error(out, exp_b) <= _bound(dtype, dense_err)
+    assert rel_error(ts.matmul(a_cpu, b), exp_b) <= _bound(dtype, dense_err)
+    out_t = ts.matmul(a.T, cp.asarray(g))
+    assert out_t.shape == (n, k)
+    assert rel_error(out_t, exp_g) <= _bound(dtype, rel_error(_round(exp_g, dtype), exp_g))
+
+
+def test_matmul_out_vector_and_strided(cp, rng):
+    x = sparse_activations(40, 900, 0.03, "uniform", np.float32, rng)
+    a = ts.twell_array(cp.asarray(x), tile_n=128, capacity=2)
+    b = rng.standard_normal((900, 70)).astype(np.float32)
+    out = cp.full((40, 70), np.nan, dtype=np.float32)
+    res = ts.matmul(a, cp.asarray(b), out=out)
+    assert res is out
+    np.testing.assert_allclose(out.get(), x @ b, rtol=1e-4, atol=1e-4)
+    v = a @ cp.asarray(b[:, 0])
+    assert v.shape == (40,)
+    np.testing.assert_allclose(v.get(), x @ b[:, 0], rtol=1e-4, atol=1e-4)
+    bs = cp.asarray(b)[:, ::3]  # non-unit column stride
+    np.testing.assert_allclose((a @ bs).get(), x @ b[:, ::3], rtol=1e-4, atol=1e-4)
+    bf = cp.asfortranarray(cp.asarray(b))
+    np.testing.assert_allclose((a @ bf).get(), x @ b, rtol=1e-4, atol=1e-4)
+    outf = cp.full((70, 40), np.nan, dtype=np.float32).T  # strided out
+    ts.matmul(a, cp.asarray(b), out=outf)
+    np.testing.assert_allclose(outf.get(), x @ b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ts.bfloat16, np.float32, np.float64])
+@pytest.mark.parametrize("m, n, k, tile_n, capacity", SHAPES)
+def test_sddmm(cp, rng, dtype, m, n, k, tile_n, capacity):
+    pat = sparse_activations(m, n, 0.05, "uniform", np.float32, rng)
+    p = ts.twell_array(cp.asarray(pat), tile_n=tile_n, capacity=capacity)
+    x = rng.standard_normal((m, k)).astype(dtype)
+    y = rng.standard_normal((n, k)).astype(dtype)
+    s = ts.sddmm(cp.asarray(x), cp.asarray(y), p)
+    assert s.dtype == np.dtype(dtype)
+    full = x.astype(np.float64) @ y.astype(np.float64).T
+    expect = np.where(pat != 0, full, 0.0)
+    np.testing.assert_array_equal(s.counts.get(), p.counts.get())
+    got = s.toarray().get().astype(np.float64)
+    mask = pat != 0
+    scale = np.abs(x.astype(np.float64)) @ np.abs(y.astype(np.float64)).T
+    tol = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5}.get(np.dtype(dtype), 1e-2)
+    assert np.all(np.abs(got - expect)[mask] <= tol * scale[mask] + 1e-30)
+    assert np.all(got[~mask] == 0)
+
+
+@pytest.mark.parametrize("activation, threshold", [("relu", None), ("relu2", None), ("silu", 0.5), ("gelu", 0.5),
+                                                   ("identity", 1.0), ("relu", 0.25)])
+def test_linear_to_twell(cp, rng, activation, threshold):
+    x = rng.standard_normal((67, 48)).astype(np.float32)
+    w = rng.standard_normal((600, 48)).astype(np.float32) / 7
+    a = ts.linear_to_twell(cp.asarray(x), cp.asarray(w), activation=activation, threshold=threshold, tile_n=64,
+                           capacity=4)
+    a.check_format(full_check=True)
+    h = ref.linear_dense(x, w, activation)
+    expect = np.where(ref.keep_mask(h, threshold), h, 0.0)
+    got = a.toarray().get().astype(np.float64)
+    # Entries within rounding of the threshold may fall either way; everything else must match.
+    edge = np.abs(np.abs(h) - (threshold or 0.0)) <= 1e-4 * (1 + np.abs(h))
+    np.testing.assert_allclose(np.where(edge, 0, got), np.where(edge, 0, expect), rtol=1e-4, atol=1e-4)
+
+
+def test_linear_to_twell_overflow_error_and_spill(cp, rng):
+    x = rng.standard_normal((20, 16)).astype(np.float32)
+    w = rng.standard_normal((300, 16)).astype(np.float32)
+    with pytest.raises(ts.TwELLCapacityError):
+        ts.linear_to_twell(cp.asarray(x), cp.asarray(w), tile_n=32, capacity=2, overflow="error")
+    a = ts.linear_to_twell(cp.asarray(x), cp.asarray(w), tile_n=32, capacity=2)
+    assert a.n_spilled > 0
+    expect = np.maximum(x.astype(np.float64) @ w.astype(np.float64).T, 0)
+    np.testing.assert_allclose(a.toarray().get(), expect, rtol=1e-5, atol=1e-5)
+
+
+def _dense_same_precision(p, dtype, gated):
+    """The dense FFN in ``dtype`` with fp32 accumulation: rounding where a dense kernel rounds."""
+    x, wg, wu, wd = (p[k].astype(np.float32) for k in ("x", "w_gate", "w_up", "w_down"))
+    g = _round(np.maximum(_round(x @ wg.T, dtype), 0), dtype)
+    h = _round(g * _round(x @ wu.T, dtype), dtype) if gated else g
+    return _round(h.astype(np.float32) @ wd.T, dtype)
+
+
+@pytest.mark.parametrize("dtype", [ts.bfloat16, np.float16, np.float32])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("m, d_model, d_ff, density, pattern, capacity", [
+    (300, 128, 1000, 0.02, "skewed", None), (77, 96, 517, 0.05, "uniform", 2), (1, 64, 256, 0.3, "uniform", 4),
+])
+def test_ffn_blocks(cp, rng, dtype, gated, m, d_model, d_ff, density, pattern, capacity):
+    p = ffn_problem(m, d_model, d_ff, density, pattern, dtype, rng)
+    x, wg, wu, wd = (cp.asarray(p[k]) for k in ("x", "w_gate", "w_up", "w_down"))
+    if gated:
+        out = ts.gated_ffn(x, wg, wu, wd, tile_n=64, capacity=capacity)
+    else:
+        out = ts.ffn(x, wg, wd, tile_n=64, capacity=capacity)  # w_gate's rates set the density
+    assert out.dtype == np.dtype(dtype) and out.shape == (m, d_model)
+    if gated:
+        exact = ref.gated_ffn_dense(p["x"], p["w_gate"], p["w_up"], p["w_down"], "relu")
+    else:
+        exact = ref.ffn_dense(p["x"], p["w_gate"], p["w_down"], "relu")
+    if np.dtype(dtype) == np.float32:
+        bound = 1e-5
+    else:
+        bound = 2.0 * rel_error(_dense_same_precision(p, dtype, gated), exact) + 1e-4
+    assert rel_error(out, exact) <= bound
