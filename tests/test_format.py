@@ -318,7 +318,7 @@ def test_small_parts_are_valid():
 
 
 def _corrupt(parts, kind):
-    data, indices, counts, sdata, sind, sptr = parts
+    _, indices, counts, _, sind, sptr = parts
     if kind == "count_above_capacity":
         counts[0, 1] = 3
     elif kind == "negative_count":
