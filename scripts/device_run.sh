@@ -15,7 +15,7 @@ python3 -m pip install --no-deps --no-build-isolation -q -e . 2>&1 | tail -3
 for step in $what; do
   case $step in
     tests|all)
-      python3 -m pytest -m gpu -q -x --durations=10 -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+      python3 -m pytest -m gpu -q --maxfail=40 --durations=10 -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
       status=$((status | ${PIPESTATUS[0]}))
       ;;&
     demo|all)

@@ -47,7 +47,7 @@ def snapshot(*arrays):
 
 
 def assert_unchanged(arrays, copies):
-    for a, c in zip(arrays, copies):
+    for a, c in zip(arrays, copies, strict=True):
         assert a.dtype == c.dtype and a.shape == c.shape
         np.testing.assert_array_equal(bits(a), bits(c))
 
@@ -63,7 +63,7 @@ def expected_parts(dense, tile_n, capacity):
     for i in range(m):
         row_spill = []
         for t in range(nt):
-            block = dense[i, t * tile_n:(t + 1) * tile_n]
+            block = dense[i, t * tile_n : (t + 1) * tile_n]
             cols = np.flatnonzero(block != 0)
             k = min(cols.size, capacity)
             counts[i, t] = k
@@ -86,7 +86,7 @@ def expected_parts(dense, tile_n, capacity):
 
 def assert_parts_equal(a, parts):
     names = ("data", "indices", "counts", "spill_data", "spill_indices", "spill_indptr")
-    for name, actual, expected in zip(names, a.parts, parts):
+    for name, actual, expected in zip(names, a.parts, parts, strict=True):
         assert actual.shape == expected.shape, f"{name}: {actual.shape} != {expected.shape}"
         assert actual.dtype == expected.dtype, f"{name}: {actual.dtype} != {expected.dtype}"
         np.testing.assert_array_equal(bits(actual), bits(expected), err_msg=name)
@@ -470,7 +470,7 @@ def _csr_with_explicit_zeros(rng, shape=SHAPE, density=0.25):
     nnz = m.nnz
     pick = rng.choice(nnz, size=max(3, nnz // 4), replace=False)
     m.data[pick[: len(pick) // 2]] = 0.0
-    m.data[pick[len(pick) // 2: -1]] = -0.0
+    m.data[pick[len(pick) // 2 : -1]] = -0.0
     m.data[pick[-1]] = np.nan
     return m
 
@@ -518,7 +518,7 @@ def test_copy_is_independent(rng):
     b = a.copy()
     assert b is not a
     assert_parts_equal(b, a.parts)
-    for pa, pb in zip(a.parts, b.parts):
+    for pa, pb in zip(a.parts, b.parts, strict=True):
         assert not np.shares_memory(pa, pb)
     b.data[...] = 7
     b.spill_data[...] = 7
