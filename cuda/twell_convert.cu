@@ -15,7 +15,7 @@ using namespace twell;
 template <typename T, int ACT>
 __global__ void __launch_bounds__(256) dense_to_twell(
     const T* __restrict__ x, long long ldx, int M, int N, int tile_n, int n_tiles, int capacity,
-    float threshold, T* __restrict__ data, short* __restrict__ indices, int* __restrict__ counts,
+    double threshold, T* __restrict__ data, short* __restrict__ indices, int* __restrict__ counts,
     int* __restrict__ row_tile_nnz, const long long* __restrict__ spill_offsets,
     int* __restrict__ spill_indices, T* __restrict__ spill_data) {
   using A = typename acc_of<T>::type;

@@ -53,10 +53,11 @@ template <int ACT, typename A> __device__ __forceinline__ A activate(A z) {
 }
 
 // Which entries a producer keeps: nonzero (NaN counts as nonzero), or |h| > threshold when
-// threshold >= 0. -0.0 compares equal to zero and is never stored, as in scipy.sparse.
-template <typename A> __device__ __forceinline__ bool keep(A h, float threshold) {
-  if (threshold < 0.0f) return h != A(0);
-  return fabs(h) > A(threshold);
+// threshold >= 0. -0.0 compares equal to zero and is never stored, as in scipy.sparse. The
+// threshold stays double so that it is never rounded to the value type before comparing.
+template <typename A> __device__ __forceinline__ bool keep(A h, double threshold) {
+  if (threshold < 0.0) return h != A(0);
+  return (double)fabs(h) > threshold;
 }
 
 }  // namespace twell

@@ -46,7 +46,7 @@ def _snapshot(arrays):
 
 
 def _assert_untouched(arrays, snap):
-    for a, (shape, dtype, saved) in zip(arrays, snap):
+    for a, (shape, dtype, saved) in zip(arrays, snap, strict=True):
         assert a.shape == shape and a.dtype == dtype
         assert a.tobytes() == saved.tobytes(), "an input array was modified"
 
@@ -366,8 +366,14 @@ def test_parts_three_tuple_shape_checks(spilled):
     three = (p["data"], p["indices"], p["counts"])
     b = ts.twell_array(three, shape=spilled.shape, tile_n=TILE)
     assert b.n_spilled == 0
-    expect_error(TwELLFormatError, "counts", ts.twell_array, (p["data"], p["indices"], p["counts"][:, :-1]),
-                 shape=spilled.shape, tile_n=TILE)
+    expect_error(
+        TwELLFormatError,
+        "counts",
+        ts.twell_array,
+        (p["data"], p["indices"], p["counts"][:, :-1]),
+        shape=spilled.shape,
+        tile_n=TILE,
+    )
     expect_error(TwELLFormatError, "data", ts.twell_array, three, shape=spilled.shape, tile_n=2 * TILE)
 
 
@@ -400,8 +406,14 @@ def test_parts_zero_rows_with_spill_entries():
     idx = np.full((0, 1, 4), -1, dtype=np.int16)
     counts = np.zeros((0, 1), dtype=np.int32)
     sdata, sind, sptr = np.ones(3), np.array([0, 1, 2], np.int32), np.zeros(1, np.int32)
-    expect_error(TwELLFormatError, "spill_indptr", ts.twell_array, (data, idx, counts, sdata, sind, sptr),
-                 shape=(0, 10), tile_n=TILE)
+    expect_error(
+        TwELLFormatError,
+        "spill_indptr",
+        ts.twell_array,
+        (data, idx, counts, sdata, sind, sptr),
+        shape=(0, 10),
+        tile_n=TILE,
+    )
 
 
 # ----------------------------------------------------------------------------- check_format(full_check=True)
@@ -502,11 +514,13 @@ def test_tile_n_not_int(x, tile_n):
 def test_bad_capacity(rng, x, capacity):
     expect_error(ValueError, "capacity", ts.twell_array, x, tile_n=TILE, capacity=capacity)
     expect_error(ValueError, "capacity", ts.from_dense, x, tile_n=TILE, capacity=capacity)
-    expect_error(ValueError, "capacity", ts.from_ell, x[:, :2], np.full((M, 2), -1, np.int32), tile_n=TILE,
-                 capacity=capacity)
+    expect_error(
+        ValueError, "capacity", ts.from_ell, x[:, :2], np.full((M, 2), -1, np.int32), tile_n=TILE, capacity=capacity
+    )
     w = rng.standard_normal((F, K))
-    expect_error(ValueError, "capacity", ts.linear_to_twell, rng.standard_normal((M, K)), w, tile_n=TILE,
-                 capacity=capacity)
+    expect_error(
+        ValueError, "capacity", ts.linear_to_twell, rng.standard_normal((M, K)), w, tile_n=TILE, capacity=capacity
+    )
 
 
 def test_capacity_not_int(x):
@@ -587,8 +601,7 @@ def test_not_an_array():
 def test_capacity_error(rng):
     x = _sparse_dense(rng, density=0.1)
     x[3, TILE : TILE + 9] = np.arange(1, 10)  # row 3, tile 1 holds at least 9 entries
-    err = expect_error(ts.TwELLCapacityError, "capacity", ts.twell_array, x, tile_n=TILE, capacity=2,
-                       overflow="error")
+    err = expect_error(ts.TwELLCapacityError, "capacity", ts.twell_array, x, tile_n=TILE, capacity=2, overflow="error")
     assert isinstance(err, ValueError)
     counts = np.add.reduceat((x != 0).astype(int), np.arange(0, N, TILE), axis=1)
     assert err.count == counts.max() and err.capacity == 2

@@ -74,7 +74,7 @@ def dense_to_parts(
     counts = cp.empty((m, nt), dtype=cp.int32)
     row_tile_nnz = cp.empty((m, nt), dtype=cp.int32)
     expr = f"dense_to_twell<{K.CXX_TYPE[x.dtype]}, {K.ACTIVATION_ID[activation]}>"
-    thr = np.float32(-1.0 if threshold is None else threshold)
+    thr = np.float64(-1.0 if threshold is None else threshold)
     head = (x, np.int64(ldx), np.int32(m), np.int32(n), np.int32(tile_n), np.int32(nt), np.int32(capacity), thr)
 
     def run(offsets: Any, spill_indices: Any, spill_data: Any) -> None:

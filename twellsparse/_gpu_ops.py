@@ -66,11 +66,11 @@ def sddmm(parts: TwELLParts, tile_n: int, x: Any, y: Any, scale: bool) -> TwELLP
     y, ldy = row_stride(y)
     k = np.int32(x.shape[1])
     t, s = K.CXX_TYPE[x.dtype], "true" if scale else "false"
-    data = cp.empty_like(parts.data)
+    data = cp.empty(parts.data.shape, dtype=x.dtype)  # the pattern's dtype may differ
     K.launch(f"twell_sddmm_slots<{t}, {s}>", m * nt * 32, 256,
              (x, np.int64(ldx), y, np.int64(ldy), k, parts.data, parts.indices, parts.counts,
               np.int32(m), np.int32(nt), np.int32(tile_n), np.int32(cap), data))
-    spill = cp.empty_like(parts.spill_data)
+    spill = cp.empty(parts.spill_data.shape, dtype=x.dtype)
     K.launch(f"twell_sddmm_spill<{t}, {s}>", int(spill.size) * 32, 256,
              (x, np.int64(ldx), y, np.int64(ldy), k, parts.spill_indptr, parts.spill_indices,
               parts.spill_data, np.int32(m), spill))

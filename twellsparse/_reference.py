@@ -42,7 +42,8 @@ def keep_mask(h: np.ndarray, threshold: float | None) -> np.ndarray:
     """Entries a producer stores: nonzero (NaN included), or ``|h| > threshold``."""
     if threshold is None:
         return h != 0
-    return np.abs(h) > threshold
+    # Compare in float64: NumPy would otherwise round the threshold to h's dtype first.
+    return np.abs(h.astype(np.float64)) > threshold
 
 
 # ----------------------------------------------------------------------------- packing
