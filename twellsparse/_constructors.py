@@ -75,7 +75,9 @@ def from_ell(
     idx = as_array(indices, "indices")
     check_ndim(vals, 2, "values")
     if device_name(idx) != device_name(vals):
-        raise ValueError(f"indices: expected an array on {device_name(vals)} like values, got one on {device_name(idx)}")
+        raise ValueError(
+            f"indices: expected an array on {device_name(vals)} like values, got one on {device_name(idx)}"
+        )
     if tuple(idx.shape) != tuple(vals.shape):
         raise ValueError(f"indices: expected shape {tuple(vals.shape)} like values, got {tuple(idx.shape)}")
     if idx.dtype.kind not in "iu":

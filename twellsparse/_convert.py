@@ -125,7 +125,9 @@ def ell_to_coo(values: Any, indices: Any, n_cols: int) -> tuple[Any, Any, Any]:
         dup = key[1:] == key[:-1]
         if bool(dup.any()):
             k = int(key[1:][dup][0])
-            raise ValueError(f"indices: expected distinct columns in each row, row {k // n_cols} repeats column {k % n_cols}")
+            raise ValueError(
+                f"indices: expected distinct columns in each row, row {k // n_cols} repeats column {k % n_cols}"
+            )
     return rows[order].astype(xp.int32), cols[order].astype(xp.int32), vals[order]
 
 

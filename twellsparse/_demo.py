@@ -74,12 +74,14 @@ def run_demo(force_cpu: bool = False, seed: int = 0) -> list[tuple[str, str]]:
     rows = [
         ("device", where),
         ("hidden activations", f"{m} tokens x {d_ff} units, {dtype}, relu(x @ W_gate.T), skewed firing"),
-        ("density", f"{h.nnz / (m * d_ff):.4%} ({h.nnz} nonzeros; per token min/median/max "
-                    f"{nnz_per_token.min()}/{int(np.median(nnz_per_token))}/{nnz_per_token.max()})"),
+        (
+            "density",
+            f"{h.nnz / (m * d_ff):.4%} ({h.nnz} nonzeros; per token min/median/max "
+            f"{nnz_per_token.min()}/{int(np.median(nnz_per_token))}/{nnz_per_token.max()})",
+        ),
         ("TwELL layout", f"tile_n={h.tile_n}, capacity={h.capacity}, {h.n_spilled} entries spilled"),
         ("bytes: TwELL", f"{_nbytes(*h.parts):,}"),
-        ("bytes: CSR (same values, int32 indices)",
-         f"{h.nnz * (h.dtype.itemsize + 4) + (m + 1) * 4:,}"),
+        ("bytes: CSR (same values, int32 indices)", f"{h.nnz * (h.dtype.itemsize + 4) + (m + 1) * 4:,}"),
         ("bytes: dense", f"{m * d_ff * h.dtype.itemsize:,}"),
         ("time: GEMM + relu + pack (linear_to_twell)", f"{t_pack:.3f} ms"),
         ("time: TwELL @ W_down.T", f"{t_spmm:.3f} ms"),

@@ -123,12 +123,19 @@ def parts_to_dense(parts: TwELLParts, shape: tuple[int, int], tile_n: int, out: 
         out.fill(0)
     ld = np.int64(max(out.strides[0] // out.itemsize, n, 1))
     t = K.CXX_TYPE[parts.data.dtype]
-    K.launch(f"twell_scatter_dense<{t}>", m * nt * cap, _BLOCK,
-             (parts.data, parts.indices, parts.counts, np.int32(m), np.int32(nt), np.int32(tile_n),
-              np.int32(cap), out, ld))
+    K.launch(
+        f"twell_scatter_dense<{t}>",
+        m * nt * cap,
+        _BLOCK,
+        (parts.data, parts.indices, parts.counts, np.int32(m), np.int32(nt), np.int32(tile_n), np.int32(cap), out, ld),
+    )
     if parts.spill_data.size:
-        K.launch(f"spill_scatter_dense<{t}>", m * 32, _BLOCK,
-                 (parts.spill_indptr, parts.spill_indices, parts.spill_data, np.int32(m), out, ld))
+        K.launch(
+            f"spill_scatter_dense<{t}>",
+            m * 32,
+            _BLOCK,
+            (parts.spill_indptr, parts.spill_indices, parts.spill_data, np.int32(m), out, ld),
+        )
     return out
 
 
@@ -139,9 +146,21 @@ def parts_to_csr(parts: TwELLParts, shape: tuple[int, int], tile_n: int) -> tupl
     nt, cap = parts.data.shape[1], parts.data.shape[2]
     totals = cp.empty((m, nt), dtype=cp.int32)
     spill_start = cp.empty((m, nt), dtype=cp.int32)
-    K.launch("twell_tile_totals", m * nt, _BLOCK,
-             (parts.counts, parts.spill_indptr, parts.spill_indices, np.int32(m), np.int32(nt),
-              np.int32(tile_n), totals, spill_start))
+    K.launch(
+        "twell_tile_totals",
+        m * nt,
+        _BLOCK,
+        (
+            parts.counts,
+            parts.spill_indptr,
+            parts.spill_indices,
+            np.int32(m),
+            np.int32(nt),
+            np.int32(tile_n),
+            totals,
+            spill_start,
+        ),
+    )
     flat = totals.reshape(-1).astype(cp.int64)
     ends = cp.cumsum(flat)
     offsets = ends - flat
@@ -152,11 +171,40 @@ def parts_to_csr(parts: TwELLParts, shape: tuple[int, int], tile_n: int) -> tupl
     cols = cp.empty(nnz, dtype=cp.int32)
     vals = cp.empty(nnz, dtype=parts.data.dtype)
     t = K.CXX_TYPE[parts.data.dtype]
-    K.launch(f"twell_slots_to_csr<{t}>", m * nt * cap, _BLOCK,
-             (parts.data, parts.indices, parts.counts, offsets, np.int32(m), np.int32(nt),
-              np.int32(tile_n), np.int32(cap), cols, vals))
+    K.launch(
+        f"twell_slots_to_csr<{t}>",
+        m * nt * cap,
+        _BLOCK,
+        (
+            parts.data,
+            parts.indices,
+            parts.counts,
+            offsets,
+            np.int32(m),
+            np.int32(nt),
+            np.int32(tile_n),
+            np.int32(cap),
+            cols,
+            vals,
+        ),
+    )
     if parts.spill_data.size:
-        K.launch(f"twell_spill_to_csr<{t}>", int(parts.spill_data.size), _BLOCK,
-                 (parts.spill_indptr, parts.spill_indices, parts.spill_data, parts.counts, spill_start,
-                  offsets, np.int32(m), np.int32(nt), np.int32(tile_n), cols, vals))
+        K.launch(
+            f"twell_spill_to_csr<{t}>",
+            int(parts.spill_data.size),
+            _BLOCK,
+            (
+                parts.spill_indptr,
+                parts.spill_indices,
+                parts.spill_data,
+                parts.counts,
+                spill_start,
+                offsets,
+                np.int32(m),
+                np.int32(nt),
+                np.int32(tile_n),
+                cols,
+                vals,
+            ),
+        )
     return vals, cols, indptr

@@ -20,8 +20,15 @@ def _cp() -> Any:
 
 def _geometry(parts: TwELLParts, tile_n: int) -> tuple:
     return (
-        parts.data, parts.indices, parts.counts, parts.spill_indptr, parts.spill_indices, parts.spill_data,
-        np.int32(parts.data.shape[1]), np.int32(tile_n), np.int32(parts.data.shape[2]),
+        parts.data,
+        parts.indices,
+        parts.counts,
+        parts.spill_indptr,
+        parts.spill_indices,
+        parts.spill_data,
+        np.int32(parts.data.shape[1]),
+        np.int32(tile_n),
+        np.int32(parts.data.shape[2]),
     )
 
 
@@ -36,8 +43,9 @@ def spmm(parts: TwELLParts, tile_n: int, b: Any, out: Any) -> Any:
     k = b.shape[1]
     ldo = np.int64(max(out.strides[0] // out.itemsize, k, 1))
     expr = f"twell_spmm<{K.CXX_TYPE[b.dtype]}, {K.SPMM_VPT}>"
-    K.launch_grid(expr, (m, _k_grid(k)), (K.SPMM_THREADS,),
-                  (*_geometry(parts, tile_n), b, np.int64(ldb), np.int32(k), out, ldo))
+    K.launch_grid(
+        expr, (m, _k_grid(k)), (K.SPMM_THREADS,), (*_geometry(parts, tile_n), b, np.int64(ldb), np.int32(k), out, ldo)
+    )
     return out
 
 
@@ -50,8 +58,12 @@ def spmm_transposed(parts: TwELLParts, tile_n: int, n_cols: int, g: Any, out: An
     acc = cp.float64 if g.dtype == cp.float64 else cp.float32
     ws = cp.zeros((n_cols, k), dtype=acc)
     t = K.CXX_TYPE[g.dtype]
-    K.launch_grid(f"twell_spmm_t<{t}, {K.SPMM_VPT}>", (m, _k_grid(k)), (K.SPMM_THREADS,),
-                  (*_geometry(parts, tile_n), g, np.int64(ldg), np.int32(k), ws))
+    K.launch_grid(
+        f"twell_spmm_t<{t}, {K.SPMM_VPT}>",
+        (m, _k_grid(k)),
+        (K.SPMM_THREADS,),
+        (*_geometry(parts, tile_n), g, np.int64(ldg), np.int32(k), ws),
+    )
     ldo = np.int64(max(out.strides[0] // out.itemsize, k, 1))
     K.launch(f"twell_cast_from_acc<{t}>", n_cols * k, 256, (ws, np.int64(n_cols), np.int32(k), out, ldo))
     return out
@@ -67,13 +79,44 @@ def sddmm(parts: TwELLParts, tile_n: int, x: Any, y: Any, scale: bool) -> TwELLP
     k = np.int32(x.shape[1])
     t, s = K.CXX_TYPE[x.dtype], "true" if scale else "false"
     data = cp.empty(parts.data.shape, dtype=x.dtype)  # the pattern's dtype may differ
-    K.launch(f"twell_sddmm_slots<{t}, {s}>", m * nt * 32, 256,
-             (x, np.int64(ldx), y, np.int64(ldy), k, parts.data, parts.indices, parts.counts,
-              np.int32(m), np.int32(nt), np.int32(tile_n), np.int32(cap), data))
+    K.launch(
+        f"twell_sddmm_slots<{t}, {s}>",
+        m * nt * 32,
+        256,
+        (
+            x,
+            np.int64(ldx),
+            y,
+            np.int64(ldy),
+            k,
+            parts.data,
+            parts.indices,
+            parts.counts,
+            np.int32(m),
+            np.int32(nt),
+            np.int32(tile_n),
+            np.int32(cap),
+            data,
+        ),
+    )
     spill = cp.empty(parts.spill_data.shape, dtype=x.dtype)
-    K.launch(f"twell_sddmm_spill<{t}, {s}>", int(spill.size) * 32, 256,
-             (x, np.int64(ldx), y, np.int64(ldy), k, parts.spill_indptr, parts.spill_indices,
-              parts.spill_data, np.int32(m), spill))
+    K.launch(
+        f"twell_sddmm_spill<{t}, {s}>",
+        int(spill.size) * 32,
+        256,
+        (
+            x,
+            np.int64(ldx),
+            y,
+            np.int64(ldy),
+            k,
+            parts.spill_indptr,
+            parts.spill_indices,
+            parts.spill_data,
+            np.int32(m),
+            spill,
+        ),
+    )
     return parts._replace(data=data, spill_data=spill)
 
 
@@ -104,6 +147,25 @@ def gemm_nt(x: Any, w: Any) -> Any:
     beta = np.zeros(1, dtype=alpha.dtype)
     handle = cp.cuda.device.get_cublas_handle()
     # Row-major out (M x F) is column-major out^T (F x M) = w (op T on its K x F view) @ x^T.
-    cublas.gemmEx(handle, _OP_T, _OP_N, f, m, k, alpha.ctypes.data, w.data.ptr, dt, k, x.data.ptr, dt, k,
-                  beta.ctypes.data, out.data.ptr, dt, f, _COMPUTE_64F if wide else _COMPUTE_32F, _GEMM_DEFAULT)
+    cublas.gemmEx(
+        handle,
+        _OP_T,
+        _OP_N,
+        f,
+        m,
+        k,
+        alpha.ctypes.data,
+        w.data.ptr,
+        dt,
+        k,
+        x.data.ptr,
+        dt,
+        k,
+        beta.ctypes.data,
+        out.data.ptr,
+        dt,
+        f,
+        _COMPUTE_64F if wide else _COMPUTE_32F,
+        _GEMM_DEFAULT,
+    )
     return out

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import importlib.resources
 import itertools
-import importlib
 import re
 from typing import Any
 
@@ -37,10 +37,6 @@ ACTIVATION_ID = {"relu": 0, "relu2": 1, "silu": 2, "gelu": 3, "identity": 4}
 #: Values per thread of the SpMM kernels (template argument).
 SPMM_VPT = 4
 SPMM_THREADS = 128
-
-
-def _cxx(dtype: Any) -> str:
-    return CXX_TYPE[np.dtype(dtype)]
 
 
 def _instantiations() -> dict[str, list[str]]:
@@ -116,18 +112,23 @@ def read_source(name: str) -> str:
     return _LOCAL_INCLUDE.sub(expand, _resource_text(name))
 
 
+def _value_type_of(expression: str) -> str:
+    """First template argument of a name expression ("" for a plain kernel)."""
+    return expression.partition("<")[2].split(",")[0].rstrip(">").strip()
+
+
 @functools.cache
-def _module(name: str, device_id: int) -> Any:
-    """The compiled module of one source on one device (memoised per device)."""
+def _module(name: str, value_type: str, device_id: int) -> Any:
+    """One source's instantiations for one value type, compiled for one device (memoised).
+
+    Compiling per value type keeps the first call of an op to the code it needs.
+    """
     cp = cupy_module()
     if cp is None:
         raise RuntimeError("GPU kernels need CuPy: pip install 'twellsparse[cuda12]' or '[cuda13]'")
+    expressions = [e for e in INSTANTIATIONS[name] if _value_type_of(e) == value_type]
     with cp.cuda.Device(device_id):
-        mod = cp.RawModule(
-            code=read_source(name),
-            options=compile_options(),
-            name_expressions=INSTANTIATIONS[name],
-        )
+        mod = cp.RawModule(code=read_source(name), options=compile_options(), name_expressions=expressions)
         mod.compile()
     return mod
 
@@ -141,7 +142,7 @@ def _source_of(expression: str) -> str:
 
 @functools.cache
 def _function(expression: str, device_id: int) -> Any:
-    return _module(_source_of(expression), device_id).get_function(expression)
+    return _module(_source_of(expression), _value_type_of(expression), device_id).get_function(expression)
 
 
 def get_kernel(expression: str) -> Any:

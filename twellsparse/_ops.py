@@ -34,7 +34,9 @@ def _dense(x: Any, name: str, ndim: int | tuple[int, ...] = 2) -> Any:
 def _same_device(ref_name: str, ref_arr: Any, **arrays: Any) -> None:
     for name, a in arrays.items():
         if device_name(a) != device_name(ref_arr):
-            raise ValueError(f"{name}: expected an array on {device_name(ref_arr)} like {ref_name}, got one on {device_name(a)}")
+            raise ValueError(
+                f"{name}: expected an array on {device_name(ref_arr)} like {ref_name}, got one on {device_name(a)}"
+            )
 
 
 def _cast_parts(parts: TwELLParts, dtype: Any) -> TwELLParts:
@@ -63,7 +65,7 @@ def matmul(a: Any, b: Any, *, out: Any = None) -> Any:
     if not isinstance(a, (twell_array, twell_transpose)):
         raise TypeError(f"a: expected a twell_array or its .T, got {type(a).__name__}")
     transposed = isinstance(a, twell_transpose)
-    base = a.base if transposed else a
+    base: twell_array = a.base if isinstance(a, twell_transpose) else a
     bb = _dense(b, "b", (1, 2))
     _same_device("a", base.data, b=bb)
     vector = bb.ndim == 1
@@ -90,7 +92,9 @@ def matmul(a: Any, b: Any, *, out: Any = None) -> Any:
     return result
 
 
-def _matmul_gpu(base: twell_array, b: Any, dt: Any, shape: tuple[int, int], transposed: bool, out: Any, vector: bool) -> Any:
+def _matmul_gpu(
+    base: twell_array, b: Any, dt: Any, shape: tuple[int, int], transposed: bool, out: Any, vector: bool
+) -> Any:
     import cupy as cp
 
     from . import _gpu_ops

@@ -133,7 +133,7 @@ def pack_dense(
 
 def unpack_coo(parts: TwELLParts, tile_n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """All stored entries as COO (rows, global columns, values), sorted by row then column."""
-    m, nt, cap = parts.data.shape
+    m, _nt, cap = parts.data.shape
     used = np.arange(cap) < parts.counts[..., None]
     r, t, s = np.nonzero(used)
     cols = t.astype(np.int64) * tile_n + parts.indices[r, t, s]
@@ -187,11 +187,12 @@ def matmul_transposed(parts: TwELLParts, shape, tile_n: int, g: np.ndarray, out_
     return np.asarray(a.T @ g.astype(np.float64)).astype(out_dtype)
 
 
-def sddmm_values(parts: TwELLParts, tile_n: int, x: np.ndarray, y: np.ndarray, out_dtype,
-                 scale: bool = False) -> TwELLParts:
+def sddmm_values(
+    parts: TwELLParts, tile_n: int, x: np.ndarray, y: np.ndarray, out_dtype, scale: bool = False
+) -> TwELLParts:
     """Parts with the pattern of ``parts`` and values ``x[i] . y[j]`` (times the pattern's value
     when ``scale``), computed in float64. Unused slots stay zero."""
-    m, nt, cap = parts.data.shape
+    m, _nt, cap = parts.data.shape
     x64, y64 = x.astype(np.float64), y.astype(np.float64)
     used = np.arange(cap) < parts.counts[..., None]
     r, t, s = np.nonzero(used)

@@ -17,7 +17,6 @@ from ._backend import (
     device_name,
     is_cupy_array,
     result_dtype,
-    to_device_like,
     value_dtype,
 )
 from ._errors import TwELLFallbackWarning, TwELLFormatError
@@ -27,7 +26,6 @@ from ._validation import (
     check_ndim,
     check_overflow,
     check_shape,
-    check_threshold,
     check_tile_n,
     n_tiles,
 )
@@ -168,9 +166,11 @@ class twell_array:
         arrays = [as_array(a, names[i]) for i, a in enumerate(arg)]
         data = arrays[0]
         xp = array_module(data)
-        for name, a in zip(names[1:], arrays[1:]):
+        for name, a in zip(names[1:], arrays[1:], strict=False):
             if device_name(a) != device_name(data):
-                raise ValueError(f"{name}: expected an array on {device_name(data)} like data, got one on {device_name(a)}")
+                raise ValueError(
+                    f"{name}: expected an array on {device_name(data)} like data, got one on {device_name(a)}"
+                )
         if len(arrays) == 3:
             m = shape[0]
             arrays += [xp.empty(0, dtype=data.dtype), xp.empty(0, dtype=xp.int32), xp.zeros(m + 1, dtype=xp.int32)]
@@ -178,7 +178,9 @@ class twell_array:
             raise ValueError(f"capacity: expected data.shape[2] ({data.shape[2]}), got {capacity}")
         vdt = value_dtype(dt or data.dtype, "data.dtype")
         parts = TwELLParts(*arrays)
-        parts = parts._replace(data=parts.data.astype(vdt, copy=False), spill_data=parts.spill_data.astype(vdt, copy=False))
+        parts = parts._replace(
+            data=parts.data.astype(vdt, copy=False), spill_data=parts.spill_data.astype(vdt, copy=False)
+        )
         _check_parts(parts, shape, tile_n, full=False)
         self._set(parts, shape, tile_n)
 
@@ -264,7 +266,9 @@ class twell_array:
         if out is None:
             return dense
         if tuple(out.shape) != self.shape or out.dtype != self.dtype:
-            raise ValueError(f"out: expected shape {self.shape} and dtype {self.dtype.name}, got {tuple(out.shape)} {out.dtype}")
+            raise ValueError(
+                f"out: expected shape {self.shape} and dtype {self.dtype.name}, got {tuple(out.shape)} {out.dtype}"
+            )
         out[...] = dense
         return out
 
@@ -399,7 +403,9 @@ class twell_array:
         result keeps this matrix's pattern."""
         if np.isscalar(other):
             p = self._parts
-            parts = p._replace(data=p.data * p.data.dtype.type(other), spill_data=p.spill_data * p.data.dtype.type(other))
+            parts = p._replace(
+                data=p.data * p.data.dtype.type(other), spill_data=p.spill_data * p.data.dtype.type(other)
+            )
             return twell_array._from_parts(parts, self.shape, self.tile_n)
         if isinstance(other, twell_array) or sp.issparse(other) or _is_cupyx_sparse(other):
             other = other.toarray()
@@ -410,7 +416,9 @@ class twell_array:
         try:
             dense = xp.broadcast_to(dense, self.shape)
         except ValueError:
-            raise ValueError(f"other: expected a shape broadcastable to {self.shape}, got {tuple(dense.shape)}") from None
+            raise ValueError(
+                f"other: expected a shape broadcastable to {self.shape}, got {tuple(dense.shape)}"
+            ) from None
         dt = result_dtype(self.dtype, value_dtype(dense.dtype, "other.dtype"))
         return _map_values(self, lambda rows, cols, vals: vals.astype(dt) * dense[rows, cols].astype(dt))
 
@@ -423,9 +431,9 @@ class twell_array:
         return self.multiply(-1.0)
 
     def __truediv__(self, other: Any) -> twell_array:
-        if not np.isscalar(other):
+        if not isinstance(other, (int, float, np.integer, np.floating)):
             return NotImplemented
-        return self.multiply(1.0 / other)
+        return self.multiply(1.0 / float(other))
 
     def transpose(self, axes: Any = None, copy: bool = False) -> Any:
         """A lazy transposed view (``twell_transpose``): ``a.T @ g`` runs without conversion."""
@@ -466,7 +474,7 @@ def _map_values(a: twell_array, fn: Any) -> twell_array:
     """Same pattern, values ``fn(rows, cols, vals)`` (entries in canonical COO order)."""
     p = a.parts
     xp = array_module(p.data)
-    m, nt, cap = p.data.shape
+    _m, _nt, cap = p.data.shape
     used = xp.arange(cap) < p.counts[..., None]
     r, t, s = xp.nonzero(used)
     cols = t.astype(xp.int64) * a.tile_n + p.indices[r, t, s]
@@ -480,7 +488,7 @@ def _map_values(a: twell_array, fn: Any) -> twell_array:
 
 def _is_canonical(parts: TwELLParts, tile_n: int) -> bool:
     xp = array_module(parts.data)
-    m, nt, cap = parts.data.shape
+    _m, _nt, cap = parts.data.shape
     used = xp.arange(cap) < parts.counts[..., None]
     if cap > 1:
         ordered = (parts.indices[..., 1:] > parts.indices[..., :-1]) | ~used[..., 1:]
@@ -506,11 +514,13 @@ def _check_parts(parts: TwELLParts, shape: tuple[int, int], tile_n: int, full: b
     def fail(msg: str) -> None:
         raise TwELLFormatError(msg)
 
-    for name, a in zip(TwELLParts._fields, parts):
+    for name, a in zip(TwELLParts._fields, parts, strict=False):
         if device_name(a) != device_name(data):
             fail(f"{name}: expected an array on {device_name(data)} like data, got one on {device_name(a)}")
     if data.ndim != 3 or tuple(data.shape[:2]) != (m, nt):
-        fail(f"data: expected shape ({m}, {nt}, capacity) for shape {shape} and tile_n {tile_n}, got {tuple(data.shape)}")
+        fail(
+            f"data: expected shape ({m}, {nt}, capacity) for shape {shape} and tile_n {tile_n}, got {tuple(data.shape)}"
+        )
     cap = data.shape[2]
     if not 1 <= cap <= tile_n:
         fail(f"data: expected a capacity (data.shape[2]) from 1 to tile_n ({tile_n}), got {cap}")
@@ -568,4 +578,3 @@ def is_twell(obj: Any) -> bool:
 def issparse(obj: Any) -> bool:
     """True for TwELL matrices and for scipy.sparse / cupyx.scipy.sparse matrices."""
     return is_twell(obj) or sp.issparse(obj) or _is_cupyx_sparse(obj)
-

@@ -26,7 +26,7 @@ def firing_rates(n_units: int, density: float, pattern: str = "uniform", rng: An
     if pattern != "skewed":
         raise ValueError(f"pattern: expected 'uniform' or 'skewed', got {pattern!r}")
     rates = rng.lognormal(0.0, 1.0, n_units)
-    rates[rng.permutation(n_units)[: int(round(0.3 * n_units))]] = 0.0
+    rates[rng.permutation(n_units)[: round(0.3 * n_units)]] = 0.0
     target = density * n_units
     for _ in range(50):  # rescale, cap, repeat: converges in a few rounds
         rates = np.minimum(rates * (target / max(rates.sum(), 1e-300)), 0.5)

@@ -22,7 +22,7 @@ def _bits(a):
 
 def assert_parts_equal(gpu, cpu):
     """Component arrays equal bit for bit (same canonical layout on both devices)."""
-    for name, g, c in zip(ts.TwELLParts._fields, gpu.parts, cpu.parts):
+    for name, g, c in zip(ts.TwELLParts._fields, gpu.parts, cpu.parts, strict=False):
         np.testing.assert_array_equal(_bits(g.get()), _bits(c), err_msg=name)
 
 
@@ -34,8 +34,16 @@ def _random_dense(rng, m, n, density, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "m, n, tile_n, capacity, density",
-    [(37, 301, 32, 3, 0.2), (64, 1000, 256, None, 0.05), (5, 2049, 1024, 7, 0.02), (3, 70001, 256, 2, 0.01),
-     (129, 96, 64, 64, 0.9), (1, 1, 32, 1, 1.0), (0, 40, 32, None, 0.1), (7, 0, 32, None, 0.1)],
+    [
+        (37, 301, 32, 3, 0.2),
+        (64, 1000, 256, None, 0.05),
+        (5, 2049, 1024, 7, 0.02),
+        (3, 70001, 256, 2, 0.01),
+        (129, 96, 64, 64, 0.9),
+        (1, 1, 32, 1, 1.0),
+        (0, 40, 32, None, 0.1),
+        (7, 0, 32, None, 0.1),
+    ],
 )
 def test_dense_to_twell_matches_reference(cp, rng, dtype, m, n, tile_n, capacity, density):
     x = _random_dense(rng, m, n, density, dtype)
@@ -48,8 +56,11 @@ def test_dense_to_twell_matches_reference(cp, rng, dtype, m, n, tile_n, capacity
 
 def test_non_contiguous_and_fortran_inputs(cp, rng):
     x = _random_dense(rng, 50, 700, 0.1, np.float32)
-    for view in (cp.asfortranarray(cp.asarray(x)), cp.asarray(np.ascontiguousarray(x[:, ::-1]))[:, ::-1],
-                 cp.asarray(x)[::2, 3:]):
+    for view in (
+        cp.asfortranarray(cp.asarray(x)),
+        cp.asarray(np.ascontiguousarray(x[:, ::-1]))[:, ::-1],
+        cp.asarray(x)[::2, 3:],
+    ):
         expect = view.get()
         a = ts.twell_array(view, tile_n=64, capacity=4)
         np.testing.assert_array_equal(a.toarray().get(), expect)
@@ -178,5 +189,6 @@ def test_current_stream_is_used(cp, rng):
         a = ts.twell_array(cp.asarray(x), tile_n=256, capacity=8)
         out = a @ cp.asarray(b)
     s.synchronize()
-    np.testing.assert_allclose(out.get(), ref.matmul(ts.twell_array(x).parts, x.shape, 256, b, np.float64), rtol=1e-4,
-                               atol=1e-4)
+    np.testing.assert_allclose(
+        out.get(), ref.matmul(ts.twell_array(x).parts, x.shape, 256, b, np.float64), rtol=1e-4, atol=1e-4
+    )

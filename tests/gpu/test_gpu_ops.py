@@ -29,7 +29,13 @@ def _round(x, dtype):
     return np.asarray(x, dtype=np.float64).astype(dtype).astype(np.float64)
 
 
-SHAPES = [(37, 301, 19, 32, 3), (128, 5632, 64, 256, None), (5, 70001, 7, 1024, 4), (1, 1, 1, 32, 1), (300, 700, 513, 64, 2)]
+SHAPES = [
+    (37, 301, 19, 32, 3),
+    (128, 5632, 64, 256, None),
+    (5, 70001, 7, 1024, 4),
+    (1, 1, 1, 32, 1),
+    (300, 700, 513, 64, 2),
+]
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ts.bfloat16, np.float32, np.float64])
@@ -91,13 +97,16 @@ def test_sddmm(cp, rng, dtype, m, n, k, tile_n, capacity):
     assert np.all(got[~mask] == 0)
 
 
-@pytest.mark.parametrize("activation, threshold", [("relu", None), ("relu2", None), ("silu", 0.5), ("gelu", 0.5),
-                                                   ("identity", 1.0), ("relu", 0.25)])
+@pytest.mark.parametrize(
+    "activation, threshold",
+    [("relu", None), ("relu2", None), ("silu", 0.5), ("gelu", 0.5), ("identity", 1.0), ("relu", 0.25)],
+)
 def test_linear_to_twell(cp, rng, activation, threshold):
     x = rng.standard_normal((67, 48)).astype(np.float32)
     w = rng.standard_normal((600, 48)).astype(np.float32) / 7
-    a = ts.linear_to_twell(cp.asarray(x), cp.asarray(w), activation=activation, threshold=threshold, tile_n=64,
-                           capacity=4)
+    a = ts.linear_to_twell(
+        cp.asarray(x), cp.asarray(w), activation=activation, threshold=threshold, tile_n=64, capacity=4
+    )
     a.check_format(full_check=True)
     h = ref.linear_dense(x, w, activation)
     expect = np.where(ref.keep_mask(h, threshold), h, 0.0)
@@ -128,9 +137,14 @@ def _dense_same_precision(p, dtype, gated):
 
 @pytest.mark.parametrize("dtype", [ts.bfloat16, np.float16, np.float32])
 @pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("m, d_model, d_ff, density, pattern, capacity", [
-    (300, 128, 1000, 0.02, "skewed", None), (77, 96, 517, 0.05, "uniform", 2), (1, 64, 256, 0.3, "uniform", 4),
-])
+@pytest.mark.parametrize(
+    "m, d_model, d_ff, density, pattern, capacity",
+    [
+        (300, 128, 1000, 0.02, "skewed", None),
+        (77, 96, 517, 0.05, "uniform", 2),
+        (1, 64, 256, 0.3, "uniform", 4),
+    ],
+)
 def test_ffn_blocks(cp, rng, dtype, gated, m, d_model, d_ff, density, pattern, capacity):
     p = ffn_problem(m, d_model, d_ff, density, pattern, dtype, rng)
     x, wg, wu, wd = (cp.asarray(p[k]) for k in ("x", "w_gate", "w_up", "w_down"))
