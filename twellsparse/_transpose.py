@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from ._twell import twell_array
+from ._backend import as_array
+from ._twell import issparse, twell_array
 
 
 class twell_transpose:
@@ -94,12 +95,31 @@ class twell_transpose:
         return self._base.sum(axis=None if axis is None else 1 - axis % 2, dtype=dtype)
 
     def multiply(self, other: Any) -> twell_transpose:
-        if np.isscalar(other):
+        """Elementwise product (see ``twell_array.multiply``), as a transposed view."""
+        if isinstance(other, (int, float, np.integer, np.floating)):
             return twell_transpose(self._base.multiply(other))
-        return twell_transpose(self._base.multiply(other.T))
+        if issparse(other):
+            return twell_transpose(self._base.multiply(other.T))
+        dense = as_array(other, "other")
+        xp = self._base._xp()
+        try:
+            dense = xp.broadcast_to(dense, self.shape)
+        except ValueError:
+            raise ValueError(
+                f"other: expected a shape broadcastable to {self.shape}, got {tuple(dense.shape)}"
+            ) from None
+        return twell_transpose(self._base.multiply(dense.T))
 
     __mul__ = multiply
     __rmul__ = multiply
+
+    def __neg__(self) -> twell_transpose:
+        return twell_transpose(-self._base)
+
+    def __truediv__(self, other: Any) -> twell_transpose:
+        if not isinstance(other, (int, float, np.integer, np.floating)):
+            return NotImplemented
+        return twell_transpose(self._base / other)
 
     def dot(self, other: Any) -> Any:
         return self @ other
@@ -110,7 +130,6 @@ class twell_transpose:
         return matmul(self, other)
 
     def __rmatmul__(self, other: Any) -> Any:
-        from ._backend import as_array
         from ._ops import matmul
 
         x = as_array(other, "other")

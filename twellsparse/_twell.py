@@ -399,15 +399,24 @@ class twell_array:
         return xp.bincount(idx, weights=v64, minlength=length).astype(out_dt)
 
     def multiply(self, other: Any) -> twell_array:
-        """Elementwise product with a scalar or a dense array broadcastable to ``shape``; the
-        result keeps this matrix's pattern."""
-        if np.isscalar(other):
+        """Elementwise product with a scalar, a dense array broadcastable to ``shape``, or another
+        sparse matrix; the result keeps this matrix's pattern.
+
+        Dtypes promote as in NumPy: a Python scalar keeps this matrix's dtype, a NumPy scalar or
+        array promotes (float32 * float64 scalar is float64).
+        """
+        if isinstance(other, (np.integer, np.floating)):
+            dt = value_dtype(np.result_type(self.dtype, other), "other.dtype")
+            scalar = dt.type(other)
             p = self._parts
-            parts = p._replace(
-                data=p.data * p.data.dtype.type(other), spill_data=p.spill_data * p.data.dtype.type(other)
-            )
+            parts = p._replace(data=p.data.astype(dt) * scalar, spill_data=p.spill_data.astype(dt) * scalar)
             return twell_array._from_parts(parts, self.shape, self.tile_n)
-        if isinstance(other, twell_array) or sp.issparse(other) or _is_cupyx_sparse(other):
+        if isinstance(other, (int, float)):  # after NumPy scalars: np.float64 is a float
+            scalar = self.dtype.type(other)
+            p = self._parts
+            parts = p._replace(data=p.data * scalar, spill_data=p.spill_data * scalar)
+            return twell_array._from_parts(parts, self.shape, self.tile_n)
+        if is_twell(other) or sp.issparse(other) or _is_cupyx_sparse(other):
             other = other.toarray()
         dense = as_array(other, "other")
         if device_name(dense) != device_name(self.data):
@@ -534,7 +543,7 @@ def _check_parts(parts: TwELLParts, shape: tuple[int, int], tile_n: int, full: b
         fail(f"spill_indices: expected 1-D int32 of length {sdata.size}, got {sind.dtype} {tuple(sind.shape)}")
     if tuple(sptr.shape) != (m + 1,) or sptr.dtype != np.int32:
         fail(f"spill_indptr: expected int32 of shape ({m + 1},), got {sptr.dtype} {tuple(sptr.shape)}")
-    if m and (int(sptr[0]) != 0 or int(sptr[-1]) != sdata.size):
+    if int(sptr[0]) != 0 or int(sptr[-1]) != sdata.size:
         fail(f"spill_indptr: expected to start at 0 and end at {sdata.size}, got {int(sptr[0])} and {int(sptr[-1])}")
     if sdata.size:
         # The kernels binary-search the spill: its columns must increase within each row.
