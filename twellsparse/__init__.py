@@ -6,6 +6,7 @@ JAX adapters (``twellsparse.torch``, ``twellsparse.jax``) are never imported fro
 
 from __future__ import annotations
 
+from . import testing
 from ._backend import bfloat16
 from ._constructors import from_dense, from_ell
 from ._errors import TwELLCapacityError, TwELLDroppedEntriesWarning, TwELLFallbackWarning, TwELLFormatError
@@ -32,6 +33,7 @@ __all__ = [
     "linear_to_twell",
     "matmul",
     "sddmm",
+    "testing",
     "twell_array",
     "twell_transpose",
 ]

@@ -1,0 +1,16 @@
+"""The README's CPU tour runs as written."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_cpu_tour_runs():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    cpu = [b for b in blocks if "cupy" not in b]
+    assert cpu, "the README has no CPU example"
+    for block in cpu:
+        exec(compile(block, str(README), "exec"), {})
