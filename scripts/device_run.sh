@@ -22,7 +22,7 @@ for step in $what; do
       python3 -m twellsparse demo 2>&1 | tee "$OUT/demo.log"
       status=$((status | ${PIPESTATUS[0]}))
       ;;&
-    sanitize)
+    sanitize|all)
       bash scripts/sanitize.sh 2>&1 | tee "$OUT/sanitize.log" | tail -30
       status=$((status | ${PIPESTATUS[0]}))
       ;;
