@@ -19,7 +19,7 @@ for step in $what; do
       status=$((status | ${PIPESTATUS[0]}))
       ;;&
     demo|all)
-      python3 -m twellsparse demo 2>&1 | tee "$OUT/demo.log"
+      python3 -m twellsparse demo --json "$OUT/demo.jsonl" 2>&1 | tee "$OUT/demo.log"
       status=$((status | ${PIPESTATUS[0]}))
       ;;&
     sanitize|all)

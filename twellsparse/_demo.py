@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -10,6 +11,7 @@ import numpy as np
 
 from . import _reference as ref
 from ._backend import gpu_available, to_host
+from ._environment import environment
 from ._ops import linear_to_twell, matmul
 from .testing import ffn_problem, rel_error
 
@@ -43,8 +45,8 @@ def _nbytes(*arrays: Any) -> int:
     return int(sum(a.nbytes for a in arrays))
 
 
-def run_demo(force_cpu: bool = False, seed: int = 0) -> list[tuple[str, str]]:
-    """Run the demo and return the table rows (also printed)."""
+def run_demo(force_cpu: bool = False, seed: int = 0, json_path: str | None = None) -> list[tuple[str, str]]:
+    """Run the demo and return the table rows (also printed); ``json_path`` appends a JSON line."""
     on_gpu = gpu_available() and not force_cpu
     if on_gpu:
         import cupy as xp
@@ -90,6 +92,19 @@ def run_demo(force_cpu: bool = False, seed: int = 0) -> list[tuple[str, str]]:
         ("relative error vs float64", f"{rel_error(out, exact):.3e}"),
         ("relative error of dense path", f"{rel_error(dense_out, exact):.3e}"),
     ]
+    if json_path:
+        record = {
+            "kind": "demo",
+            **environment(),
+            "device_path": "gpu" if on_gpu else "cpu",
+            "shape": [m, d_model, d_ff],
+            "dtype": dtype,
+            "density": h.nnz / (m * d_ff),
+            "ms": {"linear_to_twell": t_pack, "twell_matmul": t_spmm, "dense_matmul": t_dense},
+            "rel_error": {"twell": rel_error(out, exact), "dense": rel_error(dense_out, exact)},
+        }
+        with open(json_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
     width = max(len(k) for k, _ in rows)
     print("twellsparse demo: FFN-like activations through the TwELL format")
     for key, value in rows:

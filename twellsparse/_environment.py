@@ -1,0 +1,55 @@
+"""The facts every recorded measurement carries: date, GPU, driver, CUDA/CuPy versions, commit."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._backend import cupy_module, gpu_available
+
+
+def git_commit() -> str | None:
+    """The checkout's HEAD (with ``-dirty`` when it has uncommitted changes), if any."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def environment() -> dict[str, Any]:
+    """A JSON-ready description of where a measurement ran."""
+    from . import __version__
+
+    env: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "twellsparse": __version__,
+        "commit": git_commit(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+    }
+    cp = cupy_module()
+    if cp is not None:
+        env["cupy"] = cp.__version__
+    if gpu_available():
+        assert cp is not None
+        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+        env["gpu"] = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        env["sm"] = f"{props['major']}{props['minor']}"
+        env["driver"] = cp.cuda.runtime.driverGetVersion()
+        env["cuda_runtime"] = cp.cuda.runtime.runtimeGetVersion()
+        try:
+            smi = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+            )
+            env["driver_version"] = smi.stdout.strip().splitlines()[0] if smi.stdout.strip() else None
+        except OSError:
+            pass
+    return env
