@@ -12,12 +12,15 @@ from ._constructors import from_dense, from_ell
 from ._errors import TwELLCapacityError, TwELLDroppedEntriesWarning, TwELLFallbackWarning, TwELLFormatError
 from ._ops import ffn, gated_ffn, linear_to_twell, matmul, sddmm
 from ._parts import TwELLParts
+from ._plans import FFN, GatedFFN
 from ._transpose import twell_transpose
 from ._twell import is_twell, issparse, twell_array
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "FFN",
+    "GatedFFN",
     "TwELLCapacityError",
     "TwELLDroppedEntriesWarning",
     "TwELLFallbackWarning",

@@ -38,6 +38,21 @@ ACTIVATION_ID = {"relu": 0, "relu2": 1, "silu": 2, "gelu": 3, "identity": 4}
 SPMM_VPT = 4
 SPMM_THREADS = 128
 
+#: Staged kernels (twell_staged.cu): tokens per warp, threads per block, bytes per lane vector.
+STAGED_TPW = 16
+STAGED_THREADS = 256
+STAGED_VEC_BYTES = 8
+
+
+def staged_vec(dtype: Any) -> int:
+    """Elements per lane vector of the staged kernels (8 bytes)."""
+    return STAGED_VEC_BYTES // np.dtype(dtype).itemsize
+
+
+def staged_expression(dtype: Any, sddmm: bool) -> str:
+    t = CXX_TYPE[np.dtype(dtype)]
+    return f"twell_staged<{t}, {STAGED_TPW}, {staged_vec(dtype)}, {'true' if sddmm else 'false'}>"
+
 
 def _instantiations() -> dict[str, list[str]]:
     """Every template instantiation, per source file."""
@@ -60,7 +75,14 @@ def _instantiations() -> dict[str, list[str]]:
             f"twell_cast_from_acc<{t}>",
         ]
     sddmm = [f"twell_sddmm_{part}<{t}, {s}>" for part in ("slots", "spill") for t in types for s in ("false", "true")]
-    return {"twell_convert.cu": convert, "twell_spmm.cu": spmm, "twell_sddmm.cu": sddmm}
+    staged = []
+    for dt in VALUE_DTYPES:
+        t = CXX_TYPE[dt]
+        staged.append(staged_expression(dt, sddmm=False))
+        if dt.itemsize < 8:  # pair accumulators are fp32: float64 SDDMM stays on the portable path
+            staged.append(staged_expression(dt, sddmm=True))
+            staged += [f"twell_pairs_finalize<{t}, false>", f"twell_pairs_finalize<{t}, true>"]
+    return {"twell_convert.cu": convert, "twell_spmm.cu": spmm, "twell_sddmm.cu": sddmm, "twell_staged.cu": staged}
 
 
 INSTANTIATIONS: dict[str, list[str]] = _instantiations()

@@ -162,3 +162,57 @@ def test_ffn_blocks(cp, rng, dtype, gated, m, d_model, d_ff, density, pattern, c
     else:
         bound = 2.0 * rel_error(_dense_same_precision(p, dtype, gated), exact) + 1e-4
     assert rel_error(out, exact) <= bound
+
+
+STAGED_CASES = [
+    # m, n, k, tile_n, capacity, density: several token blocks, partial blocks, groups > 128 units,
+    # spill, tiny and huge tiles
+    (300, 1000, 128, 256, 4, 0.05),
+    (129, 5632, 256, 256, None, 0.01),
+    (1000, 700, 64, 1024, 8, 0.5),
+    (77, 2049, 40, 32, 2, 0.2),
+    (5, 300, 8, 64, None, 0.9),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ts.bfloat16, np.float32, np.float64])
+@pytest.mark.parametrize("m, n, k, tile_n, capacity, density", STAGED_CASES)
+def test_staged_and_portable_paths(cp, rng, dtype, m, n, k, tile_n, capacity, density):
+    from twellsparse import _gpu_ops
+
+    pattern = "skewed" if density < 0.1 else "uniform"
+    h = sparse_activations(m, n, density, pattern, dtype, rng)
+    a = ts.twell_array(cp.asarray(h), tile_n=tile_n, capacity=capacity)
+    w = rng.standard_normal((n, k)).astype(dtype)
+    x = rng.standard_normal((m, k)).astype(dtype)
+    exact = h.astype(np.float64) @ w.astype(np.float64)
+    bound = _bound(dtype, rel_error(_round(exact, dtype), exact))
+    for path in ("staged", "portable"):
+        out = cp.full((m, k), np.nan, dtype=dtype)
+        _gpu_ops.spmm(a.parts, tile_n, cp.asarray(w), out, path=path)
+        assert rel_error(out, exact) <= bound, path
+    paths = ("staged", "portable") if np.dtype(dtype).itemsize < 8 else ("portable",)
+    mask = h != 0
+    full = x.astype(np.float64) @ w.astype(np.float64).T
+    expect = np.where(mask, full * h.astype(np.float64), 0.0)
+    scale = np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T * np.abs(h.astype(np.float64))
+    tol = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5}.get(np.dtype(dtype), 1e-2)
+    for path in paths:
+        parts = _gpu_ops.sddmm(a.parts, tile_n, cp.asarray(x), cp.asarray(w), scale=True, path=path)
+        got = ts.twell_array._from_parts(parts, a.shape, tile_n).toarray().get().astype(np.float64)
+        assert np.all(np.abs(got - expect) <= tol * scale + 1e-30), path
+
+
+@pytest.mark.parametrize("dtype", [ts.bfloat16, np.float32])
+def test_plans_on_gpu(cp, rng, dtype):
+    p = ffn_problem(500, 256, 2000, 0.01, "skewed", dtype, rng)
+    x, wg, wu, wd = (cp.asarray(p[k]) for k in ("x", "w_gate", "w_up", "w_down"))
+    exact = ref.gated_ffn_dense(p["x"], p["w_gate"], p["w_up"], p["w_down"], "relu")
+    plan = ts.GatedFFN(wg, wu, wd)
+    out = plan(x)
+    bound = (
+        1e-5 if np.dtype(dtype) == np.float32 else 2 * rel_error(_dense_same_precision(p, dtype, True), exact) + 1e-4
+    )
+    assert rel_error(out, exact) <= bound
+    np.testing.assert_array_equal(out.get(), ts.gated_ffn(x, wg, wu, wd).get())
+    assert 0.005 < plan.last_stats["density"] < 0.02

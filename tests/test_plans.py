@@ -1,0 +1,42 @@
+"""FFN / GatedFFN plans on the CPU path: same results as the one-shot functions, validated once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import twellsparse as ts
+from twellsparse import _reference as ref
+from twellsparse.testing import ffn_problem, rel_error
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_plans_match_reference(rng, dtype):
+    p = ffn_problem(70, 48, 600, 0.03, "skewed", dtype, rng)
+    gated = ts.GatedFFN(p["w_gate"], p["w_up"], p["w_down"], tile_n=64, capacity=2)
+    exact = ref.gated_ffn_dense(p["x"], p["w_gate"], p["w_up"], p["w_down"], "relu")
+    tol = 1e-10 if dtype == np.float64 else 1e-5
+    assert rel_error(gated(p["x"]), exact) < tol
+    assert gated.last_stats["tokens"] == 70 and gated.last_stats["n_spilled"] > 0
+    plain = ts.FFN(p["w_gate"], p["w_down"], tile_n=64)
+    assert rel_error(plain(p["x"]), ref.ffn_dense(p["x"], p["w_gate"], p["w_down"], "relu")) < tol
+    np.testing.assert_allclose(plain(p["x"]), ts.ffn(p["x"], p["w_gate"], p["w_down"], tile_n=64), rtol=1e-6)
+
+
+def test_plan_refresh_after_in_place_update(rng):
+    p = ffn_problem(20, 16, 128, 0.1, "uniform", np.float64, rng)
+    plan = ts.FFN(p["w_gate"], p["w_down"], tile_n=32)
+    p["w_down"] *= 2.0
+    plan.refresh()
+    assert rel_error(plan(p["x"]), ref.ffn_dense(p["x"], p["w_gate"], p["w_down"], "relu")) < 1e-10
+
+
+def test_plan_validation(rng):
+    p = ffn_problem(8, 16, 64, 0.1, "uniform", np.float32, rng)
+    with pytest.raises(ValueError, match="w_down"):
+        ts.FFN(p["w_gate"], p["w_down"].T)
+    with pytest.raises(ValueError, match="w_up"):
+        ts.GatedFFN(p["w_gate"], p["w_up"][:10], p["w_down"])
+    plan = ts.FFN(p["w_gate"], p["w_down"])
+    with pytest.raises(ValueError, match="x"):
+        plan(np.ones((3, 15), np.float32))
