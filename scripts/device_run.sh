@@ -22,6 +22,14 @@ for step in $what; do
       python3 -m twellsparse demo --json "$OUT/demo.jsonl" 2>&1 | tee "$OUT/demo.log"
       status=$((status | ${PIPESTATUS[0]}))
       ;;&
+    bench|all)
+      python3 bench/ffn_bench.py --out "$OUT/ffn_bench.jsonl" 2>&1 | tee "$OUT/ffn_bench.log"
+      status=$((status | ${PIPESTATUS[0]}))
+      ;;&
+    benchquick)
+      python3 bench/ffn_bench.py --quick --densities 0.01 --patterns uniform 2>&1 | tee "$OUT/ffn_bench_quick.log"
+      status=$((status | ${PIPESTATUS[0]}))
+      ;;&
     sanitize|all)
       bash scripts/sanitize.sh 2>&1 | tee "$OUT/sanitize.log" | tail -30
       status=$((status | ${PIPESTATUS[0]}))

@@ -36,12 +36,65 @@ def _k_grid(k: int) -> int:
     return -(-k // (K.SPMM_THREADS * K.SPMM_VPT))
 
 
-def spmm(parts: TwELLParts, tile_n: int, b: Any, out: Any) -> Any:
-    """``out = A @ b``; ``b`` (N x K) and ``out`` (M x K) share A's dtype, out has unit column stride."""
+def staged_eligible(*operands: tuple[Any, int]) -> bool:
+    """Whether the staged kernels can read these (array, row stride) operands in 8-byte vectors."""
+    for arr, ld in operands:
+        vec = K.staged_vec(arr.dtype)
+        if arr.shape[1] % vec or ld % vec or arr.data.ptr % K.STAGED_VEC_BYTES:
+            return False
+    return True
+
+
+def _staged_grid(m: int, k: int, dtype: Any) -> tuple[int, int]:
+    tokens = K.STAGED_TPW * (K.STAGED_THREADS // 32)
+    return (-(-m // tokens), -(-k // (32 * K.staged_vec(dtype))))
+
+
+def _staged_parts_args(parts: TwELLParts, tile_n: int) -> tuple:
+    m, nt, cap = parts.data.shape
+    return (
+        parts.data,
+        parts.indices,
+        parts.counts,
+        parts.spill_indptr,
+        parts.spill_indices,
+        parts.spill_data,
+        np.int32(m),
+        np.int32(nt),
+        np.int32(tile_n),
+        np.int32(cap),
+    )
+
+
+def spmm(parts: TwELLParts, tile_n: int, b: Any, out: Any, path: str = "auto") -> Any:
+    """``out = A @ b``; ``b`` (N x K) and ``out`` (M x K) share A's dtype, out has unit column stride.
+
+    ``path``: ``"staged"`` (weight rows staged once per block of tokens; needs 8-byte-aligned
+    rows), ``"portable"`` (one row gather per nonzero, any layout), or ``"auto"`` (staged when
+    eligible).
+    """
     m = parts.data.shape[0]
     b, ldb = row_stride(b)
     k = b.shape[1]
     ldo = np.int64(max(out.strides[0] // out.itemsize, k, 1))
+    if path == "auto":
+        path = "staged" if staged_eligible((b, ldb)) else "portable"
+    if path == "staged":
+        args = (
+            *_staged_parts_args(parts, tile_n),
+            b,
+            np.int64(ldb),
+            np.int32(b.shape[0]),
+            np.int32(k),
+            K.null_pointer(),
+            np.int64(0),
+            out,
+            ldo,
+            K.null_pointer(),
+        )
+        grid = _staged_grid(m, k, b.dtype)
+        K.launch_grid(K.staged_expression(b.dtype, sddmm=False), grid, (K.STAGED_THREADS,), args)
+        return out
     expr = f"twell_spmm<{K.CXX_TYPE[b.dtype]}, {K.SPMM_VPT}>"
     K.launch_grid(
         expr, (m, _k_grid(k)), (K.SPMM_THREADS,), (*_geometry(parts, tile_n), b, np.int64(ldb), np.int32(k), out, ldo)
@@ -69,9 +122,10 @@ def spmm_transposed(parts: TwELLParts, tile_n: int, n_cols: int, g: Any, out: An
     return out
 
 
-def sddmm(parts: TwELLParts, tile_n: int, x: Any, y: Any, scale: bool) -> TwELLParts:
+def sddmm(parts: TwELLParts, tile_n: int, x: Any, y: Any, scale: bool, path: str = "auto") -> TwELLParts:
     """Parts with the pattern of ``parts`` and values ``x[i] . y[j]`` (times the pattern's when
-    ``scale``); x, y and the pattern share one dtype."""
+    ``scale``); x, y (and the pattern, when ``scale``) share one dtype. ``path`` as for spmm;
+    float64 always takes the portable path (the staged kernel accumulates pairs in fp32)."""
     cp = _cp()
     m, nt, cap = parts.data.shape
     x, ldx = row_stride(x)
@@ -79,11 +133,28 @@ def sddmm(parts: TwELLParts, tile_n: int, x: Any, y: Any, scale: bool) -> TwELLP
     k = np.int32(x.shape[1])
     t, s = K.CXX_TYPE[x.dtype], "true" if scale else "false"
     data = cp.empty(parts.data.shape, dtype=x.dtype)  # the pattern's dtype may differ
-    K.launch(
-        f"twell_sddmm_slots<{t}, {s}>",
-        m * nt * 32,
-        256,
-        (
+    if path == "auto":
+        path = "staged" if x.dtype.itemsize < 8 and staged_eligible((x, ldx), (y, ldy)) else "portable"
+    if path == "staged":
+        pair_acc = cp.zeros(parts.data.shape, dtype=cp.float32)
+        args = (
+            *_staged_parts_args(parts, tile_n),
+            y,
+            np.int64(ldy),
+            np.int32(y.shape[0]),
+            k,
+            x,
+            np.int64(ldx),
+            K.null_pointer(),
+            np.int64(0),
+            pair_acc,
+        )
+        grid = _staged_grid(m, int(k), x.dtype)
+        K.launch_grid(K.staged_expression(x.dtype, sddmm=True), grid, (K.STAGED_THREADS,), args)
+        finalize = (pair_acc, parts.data, parts.counts, np.int64(data.size), np.int32(cap), data)
+        K.launch(f"twell_pairs_finalize<{t}, {s}>", data.size, 256, finalize)
+    else:
+        args = (
             x,
             np.int64(ldx),
             y,
@@ -97,8 +168,8 @@ def sddmm(parts: TwELLParts, tile_n: int, x: Any, y: Any, scale: bool) -> TwELLP
             np.int32(tile_n),
             np.int32(cap),
             data,
-        ),
-    )
+        )
+        K.launch(f"twell_sddmm_slots<{t}, {s}>", m * nt * 32, 256, args)
     spill = cp.empty(parts.spill_data.shape, dtype=x.dtype)
     K.launch(
         f"twell_sddmm_spill<{t}, {s}>",

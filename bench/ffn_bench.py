@@ -1,0 +1,195 @@
+"""FFN benchmarks on the GPU: dense vs twellsparse, measured side by side in one run.
+
+The standard problem of TARGETS.md: bf16, d_model 2048, d_ff 5632, M 16384 tokens, gated
+``(relu(x Wg^T) * (x Wu^T)) Wd^T`` and non-gated ``relu(x Wu^T) Wd^T``, uniform and skewed firing
+patterns. The dense baselines run through torch (cuBLAS) when torch is installed, else through
+twellsparse's own cuBLAS call. Every timed op is first checked against the dense result.
+
+Usage: python bench/ffn_bench.py [--quick] [--m 16384] [--d-model 2048] [--d-ff 5632]
+                                 [--densities 0.005,0.01,0.02] [--out results.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import cupy as cp
+import numpy as np
+
+import twellsparse as ts
+from twellsparse._environment import environment
+from twellsparse._gpu_ops import gemm_nt
+from twellsparse.testing import ffn_problem, rel_error
+
+FLUSH_BYTES = 256 << 20  # several times the H200's 60 MB L2
+
+
+class Timer:
+    """CUDA-event timing on the current stream: warm-up, L2 flush before every rep, median."""
+
+    def __init__(self, reps: int, warmup: int = 3) -> None:
+        self.reps, self.warmup = reps, warmup
+        self._flush = cp.empty(FLUSH_BYTES // 4, dtype=cp.int32)
+
+    def __call__(self, fn: Callable[[], Any]) -> dict[str, float]:
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        for i in range(self.reps):
+            self._flush.fill(i)
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, stop))
+        t = np.asarray(times)
+        return {"median": float(np.median(t)), "p10": float(np.percentile(t, 10)), "p90": float(np.percentile(t, 90))}
+
+
+def dense_provider() -> tuple[str, Callable[[Any, Any], Any]]:
+    """(name, matmul_nt) for the dense baseline: torch if available, else cuBLAS through CuPy."""
+    try:
+        import torch
+    except ImportError:
+        return "cublas-cupy", gemm_nt
+    if not torch.cuda.is_available():
+        return "cublas-cupy", gemm_nt
+
+    def torch_nt(x: Any, w: Any) -> Any:
+        return torch.from_dlpack(x) @ torch.from_dlpack(w).T
+
+    return f"torch-{torch.__version__}", torch_nt
+
+
+def dense_ffns(x: Any, wg: Any, wu: Any, wd: Any, provider: str) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """(gated, non-gated) dense FFNs: torch (3 GEMMs + elementwise), or cuBLAS through CuPy."""
+    if provider.startswith("cublas"):
+
+        def gated() -> Any:
+            return gemm_nt(cp.maximum(gemm_nt(x, wg), 0) * gemm_nt(x, wu), wd)
+
+        def plain() -> Any:
+            return gemm_nt(cp.maximum(gemm_nt(x, wg), 0), wd)
+
+        return gated, plain
+    import torch
+
+    tx, twg, twu, twd = (torch.from_dlpack(a) for a in (x, wg, wu, wd))
+
+    def torch_gated() -> Any:
+        return (torch.relu(tx @ twg.T) * (tx @ twu.T)) @ twd.T
+
+    def torch_plain() -> Any:
+        return torch.relu(tx @ twg.T) @ twd.T
+
+    return torch_gated, torch_plain
+
+
+def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Timer) -> dict[str, Any]:
+    """Check, then time, every op for one activation pattern and density."""
+    provider, nt = dense_provider()
+    p = ffn_problem(args.m, args.d_model, args.d_ff, density, pattern, ts.bfloat16, 0, cp)
+    x, wg, wu, wd = p["x"], p["w_gate"], p["w_up"], p["w_down"]
+    dense_gated, dense_plain = dense_ffns(x, wg, wu, wd, provider)
+    gated_plan = ts.GatedFFN(wg, wu, wd)
+    plain_plan = ts.FFN(wg, wd)
+    wd_t = cp.ascontiguousarray(wd.T)
+    h = ts.linear_to_twell(x, wg)
+    h_dense = h.toarray()
+    ref_gated = cp.from_dlpack(dense_gated())
+    ref_plain = cp.from_dlpack(dense_plain())
+    errors = {
+        "gated_ffn": rel_error(gated_plan(x), ref_gated),
+        "ffn": rel_error(plain_plan(x), ref_plain),
+        "spmm": rel_error(ts.matmul(h, wd_t), ref_plain),
+    }
+    for name, err in errors.items():
+        if not err < 2e-2:
+            raise SystemExit(f"{name}: relative error {err:.3e} vs dense at {pattern} {density}; not timing")
+    rows = {
+        "dense_gemm": timer(lambda: nt(x, wg)),
+        "producer": timer(lambda: ts.linear_to_twell(x, wg)),
+        "spmm_down": timer(lambda: ts.matmul(h, wd_t)),
+        "dense_down": timer(lambda: nt(h_dense, wd)),
+        "dense_ffn": timer(dense_plain),
+        "ffn": timer(lambda: plain_plan(x)),
+        "dense_gated_ffn": timer(dense_gated),
+        "gated_ffn": timer(lambda: gated_plan(x)),
+    }
+    return {
+        "kind": "ffn",
+        "dense_provider": provider,
+        "shape": [args.m, args.d_model, args.d_ff],
+        "dtype": "bfloat16",
+        "pattern": pattern,
+        "density_target": density,
+        "density": h.nnz / (args.m * args.d_ff),
+        "n_spilled": h.n_spilled,
+        "ms": rows,
+        "speedup": {
+            "producer_vs_gemm": rows["dense_gemm"]["median"] / rows["producer"]["median"],
+            "spmm_vs_dense_down": rows["dense_down"]["median"] / rows["spmm_down"]["median"],
+            "ffn": rows["dense_ffn"]["median"] / rows["ffn"]["median"],
+            "gated_ffn": rows["dense_gated_ffn"]["median"] / rows["gated_ffn"]["median"],
+        },
+        "rel_error_vs_dense": errors,
+    }
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    timer = Timer(args.reps)
+    env = environment()
+    records = []
+    for pattern in args.patterns:
+        for density in args.densities:
+            rec = {**bench_case(args, pattern, density, timer), **env}
+            records.append(rec)
+            print(summary_line(rec), flush=True)
+    return records
+
+
+def summary_line(rec: dict[str, Any]) -> str:
+    """One line per case: medians in ms, speed-ups over dense in parentheses."""
+    ms = {k: v["median"] for k, v in rec["ms"].items()}
+    sp = rec["speedup"]
+    return " | ".join(
+        [
+            f"{rec['pattern']:>7} {rec['density']:7.3%}",
+            f"gemm {ms['dense_gemm']:.3f} producer {ms['producer']:.3f} ({1 / sp['producer_vs_gemm']:.2f}x time)",
+            f"down dense {ms['dense_down']:.3f} twell {ms['spmm_down']:.3f} ({sp['spmm_vs_dense_down']:.2f}x)",
+            f"ffn dense {ms['dense_ffn']:.3f} twell {ms['ffn']:.3f} ({sp['ffn']:.2f}x)",
+            f"gated dense {ms['dense_gated_ffn']:.3f} twell {ms['gated_ffn']:.3f} ({sp['gated_ffn']:.2f}x)",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--m", type=int, default=16384)
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--d-ff", type=int, default=5632)
+    ap.add_argument("--densities", default="0.005,0.01,0.02")
+    ap.add_argument("--patterns", default="uniform,skewed")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--quick", action="store_true", help="small problem, few reps (smoke test)")
+    ap.add_argument("--out", help="append JSON lines here")
+    args = ap.parse_args(argv)
+    args.densities = [float(d) for d in args.densities.split(",")]
+    args.patterns = args.patterns.split(",")
+    if args.quick:
+        args.m, args.d_model, args.d_ff, args.reps = 1024, 256, 1024, 3
+    records = run(args)
+    if args.out:
+        with open(args.out, "a") as f:
+            for rec in records:
+                f.write(json.dumps(rec) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
