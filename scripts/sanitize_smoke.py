@@ -22,8 +22,11 @@ for dtype in (ts.bfloat16, np.float32):
     ts.twell_array(csr_ish, tile_n=64, capacity=2)
     v, i = a.toell()
     ts.from_ell(v, i, shape=a.shape, tile_n=32, capacity=3)
-    b = cp.asarray(rng.standard_normal((301, 19)).astype(dtype))
+    b = cp.asarray(rng.standard_normal((301, 19)).astype(dtype))  # K = 19: the portable kernels
     g = cp.asarray(rng.standard_normal((37, 19)).astype(dtype))
+    b8 = cp.asarray(rng.standard_normal((301, 24)).astype(dtype))  # K = 24: the staged kernels
+    a @ b8
+    ts.sddmm(cp.asarray(rng.standard_normal((37, 24)).astype(dtype)), b8, a)
     a @ b
     a.T @ g
     ts.sddmm(g, b, a)
