@@ -9,13 +9,18 @@
 
 using namespace twell;
 
-// One warp per (row, tile): lanes read consecutive runs of V columns, keep the entries the
+template <typename T, int V> struct alignas(sizeof(T) * V) Chunk {
+  T v[V];
+};
+
+// One warp per (row, tile): lanes read consecutive runs of V columns (one 16-byte load when the
+// run is whole and `vector_ok` says rows are 16-byte aligned), keep the entries the
 // activation/threshold selects, and a warp prefix sum gives each kept entry its slot, so the
 // output is canonical (columns increasing) with no sort.
 template <typename T, int ACT>
 __global__ void __launch_bounds__(256) dense_to_twell(
-    const T* __restrict__ x, long long ldx, int M, int N, int tile_n, int n_tiles, int capacity,
-    double threshold, T* __restrict__ data, short* __restrict__ indices, int* __restrict__ counts,
+    const T* __restrict__ x, long long ldx, int vector_ok, int M, int N, int tile_n, int n_tiles,
+    int capacity, double threshold, T* __restrict__ data, short* __restrict__ indices, int* __restrict__ counts,
     int* __restrict__ row_tile_nnz, const long long* __restrict__ spill_offsets,
     int* __restrict__ spill_indices, T* __restrict__ spill_data) {
   using A = typename acc_of<T>::type;
@@ -39,14 +44,21 @@ __global__ void __launch_bounds__(256) dense_to_twell(
     T v[V];
     bool k[V];
     int local = 0;
+    const int c0 = base + lane * V;
+    if (vector_ok && c0 + V <= col_end) {
+      const Chunk<T, V> chunk = *reinterpret_cast<const Chunk<T, V>*>(xrow + c0);
+#pragma unroll
+      for (int j = 0; j < V; ++j) v[j] = chunk.v[j];
+    } else {
+#pragma unroll
+      for (int j = 0; j < V; ++j) v[j] = c0 + j < col_end ? xrow[c0 + j] : zero_value<T>();
+    }
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      const int c = base + lane * V + j;
       k[j] = false;
-      if (c < col_end) {
-        const T raw = xrow[c];
+      if (c0 + j < col_end) {
         // Non-identity activations store the activated value rounded to T, and decide on it.
-        v[j] = ACT == ACT_IDENTITY ? raw : from_acc<T>(activate<ACT>(to_acc(raw)));
+        if (ACT != ACT_IDENTITY) v[j] = from_acc<T>(activate<ACT>(to_acc(v[j])));
         k[j] = keep(to_acc(v[j]), threshold);
         local += k[j];
       }

@@ -26,7 +26,7 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-constexpr int kGroup = 128;  // units staged at once: 128 rows x 8 bytes x 32 lanes = 32 KB
+constexpr int kGroup = 128;  // rows per stage: 128 rows x 32 lanes x 8 bytes = 32 KB
 
 template <typename T, int VEC> struct alignas(sizeof(T) * VEC) Vec {
   T v[VEC];
@@ -40,7 +40,19 @@ template <typename A> __device__ __forceinline__ A warp_sum(A v) {
 
 }  // namespace
 
-template <typename T, int TPW, int VEC, bool SDDMM>
+__device__ __forceinline__ void cp_async_8(void* smem_dst, const void* gmem_src) {
+  unsigned dst;
+  asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(dst) : "l"(smem_dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(gmem_src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Dynamic shared memory: STAGES row buffers, then per-tile unit masks and ranks, then the list of
+// stages (tile, first rank). The host sizes it with staged_smem_bytes() in _gpu_ops.py.
+template <typename T, int TPW, int VEC, bool SDDMM, int STAGES>
 __global__ void __launch_bounds__(kThreads) twell_staged(
     const T* __restrict__ data, const short* __restrict__ indices, const int* __restrict__ counts,
     const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
@@ -49,15 +61,86 @@ __global__ void __launch_bounds__(kThreads) twell_staged(
     long long ldx, T* __restrict__ out, long long ldo, float* __restrict__ pair_acc) {
   using A = typename acc_of<T>::type;
   using V = Vec<T, VEC>;
+  using Rows = V[kGroup][32];
   constexpr int DC = 32 * VEC;
-  __shared__ V rows[kGroup][32];
-  __shared__ unsigned mask[32];  // one bit per unit of the current tile (tile_n <= 1024)
-  __shared__ int rank_base[32];  // rows staged before each mask word
+  extern __shared__ __align__(16) unsigned char smem[];
+  Rows* rows = reinterpret_cast<Rows*>(smem);
+  const int words = tile_n >> 5;
+  unsigned* masks = reinterpret_cast<unsigned*>(smem + STAGES * sizeof(Rows));
+  int* ranks = reinterpret_cast<int*>(masks + n_tiles * words);
+  int* tile_active = ranks + n_tiles * words;
+  const int max_stages = n_tiles * ((tile_n + kGroup - 1) / kGroup);
+  int* stage_tile = tile_active + n_tiles;
+  int* stage_first = stage_tile + max_stages;
+  __shared__ int n_stages;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const long long tok0 = (long long)blockIdx.x * (kWarps * TPW) + warp * TPW;
   const int col = blockIdx.y * DC + lane * VEC;
   const bool col_ok = col < K;  // K % VEC == 0, so the whole vector is in range
+
+  // 1. Which units each tile needs: the union over the block's tokens (one pass over their rows).
+  for (int i = threadIdx.x; i < n_tiles * words; i += kThreads) masks[i] = 0u;
+  __syncthreads();
+  for (int i = 0; i < TPW; ++i) {
+    const long long row = tok0 + i;
+    if (row >= M) break;
+    for (int e = lane; e < n_tiles * capacity; e += 32) {
+      const int tile = e / capacity;
+      if (e - tile * capacity >= counts[row * n_tiles + tile]) continue;
+      const int idx = indices[row * n_tiles * capacity + e];
+      atomicOr(&masks[tile * words + (idx >> 5)], 1u << (idx & 31));
+    }
+  }
+  __syncthreads();
+  // 2. Ranks of active units within each tile, and the list of stages (kGroup rows each).
+  for (int tile = warp; tile < n_tiles; tile += kWarps) {
+    const int c = lane < words ? __popc(masks[tile * words + lane]) : 0;
+    int incl = c;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int t = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += t;
+    }
+    if (lane < words) ranks[tile * words + lane] = incl - c;
+    if (lane == 31) tile_active[tile] = incl;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int n = 0;
+    for (int tile = 0; tile < n_tiles; ++tile)
+      for (int first = 0; first < tile_active[tile]; first += kGroup) {
+        stage_tile[n] = tile;
+        stage_first[n] = first;
+        ++n;
+      }
+    n_stages = n;
+  }
+  __syncthreads();
+  const int total = n_stages;
+
+  // 3. A STAGES-deep cp.async pipeline over the stages: rows of stage q land in buffer q % STAGES.
+  auto issue = [&](int q) {
+    const int tile = stage_tile[q], first = stage_first[q];
+    Rows& buf = rows[q % STAGES];
+    for (int i = threadIdx.x; i < tile_n * 32; i += kThreads) {
+      const int unit = i >> 5, v = i & 31;
+      const unsigned m = masks[tile * words + (unit >> 5)];
+      if (!((m >> (unit & 31)) & 1u)) continue;
+      const int r = ranks[tile * words + (unit >> 5)] + __popc(m & ((1u << (unit & 31)) - 1u)) - first;
+      if (r < 0 || r >= kGroup) continue;
+      const int c = blockIdx.y * DC + v * VEC;
+      const long long j = (long long)tile * tile_n + unit;
+      if (c < K && j < n_units) {
+        cp_async_8(&buf[r][v], w + j * ldw + c);
+      } else {
+        V z;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) z.v[e] = zero_value<T>();
+        buf[r][v] = z;
+      }
+    }
+  };
 
   A acc[TPW][VEC];  // SpMM: output accumulators; SDDMM: this lane's slice of x's chunk
 #pragma unroll
@@ -69,82 +152,45 @@ __global__ void __launch_bounds__(kThreads) twell_staged(
     for (int v = 0; v < VEC; ++v) acc[i][v] = load ? to_acc(xv.v[v]) : A(0);
   }
 
-  const int words = (tile_n + 31) >> 5;
-  for (int u = 0; u < n_tiles; ++u) {
-    // 1. The union of this tile's active units over the block's tokens.
-    if (threadIdx.x < 32) mask[threadIdx.x] = 0u;
+#pragma unroll
+  for (int q = 0; q < STAGES - 1; ++q) {
+    if (q < total) issue(q);
+    cp_async_commit();
+  }
+  for (int q = 0; q < total; ++q) {
+    if (q + STAGES - 1 < total) issue(q + STAGES - 1);
+    cp_async_commit();
+    cp_async_wait<STAGES - 1>();
     __syncthreads();
+    const int tile = stage_tile[q], first = stage_first[q];
+    const Rows& buf = rows[q % STAGES];
 #pragma unroll
     for (int i = 0; i < TPW; ++i) {
       if (tok0 + i >= M) break;
-      const long long rt = (tok0 + i) * n_tiles + u;
+      const long long rt = (tok0 + i) * n_tiles + tile;
       const int cnt = counts[rt];
-      for (int s = lane; s < cnt; s += 32) {
+      for (int s = 0; s < cnt; ++s) {
         const int idx = indices[rt * capacity + s];
-        atomicOr(&mask[idx >> 5], 1u << (idx & 31));
-      }
-    }
-    __syncthreads();
-    if (warp == 0) {
-      const int c = lane < words ? __popc(mask[lane]) : 0;
-      int incl = c;
+        const unsigned m = masks[tile * words + (idx >> 5)];
+        const int r = ranks[tile * words + (idx >> 5)] + __popc(m & ((1u << (idx & 31)) - 1u)) - first;
+        if (r < 0 || r >= kGroup) continue;  // warp-uniform: another stage holds this row
+        const V wv = buf[r][lane];
+        if (SDDMM) {
+          A p = A(0);
 #pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int t = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += t;
-      }
-      rank_base[lane] = incl - c;
-    }
-    __syncthreads();
-    const int n_active = rank_base[31] + (words == 32 ? __popc(mask[31]) : 0);
-    // 2. Stage the active rows, kGroup at a time (rank order = unit order).
-    for (int g0 = 0; g0 < n_active; g0 += kGroup) {
-      for (int i = threadIdx.x; i < tile_n * 32; i += kThreads) {
-        const int unit = i >> 5, v = i & 31;
-        const unsigned m = mask[unit >> 5];
-        if (!((m >> (unit & 31)) & 1u)) continue;
-        const int r = rank_base[unit >> 5] + __popc(m & ((1u << (unit & 31)) - 1u)) - g0;
-        if (r < 0 || r >= kGroup) continue;
-        const int c = blockIdx.y * DC + v * VEC;
-        const long long j = (long long)u * tile_n + unit;
-        V val;
-        if (c < K && j < n_units) {
-          val = *reinterpret_cast<const V*>(w + j * ldw + c);
+          for (int v = 0; v < VEC; ++v) p += acc[i][v] * to_acc(wv.v[v]);
+          p = warp_sum(p);
+          if (lane == 0) atomicAdd(pair_acc + rt * capacity + s, (float)p);
         } else {
+          const A h = to_acc(data[rt * capacity + s]);
 #pragma unroll
-          for (int e = 0; e < VEC; ++e) val.v[e] = zero_value<T>();
-        }
-        rows[r][v] = val;
-      }
-      __syncthreads();
-      // 3. Apply the staged rows to every nonzero of the block's tokens in this group.
-#pragma unroll
-      for (int i = 0; i < TPW; ++i) {
-        if (tok0 + i >= M) break;
-        const long long rt = (tok0 + i) * n_tiles + u;
-        const int cnt = counts[rt];
-        for (int s = 0; s < cnt; ++s) {
-          const int idx = indices[rt * capacity + s];
-          const unsigned m = mask[idx >> 5];
-          const int r = rank_base[idx >> 5] + __popc(m & ((1u << (idx & 31)) - 1u)) - g0;
-          if (r < 0 || r >= kGroup) continue;  // warp-uniform: another group holds it
-          const V wv = rows[r][lane];
-          if (SDDMM) {
-            A p = A(0);
-#pragma unroll
-            for (int v = 0; v < VEC; ++v) p += acc[i][v] * to_acc(wv.v[v]);
-            p = warp_sum(p);
-            if (lane == 0) atomicAdd(pair_acc + rt * capacity + s, (float)p);
-          } else {
-            const A h = to_acc(data[rt * capacity + s]);
-#pragma unroll
-            for (int v = 0; v < VEC; ++v) acc[i][v] += h * to_acc(wv.v[v]);
-          }
+          for (int v = 0; v < VEC; ++v) acc[i][v] += h * to_acc(wv.v[v]);
         }
       }
-      __syncthreads();
     }
+    __syncthreads();  // buffer q % STAGES is refilled by the next iteration's issue
   }
+  cp_async_wait<0>();
   if (SDDMM) return;  // spilled pairs are handled by twell_sddmm_spill
   // Spilled entries (rare by design): gather their rows directly.
 #pragma unroll

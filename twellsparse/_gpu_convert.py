@@ -75,7 +75,9 @@ def dense_to_parts(
     row_tile_nnz = cp.empty((m, nt), dtype=cp.int32)
     expr = f"dense_to_twell<{K.CXX_TYPE[x.dtype]}, {K.ACTIVATION_ID[activation]}>"
     thr = np.float64(-1.0 if threshold is None else threshold)
-    head = (x, np.int64(ldx), np.int32(m), np.int32(n), np.int32(tile_n), np.int32(nt), np.int32(capacity), thr)
+    vector_ok = np.int32(ldx * x.itemsize % 16 == 0 and x.data.ptr % 16 == 0 and tile_n * x.itemsize % 16 == 0)
+    geometry = (np.int32(m), np.int32(n), np.int32(tile_n), np.int32(nt), np.int32(capacity), thr)
+    head = (x, np.int64(ldx), vector_ok, *geometry)
 
     def run(offsets: Any, spill_indices: Any, spill_data: Any) -> None:
         args = (*head, data, indices, counts, row_tile_nnz, offsets, spill_indices, spill_data)

@@ -36,8 +36,16 @@ def _k_grid(k: int) -> int:
     return -(-k // (K.SPMM_THREADS * K.SPMM_VPT))
 
 
-def staged_eligible(*operands: tuple[Any, int]) -> bool:
-    """Whether the staged kernels can read these (array, row stride) operands in 8-byte vectors."""
+#: Dynamic shared memory the staged kernels may use (Hopper allows 227 KB per block; two blocks
+#: per multiprocessor need at most about half of it each).
+STAGED_SMEM_LIMIT = 110 * 1024
+
+
+def staged_eligible(parts: TwELLParts, tile_n: int, *operands: tuple[Any, int]) -> bool:
+    """Whether the staged kernels can run: 8-byte vector reads of the (array, row stride) operands,
+    and per-tile metadata that fits shared memory."""
+    if K.staged_smem_bytes(parts.data.shape[1], tile_n) > STAGED_SMEM_LIMIT:
+        return False
     for arr, ld in operands:
         vec = K.staged_vec(arr.dtype)
         if arr.shape[1] % vec or ld % vec or arr.data.ptr % K.STAGED_VEC_BYTES:
@@ -78,7 +86,7 @@ def spmm(parts: TwELLParts, tile_n: int, b: Any, out: Any, path: str = "auto") -
     k = b.shape[1]
     ldo = np.int64(max(out.strides[0] // out.itemsize, k, 1))
     if path == "auto":
-        path = "staged" if staged_eligible((b, ldb)) else "portable"
+        path = "staged" if staged_eligible(parts, tile_n, (b, ldb)) else "portable"
     if path == "staged":
         args = (
             *_staged_parts_args(parts, tile_n),
@@ -93,7 +101,8 @@ def spmm(parts: TwELLParts, tile_n: int, b: Any, out: Any, path: str = "auto") -
             K.null_pointer(),
         )
         grid = _staged_grid(m, k, b.dtype)
-        K.launch_grid(K.staged_expression(b.dtype, sddmm=False), grid, (K.STAGED_THREADS,), args)
+        smem = K.staged_smem_bytes(parts.data.shape[1], tile_n)
+        K.launch_grid(K.staged_expression(b.dtype, sddmm=False), grid, (K.STAGED_THREADS,), args, smem)
         return out
     expr = f"twell_spmm<{K.CXX_TYPE[b.dtype]}, {K.SPMM_VPT}>"
     K.launch_grid(
@@ -125,7 +134,9 @@ def spmm_transposed(parts: TwELLParts, tile_n: int, n_cols: int, g: Any, out: An
 def sddmm(parts: TwELLParts, tile_n: int, x: Any, y: Any, scale: bool, path: str = "auto") -> TwELLParts:
     """Parts with the pattern of ``parts`` and values ``x[i] . y[j]`` (times the pattern's when
     ``scale``); x, y (and the pattern, when ``scale``) share one dtype. ``path`` as for spmm;
-    float64 always takes the portable path (the staged kernel accumulates pairs in fp32)."""
+    float64 always takes the portable path (the staged kernel accumulates pairs in fp32). The
+    staged kernel adds each K-chunk's partial dot products with fp32 atomics, so its results
+    can differ between runs in the last bits (the summation order varies)."""
     cp = _cp()
     m, nt, cap = parts.data.shape
     x, ldx = row_stride(x)
@@ -134,7 +145,7 @@ def sddmm(parts: TwELLParts, tile_n: int, x: Any, y: Any, scale: bool, path: str
     t, s = K.CXX_TYPE[x.dtype], "true" if scale else "false"
     data = cp.empty(parts.data.shape, dtype=x.dtype)  # the pattern's dtype may differ
     if path == "auto":
-        path = "staged" if x.dtype.itemsize < 8 and staged_eligible((x, ldx), (y, ldy)) else "portable"
+        path = "staged" if x.dtype.itemsize < 8 and staged_eligible(parts, tile_n, (x, ldx), (y, ldy)) else "portable"
     if path == "staged":
         pair_acc = cp.zeros(parts.data.shape, dtype=cp.float32)
         args = (
@@ -150,7 +161,8 @@ def sddmm(parts: TwELLParts, tile_n: int, x: Any, y: Any, scale: bool, path: str
             pair_acc,
         )
         grid = _staged_grid(m, int(k), x.dtype)
-        K.launch_grid(K.staged_expression(x.dtype, sddmm=True), grid, (K.STAGED_THREADS,), args)
+        smem = K.staged_smem_bytes(nt, tile_n)
+        K.launch_grid(K.staged_expression(x.dtype, sddmm=True), grid, (K.STAGED_THREADS,), args, smem)
         finalize = (pair_acc, parts.data, parts.counts, np.int64(data.size), np.int32(cap), data)
         K.launch(f"twell_pairs_finalize<{t}, {s}>", data.size, 256, finalize)
     else:

@@ -38,10 +38,21 @@ ACTIVATION_ID = {"relu": 0, "relu2": 1, "silu": 2, "gelu": 3, "identity": 4}
 SPMM_VPT = 4
 SPMM_THREADS = 128
 
-#: Staged kernels (twell_staged.cu): tokens per warp, threads per block, bytes per lane vector.
+#: Staged kernels (twell_staged.cu): tokens per warp, threads per block, bytes per lane vector,
+#: rows per stage, pipeline depth.
 STAGED_TPW = 16
 STAGED_THREADS = 256
 STAGED_VEC_BYTES = 8
+STAGED_GROUP = 128
+STAGED_STAGES = 3
+
+
+def staged_smem_bytes(n_tiles: int, tile_n: int) -> int:
+    """Dynamic shared memory of a staged launch (mirrors the carve-up in twell_staged.cu)."""
+    rows = STAGED_STAGES * STAGED_GROUP * 32 * STAGED_VEC_BYTES
+    words = tile_n // 32
+    max_stages = n_tiles * -(-tile_n // STAGED_GROUP)
+    return rows + 4 * (2 * n_tiles * words + n_tiles + 2 * max_stages)
 
 
 def staged_vec(dtype: Any) -> int:
@@ -51,7 +62,8 @@ def staged_vec(dtype: Any) -> int:
 
 def staged_expression(dtype: Any, sddmm: bool) -> str:
     t = CXX_TYPE[np.dtype(dtype)]
-    return f"twell_staged<{t}, {STAGED_TPW}, {staged_vec(dtype)}, {'true' if sddmm else 'false'}>"
+    mode = "true" if sddmm else "false"
+    return f"twell_staged<{t}, {STAGED_TPW}, {staged_vec(dtype)}, {mode}, {STAGED_STAGES}>"
 
 
 def _instantiations() -> dict[str, list[str]]:
@@ -182,11 +194,19 @@ def launch(expression: str, n_threads: int, threads_per_block: int, args: tuple)
     get_kernel(expression)((blocks,), (threads_per_block,), args)
 
 
-def launch_grid(expression: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple) -> None:
-    """Launch with an explicit grid on CuPy's current stream (empty grids are skipped)."""
+def launch_grid(
+    expression: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0
+) -> None:
+    """Launch with an explicit grid on CuPy's current stream (empty grids are skipped).
+
+    ``shared_mem`` bytes of dynamic shared memory; above 48 KB the kernel's limit is raised first.
+    """
     if min(grid) <= 0:
         return
-    get_kernel(expression)(grid, block, args)
+    kernel = get_kernel(expression)
+    if shared_mem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_mem:
+        kernel.max_dynamic_shared_size_bytes = shared_mem
+    kernel(grid, block, args, shared_mem=shared_mem)
 
 
 def null_pointer() -> np.uint64:

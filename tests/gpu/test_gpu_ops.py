@@ -214,5 +214,7 @@ def test_plans_on_gpu(cp, rng, dtype):
         1e-5 if np.dtype(dtype) == np.float32 else 2 * rel_error(_dense_same_precision(p, dtype, True), exact) + 1e-4
     )
     assert rel_error(out, exact) <= bound
-    np.testing.assert_array_equal(out.get(), ts.gated_ffn(x, wg, wu, wd).get())
+    # The staged SDDMM sums K-chunk partial dots with atomics: equal up to fp32 summation order.
+    again = ts.gated_ffn(x, wg, wu, wd)
+    assert rel_error(out, again) <= (2e-6 if np.dtype(dtype) == np.float32 else 1e-2)
     assert 0.005 < plan.last_stats["density"] < 0.02
