@@ -101,6 +101,7 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
     wd_t = cp.ascontiguousarray(wd.T)
     h = ts.linear_to_twell(x, wg)
     h_dense = h.toarray()
+    z = gemm_nt(x, wg)
     ref_gated = cp.from_dlpack(dense_gated())
     ref_plain = cp.from_dlpack(dense_plain())
     errors = {
@@ -114,6 +115,8 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
     rows = {
         "dense_gemm": timer(lambda: nt(x, wg)),
         "producer": timer(lambda: ts.linear_to_twell(x, wg)),
+        "gemm_cupy_cublas": timer(lambda: gemm_nt(x, wg)),
+        "pack_relu": timer(lambda: ts._convert.dense_to_twell(z, 256, 32, "spill", None, "relu")),
         "spmm_down": timer(lambda: ts.matmul(h, wd_t)),
         "dense_down": timer(lambda: nt(h_dense, wd)),
         "dense_ffn": timer(dense_plain),
@@ -168,6 +171,18 @@ def summary_line(rec: dict[str, Any]) -> str:
     )
 
 
+def profile_once(args: argparse.Namespace) -> None:
+    """Run each sparse op once after a warm-up (for ``ncu --launch-skip``-free profiling)."""
+    p = ffn_problem(args.m, args.d_model, args.d_ff, args.densities[0], args.patterns[0], ts.bfloat16, 0, cp)
+    plan = ts.GatedFFN(p["w_gate"], p["w_up"], p["w_down"])
+    plan(p["x"])
+    cp.cuda.Device().synchronize()
+    cp.cuda.profiler.start()
+    plan(p["x"])
+    cp.cuda.Device().synchronize()
+    cp.cuda.profiler.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", type=int, default=16384)
@@ -177,12 +192,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--patterns", default="uniform,skewed")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="small problem, few reps (smoke test)")
+    ap.add_argument("--profile", action="store_true", help="one call of each sparse op, for ncu")
     ap.add_argument("--out", help="append JSON lines here")
     args = ap.parse_args(argv)
     args.densities = [float(d) for d in args.densities.split(",")]
     args.patterns = args.patterns.split(",")
     if args.quick:
         args.m, args.d_model, args.d_ff, args.reps = 1024, 256, 1024, 3
+    if args.profile:
+        profile_once(args)
+        return 0
     records = run(args)
     if args.out:
         with open(args.out, "a") as f:

@@ -40,33 +40,57 @@ template <typename A> __device__ __forceinline__ A warp_sum(A v) {
 
 }  // namespace
 
-__device__ __forceinline__ void cp_async_8(void* smem_dst, const void* gmem_src) {
-  unsigned dst;
-  asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(dst) : "l"(smem_dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(gmem_src) : "memory");
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  unsigned a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+template <int BYTES> __device__ __forceinline__ void cp_async(void* smem_dst, const void* gmem_src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(smem_addr(smem_dst)), "l"(gmem_src), "n"(BYTES)
+               : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// Dynamic shared memory: STAGES row buffers, then per-tile unit masks and ranks, then the list of
-// stages (tile, first rank). The host sizes it with staged_smem_bytes() in _gpu_ops.py.
+// Per block of tokens (TT rows) and tile: which units any of its tokens activates. One thread per
+// slot; masks (n_blocks x n_tiles x tile_n / 32 words) must be zero-filled by the caller.
+__global__ void __launch_bounds__(256) twell_block_masks(
+    const short* __restrict__ indices, const int* __restrict__ counts, int M, int n_tiles, int tile_n,
+    int capacity, int tokens_per_block, unsigned* __restrict__ masks) {
+  const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (i >= (long long)M * n_tiles * capacity) return;
+  const long long rt = i / capacity;
+  if ((int)(i - rt * capacity) >= counts[rt]) return;
+  const long long row = rt / n_tiles;
+  const int tile = (int)(rt - row * n_tiles);
+  const int idx = indices[i];
+  const int words = tile_n >> 5;
+  atomicOr(&masks[((row / tokens_per_block) * n_tiles + tile) * words + (idx >> 5)], 1u << (idx & 31));
+}
+
+// Dynamic shared memory, in order: STAGES stage buffers (rows, then the block's slot counts,
+// tile-local columns and values for the stage's tile), then per-tile masks and ranks and the
+// stage list. The host mirrors the sizes in _kernels.staged_smem_bytes().
 template <typename T, int TPW, int VEC, bool SDDMM, int STAGES>
 __global__ void __launch_bounds__(kThreads) twell_staged(
     const T* __restrict__ data, const short* __restrict__ indices, const int* __restrict__ counts,
     const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
     const T* __restrict__ spill_vals, int M, int n_tiles, int tile_n, int capacity,
-    const T* __restrict__ w, long long ldw, int n_units, int K, const T* __restrict__ x,
-    long long ldx, T* __restrict__ out, long long ldo, float* __restrict__ pair_acc) {
+    const unsigned* __restrict__ block_masks, const T* __restrict__ w, long long ldw, int n_units,
+    int K, const T* __restrict__ x, long long ldx, T* __restrict__ out, long long ldo,
+    float* __restrict__ pair_acc) {
   using A = typename acc_of<T>::type;
   using V = Vec<T, VEC>;
   using Rows = V[kGroup][32];
+  constexpr int TT = kWarps * TPW;
   constexpr int DC = 32 * VEC;
   extern __shared__ __align__(16) unsigned char smem[];
-  Rows* rows = reinterpret_cast<Rows*>(smem);
+  // Stage layout: rows | counts[TT] | cols[TT][capacity] (int16) | vals[TT][capacity] (T)
+  const int stage_bytes = (int)sizeof(Rows) + TT * 4 + TT * capacity * (2 + (int)sizeof(T));
   const int words = tile_n >> 5;
-  unsigned* masks = reinterpret_cast<unsigned*>(smem + STAGES * sizeof(Rows));
+  unsigned* masks = reinterpret_cast<unsigned*>(smem + STAGES * stage_bytes);
   int* ranks = reinterpret_cast<int*>(masks + n_tiles * words);
   int* tile_active = ranks + n_tiles * words;
   const int max_stages = n_tiles * ((tile_n + kGroup - 1) / kGroup);
@@ -75,25 +99,15 @@ __global__ void __launch_bounds__(kThreads) twell_staged(
   __shared__ int n_stages;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const long long tok0 = (long long)blockIdx.x * (kWarps * TPW) + warp * TPW;
+  const long long block_tok0 = (long long)blockIdx.x * TT;
+  const long long tok0 = block_tok0 + warp * TPW;
   const int col = blockIdx.y * DC + lane * VEC;
   const bool col_ok = col < K;  // K % VEC == 0, so the whole vector is in range
 
-  // 1. Which units each tile needs: the union over the block's tokens (one pass over their rows).
-  for (int i = threadIdx.x; i < n_tiles * words; i += kThreads) masks[i] = 0u;
+  // 1. The block's unit masks (computed by twell_block_masks), ranks within each tile, stages.
+  const unsigned* my_masks = block_masks + (long long)blockIdx.x * n_tiles * words;
+  for (int i = threadIdx.x; i < n_tiles * words; i += kThreads) masks[i] = my_masks[i];
   __syncthreads();
-  for (int i = 0; i < TPW; ++i) {
-    const long long row = tok0 + i;
-    if (row >= M) break;
-    for (int e = lane; e < n_tiles * capacity; e += 32) {
-      const int tile = e / capacity;
-      if (e - tile * capacity >= counts[row * n_tiles + tile]) continue;
-      const int idx = indices[row * n_tiles * capacity + e];
-      atomicOr(&masks[tile * words + (idx >> 5)], 1u << (idx & 31));
-    }
-  }
-  __syncthreads();
-  // 2. Ranks of active units within each tile, and the list of stages (kGroup rows each).
   for (int tile = warp; tile < n_tiles; tile += kWarps) {
     const int c = lane < words ? __popc(masks[tile * words + lane]) : 0;
     int incl = c;
@@ -119,10 +133,16 @@ __global__ void __launch_bounds__(kThreads) twell_staged(
   __syncthreads();
   const int total = n_stages;
 
-  // 3. A STAGES-deep cp.async pipeline over the stages: rows of stage q land in buffer q % STAGES.
+  // 2. A STAGES-deep cp.async pipeline; stage q (its weight rows and its tile's slots for the
+  //    block's tokens) lands in buffer q % STAGES.
+  auto stage_ptr = [&](int q) { return smem + (q % STAGES) * stage_bytes; };
   auto issue = [&](int q) {
     const int tile = stage_tile[q], first = stage_first[q];
-    Rows& buf = rows[q % STAGES];
+    unsigned char* base = stage_ptr(q);
+    Rows& buf = *reinterpret_cast<Rows*>(base);
+    int* s_counts = reinterpret_cast<int*>(base + sizeof(Rows));
+    short* s_cols = reinterpret_cast<short*>(s_counts + TT);
+    T* s_vals = reinterpret_cast<T*>(s_cols + TT * capacity);
     for (int i = threadIdx.x; i < tile_n * 32; i += kThreads) {
       const int unit = i >> 5, v = i & 31;
       const unsigned m = masks[tile * words + (unit >> 5)];
@@ -132,12 +152,29 @@ __global__ void __launch_bounds__(kThreads) twell_staged(
       const int c = blockIdx.y * DC + v * VEC;
       const long long j = (long long)tile * tile_n + unit;
       if (c < K && j < n_units) {
-        cp_async_8(&buf[r][v], w + j * ldw + c);
+        cp_async<8>(&buf[r][v], w + j * ldw + c);
       } else {
         V z;
 #pragma unroll
         for (int e = 0; e < VEC; ++e) z.v[e] = zero_value<T>();
         buf[r][v] = z;
+      }
+    }
+    // The used slots of the block's tokens in this tile, 8 bytes at a time (capacity % 4 == 0):
+    // the count is read first so that padding slots are never copied.
+    constexpr int per = 8 / (int)sizeof(T);
+    const int col_chunks = capacity / 4, val_chunks = SDDMM ? 0 : capacity / per;
+    for (int i = threadIdx.x; i < TT * (col_chunks + val_chunks); i += kThreads) {
+      const int t = i % TT, part = i / TT;
+      const long long row = block_tok0 + t;
+      const long long rt = row * n_tiles + tile;
+      const int cnt = row < M ? counts[rt] : 0;
+      if (part == 0) s_counts[t] = cnt;
+      if (part < col_chunks) {
+        if (4 * part < cnt) cp_async<8>(&s_cols[t * capacity + 4 * part], indices + rt * capacity + 4 * part);
+      } else {
+        const int k = part - col_chunks;
+        if (per * k < cnt) cp_async<8>(&s_vals[t * capacity + per * k], data + rt * capacity + per * k);
       }
     }
   };
@@ -163,14 +200,17 @@ __global__ void __launch_bounds__(kThreads) twell_staged(
     cp_async_wait<STAGES - 1>();
     __syncthreads();
     const int tile = stage_tile[q], first = stage_first[q];
-    const Rows& buf = rows[q % STAGES];
+    const unsigned char* base = stage_ptr(q);
+    const Rows& buf = *reinterpret_cast<const Rows*>(base);
+    const int* s_counts = reinterpret_cast<const int*>(base + sizeof(Rows));
+    const short* s_cols = reinterpret_cast<const short*>(s_counts + TT);
+    const T* s_vals = reinterpret_cast<const T*>(s_cols + TT * capacity);
 #pragma unroll
     for (int i = 0; i < TPW; ++i) {
-      if (tok0 + i >= M) break;
-      const long long rt = (tok0 + i) * n_tiles + tile;
-      const int cnt = counts[rt];
+      const int t = warp * TPW + i;
+      const int cnt = s_counts[t];
       for (int s = 0; s < cnt; ++s) {
-        const int idx = indices[rt * capacity + s];
+        const int idx = s_cols[t * capacity + s];
         const unsigned m = masks[tile * words + (idx >> 5)];
         const int r = ranks[tile * words + (idx >> 5)] + __popc(m & ((1u << (idx & 31)) - 1u)) - first;
         if (r < 0 || r >= kGroup) continue;  // warp-uniform: another stage holds this row
@@ -180,9 +220,9 @@ __global__ void __launch_bounds__(kThreads) twell_staged(
 #pragma unroll
           for (int v = 0; v < VEC; ++v) p += acc[i][v] * to_acc(wv.v[v]);
           p = warp_sum(p);
-          if (lane == 0) atomicAdd(pair_acc + rt * capacity + s, (float)p);
+          if (lane == 0) atomicAdd(pair_acc + ((tok0 + i) * n_tiles + tile) * capacity + s, (float)p);
         } else {
-          const A h = to_acc(data[rt * capacity + s]);
+          const A h = to_acc(s_vals[t * capacity + s]);
 #pragma unroll
           for (int v = 0; v < VEC; ++v) acc[i][v] += h * to_acc(wv.v[v]);
         }

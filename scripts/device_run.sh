@@ -30,6 +30,12 @@ for step in $what; do
       python3 bench/ffn_bench.py --quick --densities 0.01 --patterns uniform 2>&1 | tee "$OUT/ffn_bench_quick.log"
       status=$((status | ${PIPESTATUS[0]}))
       ;;&
+    profile)
+      python3 bench/ffn_bench.py --densities 0.01 --patterns uniform --profile >/dev/null 2>&1  # warm the cache
+      ncu --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy \
+        --section MemoryWorkloadAnalysis --section LaunchStats \
+        python3 bench/ffn_bench.py --densities 0.01 --patterns uniform --profile 2>&1 | tee "$OUT/ncu.log" | tail -5
+      ;;&
     sanitize|all)
       bash scripts/sanitize.sh 2>&1 | tee "$OUT/sanitize.log" | tail -30
       status=$((status | ${PIPESTATUS[0]}))

@@ -36,15 +36,16 @@ def _k_grid(k: int) -> int:
     return -(-k // (K.SPMM_THREADS * K.SPMM_VPT))
 
 
-#: Dynamic shared memory the staged kernels may use (Hopper allows 227 KB per block; two blocks
-#: per multiprocessor need at most about half of it each).
-STAGED_SMEM_LIMIT = 110 * 1024
+#: Dynamic shared memory a staged launch may use (Hopper gives a block up to 227 KB; up to about
+#: 113 KB two blocks share a multiprocessor).
+STAGED_SMEM_LIMIT = 200 * 1024
 
 
-def staged_eligible(parts: TwELLParts, tile_n: int, *operands: tuple[Any, int]) -> bool:
-    """Whether the staged kernels can run: 8-byte vector reads of the (array, row stride) operands,
-    and per-tile metadata that fits shared memory."""
-    if K.staged_smem_bytes(parts.data.shape[1], tile_n) > STAGED_SMEM_LIMIT:
+def staged_eligible(parts: TwELLParts, tile_n: int, itemsize: int, *operands: tuple[Any, int]) -> bool:
+    """Whether the staged kernels can run: capacity a multiple of 4, 8-byte vector reads of the
+    (array, row stride) operands, and stage buffers that fit shared memory."""
+    nt, cap = parts.data.shape[1:]
+    if cap % 4 or K.staged_smem_bytes(nt, tile_n, cap, itemsize) > STAGED_SMEM_LIMIT:
         return False
     for arr, ld in operands:
         vec = K.staged_vec(arr.dtype)
@@ -53,14 +54,32 @@ def staged_eligible(parts: TwELLParts, tile_n: int, *operands: tuple[Any, int]) 
     return True
 
 
-def _staged_grid(m: int, k: int, dtype: Any) -> tuple[int, int]:
-    tokens = K.STAGED_TPW * (K.STAGED_THREADS // 32)
-    return (-(-m // tokens), -(-k // (32 * K.staged_vec(dtype))))
-
-
-def _staged_parts_args(parts: TwELLParts, tile_n: int) -> tuple:
+def _staged_launch(
+    parts: TwELLParts, tile_n: int, w: Any, ldw: int, x: Any, ldx: int, out: Any, ldo: int, pair_acc: Any
+) -> None:
+    """Launch twell_staged: SpMM into ``out`` (x None), or SDDMM partial dots into ``pair_acc``."""
+    cp = _cp()
     m, nt, cap = parts.data.shape
-    return (
+    sddmm = x is not None
+    k = w.shape[1]
+    blocks = -(-m // K.STAGED_TOKENS)
+    masks = cp.zeros(blocks * nt * (tile_n // 32), dtype=cp.uint32)
+    K.launch(
+        "twell_block_masks",
+        m * nt * cap,
+        256,
+        (
+            parts.indices,
+            parts.counts,
+            np.int32(m),
+            np.int32(nt),
+            np.int32(tile_n),
+            np.int32(cap),
+            np.int32(K.STAGED_TOKENS),
+            masks,
+        ),
+    )
+    args = (
         parts.data,
         parts.indices,
         parts.counts,
@@ -71,7 +90,20 @@ def _staged_parts_args(parts: TwELLParts, tile_n: int) -> tuple:
         np.int32(nt),
         np.int32(tile_n),
         np.int32(cap),
+        masks,
+        w,
+        np.int64(ldw),
+        np.int32(w.shape[0]),
+        np.int32(k),
+        x if sddmm else K.null_pointer(),
+        np.int64(ldx),
+        out if out is not None else K.null_pointer(),
+        np.int64(ldo),
+        pair_acc if pair_acc is not None else K.null_pointer(),
     )
+    grid = (blocks, -(-k // (32 * K.staged_vec(w.dtype))))
+    smem = K.staged_smem_bytes(nt, tile_n, cap, w.dtype.itemsize)
+    K.launch_grid(K.staged_expression(w.dtype, sddmm=sddmm), grid, (K.STAGED_THREADS,), args, smem)
 
 
 def spmm(parts: TwELLParts, tile_n: int, b: Any, out: Any, path: str = "auto") -> Any:
@@ -86,23 +118,9 @@ def spmm(parts: TwELLParts, tile_n: int, b: Any, out: Any, path: str = "auto") -
     k = b.shape[1]
     ldo = np.int64(max(out.strides[0] // out.itemsize, k, 1))
     if path == "auto":
-        path = "staged" if staged_eligible(parts, tile_n, (b, ldb)) else "portable"
+        path = "staged" if staged_eligible(parts, tile_n, b.itemsize, (b, ldb)) else "portable"
     if path == "staged":
-        args = (
-            *_staged_parts_args(parts, tile_n),
-            b,
-            np.int64(ldb),
-            np.int32(b.shape[0]),
-            np.int32(k),
-            K.null_pointer(),
-            np.int64(0),
-            out,
-            ldo,
-            K.null_pointer(),
-        )
-        grid = _staged_grid(m, k, b.dtype)
-        smem = K.staged_smem_bytes(parts.data.shape[1], tile_n)
-        K.launch_grid(K.staged_expression(b.dtype, sddmm=False), grid, (K.STAGED_THREADS,), args, smem)
+        _staged_launch(parts, tile_n, b, ldb, None, 0, out, int(ldo), None)
         return out
     expr = f"twell_spmm<{K.CXX_TYPE[b.dtype]}, {K.SPMM_VPT}>"
     K.launch_grid(
@@ -145,24 +163,11 @@ def sddmm(parts: TwELLParts, tile_n: int, x: Any, y: Any, scale: bool, path: str
     t, s = K.CXX_TYPE[x.dtype], "true" if scale else "false"
     data = cp.empty(parts.data.shape, dtype=x.dtype)  # the pattern's dtype may differ
     if path == "auto":
-        path = "staged" if x.dtype.itemsize < 8 and staged_eligible(parts, tile_n, (x, ldx), (y, ldy)) else "portable"
+        eligible = x.dtype.itemsize < 8 and staged_eligible(parts, tile_n, x.itemsize, (x, ldx), (y, ldy))
+        path = "staged" if eligible else "portable"
     if path == "staged":
         pair_acc = cp.zeros(parts.data.shape, dtype=cp.float32)
-        args = (
-            *_staged_parts_args(parts, tile_n),
-            y,
-            np.int64(ldy),
-            np.int32(y.shape[0]),
-            k,
-            x,
-            np.int64(ldx),
-            K.null_pointer(),
-            np.int64(0),
-            pair_acc,
-        )
-        grid = _staged_grid(m, int(k), x.dtype)
-        smem = K.staged_smem_bytes(nt, tile_n)
-        K.launch_grid(K.staged_expression(x.dtype, sddmm=True), grid, (K.STAGED_THREADS,), args, smem)
+        _staged_launch(parts, tile_n, y, ldy, x, ldx, None, 0, pair_acc)
         finalize = (pair_acc, parts.data, parts.counts, np.int64(data.size), np.int32(cap), data)
         K.launch(f"twell_pairs_finalize<{t}, {s}>", data.size, 256, finalize)
     else:

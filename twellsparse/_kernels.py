@@ -44,15 +44,16 @@ STAGED_TPW = 16
 STAGED_THREADS = 256
 STAGED_VEC_BYTES = 8
 STAGED_GROUP = 128
-STAGED_STAGES = 3
+STAGED_STAGES = 2
+STAGED_TOKENS = STAGED_TPW * STAGED_THREADS // 32  # tokens per block
 
 
-def staged_smem_bytes(n_tiles: int, tile_n: int) -> int:
+def staged_smem_bytes(n_tiles: int, tile_n: int, capacity: int, itemsize: int) -> int:
     """Dynamic shared memory of a staged launch (mirrors the carve-up in twell_staged.cu)."""
-    rows = STAGED_STAGES * STAGED_GROUP * 32 * STAGED_VEC_BYTES
+    stage = STAGED_GROUP * 32 * STAGED_VEC_BYTES + STAGED_TOKENS * (4 + capacity * (2 + itemsize))
     words = tile_n // 32
     max_stages = n_tiles * -(-tile_n // STAGED_GROUP)
-    return rows + 4 * (2 * n_tiles * words + n_tiles + 2 * max_stages)
+    return STAGED_STAGES * stage + 4 * (2 * n_tiles * words + n_tiles + 2 * max_stages)
 
 
 def staged_vec(dtype: Any) -> int:
@@ -94,6 +95,7 @@ def _instantiations() -> dict[str, list[str]]:
         if dt.itemsize < 8:  # pair accumulators are fp32: float64 SDDMM stays on the portable path
             staged.append(staged_expression(dt, sddmm=True))
             staged += [f"twell_pairs_finalize<{t}, false>", f"twell_pairs_finalize<{t}, true>"]
+    staged.append("twell_block_masks")
     return {"twell_convert.cu": convert, "twell_spmm.cu": spmm, "twell_sddmm.cu": sddmm, "twell_staged.cu": staged}
 
 
