@@ -5,6 +5,8 @@ set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# The device gets the tree without .git: the commit travels in bench/.commit (carried, ignored).
+if [ -z "${TWELL_COMMIT:-}" ] && [ -f bench/.commit ]; then export TWELL_COMMIT=$(cat bench/.commit); fi
 what=${*:-all}
 status=0
 {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -14,7 +15,10 @@ from ._backend import cupy_module, gpu_available
 
 
 def git_commit() -> str | None:
-    """The checkout's HEAD (with ``-dirty`` when it has uncommitted changes), if any."""
+    """``TWELL_COMMIT`` if set (a copy of the tree without .git), else the checkout's HEAD (with
+    ``-dirty`` when it has uncommitted changes), else None."""
+    if os.environ.get("TWELL_COMMIT"):
+        return os.environ["TWELL_COMMIT"]
     root = Path(__file__).resolve().parents[1]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
