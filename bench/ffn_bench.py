@@ -21,6 +21,7 @@ import cupy as cp
 import numpy as np
 
 import twellsparse as ts
+from twellsparse import _gpu_ops
 from twellsparse._environment import environment
 from twellsparse._gpu_ops import gemm_nt
 from twellsparse.testing import ffn_problem, rel_error
@@ -102,6 +103,7 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
     h = ts.linear_to_twell(x, wg)
     h_dense = h.toarray()
     z = gemm_nt(x, wg)
+    h_out = cp.empty((args.m, args.d_model), dtype=x.dtype)
     ref_gated = cp.from_dlpack(dense_gated())
     ref_plain = cp.from_dlpack(dense_plain())
     errors = {
@@ -118,6 +120,9 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
         "gemm_cupy_cublas": timer(lambda: gemm_nt(x, wg)),
         "pack_relu": timer(lambda: ts._convert.dense_to_twell(z, 256, 32, "spill", None, "relu")),
         "spmm_down": timer(lambda: ts.matmul(h, wd_t)),
+        "spmm_down_staged": timer(lambda: _gpu_ops.spmm(h.parts, h.tile_n, wd_t, h_out, path="staged")),
+        "sddmm_up_portable": timer(lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="portable")),
+        "sddmm_up_staged": timer(lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="staged")),
         "dense_down": timer(lambda: nt(h_dense, wd)),
         "dense_ffn": timer(dense_plain),
         "ffn": timer(lambda: plain_plan(x)),
