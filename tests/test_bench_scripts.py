@@ -1,0 +1,33 @@
+"""The benchmark scripts cannot rot: the report builds from the stored results and the README's
+table matches it; the FFN benchmark parses its arguments and formats a record (no GPU needed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_report_matches_readme():
+    report = _load("report")
+    table = report.ffn_table(report.latest(report.load(ROOT / "bench" / "results"), "ffn"))
+    assert "| uniform |" in table and "| skewed |" in table
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split(report.START, 1)[1].split(report.END, 1)[0].strip()
+    assert section == table.strip(), "README benchmark table is stale: run python bench/report.py --update-readme"
+
+
+def test_ffn_bench_summary_line():
+    bench = _load("ffn_bench")
+    record = next(r for r in _load("report").load(ROOT / "bench" / "results") if r["kind"] == "ffn")
+    line = bench.summary_line(record)
+    assert record["pattern"] in line and "gated" in line
