@@ -10,9 +10,9 @@ from . import testing
 from ._backend import bfloat16
 from ._constructors import from_dense, from_ell
 from ._errors import TwELLCapacityError, TwELLDroppedEntriesWarning, TwELLFallbackWarning, TwELLFormatError
-from ._ops import ffn, gated_ffn, linear_to_twell, matmul, sddmm
+from ._ops import linear_to_twell, matmul, sddmm
 from ._parts import TwELLParts
-from ._plans import FFN, GatedFFN
+from ._plans import FFN, GatedFFN, ffn, gated_ffn
 from ._transpose import twell_transpose
 from ._twell import is_twell, issparse, twell_array
 

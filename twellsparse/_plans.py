@@ -1,40 +1,43 @@
-"""Reusable FFN plans: weights held in the layouts the kernels read, validated once.
+"""FFN blocks: reusable plans and the one-shot ``ffn``/``gated_ffn`` built on them.
 
-``FFN(w_up, w_down)`` and ``GatedFFN(w_gate, w_up, w_down)`` keep ``w_down.T`` contiguous (the
-down projection gathers rows of it), so a call does no weight transposes. The plan keeps
-references to the caller's weight arrays; if they are updated in place, call ``refresh()`` to
-rebuild the transposed copy (the one-shot ``ffn``/``gated_ffn`` functions never cache).
+``FFN(w_up, w_down)`` and ``GatedFFN(w_gate, w_up, w_down)`` validate the weights once and keep
+``w_down.T`` contiguous (the down projection gathers its rows), so a call transposes nothing.
+A plan keeps references to the caller's weights; after an in-place update call ``refresh()``.
+The one-shot functions build a plan per call and never cache: a cache keyed on weight identity
+would silently go stale when weights are updated in place.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ._backend import array_module, as_array, value_dtype
-from ._ops import _check_ffn, _dense, _same_device, _sddmm_parts, linear_to_twell, matmul
+from ._backend import array_module, value_dtype
+from ._ops import _dense, _same_device, _sddmm_parts, linear_to_twell, matmul
 from ._twell import twell_array
 from ._validation import check_activation, check_capacity, check_threshold, check_tile_n
 
 
 class _FFNPlanBase:
+    """Weights (the first one sets the hidden shape) and the producer's settings."""
+
     def __init__(
-        self, weights: dict[str, Any], activation: str, tile_n: int, capacity: int | None, threshold: float | None
+        self,
+        weights: dict[str, Any],
+        activation: str,
+        tile_n: int,
+        capacity: int | None,
+        threshold: float | None,
     ) -> None:
         self.activation = check_activation(activation)
         self.tile_n = check_tile_n(tile_n)
         self.capacity = check_capacity(capacity, self.tile_n)
         self.threshold = check_threshold(threshold)
         arrays = {name: _dense(w, name) for name, w in weights.items()}
-        first = next(iter(arrays))
-        _same_device(first, arrays[first], **arrays)
-        up = arrays["w_up"]
-        for name, w in arrays.items():
-            if name != "w_down" and w.shape != up.shape:
-                raise ValueError(f"{name}: expected shape {tuple(up.shape)} like w_up, got {tuple(w.shape)}")
-        if arrays["w_down"].shape != up.shape[::-1]:
-            raise ValueError(f"w_down: expected shape {tuple(up.shape[::-1])}, got {tuple(arrays['w_down'].shape)}")
+        first_name = next(iter(arrays))
+        _same_device(first_name, arrays[first_name], **arrays)
+        _check_weight_shapes(arrays, None)
         self._weights = arrays
-        self.last_stats: dict[str, Any] = {}
+        self._last_hidden: twell_array | None = None
         self.refresh()
 
     def refresh(self) -> None:
@@ -46,15 +49,17 @@ class _FFNPlanBase:
     def dtype(self) -> Any:
         return value_dtype(self._weights["w_down"].dtype)
 
-    def _input(self, x: Any) -> Any:
-        xx = _dense(as_array(x, "x"), "x")
-        _same_device("w_down", self._weights["w_down"], x=xx)
-        return xx
+    @property
+    def last_stats(self) -> dict[str, Any]:
+        """The last call's hidden layer: tokens, units, nonzeros, density, spilled entries.
 
-    def _record(self, h: twell_array) -> None:
-        m, n = h.shape
-        nnz = h.nnz
-        self.last_stats = {
+        Computed on access (it reads counts back from the GPU), never in the call itself.
+        """
+        h = self._last_hidden
+        if h is None:
+            return {}
+        (m, n), nnz = h.shape, h.nnz
+        return {
             "tokens": m,
             "units": n,
             "nnz": nnz,
@@ -64,10 +69,52 @@ class _FFNPlanBase:
             "path": "sparse",
         }
 
-    def _pack(self, x: Any, weight: Any) -> twell_array:
-        return linear_to_twell(
-            x, weight, activation=self.activation, tile_n=self.tile_n, capacity=self.capacity, threshold=self.threshold
+    def _hidden(self, x: Any, weight_name: str) -> tuple[Any, twell_array]:
+        """Validated input and ``act(x @ weight.T)`` packed into TwELL."""
+        xx = _dense(x, "x")
+        first = next(iter(self._weights.values()))
+        _same_device("w_down", self._weights["w_down"], x=xx)
+        if xx.shape[1] != first.shape[1]:
+            raise ValueError(f"x: expected {first.shape[1]} columns (d_model), got shape {tuple(xx.shape)}")
+        h = linear_to_twell(
+            xx,
+            self._weights[weight_name],
+            activation=self.activation,
+            tile_n=self.tile_n,
+            capacity=self.capacity,
+            threshold=self.threshold,
         )
+        self._last_hidden = h
+        return xx, h
+
+
+def _check_weight_shapes(arrays: dict[str, Any], d_model: int | None) -> None:
+    """Input weights (d_ff, d_model) agreeing with each other, w_down (d_model, d_ff).
+
+    ``d_model`` comes from x when known; otherwise from the input weights (the error then names
+    the array that disagrees with them).
+    """
+    inputs = {name: w for name, w in arrays.items() if name != "w_down"}
+    w_down = arrays["w_down"]
+    first_name, first = next(iter(inputs.items()))
+    d_model = first.shape[1] if d_model is None else d_model
+    for name, w in inputs.items():
+        if w.shape[1] != d_model:
+            raise ValueError(f"{name}: expected {d_model} columns (d_model of x), got shape {tuple(w.shape)}")
+    d_ff = first.shape[0]
+    for name, w in inputs.items():
+        if w.shape[0] != d_ff:
+            raise ValueError(f"{name}: expected {d_ff} rows like {first_name}, got shape {tuple(w.shape)}")
+    if tuple(w_down.shape) != (d_model, d_ff):
+        raise ValueError(f"w_down: expected shape {(d_model, d_ff)} (d_model, d_ff), got {tuple(w_down.shape)}")
+
+
+def _one_shot_weights(x: Any, **weights: Any) -> None:
+    """Check the weights against x first, so that an error names the array that disagrees with x."""
+    xx = _dense(x, "x")
+    arrays = {name: _dense(w, name) for name, w in weights.items()}
+    _same_device("x", xx, **arrays)
+    _check_weight_shapes(arrays, xx.shape[1])
 
 
 class FFN(_FFNPlanBase):
@@ -83,7 +130,7 @@ class FFN(_FFNPlanBase):
     Attributes
     ----------
     last_stats : dict
-        Nonzeros, density, spilled entries and the path taken by the last call.
+        Nonzeros, density and spilled entries of the last call's hidden layer.
     """
 
     def __init__(
@@ -99,10 +146,7 @@ class FFN(_FFNPlanBase):
         super().__init__({"w_up": w_up, "w_down": w_down}, activation, tile_n, capacity, threshold)
 
     def __call__(self, x: Any) -> Any:
-        xx = self._input(x)
-        _check_ffn(xx, {"w_up": self._weights["w_up"]}, self._weights["w_down"])
-        h = self._pack(xx, self._weights["w_up"])
-        self._record(h)
+        _, h = self._hidden(x, "w_up")
         return matmul(h, self._w_down_t)
 
 
@@ -134,10 +178,77 @@ class GatedFFN(_FFNPlanBase):
         super().__init__({"w_gate": w_gate, "w_up": w_up, "w_down": w_down}, activation, tile_n, capacity, threshold)
 
     def __call__(self, x: Any) -> Any:
-        xx = self._input(x)
-        w = self._weights
-        _check_ffn(xx, {"w_gate": w["w_gate"], "w_up": w["w_up"]}, w["w_down"])
-        g = self._pack(xx, w["w_gate"])
-        self._record(g)
-        parts, _ = _sddmm_parts(xx, w["w_up"], g, scale=True)
+        xx, g = self._hidden(x, "w_gate")
+        parts, _ = _sddmm_parts(xx, self._weights["w_up"], g, scale=True)
         return matmul(twell_array._from_parts(parts, g.shape, g.tile_n), self._w_down_t)
+
+
+def ffn(
+    x: Any,
+    w_up: Any,
+    w_down: Any,
+    *,
+    activation: str = "relu",
+    tile_n: int = 256,
+    capacity: int | None = None,
+    threshold: float | None = None,
+) -> Any:
+    """Non-gated sparse FFN: ``act(x @ w_up.T) @ w_down.T`` with the hidden layer in TwELL.
+
+    Parameters
+    ----------
+    x : array_like, shape (M, d_model)
+    w_up : array_like, shape (d_ff, d_model)
+    w_down : array_like, shape (d_model, d_ff)
+    activation, tile_n, capacity, threshold
+        As for :func:`twellsparse.linear_to_twell`.
+
+    Returns
+    -------
+    array, shape (M, d_model)
+        Exact with respect to the sparse hidden layer (overflowing row-tiles spill).
+
+    See Also
+    --------
+    FFN : the reusable plan (no per-call weight transpose).
+    """
+    _one_shot_weights(x, w_up=w_up, w_down=w_down)
+    plan = FFN(w_up, w_down, activation=activation, tile_n=tile_n, capacity=capacity, threshold=threshold)
+    return plan(x)
+
+
+def gated_ffn(
+    x: Any,
+    w_gate: Any,
+    w_up: Any,
+    w_down: Any,
+    *,
+    activation: str = "relu",
+    tile_n: int = 256,
+    capacity: int | None = None,
+    threshold: float | None = None,
+) -> Any:
+    """Gated sparse FFN: ``(act(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T``.
+
+    The up projection is computed only at the active gate units (an SDDMM at the gate's TwELL
+    pattern), so its cost scales with the density.
+
+    Parameters
+    ----------
+    x : array_like, shape (M, d_model)
+    w_gate, w_up : array_like, shape (d_ff, d_model)
+    w_down : array_like, shape (d_model, d_ff)
+    activation, tile_n, capacity, threshold
+        As for :func:`twellsparse.linear_to_twell` (applied to the gate).
+
+    Returns
+    -------
+    array, shape (M, d_model)
+
+    See Also
+    --------
+    GatedFFN : the reusable plan.
+    """
+    _one_shot_weights(x, w_gate=w_gate, w_up=w_up, w_down=w_down)
+    plan = GatedFFN(w_gate, w_up, w_down, activation=activation, tile_n=tile_n, capacity=capacity, threshold=threshold)
+    return plan(x)
