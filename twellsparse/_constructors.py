@@ -7,7 +7,7 @@ from typing import Any
 from . import _convert as conv
 from ._backend import as_array, device_name, value_dtype
 from ._twell import twell_array
-from ._validation import check_capacity, check_ndim, check_overflow, check_shape, check_threshold, check_tile_n
+from ._validation import check_layout, check_ndim, check_shape, check_threshold
 
 
 def from_dense(
@@ -33,9 +33,7 @@ def from_dense(
     -------
     twell_array
     """
-    tile_n = check_tile_n(tile_n)
-    capacity = check_capacity(capacity, tile_n)
-    overflow = check_overflow(overflow)
+    tile_n, capacity, overflow = check_layout(tile_n, capacity, overflow)
     thr = check_threshold(threshold)
     arr = as_array(x, "x")
     check_ndim(arr, 2, "x")
@@ -68,9 +66,7 @@ def from_ell(
     -------
     twell_array
     """
-    tile_n = check_tile_n(tile_n)
-    capacity = check_capacity(capacity, tile_n)
-    overflow = check_overflow(overflow)
+    tile_n, capacity, overflow = check_layout(tile_n, capacity, overflow)
     vals = as_array(values, "values")
     idx = as_array(indices, "indices")
     check_ndim(vals, 2, "values")

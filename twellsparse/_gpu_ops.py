@@ -18,18 +18,13 @@ def _cp() -> Any:
     return cp
 
 
+def _matrix_args(parts: TwELLParts) -> tuple:
+    """The parts in the order every product kernel takes them."""
+    return (parts.data, parts.indices, parts.counts, parts.spill_indptr, parts.spill_indices, parts.spill_data)
+
+
 def _geometry(parts: TwELLParts, tile_n: int) -> tuple:
-    return (
-        parts.data,
-        parts.indices,
-        parts.counts,
-        parts.spill_indptr,
-        parts.spill_indices,
-        parts.spill_data,
-        np.int32(parts.data.shape[1]),
-        np.int32(tile_n),
-        np.int32(parts.data.shape[2]),
-    )
+    return (*_matrix_args(parts), np.int32(parts.data.shape[1]), np.int32(tile_n), np.int32(parts.data.shape[2]))
 
 
 def _k_grid(k: int) -> int:
@@ -96,12 +91,7 @@ def _staged_launch(
         ),
     )
     args = (
-        parts.data,
-        parts.indices,
-        parts.counts,
-        parts.spill_indptr,
-        parts.spill_indices,
-        parts.spill_data,
+        *_matrix_args(parts),
         np.int32(m),
         np.int32(nt),
         np.int32(tile_n),

@@ -14,14 +14,7 @@ from ._backend import as_array, device_name, is_cupy_array, result_dtype, value_
 from ._parts import TwELLParts
 from ._transpose import twell_transpose
 from ._twell import twell_array
-from ._validation import (
-    check_activation,
-    check_capacity,
-    check_ndim,
-    check_overflow,
-    check_threshold,
-    check_tile_n,
-)
+from ._validation import check_activation, check_layout, check_ndim, check_threshold
 
 
 def _dense(x: Any, name: str, ndim: int | tuple[int, ...] = 2) -> Any:
@@ -116,6 +109,14 @@ def _matmul_gpu(
     return result
 
 
+def rmatmul(a: Any, other: Any) -> Any:
+    """``other @ a`` for dense ``other`` and a TwELL matrix (or its ``.T``): ``(a.T @ other.T).T``."""
+    x = as_array(other, "other")
+    if x.ndim == 1:
+        return matmul(a.T, x)
+    return matmul(a.T, x.T).T
+
+
 def _sddmm_parts(x: Any, y: Any, pattern: twell_array, scale: bool) -> tuple[TwELLParts, Any]:
     dt = result_dtype(x.dtype, y.dtype)
     if is_cupy_array(x):
@@ -185,9 +186,7 @@ def linear_to_twell(
         M x F, dtype ``result_type(x.dtype, weight.dtype)``.
     """
     act = check_activation(activation)
-    tile_n = check_tile_n(tile_n)
-    capacity = check_capacity(capacity, tile_n)
-    overflow = check_overflow(overflow)
+    tile_n, capacity, overflow = check_layout(tile_n, capacity, overflow)
     thr = check_threshold(threshold)
     xx, ww = _dense(x, "x"), _dense(weight, "weight")
     _same_device("x", xx, weight=ww)

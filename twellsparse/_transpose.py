@@ -130,9 +130,6 @@ class twell_transpose:
         return matmul(self, other)
 
     def __rmatmul__(self, other: Any) -> Any:
-        from ._ops import matmul
+        from ._ops import rmatmul
 
-        x = as_array(other, "other")
-        if x.ndim == 1:
-            return matmul(self._base, x)
-        return matmul(self._base, x.T).T
+        return rmatmul(self, other)

@@ -467,12 +467,9 @@ class twell_array:
         return matmul(self, other)
 
     def __rmatmul__(self, other: Any) -> Any:
-        from ._ops import matmul
+        from ._ops import rmatmul
 
-        x = as_array(other, "other")
-        if x.ndim == 1:
-            return matmul(self.T, x)
-        return matmul(self.T, x.T).T
+        return rmatmul(self, other)
 
 
 def _empty_coo(dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

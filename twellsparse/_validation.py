@@ -35,6 +35,12 @@ def check_capacity(capacity: Any, tile_n: int) -> int:
     return c
 
 
+def check_layout(tile_n: Any, capacity: Any, overflow: Any) -> tuple[int, int, str]:
+    """Validated (tile_n, capacity, overflow) of a TwELL producer."""
+    t = check_tile_n(tile_n)
+    return t, check_capacity(capacity, t), check_overflow(overflow)
+
+
 def check_overflow(overflow: Any) -> str:
     if overflow not in OVERFLOW_POLICIES:
         raise ValueError(f"overflow: expected one of {', '.join(OVERFLOW_POLICIES)}, got {overflow!r}")
