@@ -6,40 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import scipy.sparse as sp
+from helpers import DTYPE_IDS, DTYPES, SHAPE, assert_bit_equal, bits, random_dense
 
 import twellsparse as ts
 from twellsparse import TwELLDroppedEntriesWarning, TwELLFormatError, twell_array
 
-DTYPES = [np.dtype(np.float16), ts.bfloat16, np.dtype(np.float32), np.dtype(np.float64)]
-DTYPE_IDS = [d.name for d in DTYPES]
 TILE_NS = [32, 64, 128, 256, 512, 1024]
-SHAPE = (37, 301)
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def random_dense(rng, shape=SHAPE, density=0.15, dtype=np.float32):
-    """Random matrix with about ``density`` nonzeros (never all zero), values away from 0."""
-    m, n = shape
-    mask = rng.random(shape) < density
-    if m and n and not mask.any():
-        mask[rng.integers(m), rng.integers(n)] = True
-    vals = rng.standard_normal(shape)
-    vals = np.sign(vals) * (np.abs(vals) + 0.05)
-    return np.where(mask, vals, 0.0).astype(dtype)
-
-
-def bits(x):
-    """Unsigned-integer view of the bytes of a float array, for bit-exact comparisons."""
-    x = np.ascontiguousarray(x)
-    return x.view(f"u{x.dtype.itemsize}")
-
-
-def assert_bit_equal(actual, expected):
-    assert actual.shape == expected.shape
-    assert actual.dtype == expected.dtype, f"{actual.dtype} != {expected.dtype}"
-    np.testing.assert_array_equal(bits(actual), bits(expected))
 
 
 def snapshot(*arrays):
