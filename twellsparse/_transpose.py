@@ -11,8 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ._backend import as_array
-from ._twell import issparse, twell_array
+from ._twell import broadcast_operand, issparse, twell_array
 
 
 class twell_transpose:
@@ -100,15 +99,7 @@ class twell_transpose:
             return twell_transpose(self._base.multiply(other))
         if issparse(other):
             return twell_transpose(self._base.multiply(other.T))
-        dense = as_array(other, "other")
-        xp = self._base._xp()
-        try:
-            dense = xp.broadcast_to(dense, self.shape)
-        except ValueError:
-            raise ValueError(
-                f"other: expected a shape broadcastable to {self.shape}, got {tuple(dense.shape)}"
-            ) from None
-        return twell_transpose(self._base.multiply(dense.T))
+        return twell_transpose(self._base.multiply(broadcast_operand(other, self.shape, self._base.data).T))
 
     __mul__ = multiply
     __rmul__ = multiply

@@ -418,16 +418,7 @@ class twell_array:
             return twell_array._from_parts(parts, self.shape, self.tile_n)
         if is_twell(other) or sp.issparse(other) or _is_cupyx_sparse(other):
             other = other.toarray()
-        dense = as_array(other, "other")
-        if device_name(dense) != device_name(self.data):
-            raise ValueError(f"other: expected an array on {device_name(self.data)}, got one on {device_name(dense)}")
-        xp = self._xp()
-        try:
-            dense = xp.broadcast_to(dense, self.shape)
-        except ValueError:
-            raise ValueError(
-                f"other: expected a shape broadcastable to {self.shape}, got {tuple(dense.shape)}"
-            ) from None
+        dense = broadcast_operand(other, self.shape, self.data)
         dt = result_dtype(self.dtype, value_dtype(dense.dtype, "other.dtype"))
         return _map_values(self, lambda rows, cols, vals: vals.astype(dt) * dense[rows, cols].astype(dt))
 
@@ -470,6 +461,17 @@ class twell_array:
         from ._ops import rmatmul
 
         return rmatmul(self, other)
+
+
+def broadcast_operand(other: Any, shape: tuple[int, int], like: Any) -> Any:
+    """``other`` as an array on ``like``'s device broadcast to ``shape`` (elementwise operands)."""
+    dense = as_array(other, "other")
+    if device_name(dense) != device_name(like):
+        raise ValueError(f"other: expected an array on {device_name(like)}, got one on {device_name(dense)}")
+    try:
+        return array_module(like).broadcast_to(dense, shape)
+    except ValueError:
+        raise ValueError(f"other: expected a shape broadcastable to {shape}, got {tuple(dense.shape)}") from None
 
 
 def _empty_coo(dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
