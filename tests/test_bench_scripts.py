@@ -31,3 +31,10 @@ def test_ffn_bench_summary_line():
     record = next(r for r in _load("report").load(ROOT / "bench" / "results") if r["kind"] == "ffn")
     line = bench.summary_line(record)
     assert record["pattern"] in line and "gated" in line
+
+
+def test_byte_model_runs(capsys):
+    model = _load("model")
+    assert model.main(["--m", "512", "--d-ff", "512", "--blocks", "64,128", "--densities", "0.02"]) == 0
+    out = capsys.readouterr().out
+    assert "uniform" in out and "skewed" in out
