@@ -10,7 +10,7 @@ README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 def test_readme_cpu_tour_runs():
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    cpu = [b for b in blocks if "cupy" not in b]
+    cpu = [b for b in blocks if "cupy" not in b and "cuda" not in b]  # GPU examples run on the device
     assert cpu, "the README has no CPU example"
     for block in cpu:
         exec(compile(block, str(README), "exec"), {})

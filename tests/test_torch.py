@@ -1,0 +1,181 @@
+"""PyTorch adapter on the CPU (reference path): values and gradients against dense torch autograd,
+spill, activations, torch.compile without graph breaks, modules, conversion, L1 penalty."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+if os.environ.get("CI"):
+    import torch  # CI installs torch: the adapter tests must run there, never skip
+else:
+    torch = pytest.importorskip("torch")
+
+import twellsparse.torch as tt
+
+ACTS = {
+    "relu": torch.relu,
+    "relu2": lambda z: torch.relu(z) ** 2,
+    "silu": torch.nn.functional.silu,
+    "gelu": lambda z: torch.nn.functional.gelu(z, approximate="tanh"),
+}
+
+
+def _problem(seed, m=37, d=16, f=300, dtype=torch.float64, requires_grad=True):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: (torch.randn(*s, generator=g, dtype=torch.float64) / np.sqrt(s[-1])).to(dtype)  # noqa: E731
+    ts_ = [mk(m, d) * 4, mk(f, d), mk(f, d), mk(d, f)]
+    return [t.requires_grad_(requires_grad) for t in ts_]
+
+
+def _dense(x, wg, wu, wd, act, threshold=None, gated=True):
+    z = x @ wg.T
+    a = ACTS[act](z)
+    if threshold is not None:
+        a = torch.where(a.abs() > threshold, a, torch.zeros_like(a))
+    h = a * (x @ wu.T) if gated else a
+    return h @ wd.T
+
+
+def _grads(out, inputs, seed):
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(out.dtype)
+    return torch.autograd.grad(out, inputs, g)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("capacity", [4, None])  # 4 forces most row-tiles to spill at this density
+def test_values_and_grads_match_dense_float64(gated, capacity):
+    x, wg, wu, wd = _problem(1)
+    if gated:
+        out = tt.gated_ffn(x, wg, wu, wd, tile_n=32, capacity=capacity)
+        inputs = (x, wg, wu, wd)
+    else:
+        out = tt.ffn(x, wg, wd, tile_n=32, capacity=capacity)
+        inputs = (x, wg, wd)
+    ref = _dense(x, wg, wu, wd, "relu", gated=gated)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for a, b in zip(_grads(out, inputs, 2), _grads(ref, inputs, 2), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("act, threshold", [("relu2", None), ("silu", 0.05), ("gelu", 0.05), ("relu", 0.1)])
+def test_activations_and_thresholds(act, threshold):
+    x, wg, wu, wd = _problem(3)
+    out = tt.gated_ffn(x, wg, wu, wd, activation=act, threshold=threshold, tile_n=64)
+    ref = _dense(x, wg, wu, wd, act, threshold)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    # Dropped entries carry no gradient: the dense reference masks them the same way.
+    for a, b in zip(_grads(out, (x, wg, wu, wd), 4), _grads(ref, (x, wg, wu, wd), 4), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-8)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_low_precision(dtype, tol):
+    x, wg, wu, wd = _problem(5, dtype=dtype)
+    out = tt.gated_ffn(x, wg, wu, wd, tile_n=32)
+    assert out.dtype == dtype
+    x64, wg64, wu64, wd64 = (t.detach().double().requires_grad_() for t in (x, wg, wu, wd))
+    ref = _dense(x64, wg64, wu64, wd64, "relu")
+    err = (out.double() - ref).norm() / ref.norm()
+    assert err < tol
+    grads = _grads(out, (x, wg, wu, wd), 6)
+    rgrads = _grads(ref, (x64, wg64, wu64, wd64), 6)
+    for a, b in zip(grads, rgrads, strict=True):
+        assert a.dtype == dtype
+        assert (a.double() - b).norm() / b.norm() < 4 * tol
+
+
+def test_leading_dims_and_empty_batch():
+    x, wg, wu, wd = _problem(7)
+    x3 = x.detach().reshape(1, 37, 16)
+    out = tt.gated_ffn(x3, wg, wu, wd, tile_n=32)
+    assert out.shape == (1, 37, 16)
+    empty = tt.gated_ffn(x.detach()[:0], wg, wu, wd, tile_n=32)
+    assert empty.shape == (0, 16)
+
+
+def test_torch_compile_fullgraph():
+    x, wg, wu, wd = _problem(8)
+
+    def block(x, wg, wu, wd):
+        return tt.gated_ffn(x, wg, wu, wd, tile_n=32, capacity=4).sum()
+
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    loss = compiled(x, wg, wu, wd)
+    grads = torch.autograd.grad(loss, (x, wg, wu, wd))
+    ref = _dense(x, wg, wu, wd, "relu").sum()
+    rgrads = torch.autograd.grad(ref, (x, wg, wu, wd))
+    torch.testing.assert_close(loss, ref)
+    for a, b in zip(grads, rgrads, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_opcheck():
+    x, wg, wu, wd = _problem(9)
+    torch.library.opcheck(
+        torch.ops.twellsparse.ffn_fwd.default,
+        (x, wg, wu, wd, "relu", 32, 4, None),
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
+
+
+def test_modules_state_dict_and_from_module():
+    torch.manual_seed(0)
+
+    class LlamaMLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj = torch.nn.Linear(16, 96, bias=False, dtype=torch.float64)
+            self.up_proj = torch.nn.Linear(16, 96, bias=False, dtype=torch.float64)
+            self.down_proj = torch.nn.Linear(96, 16, bias=False, dtype=torch.float64)
+
+        def forward(self, x):
+            return self.down_proj(torch.relu(self.gate_proj(x)) * self.up_proj(x))
+
+    dense = LlamaMLP()
+    sparse = tt.TwELLGatedMLP(16, 96, tile_n=32, dtype=torch.float64)
+    sparse.load_state_dict(dense.state_dict())
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    torch.testing.assert_close(sparse(x), dense(x))
+    converted = tt.from_module(dense, tile_n=32)
+    assert isinstance(converted, tt.TwELLGatedMLP)
+    assert converted.gate_proj.weight is dense.gate_proj.weight  # shared, not copied
+    torch.testing.assert_close(converted(x), dense(x))
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = LlamaMLP()
+
+    model = torch.nn.Sequential(Block(), Block())
+    assert tt.swap_mlps(model, tile_n=32) == 2
+    assert all(isinstance(b.mlp, tt.TwELLGatedMLP) for b in model)
+    with pytest.raises(TypeError, match="mlp"):
+        tt.from_module(torch.nn.Linear(3, 3))
+
+
+def test_stats_and_l1_penalty():
+    torch.manual_seed(1)
+    mlp = tt.TwELLMLP(16, 128, tile_n=32, capacity=4, dtype=torch.float64)
+    x = torch.randn(20, 16, dtype=torch.float64)
+    mlp(x).sum()
+    stats = mlp.stats()
+    assert stats["n_spilled"] > 0 and 0 < stats["density"] < 1
+    penalty = mlp.l1_penalty()
+    dense_h = torch.relu(x @ mlp.up_proj.weight.T)
+    torch.testing.assert_close(penalty, dense_h.abs().sum() / 20)
+    (grad,) = torch.autograd.grad(penalty, mlp.up_proj.weight)
+    (ref,) = torch.autograd.grad(dense_h.abs().sum() / 20, mlp.up_proj.weight)
+    torch.testing.assert_close(grad, ref)
+
+
+def test_bad_inputs():
+    x, wg, wu, wd = _problem(10, requires_grad=False)
+    with pytest.raises(TypeError, match="w_lin"):
+        tt.gated_ffn(x, wg, wu.float(), wd)
+    with pytest.raises(ValueError, match="activation"):
+        tt.ffn(x, wg, wd, activation="tanh")
+    with pytest.raises(ValueError, match="tile_n"):
+        tt.ffn(x, wg, wd, tile_n=48)

@@ -1,0 +1,522 @@
+"""PyTorch adapter: sparse FFN blocks as ``torch.library`` custom ops with a sparse backward.
+
+Torch tensors go in and out zero-copy through DLPack. CUDA tensors run the CuPy kernels on
+torch's current stream and device; CPU tensors run the NumPy reference path. The ops are
+registered with fake (meta) implementations and autograd formulas, so modules built on them
+trace under ``torch.compile`` without graph breaks.
+
+The backward never forms a dense tokens x d_ff tensor: with ``P`` the gate's TwELL pattern,
+``h = act(z) * u`` on ``P`` (``u = 1`` for the non-gated block) and ``out = h @ W_down.T``::
+
+    dH     = (dOut @ W_down) on P            (SDDMM)
+    dW_down = (h.T @ dOut).T                 (transposed SpMM)
+    dZ     = (dH * u + dAct) * act'(z) on P  (dAct: gradient reaching the activations, e.g. L1)
+    dU     = dH * act(z) on P
+    dW_gate = dZ.T @ x,  dW_up = dU.T @ x,   dX = dZ @ W_gate + dU @ W_up
+
+Saved for the backward: the hidden layer as TwELL (lossless: overflowing row-tiles spill) and,
+for the gated block, the up-projection values on ``P``.
+
+This module imports torch; ``import twellsparse`` never imports it.
+"""
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+import twellsparse as ts
+
+from ._backend import bfloat16
+from ._parts import TwELLParts
+from ._validation import check_activation, check_capacity, check_threshold, check_tile_n
+
+__all__ = [
+    "TwELLGatedMLP",
+    "TwELLMLP",
+    "ffn",
+    "from_module",
+    "gated_ffn",
+    "swap_mlps",
+]
+
+_NAMESPACE = "twellsparse"
+
+# ----------------------------------------------------------------------------- tensor <-> array
+
+
+def _to_array(t: Tensor) -> Any:
+    """Zero-copy NumPy (CPU) or CuPy (CUDA) view of a tensor (made contiguous first)."""
+    t = t.detach().contiguous()
+    if t.is_cuda:
+        import cupy
+
+        return cupy.from_dlpack(t)
+    if t.dtype == torch.bfloat16:  # NumPy's DLPack import refuses bfloat16: hand over the bits
+        return t.view(torch.int16).numpy().view(bfloat16)
+    return t.numpy()
+
+
+def _to_tensor(a: Any) -> Tensor:
+    """Zero-copy tensor of a NumPy or CuPy array."""
+    if isinstance(a, np.ndarray):
+        a = np.ascontiguousarray(a)
+        if a.dtype == bfloat16:
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(a)
+    return torch.from_dlpack(a)
+
+
+class _on_device:
+    """Run CuPy work on the tensor's device and torch's current stream (no-op on the CPU)."""
+
+    def __init__(self, t: Tensor) -> None:
+        self._ctx: list[Any] = []
+        if t.is_cuda:
+            import cupy
+
+            self._ctx = [
+                cupy.cuda.Device(t.device.index),
+                cupy.cuda.Stream.from_external(torch.cuda.current_stream(t.device)),
+            ]
+
+    def __enter__(self) -> "_on_device":
+        for c in self._ctx:
+            c.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for c in reversed(self._ctx):
+            c.__exit__(*exc)
+
+
+# ----------------------------------------------------------------------------- array math
+
+
+def _xp(a: Any) -> Any:
+    from ._backend import array_module
+
+    return array_module(a)
+
+
+def _values_op(fn: Any, *arrays: Any) -> Any:
+    """Elementwise ``fn`` on value arrays, computed in float32 (float64 for float64 inputs)."""
+    dt = arrays[0].dtype
+    wide = np.float64 if dt == np.float64 else np.float32
+    return fn(*(a.astype(wide) for a in arrays)).astype(dt)
+
+
+def _activation_grad(activation: str, z: Any) -> Any:
+    """act'(z), elementwise, in z's precision (float32 or float64)."""
+    xp = _xp(z)
+    if activation in ("relu", "identity"):
+        return xp.ones_like(z)
+    if activation == "relu2":
+        return 2 * xp.maximum(z, 0)
+    if activation == "silu":
+        s = 1 / (1 + xp.exp(-z))
+        return s * (1 + z * (1 - s))
+    if activation == "gelu":  # tanh form, as in _reference.activation
+        c = math.sqrt(2 / math.pi)
+        inner = c * (z + 0.044715 * z**3)
+        t = xp.tanh(inner)
+        return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * c * (1 + 3 * 0.044715 * z * z)
+    raise ValueError(f"activation: unknown {activation!r}")
+
+
+def _with_values(pattern: ts.twell_array, data: Any, spill: Any) -> ts.twell_array:
+    """A TwELL matrix with ``pattern``'s structure and the given slot and spill values."""
+    parts = pattern.parts._replace(data=data, spill_data=spill)
+    return ts.twell_array._from_parts(parts, pattern.shape, pattern.tile_n)
+
+
+def _forward_arrays(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold):
+    """(out, act TwELL, linear values on its pattern or None)."""
+    g = ts.linear_to_twell(x, w_act, activation=activation, tile_n=tile_n, capacity=capacity, threshold=threshold)
+    if w_lin is None:
+        return ts.matmul(g, w_down.T), g, None
+    u = ts.sddmm(x, w_lin, g)
+    mul = lambda a, b: a * b  # noqa: E731
+    h = _with_values(g, _values_op(mul, g.data, u.data), _values_op(mul, g.spill_data, u.spill_data))
+    return ts.matmul(h, w_down.T), g, u
+
+
+def _backward_arrays(grad_out, grad_act, x, w_act, w_lin, w_down, g, u, activation):
+    """(dx, dw_act, dw_lin or None, dw_down); ``grad_act`` (a TwELL of g's pattern) may be None."""
+    d_h = ts.sddmm(grad_out, w_down.T, g)
+    mul = lambda a, b: a * b  # noqa: E731
+    if u is None:
+        h, d_act = g, d_h
+    else:
+        h = _with_values(g, _values_op(mul, g.data, u.data), _values_op(mul, g.spill_data, u.spill_data))
+        d_act = _with_values(g, _values_op(mul, d_h.data, u.data), _values_op(mul, d_h.spill_data, u.spill_data))
+    if grad_act is not None:
+        add = lambda a, b: a + b  # noqa: E731
+        d_act = _with_values(
+            g, _values_op(add, d_act.data, grad_act.data), _values_op(add, d_act.spill_data, grad_act.spill_data)
+        )
+    if activation in ("relu", "identity"):
+        d_z = d_act  # relu'(z) = 1 on the pattern, where z > 0
+    else:
+        z = ts.sddmm(x, w_act, g)  # pre-activations on the pattern
+        grad = lambda dz, zz: dz * _activation_grad(activation, zz)  # noqa: E731
+        d_z = _with_values(g, _values_op(grad, d_act.data, z.data), _values_op(grad, d_act.spill_data, z.spill_data))
+    dw_down = ts.matmul(h.T, grad_out).T
+    dw_act = ts.matmul(d_z.T, x)
+    dx = ts.matmul(d_z, w_act)
+    dw_lin = None
+    if u is not None:
+        d_u = _with_values(g, _values_op(mul, d_h.data, g.data), _values_op(mul, d_h.spill_data, g.spill_data))
+        dw_lin = ts.matmul(d_u.T, x)
+        dx = _values_op(lambda a, b: a + b, dx, ts.matmul(d_u, w_lin))
+    return dx, dw_act, dw_lin, dw_down
+
+
+# ----------------------------------------------------------------------------- custom ops
+
+_EMPTY = (0,)
+
+
+def _n_tiles(n: int, tile_n: int) -> int:
+    return -(-n // tile_n)
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::ffn_fwd", mutates_args=())
+def _ffn_fwd(
+    x: Tensor,
+    w_act: Tensor,
+    w_lin: Tensor | None,
+    w_down: Tensor,
+    activation: str,
+    tile_n: int,
+    capacity: int,
+    threshold: float | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """out, act TwELL parts (data, indices, counts, spill_data, spill_indices, spill_indptr),
+    linear values on the pattern (data, spill_data; empty when non-gated)."""
+    with _on_device(x):
+        w_lin_a = _to_array(w_lin) if w_lin is not None else None
+        out, g, u = _forward_arrays(
+            _to_array(x), _to_array(w_act), w_lin_a, _to_array(w_down), activation, tile_n, capacity, threshold
+        )
+        p = g.parts
+        if u is None:
+            xp = _xp(p.data)
+            u_data, u_spill = xp.empty(_EMPTY, dtype=p.data.dtype), xp.empty(_EMPTY, dtype=p.data.dtype)
+        else:
+            u_data, u_spill = u.data, u.spill_data
+        results = (out, p.data, p.indices, p.counts, p.spill_data, p.spill_indices, p.spill_indptr, u_data, u_spill)
+        return tuple(_to_tensor(a) for a in results)  # type: ignore[return-value]
+
+
+@_ffn_fwd.register_fake
+def _ffn_fwd_fake(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold):
+    m = x.shape[0]
+    nt = _n_tiles(w_act.shape[0], tile_n)
+    n_spill = torch.library.get_ctx().new_dynamic_size()
+    n_u, n_u_spill = ((m, nt, capacity), (n_spill,)) if w_lin is not None else (_EMPTY, _EMPTY)
+    return (
+        x.new_empty((m, w_down.shape[0])),
+        x.new_empty((m, nt, capacity)),
+        x.new_empty((m, nt, capacity), dtype=torch.int16),
+        x.new_empty((m, nt), dtype=torch.int32),
+        x.new_empty((n_spill,)),
+        x.new_empty((n_spill,), dtype=torch.int32),
+        x.new_empty((m + 1,), dtype=torch.int32),
+        x.new_empty(n_u),
+        x.new_empty(n_u_spill),
+    )
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::ffn_bwd", mutates_args=())
+def _ffn_bwd(
+    grad_out: Tensor,
+    grad_act: Tensor,
+    grad_act_spill: Tensor,
+    x: Tensor,
+    w_act: Tensor,
+    w_lin: Tensor | None,
+    w_down: Tensor,
+    act_data: Tensor,
+    indices: Tensor,
+    counts: Tensor,
+    act_spill: Tensor,
+    spill_indices: Tensor,
+    spill_indptr: Tensor,
+    u_data: Tensor,
+    u_spill: Tensor,
+    activation: str,
+    tile_n: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dw_act, dw_lin (empty when non-gated), dw_down); empty grad_act means none."""
+    with _on_device(x):
+        a = {
+            k: _to_array(t)
+            for k, t in dict(
+                go=grad_out,
+                x=x,
+                wa=w_act,
+                wd=w_down,
+                d=act_data,
+                i=indices,
+                c=counts,
+                sd=act_spill,
+                si=spill_indices,
+                sp=spill_indptr,
+            ).items()
+        }
+        shape = (x.shape[0], w_act.shape[0])
+        g = ts.twell_array._from_parts(TwELLParts(a["d"], a["i"], a["c"], a["sd"], a["si"], a["sp"]), shape, tile_n)
+        u = _with_values(g, _to_array(u_data), _to_array(u_spill)) if w_lin is not None else None
+        d_act = None
+        if grad_act.numel() or grad_act_spill.numel():
+            d_act = _with_values(g, _to_array(grad_act), _to_array(grad_act_spill))
+        w_lin_a = _to_array(w_lin) if w_lin is not None else None
+        dx, dw_act, dw_lin, dw_down = _backward_arrays(
+            a["go"], d_act, a["x"], a["wa"], w_lin_a, a["wd"], g, u, activation
+        )
+        xp = _xp(a["x"])
+        if dw_lin is None:
+            dw_lin = xp.empty(_EMPTY, dtype=a["x"].dtype)
+        return tuple(_to_tensor(xp.ascontiguousarray(r)) for r in (dx, dw_act, dw_lin, dw_down))  # type: ignore[return-value]
+
+
+@_ffn_bwd.register_fake
+def _ffn_bwd_fake(grad_out, grad_act, grad_act_spill, x, w_act, w_lin, w_down, *rest):
+    return (
+        torch.empty_like(x),
+        torch.empty_like(w_act),
+        torch.empty_like(w_lin) if w_lin is not None else x.new_empty(_EMPTY),
+        torch.empty_like(w_down),
+    )
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    x, w_act, w_lin, w_down, activation, tile_n, _capacity, _threshold = inputs
+    ctx.activation, ctx.tile_n, ctx.gated = activation, tile_n, w_lin is not None
+    saved = output[1:]
+    ctx.save_for_backward(x, w_act, w_lin if w_lin is not None else x.new_empty(_EMPTY), w_down, *saved)
+    ctx.mark_non_differentiable(*(output[i] for i in (2, 3, 5, 6, 7, 8)))
+
+
+def _backward(ctx: Any, grad_out, grad_act, _gi, _gc, grad_act_spill, _gsi, _gsp, _gu, _gus):
+    x, w_act, w_lin, w_down, *saved = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros((x.shape[0], w_down.shape[0]), dtype=x.dtype, device=x.device)
+    empty = x.new_empty(_EMPTY)
+    dx, dw_act, dw_lin, dw_down = _ffn_bwd(
+        grad_out.contiguous(),
+        grad_act.contiguous() if grad_act is not None else empty,
+        grad_act_spill.contiguous() if grad_act_spill is not None else empty,
+        x,
+        w_act,
+        w_lin if ctx.gated else None,
+        w_down,
+        *saved,
+        ctx.activation,
+        ctx.tile_n,
+    )
+    return dx, dw_act, dw_lin if ctx.gated else None, dw_down, None, None, None, None
+
+
+_ffn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- functions
+
+
+def _run(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold):
+    act = check_activation(activation)
+    tile_n = check_tile_n(tile_n)
+    capacity = check_capacity(capacity, tile_n)
+    thr = check_threshold(threshold)
+    for name, t in (("w_act", w_act), ("w_lin", w_lin), ("w_down", w_down)):
+        if t is not None and t.dtype != x.dtype:
+            raise TypeError(f"{name}: expected dtype {x.dtype} like x, got {t.dtype}")
+    lead = x.shape[:-1]
+    out, *hidden = torch.ops.twellsparse.ffn_fwd(
+        x.reshape(-1, x.shape[-1]).contiguous(), w_act, w_lin, w_down, act, tile_n, capacity, thr
+    )
+    return out.reshape(*lead, w_down.shape[0]), hidden
+
+
+def ffn(
+    x: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    *,
+    activation: str = "relu",
+    tile_n: int = 256,
+    capacity: int | None = None,
+    threshold: float | None = None,
+) -> Tensor:
+    """Differentiable non-gated sparse FFN ``act(x @ w_up.T) @ w_down.T`` (see the module doc)."""
+    return _run(x, w_up, None, w_down, activation, tile_n, capacity, threshold)[0]
+
+
+def gated_ffn(
+    x: Tensor,
+    w_gate: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    *,
+    activation: str = "relu",
+    tile_n: int = 256,
+    capacity: int | None = None,
+    threshold: float | None = None,
+) -> Tensor:
+    """Differentiable gated sparse FFN ``(act(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T``."""
+    return _run(x, w_gate, w_up, w_down, activation, tile_n, capacity, threshold)[0]
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+class _TwELLMLPBase(nn.Module):
+    hidden_size: int
+    intermediate_size: int
+
+    def __init__(self, activation: str, tile_n: int, capacity: int | None, threshold: float | None) -> None:
+        super().__init__()
+        self.activation = check_activation(activation)
+        self.tile_n = check_tile_n(tile_n)
+        self.capacity = check_capacity(capacity, self.tile_n)
+        self.threshold = check_threshold(threshold)
+        self._hidden: list[Tensor] | None = None
+
+    def _forward(self, x: Tensor, w_act: Tensor, w_lin: Tensor | None, w_down: Tensor) -> Tensor:
+        out, hidden = _run(x, w_act, w_lin, w_down, self.activation, self.tile_n, self.capacity, self.threshold)
+        self._hidden = hidden
+        return out
+
+    def l1_penalty(self) -> Tensor:
+        """Mean over tokens of the L1 norm of the last forward's hidden activations (the gate's,
+        for the gated block); differentiable, for adding to the training loss."""
+        if self._hidden is None:
+            raise RuntimeError("l1_penalty: run a forward pass first")
+        data, _, counts, spill, *_ = self._hidden
+        return (data.abs().sum() + spill.abs().sum()) / max(counts.shape[0], 1)
+
+    def stats(self) -> dict[str, Any]:
+        """Nonzeros per token, density and spilled entries of the last forward (reads back from
+        the device; call it outside the hot path)."""
+        if self._hidden is None:
+            return {}
+        _, _, counts, spill, *_ = self._hidden
+        tokens = counts.shape[0]
+        units = self.intermediate_size
+        nnz = int(counts.sum()) + spill.numel()
+        return {
+            "nnz_per_token": nnz / max(tokens, 1),
+            "density": nnz / max(tokens * units, 1),
+            "n_spilled": spill.numel(),
+            "dense_fallback": False,
+        }
+
+
+class TwELLMLP(_TwELLMLPBase):
+    """Non-gated MLP ``down_proj(act(up_proj(x)))`` with a TwELL hidden layer (no biases).
+
+    Parameters
+    ----------
+    hidden_size, intermediate_size : int
+        d_model and d_ff.
+    activation : str
+        ``"relu"`` (default), ``"relu2"``, or ``"silu"``/``"gelu"`` with a ``threshold``.
+    tile_n, capacity, threshold
+        As for :func:`twellsparse.linear_to_twell`.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        activation: str = "relu",
+        tile_n: int = 256,
+        capacity: int | None = None,
+        threshold: float | None = None,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        super().__init__(activation, tile_n, capacity, threshold)
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, device=device, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self._forward(x, self.up_proj.weight, None, self.down_proj.weight)
+
+
+class TwELLGatedMLP(_TwELLMLPBase):
+    """Llama-style gated MLP ``down_proj(act(gate_proj(x)) * up_proj(x))`` with a TwELL gate.
+
+    Parameter names match Llama/Qwen MLPs (``gate_proj``, ``up_proj``, ``down_proj``), so their
+    state dicts load directly. Arguments as for :class:`TwELLMLP`.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        activation: str = "relu",
+        tile_n: int = 256,
+        capacity: int | None = None,
+        threshold: float | None = None,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        super().__init__(activation, tile_n, capacity, threshold)
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, device=device, dtype=dtype)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, device=device, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self._forward(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+
+
+def from_module(
+    mlp: nn.Module,
+    *,
+    activation: str = "relu",
+    tile_n: int = 256,
+    capacity: int | None = None,
+    threshold: float | None = None,
+) -> _TwELLMLPBase:
+    """A TwELL MLP sharing the parameters of a Llama/Qwen-style MLP (``gate_proj``, ``up_proj``,
+    ``down_proj``) or a non-gated one (``up_proj``, ``down_proj``), without biases.
+
+    Use ``activation="relu"`` for ReLU-trained checkpoints, or ``"silu"`` with a ``threshold`` to
+    run a SwiGLU checkpoint sparsely (entries with ``|silu(z)| <= threshold`` are dropped).
+    """
+    linears = {name: getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")}
+    if linears["up_proj"] is None or linears["down_proj"] is None:
+        raise TypeError(f"mlp: expected a module with up_proj and down_proj, got {type(mlp).__name__}")
+    for name, lin in linears.items():
+        if lin is not None and getattr(lin, "bias", None) is not None:
+            raise ValueError(f"mlp.{name}: expected a Linear without bias, got one with a bias")
+    up = linears["up_proj"]
+    assert up is not None
+    kwargs = dict(activation=activation, tile_n=tile_n, capacity=capacity, threshold=threshold)
+    cls = TwELLGatedMLP if linears["gate_proj"] is not None else TwELLMLP
+    new = cls(up.in_features, up.out_features, device="meta", **kwargs)  # type: ignore[arg-type]
+    for name, lin in linears.items():
+        if lin is not None:
+            setattr(new, name, lin)  # share the caller's Linear (and its parameters)
+    return new
+
+
+def swap_mlps(model: nn.Module, **kwargs: Any) -> int:
+    """Replace, in place, every submodule called ``mlp`` that has ``up_proj``/``down_proj``
+    with its TwELL counterpart (``from_module(child, **kwargs)``); returns how many."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if name == "mlp" and hasattr(child, "up_proj") and hasattr(child, "down_proj"):
+                setattr(parent, name, from_module(child, **kwargs))
+                count += 1
+    return count
