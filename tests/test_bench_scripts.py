@@ -38,3 +38,14 @@ def test_byte_model_runs(capsys):
     assert model.main(["--m", "512", "--d-ff", "512", "--blocks", "64,128", "--densities", "0.02"]) == 0
     out = capsys.readouterr().out
     assert "uniform" in out and "skewed" in out
+
+
+def test_train_step_quick(capsys):
+    import os
+
+    import pytest
+
+    if not os.environ.get("CI"):
+        pytest.importorskip("torch")
+    assert _load("train_step").main(["--quick", "--densities", "0.05"]) == 0
+    assert "saved activations" in capsys.readouterr().out

@@ -1,0 +1,139 @@
+"""Training step of the gated FFN: twellsparse.torch vs dense torch autograd, side by side.
+
+Forward + backward of ``(relu(x Wg^T) * (x Wu^T)) Wd^T`` on the standard problem of TARGETS.md
+(bf16, M 16384, d_model 2048, d_ff 5632) at several gate densities: median time, peak memory,
+and the bytes of activations saved for the backward (parameters and the input excluded).
+Results as JSON lines (``--out``). ``--quick`` runs a tiny float32 case (CPU smoke test).
+
+Usage: python bench/train_step.py [--quick] [--densities 0.005,0.01,0.02] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+import twellsparse.torch as tt
+from twellsparse._environment import environment
+from twellsparse.testing import ffn_problem
+
+
+def saved_activation_bytes(fn: Callable[[], torch.Tensor], exclude: list[torch.Tensor]) -> int:
+    """Bytes autograd saves for the backward of ``fn()``, not counting the ``exclude`` tensors."""
+    skip = {t.data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in skip:
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def timed(fn: Callable[[], Any], reps: int, cuda: bool) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(times))
+
+
+def case(args: argparse.Namespace, density: float, device: str, dtype: torch.dtype) -> dict[str, Any]:
+    p = ffn_problem(args.m, args.d_model, args.d_ff, density, "uniform", np.float32, 0)
+    x, wg, wu, wd = (
+        torch.from_numpy(p[k]).to(device, dtype).requires_grad_() for k in ("x", "w_gate", "w_up", "w_down")
+    )
+    grad = torch.randn(args.m, args.d_model, device=device, dtype=dtype)
+    params = [x, wg, wu, wd]
+
+    def dense() -> torch.Tensor:
+        return (torch.relu(x @ wg.T) * (x @ wu.T)) @ wd.T
+
+    def sparse() -> torch.Tensor:
+        return tt.gated_ffn(x, wg, wu, wd)
+
+    def step(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            torch.autograd.grad(fn(), params, grad)
+
+        return run
+
+    sparse_out, dense_out = sparse(), dense()
+    err = float((sparse_out.float() - dense_out.float()).norm() / dense_out.float().norm())
+    if not err < 2e-2:
+        raise SystemExit(f"sparse vs dense forward: relative error {err:.3e}; not timing")
+    cuda = device.startswith("cuda")
+    rec: dict[str, Any] = {"density_target": density, "rel_error": err}
+    for name, fn in (("dense", dense), ("twell", sparse)):
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        rec[f"{name}_ms"] = timed(step(fn), args.reps, cuda)
+        rec[f"{name}_peak_bytes"] = torch.cuda.max_memory_allocated() if cuda else None
+        rec[f"{name}_saved_bytes"] = saved_activation_bytes(fn, params)
+    rec["speedup"] = rec["dense_ms"] / rec["twell_ms"]
+    rec["saved_ratio"] = rec["twell_saved_bytes"] / max(rec["dense_saved_bytes"], 1)
+    return rec
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--m", type=int, default=16384)
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--d-ff", type=int, default=5632)
+    ap.add_argument("--densities", default="0.005,0.01,0.02")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if args.quick:
+        args.m, args.d_model, args.d_ff, args.reps = 64, 32, 256, 2
+    env = environment()
+    records = []
+    for density in (float(d) for d in args.densities.split(",")):
+        rec = {
+            "kind": "train_step",
+            **env,
+            "shape": [args.m, args.d_model, args.d_ff],
+            "dtype": str(dtype),
+            "device_path": device,
+            **case(args, density, device, dtype),
+        }
+        records.append(rec)
+        print(
+            f"density {density:6.2%}: dense {rec['dense_ms']:.3f} ms, twell {rec['twell_ms']:.3f} ms "
+            f"({rec['speedup']:.2f}x); saved activations {rec['twell_saved_bytes']:,} vs "
+            f"{rec['dense_saved_bytes']:,} bytes ({rec['saved_ratio']:.2f}x)",
+            flush=True,
+        )
+    if args.out:
+        with open(args.out, "a") as f:
+            for rec in records:
+                f.write(json.dumps(rec) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
