@@ -78,8 +78,9 @@ def case(args: argparse.Namespace, density: float, device: str, dtype: torch.dty
 
         return run
 
-    sparse_out, dense_out = sparse(), dense()
-    err = float((sparse_out.float() - dense_out.float()).norm() / dense_out.float().norm())
+    with torch.no_grad():
+        sparse_out, dense_out = sparse().float(), dense().float()
+    err = float((sparse_out - dense_out).norm() / dense_out.norm())
     if not err < 2e-2:
         raise SystemExit(f"sparse vs dense forward: relative error {err:.3e}; not timing")
     cuda = device.startswith("cuda")

@@ -27,6 +27,8 @@ for step in $what; do
     bench|all)
       python3 bench/ffn_bench.py --out "$OUT/ffn_bench.jsonl" 2>&1 | tee "$OUT/ffn_bench.log"
       status=$((status | ${PIPESTATUS[0]}))
+      python3 bench/train_step.py --out "$OUT/train_step.jsonl" 2>&1 | tee "$OUT/train_step.log"
+      status=$((status | ${PIPESTATUS[0]}))
       ;;&
     benchquick)
       python3 bench/ffn_bench.py --quick --densities 0.01 --patterns uniform 2>&1 | tee "$OUT/ffn_bench_quick.log"
