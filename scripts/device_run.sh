@@ -29,6 +29,8 @@ for step in $what; do
       status=$((status | ${PIPESTATUS[0]}))
       python3 bench/train_step.py --out "$OUT/train_step.jsonl" 2>&1 | tee "$OUT/train_step.log"
       status=$((status | ${PIPESTATUS[0]}))
+      python3 bench/model_bench.py --out "$OUT/model_bench.jsonl" 2>&1 | tee "$OUT/model_bench.log"
+      status=$((status | ${PIPESTATUS[0]}))
       ;;&
     benchquick)
       python3 bench/ffn_bench.py --quick --densities 0.01 --patterns uniform 2>&1 | tee "$OUT/ffn_bench_quick.log"

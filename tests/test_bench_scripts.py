@@ -49,3 +49,14 @@ def test_train_step_quick(capsys):
         pytest.importorskip("torch")
     assert _load("train_step").main(["--quick", "--densities", "0.05"]) == 0
     assert "saved activations" in capsys.readouterr().out
+
+
+def test_model_bench_quick(capsys):
+    import os
+
+    import pytest
+
+    if not os.environ.get("CI"):
+        pytest.importorskip("torch")
+    assert _load("model_bench").main(["--quick", "--densities", "0.1"]) == 0
+    assert "train step" in capsys.readouterr().out

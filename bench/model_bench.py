@@ -1,0 +1,162 @@
+"""Whole-model benchmark: a Llama-style decoder stack with TwELL MLPs vs the same with dense MLPs.
+
+The published 2B sparse model's shape (d_model 2048, d_ff 5632, 32 heads, RMSNorm, torch SDPA
+attention), ``--layers`` of its 38 layers, batch 64 x 2048 tokens, bf16. Weights are synthetic;
+each gate keeps ``relu(z)`` only where ``z`` exceeds a threshold set per layer so that the
+measured density is the requested one (the dense twin applies the same mask, so both compute the
+same function). Reports forward and training-step tokens per ms for both, per layer and for the
+stack, as JSON lines (``--out``). ``--quick`` runs a tiny CPU case (smoke test).
+
+Usage: python bench/model_bench.py [--quick] [--layers 4] [--densities 0.005,0.01] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import pathlib
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from twellsparse._environment import environment
+
+_EX = pathlib.Path(__file__).resolve().parents[1] / "examples" / "tiny_llama.py"
+
+
+def _example() -> Any:
+    """The decoder blocks of examples/tiny_llama.py (one model definition for both)."""
+    spec = importlib.util.spec_from_file_location("tiny_llama", _EX)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["tiny_llama"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+class ThresholdedDenseMLP(nn.Module):
+    """Dense gated MLP computing relu(z) only where z > threshold (the sparse model's function)."""
+
+    def __init__(self, src: nn.Module, threshold: float) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = src.gate_proj, src.up_proj, src.down_proj
+        self.threshold = threshold
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.gate_proj(x)
+        return self.down_proj(torch.where(z > self.threshold, z, 0.0) * self.up_proj(x))
+
+
+def build(ex: Any, cfg: Any, n_layers: int, density: float, device: str, dtype: torch.dtype, x: torch.Tensor):
+    """(sparse blocks, dense blocks) sharing weights; per-layer gate thresholds set the density,
+    chosen layer by layer on a sample of the input (each layer sees the thresholds before it)."""
+    torch.manual_seed(0)
+    dense = nn.ModuleList(ex.Block(cfg, sparse=False) for _ in range(n_layers)).to(device, dtype)
+    sparse = nn.ModuleList(ex.Block(cfg, sparse=True) for _ in range(n_layers)).to(device, dtype)
+    sparse.load_state_dict(dense.state_dict())
+    h = x[:2].detach()
+    with torch.no_grad():
+        for block_d, block_s in zip(dense, sparse, strict=True):
+            seen: list[torch.Tensor] = []
+            hook = block_d.mlp.register_forward_pre_hook(lambda _m, inp, seen=seen: seen.append(inp[0]))
+            block_d(h)
+            hook.remove()
+            z = block_d.mlp.gate_proj(seen[0]).float().flatten()
+            t = max(float(torch.quantile(z[: 1 << 24], 1.0 - density)), 0.0)
+            block_s.mlp.threshold = t
+            block_d.mlp = ThresholdedDenseMLP(block_d.mlp, t)
+            h = block_d(h)
+    return sparse, dense
+
+
+def run_stack(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    for block in blocks:
+        x = block(x)
+    return x
+
+
+def timed(fn: Any, reps: int, cuda: bool) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(times))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--densities", default="0.005,0.01")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    ex = _example()
+    cuda = torch.cuda.is_available() and not args.quick
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    cfg = ex.Config(vocab=32000, d_model=2048, d_ff=5632, n_heads=32, seq=args.seq, tile_n=256)
+    if args.quick:
+        cfg = ex.Config(vocab=128, d_model=32, d_ff=256, n_heads=4, seq=16, tile_n=32)
+        args.layers, args.batch, args.reps = 2, 4, 1
+    n_tokens = args.batch * cfg.seq
+    # The decoder stack alone is timed: the embedding and LM head are the same in both models.
+    x = torch.randn(args.batch, cfg.seq, cfg.d_model, device=device, dtype=dtype)
+    env = environment()
+    for density in (float(d) for d in args.densities.split(",")):
+        sparse, dense = build(ex, cfg, args.layers, density, device, dtype, x)
+        with torch.no_grad():
+            out_s, out_d = run_stack(sparse, x).float(), run_stack(dense, x).float()
+        err = float((out_s - out_d).norm() / out_d.norm())
+        measured = [b.mlp.stats()["density"] for b in sparse]
+        x_train = x.detach().requires_grad_()
+
+        def train_step(blocks: nn.ModuleList, x_in: torch.Tensor = x_train) -> None:
+            run_stack(blocks, x_in).float().pow(2).mean().backward()
+            blocks.zero_grad(set_to_none=True)
+
+        rec: dict[str, Any] = {
+            "kind": "model",
+            **env,
+            "layers": args.layers,
+            "tokens": n_tokens,
+            "d_model": cfg.d_model,
+            "d_ff": cfg.d_ff,
+            "dtype": str(dtype),
+            "density_target": density,
+            "density_per_layer": measured,
+            "rel_error": err,
+        }
+        for name, blocks in (("dense", dense), ("twell", sparse)):
+            with torch.no_grad():
+                rec[f"{name}_forward_ms"] = timed(lambda b=blocks: run_stack(b, x), args.reps, cuda)
+            rec[f"{name}_train_ms"] = timed(lambda b=blocks: train_step(b), args.reps, cuda)
+        for kind in ("forward", "train"):
+            rec[f"{kind}_speedup"] = rec[f"dense_{kind}_ms"] / rec[f"twell_{kind}_ms"]
+            rec[f"twell_{kind}_tokens_per_ms"] = n_tokens / rec[f"twell_{kind}_ms"]
+            rec[f"dense_{kind}_tokens_per_ms"] = n_tokens / rec[f"dense_{kind}_ms"]
+        print(
+            f"density {density:.2%} (measured {np.mean(measured):.2%}), {args.layers} layers: forward "
+            f"{rec['forward_speedup']:.2f}x, train step {rec['train_speedup']:.2f}x, rel. error {err:.2e}",
+            flush=True,
+        )
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
