@@ -608,3 +608,10 @@ def test_retile_shape_mismatch_raises(rng):
     a = twell_array(random_dense(rng), tile_n=32, capacity=2)
     with pytest.raises(ValueError):
         twell_array(a, shape=(SHAPE[0], SHAPE[1] + 1), tile_n=32)
+
+
+def test_to_device_cpu_and_get_are_identity_on_cpu(rng):
+    a = twell_array(random_dense(rng), tile_n=32)
+    assert a.get() is a
+    assert a.to_device("cpu") is a
+    assert a.device == "cpu"

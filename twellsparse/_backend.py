@@ -99,28 +99,11 @@ def _numpy_from_dlpack(x: Any, name: str) -> np.ndarray:
     raise TypeError(f"{name}: could not import {type(x).__name__} through DLPack on the CPU")
 
 
-def same_device(name_a: str, a: Any, name_b: str, b: Any) -> None:
-    """Raise ValueError unless ``a`` and ``b`` live on the same device."""
-    da, db = device_name(a), device_name(b)
-    if da != db:
-        raise ValueError(f"{name_b}: expected an array on {da} like {name_a}, got one on {db}")
-
-
 def to_host(x: Any) -> np.ndarray:
     """NumPy copy (or the array itself) of a NumPy/CuPy array."""
     if is_cupy_array(x):
         return x.get()
     return np.asarray(x)
-
-
-def to_device_like(x: np.ndarray, like: Any) -> Any:
-    """Move a NumPy array to the device of ``like`` (no-op on the CPU)."""
-    if is_cupy_array(like):
-        cp = cupy_module()
-        assert cp is not None
-        with cp.cuda.Device(like.device.id):
-            return cp.asarray(x)
-    return x
 
 
 def value_dtype(dtype: Any, name: str = "dtype") -> np.dtype:

@@ -84,10 +84,5 @@ def check_ndim(x: Any, ndim: int | tuple[int, ...], name: str) -> None:
         raise ValueError(f"{name}: expected a {want} array, got {x.ndim}-D with shape {tuple(x.shape)}")
 
 
-def check_inner_dims(name_a: str, k_a: int, name_b: str, k_b: int) -> None:
-    if k_a != k_b:
-        raise ValueError(f"{name_b}: expected {k_a} rows to match {name_a}'s {k_a} columns, got {k_b}")
-
-
 def n_tiles(n_cols: int, tile_n: int) -> int:
     return -(-n_cols // tile_n)

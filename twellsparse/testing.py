@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import scipy.special
 
-from ._backend import array_module, to_host, value_dtype
+from ._backend import to_host, value_dtype
 
 __all__ = ["firing_rates", "sparse_activations", "ffn_problem", "rel_error", "assert_twell_equal"]
 
@@ -104,8 +104,3 @@ def assert_twell_equal(a: Any, b: Any) -> None:
     assert a.dtype == b.dtype, f"dtype {a.dtype} != {b.dtype}"
     da, db = to_host(a.toarray()), to_host(b.toarray())
     np.testing.assert_array_equal(da.view(np.uint8), db.view(np.uint8))
-
-
-def xp_of(x: Any) -> Any:
-    """NumPy or CuPy, whichever owns ``x`` (re-exported for tests)."""
-    return array_module(x)
