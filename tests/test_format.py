@@ -615,3 +615,8 @@ def test_to_device_cpu_and_get_are_identity_on_cpu(rng):
     assert a.get() is a
     assert a.to_device("cpu") is a
     assert a.device == "cpu"
+
+
+def test_shape_tuple_of_numpy_ints_builds_an_empty_matrix():
+    a = twell_array((np.int64(3), np.int32(70)), tile_n=32)
+    assert a.shape == (3, 70) and a.nnz == 0 and a.dtype == np.float64

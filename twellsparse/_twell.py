@@ -97,7 +97,7 @@ class twell_array:
         dt = None if dtype is None else value_dtype(dtype)
         if shape is not None:
             shape = check_shape(shape)
-        if isinstance(arg, tuple) and not (len(arg) == 2 and all(isinstance(s, int) for s in arg)):
+        if isinstance(arg, tuple) and not (len(arg) == 2 and all(isinstance(s, (int, np.integer)) for s in arg)):
             if shape is None:
                 raise TypeError("shape: expected (M, N) with component arrays, got None")
             self._init_from_parts(arg, shape, tile_n, capacity, dt)
