@@ -97,8 +97,9 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
     p = ffn_problem(args.m, args.d_model, args.d_ff, density, pattern, ts.bfloat16, 0, cp)
     x, wg, wu, wd = p["x"], p["w_gate"], p["w_up"], p["w_down"]
     dense_gated, dense_plain = dense_ffns(x, wg, wu, wd, provider)
-    gated_plan = ts.GatedFFN(wg, wu, wd)
-    plain_plan = ts.FFN(wg, wd)
+    gated_plan = ts.GatedFFN(wg, wu, wd, dispatch="sparse")
+    plain_plan = ts.FFN(wg, wd, dispatch="sparse")
+    gated_auto = ts.GatedFFN(wg, wu, wd)  # dispatch="auto": dense remainder above the break-even
     wd_t = cp.ascontiguousarray(wd.T)
     h = ts.linear_to_twell(x, wg)
     h_dense = h.toarray()
@@ -128,6 +129,7 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
         "ffn": timer(lambda: plain_plan(x)),
         "dense_gated_ffn": timer(dense_gated),
         "gated_ffn": timer(lambda: gated_plan(x)),
+        "gated_ffn_auto": timer(lambda: gated_auto(x)),
     }
     return {
         "kind": "ffn",
@@ -144,7 +146,9 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
             "spmm_vs_dense_down": rows["dense_down"]["median"] / rows["spmm_down"]["median"],
             "ffn": rows["dense_ffn"]["median"] / rows["ffn"]["median"],
             "gated_ffn": rows["dense_gated_ffn"]["median"] / rows["gated_ffn"]["median"],
+            "gated_ffn_auto": rows["dense_gated_ffn"]["median"] / rows["gated_ffn_auto"]["median"],
         },
+        "auto_path": gated_auto.last_stats.get("path"),
         "rel_error_vs_dense": errors,
     }
 

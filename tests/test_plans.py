@@ -13,12 +13,13 @@ from twellsparse.testing import ffn_problem, rel_error
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_plans_match_reference(rng, dtype):
     p = ffn_problem(70, 48, 600, 0.03, "skewed", dtype, rng)
-    gated = ts.GatedFFN(p["w_gate"], p["w_up"], p["w_down"], tile_n=64, capacity=2)
+    gated = ts.GatedFFN(p["w_gate"], p["w_up"], p["w_down"], tile_n=64, capacity=2, dispatch="sparse")
     exact = ref.gated_ffn_dense(p["x"], p["w_gate"], p["w_up"], p["w_down"], "relu")
     tol = 1e-10 if dtype == np.float64 else 1e-5
     assert rel_error(gated(p["x"]), exact) < tol
     assert gated.last_stats["tokens"] == 70 and gated.last_stats["n_spilled"] > 0
-    plain = ts.FFN(p["w_gate"], p["w_down"], tile_n=64)
+    assert gated.last_stats["path"] == "sparse"
+    plain = ts.FFN(p["w_gate"], p["w_down"], tile_n=64, dispatch="sparse")
     assert rel_error(plain(p["x"]), ref.ffn_dense(p["x"], p["w_gate"], p["w_down"], "relu")) < tol
     np.testing.assert_allclose(plain(p["x"]), ts.ffn(p["x"], p["w_gate"], p["w_down"], tile_n=64), rtol=1e-6)
 
@@ -40,3 +41,30 @@ def test_plan_validation(rng):
     plan = ts.FFN(p["w_gate"], p["w_down"])
     with pytest.raises(ValueError, match="x"):
         plan(np.ones((3, 15), np.float32))
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_dispatch_paths_compute_the_same_function(rng, gated):
+    p = ffn_problem(90, 32, 300, 0.05, "skewed", np.float32, rng)
+    weights = (p["w_gate"], p["w_up"], p["w_down"]) if gated else (p["w_gate"], p["w_down"])
+    cls = ts.GatedFFN if gated else ts.FFN
+    outs = {}
+    for dispatch in ("sparse", "dense"):
+        plan = cls(*weights, tile_n=32, capacity=2, dispatch=dispatch)
+        outs[dispatch] = plan(p["x"])
+        assert plan.last_stats["path"] == dispatch
+    np.testing.assert_allclose(outs["sparse"], outs["dense"], rtol=1e-5, atol=1e-6)
+    # auto: above the break-even the dense remainder runs, below it the sparse kernels
+    above = cls(*weights, tile_n=32, breakeven=0.01)
+    above(p["x"])
+    assert above.last_stats["path"] == "dense" and above.last_stats["dense_fallback"]
+    assert 0.02 < above.last_stats["sampled_density"] < 0.1
+    below = cls(*weights, tile_n=32, breakeven=0.5)
+    below(p["x"])
+    assert below.last_stats["path"] == "sparse" and not below.last_stats["dense_fallback"]
+
+
+def test_dispatch_validation(rng):
+    p = ffn_problem(8, 16, 64, 0.1, "uniform", np.float32, rng)
+    with pytest.raises(ValueError, match="dispatch"):
+        ts.FFN(p["w_gate"], p["w_down"], dispatch="fast")

@@ -212,6 +212,20 @@ def sddmm(parts: TwELLParts, tile_n: int, x: Any, y: Any, scale: bool, path: str
     return parts._replace(data=data, spill_data=spill)
 
 
+def act_mul(z_act: Any, z_lin: Any, activation: str, threshold: float | None) -> Any:
+    """``keep(act(z_act)) * z_lin`` elementwise (``z_lin`` None: no product), in z_act's dtype."""
+    cp = _cp()
+    z_act = cp.ascontiguousarray(z_act)
+    out = cp.empty_like(z_act)
+    n = z_act.size
+    lin = K.null_pointer() if z_lin is None else cp.ascontiguousarray(z_lin)
+    blocks = min(-(-n // 256), 132 * 32) if n else 0
+    expr = f"ffn_act_mul<{K.CXX_TYPE[z_act.dtype]}, {K.ACTIVATION_ID[activation]}>"
+    thr = np.float64(-1.0 if threshold is None else threshold)
+    K.launch_grid(expr, (blocks,), (256,), (z_act, lin, np.int64(n), thr, out))
+    return out
+
+
 # cuBLAS enums (cublas_api.h / library_types.h)
 _CUDA_R = {np.dtype(np.float16): 2, bfloat16: 14, np.dtype(np.float32): 0, np.dtype(np.float64): 1}
 _COMPUTE_32F, _COMPUTE_64F, _OP_N, _OP_T, _GEMM_DEFAULT = 68, 70, 0, 1, -1

@@ -96,7 +96,14 @@ def _instantiations() -> dict[str, list[str]]:
             staged.append(staged_expression(dt, sddmm=True))
             staged += [f"twell_pairs_finalize<{t}, false>", f"twell_pairs_finalize<{t}, true>"]
     staged.append("twell_block_masks")
-    return {"twell_convert.cu": convert, "twell_spmm.cu": spmm, "twell_sddmm.cu": sddmm, "twell_staged.cu": staged}
+    elementwise = [f"ffn_act_mul<{t}, {a}>" for t, a in itertools.product(types, ACTIVATION_ID.values())]
+    return {
+        "twell_convert.cu": convert,
+        "twell_spmm.cu": spmm,
+        "twell_sddmm.cu": sddmm,
+        "twell_staged.cu": staged,
+        "twell_elementwise.cu": elementwise,
+    }
 
 
 INSTANTIATIONS: dict[str, list[str]] = _instantiations()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from . import _convert as conv
 from . import _reference as ref
 from ._backend import as_array, device_name, is_cupy_array, result_dtype, value_dtype
@@ -192,13 +194,43 @@ def linear_to_twell(
     _same_device("x", xx, weight=ww)
     if ww.shape[1] != xx.shape[1]:
         raise ValueError(f"weight: expected {xx.shape[1]} columns (x's features), got shape {tuple(ww.shape)}")
-    dt = result_dtype(xx.dtype, ww.dtype)
-    if is_cupy_array(xx):
+    z = preactivation(xx, ww)
+    parts, dropped = pack_preactivation(z, result_dtype(xx.dtype, ww.dtype), act, tile_n, capacity, thr, overflow)
+    return twell_array._from_parts(parts, (xx.shape[0], ww.shape[0]), tile_n, dropped)
+
+
+def preactivation(x: Any, w: Any) -> Any:
+    """``x @ w.T``: cuBLAS in the inputs' dtype on the GPU, float64 on the CPU (the reference)."""
+    dt = result_dtype(x.dtype, w.dtype)
+    if is_cupy_array(x):
         from . import _gpu_ops
 
-        z = _gpu_ops.gemm_nt(xx.astype(dt, copy=False), ww.astype(dt, copy=False))
-        parts, dropped = conv.dense_to_twell(z, tile_n, capacity, overflow, thr, act)
-    else:
-        h = ref.linear_dense(xx, ww, act).astype(dt)
-        parts, dropped = ref.pack_dense(h, tile_n, capacity, overflow, thr)
-    return twell_array._from_parts(parts, (xx.shape[0], ww.shape[0]), tile_n, dropped)
+        return _gpu_ops.gemm_nt(x.astype(dt, copy=False), w.astype(dt, copy=False))
+    return x.astype(np.float64) @ w.astype(np.float64).T
+
+
+def pack_preactivation(
+    z: Any, dtype: Any, act: str, tile_n: int, capacity: int, threshold: float | None, overflow: str
+) -> tuple[TwELLParts, int]:
+    """Pack ``act(z)`` (rounded to ``dtype``) into TwELL parts: the producer's second half."""
+    if is_cupy_array(z):
+        return conv.dense_to_twell(z, tile_n, capacity, overflow, threshold, act)
+    return ref.pack_dense(ref.activation(z, act).astype(dtype), tile_n, capacity, overflow, threshold)
+
+
+def dense_ffn_tail(x: Any, z: Any, w_lin: Any, w_down: Any, dtype: Any, act: str, threshold: float | None) -> Any:
+    """The dense remainder of an FFN block given the activation's pre-activations ``z``:
+    ``(keep(act(z)) [* x @ w_lin.T]) @ w_down.T`` (the automatic fallback above break-even)."""
+    if is_cupy_array(z):
+        from . import _gpu_ops
+
+        z_lin = (
+            None if w_lin is None else _gpu_ops.gemm_nt(x.astype(dtype, copy=False), w_lin.astype(dtype, copy=False))
+        )
+        h = _gpu_ops.act_mul(z, z_lin, act, threshold)
+        return _gpu_ops.gemm_nt(h, w_down.astype(dtype, copy=False))
+    h = ref.activation(z, act).astype(dtype).astype(np.float64)
+    h = np.where(ref.keep_mask(h, threshold), h, 0.0)
+    if w_lin is not None:
+        h = h * (x.astype(np.float64) @ w_lin.astype(np.float64).T)
+    return (h @ w_down.astype(np.float64).T).astype(dtype)

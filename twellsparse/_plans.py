@@ -11,10 +11,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._backend import array_module, value_dtype
-from ._ops import _dense, _same_device, _sddmm_parts, linear_to_twell, matmul
+import numpy as np
+
+from . import _reference as ref
+from ._backend import array_module, result_dtype, value_dtype
+from ._ops import _dense, _same_device, _sddmm_parts, dense_ffn_tail, matmul, pack_preactivation, preactivation
 from ._twell import twell_array
 from ._validation import check_activation, check_capacity, check_threshold, check_tile_n
+
+#: Density above which ``dispatch="auto"`` runs the dense remainder of the block instead of the
+#: sparse kernels. Measured on the H200 (bench/results/2026-12-02-ffn.jsonl, commit a4bed5d): the
+#: sparse path was slower than dense at every density measured (0.5% to 2%), so the break-even is
+#: 0 until faster kernels land; rerun bench/ffn_bench.py and update these with them.
+DENSE_BREAKEVEN = {"ffn": 0.0, "gated_ffn": 0.0}
+
+#: Rows sampled to estimate the activation density before choosing a path.
+DENSITY_SAMPLE_ROWS = 256
+
+DISPATCH = ("auto", "sparse", "dense")
 
 
 class _FFNPlanBase:
@@ -27,17 +41,24 @@ class _FFNPlanBase:
         tile_n: int,
         capacity: int | None,
         threshold: float | None,
+        dispatch: str,
+        breakeven: float | None,
+        kind: str,
     ) -> None:
         self.activation = check_activation(activation)
         self.tile_n = check_tile_n(tile_n)
         self.capacity = check_capacity(capacity, self.tile_n)
         self.threshold = check_threshold(threshold)
+        if dispatch not in DISPATCH:
+            raise ValueError(f"dispatch: expected one of {', '.join(DISPATCH)}, got {dispatch!r}")
+        self.dispatch = dispatch
+        self.breakeven = DENSE_BREAKEVEN[kind] if breakeven is None else float(breakeven)
         arrays = {name: _dense(w, name) for name, w in weights.items()}
         first_name = next(iter(arrays))
         _same_device(first_name, arrays[first_name], **arrays)
         _check_weight_shapes(arrays, None)
         self._weights = arrays
-        self._last_hidden: twell_array | None = None
+        self._last: tuple[str, float, twell_array | None] | None = None
         self.refresh()
 
     def refresh(self) -> None:
@@ -51,41 +72,58 @@ class _FFNPlanBase:
 
     @property
     def last_stats(self) -> dict[str, Any]:
-        """The last call's hidden layer: tokens, units, nonzeros, density, spilled entries.
+        """The last call: the path taken (``"sparse"`` or ``"dense"``), the sampled density that
+        chose it and, for the sparse path, the hidden layer's nonzeros and spilled entries.
 
         Computed on access (it reads counts back from the GPU), never in the call itself.
         """
-        h = self._last_hidden
-        if h is None:
+        if self._last is None:
             return {}
-        (m, n), nnz = h.shape, h.nnz
-        return {
-            "tokens": m,
-            "units": n,
-            "nnz": nnz,
-            "density": nnz / max(m * n, 1),
-            "nnz_per_token": nnz / max(m, 1),
-            "n_spilled": h.n_spilled,
-            "path": "sparse",
-        }
+        path, sampled, h = self._last
+        stats: dict[str, Any] = {"path": path, "sampled_density": sampled, "dense_fallback": path == "dense"}
+        if h is not None:
+            (m, n), nnz = h.shape, h.nnz
+            stats.update(
+                tokens=m,
+                units=n,
+                nnz=nnz,
+                density=nnz / max(m * n, 1),
+                nnz_per_token=nnz / max(m, 1),
+                n_spilled=h.n_spilled,
+            )
+        return stats
 
-    def _hidden(self, x: Any, weight_name: str) -> tuple[Any, twell_array]:
-        """Validated input and ``act(x @ weight.T)`` packed into TwELL."""
+    def _run(self, x: Any, act_name: str, lin_name: str | None) -> Any:
+        """Validate x, compute the activation's pre-activations, choose the path, finish it."""
         xx = _dense(x, "x")
-        first = next(iter(self._weights.values()))
-        _same_device("w_down", self._weights["w_down"], x=xx)
+        w = self._weights
+        first = next(iter(w.values()))
+        _same_device("w_down", w["w_down"], x=xx)
         if xx.shape[1] != first.shape[1]:
             raise ValueError(f"x: expected {first.shape[1]} columns (d_model), got shape {tuple(xx.shape)}")
-        h = linear_to_twell(
-            xx,
-            self._weights[weight_name],
-            activation=self.activation,
-            tile_n=self.tile_n,
-            capacity=self.capacity,
-            threshold=self.threshold,
-        )
-        self._last_hidden = h
-        return xx, h
+        dt = result_dtype(xx.dtype, w[act_name].dtype)
+        z = preactivation(xx, w[act_name])
+        sampled = self._sampled_density(z) if self.dispatch == "auto" else float("nan")
+        w_lin = w[lin_name] if lin_name else None
+        if self.dispatch == "dense" or (self.dispatch == "auto" and sampled > self.breakeven):
+            self._last = ("dense", sampled, None)
+            return dense_ffn_tail(xx, z, w_lin, w["w_down"], dt, self.activation, self.threshold)
+        parts, dropped = pack_preactivation(z, dt, self.activation, self.tile_n, self.capacity, self.threshold, "spill")
+        h = twell_array._from_parts(parts, (xx.shape[0], first.shape[0]), self.tile_n, dropped)
+        self._last = ("sparse", sampled, h)
+        if w_lin is not None:
+            h_parts, _ = _sddmm_parts(xx, w_lin, h, scale=True)
+            h = twell_array._from_parts(h_parts, h.shape, h.tile_n)
+        return matmul(h, self._w_down_t)
+
+    def _sampled_density(self, z: Any) -> float:
+        """Fraction of kept activations over evenly spaced rows (one small read-back)."""
+        m = z.shape[0]
+        if m == 0 or z.shape[1] == 0:
+            return 0.0
+        rows = z[:: max(1, m // DENSITY_SAMPLE_ROWS)].astype(z.dtype if z.dtype == np.float64 else np.float32)
+        kept = ref.keep_mask(ref.activation(rows, self.activation).astype(self.dtype), self.threshold)
+        return float(kept.mean())
 
 
 def _check_weight_shapes(arrays: dict[str, Any], d_model: int | None) -> None:
@@ -126,6 +164,12 @@ class FFN(_FFNPlanBase):
     w_down : array, shape (d_model, d_ff)
     activation, tile_n, capacity, threshold
         As for :func:`twellsparse.linear_to_twell`.
+    dispatch : {"auto", "sparse", "dense"}
+        ``"auto"`` samples the activation density after the first GEMM and runs the dense
+        remainder (cuBLAS) above ``breakeven``, the sparse kernels below it; both compute the
+        same function. ``last_stats["path"]`` says which ran.
+    breakeven : float, optional
+        Density threshold for ``"auto"``; default ``DENSE_BREAKEVEN`` (measured on the H200).
 
     Attributes
     ----------
@@ -142,12 +186,14 @@ class FFN(_FFNPlanBase):
         tile_n: int = 256,
         capacity: int | None = None,
         threshold: float | None = None,
+        dispatch: str = "auto",
+        breakeven: float | None = None,
     ) -> None:
-        super().__init__({"w_up": w_up, "w_down": w_down}, activation, tile_n, capacity, threshold)
+        weights = {"w_up": w_up, "w_down": w_down}
+        super().__init__(weights, activation, tile_n, capacity, threshold, dispatch, breakeven, "ffn")
 
     def __call__(self, x: Any) -> Any:
-        _, h = self._hidden(x, "w_up")
-        return matmul(h, self._w_down_t)
+        return self._run(x, "w_up", None)
 
 
 class GatedFFN(_FFNPlanBase):
@@ -162,6 +208,8 @@ class GatedFFN(_FFNPlanBase):
     w_down : array, shape (d_model, d_ff)
     activation, tile_n, capacity, threshold
         As for :func:`twellsparse.linear_to_twell` (applied to the gate).
+    dispatch, breakeven
+        As for :class:`FFN`.
     """
 
     def __init__(
@@ -174,13 +222,14 @@ class GatedFFN(_FFNPlanBase):
         tile_n: int = 256,
         capacity: int | None = None,
         threshold: float | None = None,
+        dispatch: str = "auto",
+        breakeven: float | None = None,
     ) -> None:
-        super().__init__({"w_gate": w_gate, "w_up": w_up, "w_down": w_down}, activation, tile_n, capacity, threshold)
+        weights = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+        super().__init__(weights, activation, tile_n, capacity, threshold, dispatch, breakeven, "gated_ffn")
 
     def __call__(self, x: Any) -> Any:
-        xx, g = self._hidden(x, "w_gate")
-        parts, _ = _sddmm_parts(xx, self._weights["w_up"], g, scale=True)
-        return matmul(twell_array._from_parts(parts, g.shape, g.tile_n), self._w_down_t)
+        return self._run(x, "w_gate", "w_up")
 
 
 def ffn(
@@ -192,6 +241,7 @@ def ffn(
     tile_n: int = 256,
     capacity: int | None = None,
     threshold: float | None = None,
+    dispatch: str = "auto",
 ) -> Any:
     """Non-gated sparse FFN: ``act(x @ w_up.T) @ w_down.T`` with the hidden layer in TwELL.
 
@@ -213,7 +263,9 @@ def ffn(
     FFN : the reusable plan (no per-call weight transpose).
     """
     _one_shot_weights(x, w_up=w_up, w_down=w_down)
-    plan = FFN(w_up, w_down, activation=activation, tile_n=tile_n, capacity=capacity, threshold=threshold)
+    plan = FFN(
+        w_up, w_down, activation=activation, tile_n=tile_n, capacity=capacity, threshold=threshold, dispatch=dispatch
+    )
     return plan(x)
 
 
@@ -227,6 +279,7 @@ def gated_ffn(
     tile_n: int = 256,
     capacity: int | None = None,
     threshold: float | None = None,
+    dispatch: str = "auto",
 ) -> Any:
     """Gated sparse FFN: ``(act(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T``.
 
@@ -250,5 +303,14 @@ def gated_ffn(
     GatedFFN : the reusable plan.
     """
     _one_shot_weights(x, w_gate=w_gate, w_up=w_up, w_down=w_down)
-    plan = GatedFFN(w_gate, w_up, w_down, activation=activation, tile_n=tile_n, capacity=capacity, threshold=threshold)
+    plan = GatedFFN(
+        w_gate,
+        w_up,
+        w_down,
+        activation=activation,
+        tile_n=tile_n,
+        capacity=capacity,
+        threshold=threshold,
+        dispatch=dispatch,
+    )
     return plan(x)

@@ -135,6 +135,7 @@ def _dense_same_precision(p, dtype, gated):
     return _round(h.astype(np.float32) @ wd.T, dtype)
 
 
+@pytest.mark.parametrize("dispatch", ["sparse", "dense"])
 @pytest.mark.parametrize("dtype", [ts.bfloat16, np.float16, np.float32])
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize(
@@ -145,13 +146,13 @@ def _dense_same_precision(p, dtype, gated):
         (1, 64, 256, 0.3, "uniform", 4),
     ],
 )
-def test_ffn_blocks(cp, rng, dtype, gated, m, d_model, d_ff, density, pattern, capacity):
+def test_ffn_blocks(cp, rng, dtype, gated, m, d_model, d_ff, density, pattern, capacity, dispatch):
     p = ffn_problem(m, d_model, d_ff, density, pattern, dtype, rng)
     x, wg, wu, wd = (cp.asarray(p[k]) for k in ("x", "w_gate", "w_up", "w_down"))
     if gated:
-        out = ts.gated_ffn(x, wg, wu, wd, tile_n=64, capacity=capacity)
-    else:
-        out = ts.ffn(x, wg, wd, tile_n=64, capacity=capacity)  # w_gate's rates set the density
+        out = ts.gated_ffn(x, wg, wu, wd, tile_n=64, capacity=capacity, dispatch=dispatch)
+    else:  # w_gate's rates set the density
+        out = ts.ffn(x, wg, wd, tile_n=64, capacity=capacity, dispatch=dispatch)
     assert out.dtype == np.dtype(dtype) and out.shape == (m, d_model)
     if gated:
         exact = ref.gated_ffn_dense(p["x"], p["w_gate"], p["w_up"], p["w_down"], "relu")
@@ -212,13 +213,13 @@ def test_plans_on_gpu(cp, rng, dtype):
     p = ffn_problem(500, 256, 2000, 0.01, "skewed", dtype, rng)
     x, wg, wu, wd = (cp.asarray(p[k]) for k in ("x", "w_gate", "w_up", "w_down"))
     exact = ref.gated_ffn_dense(p["x"], p["w_gate"], p["w_up"], p["w_down"], "relu")
-    plan = ts.GatedFFN(wg, wu, wd)
+    plan = ts.GatedFFN(wg, wu, wd, dispatch="sparse")
     out = plan(x)
     bound = (
         1e-5 if np.dtype(dtype) == np.float32 else 2 * rel_error(_dense_same_precision(p, dtype, True), exact) + 1e-4
     )
     assert rel_error(out, exact) <= bound
     # The staged SDDMM sums K-chunk partial dots with atomics: equal up to fp32 summation order.
-    again = ts.gated_ffn(x, wg, wu, wd)
+    again = ts.gated_ffn(x, wg, wu, wd, dispatch="sparse")
     assert rel_error(out, again) <= (2e-6 if np.dtype(dtype) == np.float32 else 1e-2)
     assert 0.005 < plan.last_stats["density"] < 0.02
