@@ -5,14 +5,8 @@ torch's current stream and device; CPU tensors run the NumPy reference path. The
 registered with fake (meta) implementations and autograd formulas, so modules built on them
 trace under ``torch.compile`` without graph breaks.
 
-The backward never forms a dense tokens x d_ff tensor: with ``P`` the gate's TwELL pattern,
-``h = act(z) * u`` on ``P`` (``u = 1`` for the non-gated block) and ``out = h @ W_down.T``::
-
-    dH     = (dOut @ W_down) on P            (SDDMM)
-    dW_down = (h.T @ dOut).T                 (transposed SpMM)
-    dZ     = (dH * u + dAct) * act'(z) on P  (dAct: gradient reaching the activations, e.g. L1)
-    dU     = dH * act(z) on P
-    dW_gate = dZ.T @ x,  dW_up = dU.T @ x,   dX = dZ @ W_gate + dU @ W_up
+The backward never forms a dense tokens x d_ff tensor; its formulas are in
+``twellsparse._ffn_autodiff`` (shared with the other framework adapters).
 
 Saved for the backward: the hidden layer as TwELL (lossless: overflowing row-tiles spill) and,
 for the gated block, the up-projection values on ``P``.
@@ -20,17 +14,16 @@ for the gated block, the up-projection values on ``P``.
 This module imports torch; ``import twellsparse`` never imports it.
 """
 
-import math
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-import twellsparse as ts
-
-from ._backend import bfloat16
+from ._backend import array_module, bfloat16
+from ._ffn_autodiff import backward_arrays, forward_arrays, with_values
 from ._parts import TwELLParts
+from ._twell import twell_array
 from ._validation import check_activation, check_capacity, check_threshold, check_tile_n
 
 __all__ = [
@@ -92,88 +85,6 @@ class _on_device:
             c.__exit__(*exc)
 
 
-# ----------------------------------------------------------------------------- array math
-
-
-def _xp(a: Any) -> Any:
-    from ._backend import array_module
-
-    return array_module(a)
-
-
-def _values_op(fn: Any, *arrays: Any) -> Any:
-    """Elementwise ``fn`` on value arrays, computed in float32 (float64 for float64 inputs)."""
-    dt = arrays[0].dtype
-    wide = np.float64 if dt == np.float64 else np.float32
-    return fn(*(a.astype(wide) for a in arrays)).astype(dt)
-
-
-def _activation_grad(activation: str, z: Any) -> Any:
-    """act'(z), elementwise, in z's precision (float32 or float64)."""
-    xp = _xp(z)
-    if activation in ("relu", "identity"):
-        return xp.ones_like(z)
-    if activation == "relu2":
-        return 2 * xp.maximum(z, 0)
-    if activation == "silu":
-        s = 1 / (1 + xp.exp(-z))
-        return s * (1 + z * (1 - s))
-    if activation == "gelu":  # tanh form, as in _reference.activation
-        c = math.sqrt(2 / math.pi)
-        inner = c * (z + 0.044715 * z**3)
-        t = xp.tanh(inner)
-        return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * c * (1 + 3 * 0.044715 * z * z)
-    raise ValueError(f"activation: unknown {activation!r}")
-
-
-def _with_values(pattern: ts.twell_array, data: Any, spill: Any) -> ts.twell_array:
-    """A TwELL matrix with ``pattern``'s structure and the given slot and spill values."""
-    parts = pattern.parts._replace(data=data, spill_data=spill)
-    return ts.twell_array._from_parts(parts, pattern.shape, pattern.tile_n)
-
-
-def _forward_arrays(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold):
-    """(out, act TwELL, linear values on its pattern or None)."""
-    g = ts.linear_to_twell(x, w_act, activation=activation, tile_n=tile_n, capacity=capacity, threshold=threshold)
-    if w_lin is None:
-        return ts.matmul(g, w_down.T), g, None
-    u = ts.sddmm(x, w_lin, g)
-    mul = lambda a, b: a * b  # noqa: E731
-    h = _with_values(g, _values_op(mul, g.data, u.data), _values_op(mul, g.spill_data, u.spill_data))
-    return ts.matmul(h, w_down.T), g, u
-
-
-def _backward_arrays(grad_out, grad_act, x, w_act, w_lin, w_down, g, u, activation):
-    """(dx, dw_act, dw_lin or None, dw_down); ``grad_act`` (a TwELL of g's pattern) may be None."""
-    d_h = ts.sddmm(grad_out, w_down.T, g)
-    mul = lambda a, b: a * b  # noqa: E731
-    if u is None:
-        h, d_act = g, d_h
-    else:
-        h = _with_values(g, _values_op(mul, g.data, u.data), _values_op(mul, g.spill_data, u.spill_data))
-        d_act = _with_values(g, _values_op(mul, d_h.data, u.data), _values_op(mul, d_h.spill_data, u.spill_data))
-    if grad_act is not None:
-        add = lambda a, b: a + b  # noqa: E731
-        d_act = _with_values(
-            g, _values_op(add, d_act.data, grad_act.data), _values_op(add, d_act.spill_data, grad_act.spill_data)
-        )
-    if activation in ("relu", "identity"):
-        d_z = d_act  # relu'(z) = 1 on the pattern, where z > 0
-    else:
-        z = ts.sddmm(x, w_act, g)  # pre-activations on the pattern
-        grad = lambda dz, zz: dz * _activation_grad(activation, zz)  # noqa: E731
-        d_z = _with_values(g, _values_op(grad, d_act.data, z.data), _values_op(grad, d_act.spill_data, z.spill_data))
-    dw_down = ts.matmul(h.T, grad_out).T
-    dw_act = ts.matmul(d_z.T, x)
-    dx = ts.matmul(d_z, w_act)
-    dw_lin = None
-    if u is not None:
-        d_u = _with_values(g, _values_op(mul, d_h.data, g.data), _values_op(mul, d_h.spill_data, g.spill_data))
-        dw_lin = ts.matmul(d_u.T, x)
-        dx = _values_op(lambda a, b: a + b, dx, ts.matmul(d_u, w_lin))
-    return dx, dw_act, dw_lin, dw_down
-
-
 # ----------------------------------------------------------------------------- custom ops
 
 _EMPTY = (0,)
@@ -198,12 +109,12 @@ def _ffn_fwd(
     linear values on the pattern (data, spill_data; empty when non-gated)."""
     with _on_device(x):
         w_lin_a = _to_array(w_lin) if w_lin is not None else None
-        out, g, u = _forward_arrays(
+        out, g, u = forward_arrays(
             _to_array(x), _to_array(w_act), w_lin_a, _to_array(w_down), activation, tile_n, capacity, threshold
         )
         p = g.parts
         if u is None:
-            xp = _xp(p.data)
+            xp = array_module(p.data)
             u_data, u_spill = xp.empty(_EMPTY, dtype=p.data.dtype), xp.empty(_EMPTY, dtype=p.data.dtype)
         else:
             u_data, u_spill = u.data, u.spill_data
@@ -268,16 +179,16 @@ def _ffn_bwd(
             ).items()
         }
         shape = (x.shape[0], w_act.shape[0])
-        g = ts.twell_array._from_parts(TwELLParts(a["d"], a["i"], a["c"], a["sd"], a["si"], a["sp"]), shape, tile_n)
-        u = _with_values(g, _to_array(u_data), _to_array(u_spill)) if w_lin is not None else None
+        g = twell_array._from_parts(TwELLParts(a["d"], a["i"], a["c"], a["sd"], a["si"], a["sp"]), shape, tile_n)
+        u = with_values(g, _to_array(u_data), _to_array(u_spill)) if w_lin is not None else None
         d_act = None
         if grad_act.numel() or grad_act_spill.numel():
-            d_act = _with_values(g, _to_array(grad_act), _to_array(grad_act_spill))
+            d_act = with_values(g, _to_array(grad_act), _to_array(grad_act_spill))
         w_lin_a = _to_array(w_lin) if w_lin is not None else None
-        dx, dw_act, dw_lin, dw_down = _backward_arrays(
+        dx, dw_act, dw_lin, dw_down = backward_arrays(
             a["go"], d_act, a["x"], a["wa"], w_lin_a, a["wd"], g, u, activation
         )
-        xp = _xp(a["x"])
+        xp = array_module(a["x"])
         if dw_lin is None:
             dw_lin = xp.empty(_EMPTY, dtype=a["x"].dtype)
         return tuple(_to_tensor(xp.ascontiguousarray(r)) for r in (dx, dw_act, dw_lin, dw_down))  # type: ignore[return-value]

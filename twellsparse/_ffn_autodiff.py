@@ -1,0 +1,98 @@
+"""The FFN blocks' forward and sparse backward on NumPy/CuPy arrays, framework-neutral.
+
+The framework adapters (``twellsparse.torch``, and the JAX adapter to come) wrap these in their
+own autodiff machinery. With ``P`` the activation's TwELL pattern, ``h = act(z) * u`` on ``P``
+(``u = 1`` for the non-gated block) and ``out = h @ W_down.T``::
+
+    dH      = (dOut @ W_down) on P            (SDDMM)
+    dW_down = (h.T @ dOut).T                  (transposed SpMM)
+    dZ      = (dH * u + dAct) * act'(z) on P  (dAct: gradient reaching the activations, e.g. L1)
+    dU      = dH * act(z) on P
+    dW_act  = dZ.T @ x,  dW_lin = dU.T @ x,   dX = dZ @ W_act + dU @ W_lin
+
+No dense tokens x d_ff array is ever formed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ._backend import array_module
+from ._ops import linear_to_twell, matmul, sddmm
+from ._twell import twell_array
+
+
+def _values_op(fn: Any, *arrays: Any) -> Any:
+    """Elementwise ``fn`` on value arrays, computed in float32 (float64 for float64 inputs)."""
+    dt = arrays[0].dtype
+    wide = np.float64 if dt == np.float64 else np.float32
+    return fn(*(a.astype(wide) for a in arrays)).astype(dt)
+
+
+def _activation_grad(activation: str, z: Any) -> Any:
+    """act'(z), elementwise, in z's precision (float32 or float64)."""
+    xp = array_module(z)
+    if activation in ("relu", "identity"):
+        return xp.ones_like(z)
+    if activation == "relu2":
+        return 2 * xp.maximum(z, 0)
+    if activation == "silu":
+        s = 1 / (1 + xp.exp(-z))
+        return s * (1 + z * (1 - s))
+    if activation == "gelu":  # tanh form, as in _reference.activation
+        c = math.sqrt(2 / math.pi)
+        inner = c * (z + 0.044715 * z**3)
+        t = xp.tanh(inner)
+        return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * c * (1 + 3 * 0.044715 * z * z)
+    raise ValueError(f"activation: unknown {activation!r}")
+
+
+def with_values(pattern: twell_array, data: Any, spill: Any) -> twell_array:
+    """A TwELL matrix with ``pattern``'s structure and the given slot and spill values."""
+    parts = pattern.parts._replace(data=data, spill_data=spill)
+    return twell_array._from_parts(parts, pattern.shape, pattern.tile_n)
+
+
+def forward_arrays(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold):
+    """(out, act TwELL, linear values on its pattern or None)."""
+    g = linear_to_twell(x, w_act, activation=activation, tile_n=tile_n, capacity=capacity, threshold=threshold)
+    if w_lin is None:
+        return matmul(g, w_down.T), g, None
+    u = sddmm(x, w_lin, g)
+    mul = lambda a, b: a * b  # noqa: E731
+    h = with_values(g, _values_op(mul, g.data, u.data), _values_op(mul, g.spill_data, u.spill_data))
+    return matmul(h, w_down.T), g, u
+
+
+def backward_arrays(grad_out, grad_act, x, w_act, w_lin, w_down, g, u, activation):
+    """(dx, dw_act, dw_lin or None, dw_down); ``grad_act`` (a TwELL of g's pattern) may be None."""
+    d_h = sddmm(grad_out, w_down.T, g)
+    mul = lambda a, b: a * b  # noqa: E731
+    if u is None:
+        h, d_act = g, d_h
+    else:
+        h = with_values(g, _values_op(mul, g.data, u.data), _values_op(mul, g.spill_data, u.spill_data))
+        d_act = with_values(g, _values_op(mul, d_h.data, u.data), _values_op(mul, d_h.spill_data, u.spill_data))
+    if grad_act is not None:
+        add = lambda a, b: a + b  # noqa: E731
+        d_act = with_values(
+            g, _values_op(add, d_act.data, grad_act.data), _values_op(add, d_act.spill_data, grad_act.spill_data)
+        )
+    if activation in ("relu", "identity"):
+        d_z = d_act  # relu'(z) = 1 on the pattern, where z > 0
+    else:
+        z = sddmm(x, w_act, g)  # pre-activations on the pattern
+        grad = lambda dz, zz: dz * _activation_grad(activation, zz)  # noqa: E731
+        d_z = with_values(g, _values_op(grad, d_act.data, z.data), _values_op(grad, d_act.spill_data, z.spill_data))
+    dw_down = matmul(h.T, grad_out).T
+    dw_act = matmul(d_z.T, x)
+    dx = matmul(d_z, w_act)
+    dw_lin = None
+    if u is not None:
+        d_u = with_values(g, _values_op(mul, d_h.data, g.data), _values_op(mul, d_h.spill_data, g.spill_data))
+        dw_lin = matmul(d_u.T, x)
+        dx = _values_op(lambda a, b: a + b, dx, matmul(d_u, w_lin))
+    return dx, dw_act, dw_lin, dw_down
