@@ -12,7 +12,6 @@ Usage: python bench/ffn_bench.py [--quick] [--m 16384] [--d-model 2048] [--d-ff 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +21,7 @@ import numpy as np
 
 import twellsparse as ts
 from twellsparse import _gpu_ops
-from twellsparse._environment import environment
+from twellsparse._environment import append_records, environment
 from twellsparse._gpu_ops import gemm_nt
 from twellsparse.testing import ffn_problem, rel_error
 
@@ -212,10 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         profile_once(args)
         return 0
     records = run(args)
-    if args.out:
-        with open(args.out, "a") as f:
-            for rec in records:
-                f.write(json.dumps(rec) + "\n")
+    append_records(args.out, records)
     return 0
 
 

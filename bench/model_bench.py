@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import pathlib
 import sys
 import time
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from twellsparse._environment import environment
+from twellsparse._environment import append_records, environment
 
 _EX = pathlib.Path(__file__).resolve().parents[1] / "examples" / "tiny_llama.py"
 
@@ -152,9 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{rec['forward_speedup']:.2f}x, train step {rec['train_speedup']:.2f}x, rel. error {err:.2e}",
             flush=True,
         )
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+        append_records(args.out, [rec])
     return 0
 
 

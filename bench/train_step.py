@@ -11,7 +11,6 @@ Usage: python bench/train_step.py [--quick] [--densities 0.005,0.01,0.02] [--out
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -21,7 +20,7 @@ import numpy as np
 import torch
 
 import twellsparse.torch as tt
-from twellsparse._environment import environment
+from twellsparse._environment import append_records, environment
 from twellsparse.testing import ffn_problem
 
 
@@ -129,10 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{rec['dense_saved_bytes']:,} bytes ({rec['saved_ratio']:.2f}x)",
             flush=True,
         )
-    if args.out:
-        with open(args.out, "a") as f:
-            for rec in records:
-                f.write(json.dumps(rec) + "\n")
+    append_records(args.out, records)
     return 0
 
 

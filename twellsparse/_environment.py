@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -26,6 +27,15 @@ def git_commit() -> str | None:
     except (OSError, subprocess.CalledProcessError):
         return None
     return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def append_records(path: str | None, records: list[dict[str, Any]]) -> None:
+    """Append measurement records to a JSON-lines file (nothing when ``path`` is None)."""
+    if not path:
+        return
+    with open(path, "a") as f:
+        for rec in records:
+            f.write(json.dumps(rec) + "\n")
 
 
 def environment() -> dict[str, Any]:

@@ -289,8 +289,23 @@ class _TwELLMLPBase(nn.Module):
     hidden_size: int
     intermediate_size: int
 
-    def __init__(self, activation: str, tile_n: int, capacity: int | None, threshold: float | None) -> None:
+    def __init__(
+        self,
+        projections: tuple[str, ...],
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str,
+        tile_n: int,
+        capacity: int | None,
+        threshold: float | None,
+        device: Any,
+        dtype: Any,
+    ) -> None:
         super().__init__()
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        for name in projections:  # bias-free Linears in the Llama naming
+            shape = (intermediate_size, hidden_size) if name == "down_proj" else (hidden_size, intermediate_size)
+            setattr(self, name, nn.Linear(*shape, bias=False, device=device, dtype=dtype))
         self.activation = check_activation(activation)
         self.tile_n = check_tile_n(tile_n)
         self.capacity = check_capacity(capacity, self.tile_n)
@@ -340,6 +355,9 @@ class TwELLMLP(_TwELLMLPBase):
         As for :func:`twellsparse.linear_to_twell`.
     """
 
+    up_proj: nn.Linear
+    down_proj: nn.Linear
+
     def __init__(
         self,
         hidden_size: int,
@@ -352,10 +370,9 @@ class TwELLMLP(_TwELLMLPBase):
         device: Any = None,
         dtype: Any = None,
     ) -> None:
-        super().__init__(activation, tile_n, capacity, threshold)
-        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, device=device, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, device=device, dtype=dtype)
+        projections = ("up_proj", "down_proj")
+        args = (hidden_size, intermediate_size, activation, tile_n, capacity, threshold, device, dtype)
+        super().__init__(projections, *args)
 
     def forward(self, x: Tensor) -> Tensor:
         return self._forward(x, self.up_proj.weight, None, self.down_proj.weight)
@@ -368,6 +385,10 @@ class TwELLGatedMLP(_TwELLMLPBase):
     state dicts load directly. Arguments as for :class:`TwELLMLP`.
     """
 
+    gate_proj: nn.Linear
+    up_proj: nn.Linear
+    down_proj: nn.Linear
+
     def __init__(
         self,
         hidden_size: int,
@@ -380,11 +401,9 @@ class TwELLGatedMLP(_TwELLMLPBase):
         device: Any = None,
         dtype: Any = None,
     ) -> None:
-        super().__init__(activation, tile_n, capacity, threshold)
-        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, device=device, dtype=dtype)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, device=device, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, device=device, dtype=dtype)
+        projections = ("gate_proj", "up_proj", "down_proj")
+        args = (hidden_size, intermediate_size, activation, tile_n, capacity, threshold, device, dtype)
+        super().__init__(projections, *args)
 
     def forward(self, x: Tensor) -> Tensor:
         return self._forward(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
