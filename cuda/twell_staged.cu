@@ -16,8 +16,8 @@
 //                          the warp and added to an fp32 accumulator with one atomic per chunk.
 //                          twell_pairs_finalize turns the accumulators into values.
 //
-// Requirements (checked by the caller): VEC consecutive elements (8 bytes) aligned, i.e. K, ldw
-// (and ldx) multiples of VEC and 8-byte-aligned base pointers.
+// Requirements (checked by the caller): weight rows read in 16-byte pieces (K and ldw multiples
+// of 16 bytes, 16-byte-aligned base), x read in 8-byte vectors, capacity a multiple of 4.
 #include "twell_types.cuh"
 
 using namespace twell;
@@ -71,8 +71,13 @@ __global__ void __launch_bounds__(256) twell_block_masks(
 }
 
 // Dynamic shared memory, in order: STAGES stage buffers (rows, then the block's slot counts,
-// tile-local columns and values for the stage's tile), then per-tile masks and ranks and the
-// stage list. The host mirrors the sizes in _kernels.staged_smem_bytes().
+// tile-local columns and values for the stage's tile), then per-tile masks, ranks, active
+// counts and offsets, the stage list, and the active units of every tile in rank order. The
+// host mirrors the sizes in _kernels.staged_smem_bytes().
+//
+// Grid: (token blocks, column splits). A block owns TT tokens and the column chunks
+// [c_begin, c_end) of its split; its stage metadata is built once and reused for every chunk,
+// and one cp.async pipeline runs across all (chunk, stage) pairs.
 template <typename T, int TPW, int VEC, bool SDDMM, int STAGES>
 __global__ void __launch_bounds__(kThreads) twell_staged(
     const T* __restrict__ data, const short* __restrict__ indices, const int* __restrict__ counts,
@@ -85,26 +90,30 @@ __global__ void __launch_bounds__(kThreads) twell_staged(
   using V = Vec<T, VEC>;
   using Rows = V[kGroup][32];
   constexpr int TT = kWarps * TPW;
-  constexpr int DC = 32 * VEC;
+  constexpr int DC = 32 * VEC;                  // columns per chunk (256 bytes per row)
+  constexpr int PIECE = 16 / (int)sizeof(T);    // elements per 16-byte copy
   extern __shared__ __align__(16) unsigned char smem[];
-  // Stage layout: rows | counts[TT] | cols[TT][capacity] (int16) | vals[TT][capacity] (T)
   const int stage_bytes = (int)sizeof(Rows) + TT * 4 + TT * capacity * (2 + (int)sizeof(T));
   const int words = tile_n >> 5;
   unsigned* masks = reinterpret_cast<unsigned*>(smem + STAGES * stage_bytes);
   int* ranks = reinterpret_cast<int*>(masks + n_tiles * words);
   int* tile_active = ranks + n_tiles * words;
+  int* tile_offset = tile_active + n_tiles;
   const int max_stages = n_tiles * ((tile_n + kGroup - 1) / kGroup);
-  int* stage_tile = tile_active + n_tiles;
+  int* stage_tile = tile_offset + n_tiles;
   int* stage_first = stage_tile + max_stages;
+  short* units = reinterpret_cast<short*>(stage_first + max_stages);
   __shared__ int n_stages;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const long long block_tok0 = (long long)blockIdx.x * TT;
   const long long tok0 = block_tok0 + warp * TPW;
-  const int col = blockIdx.y * DC + lane * VEC;
-  const bool col_ok = col < K;  // K % VEC == 0, so the whole vector is in range
+  const int n_chunks = (K + DC - 1) / DC;
+  const int per_split = (n_chunks + gridDim.y - 1) / gridDim.y;
+  const int c_begin = blockIdx.y * per_split;
+  const int c_end = min(n_chunks, c_begin + per_split);
 
-  // 1. The block's unit masks (computed by twell_block_masks), ranks within each tile, stages.
+  // 1. Stage metadata, once: masks, ranks within each tile, the stage list, the unit lists.
   const unsigned* my_masks = block_masks + (long long)blockIdx.x * n_tiles * words;
   for (int i = threadIdx.x; i < n_tiles * words; i += kThreads) masks[i] = my_masks[i];
   __syncthreads();
@@ -121,43 +130,51 @@ __global__ void __launch_bounds__(kThreads) twell_staged(
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    int n = 0;
-    for (int tile = 0; tile < n_tiles; ++tile)
+    int n = 0, offset = 0;
+    for (int tile = 0; tile < n_tiles; ++tile) {
+      tile_offset[tile] = offset;
+      offset += tile_active[tile];
       for (int first = 0; first < tile_active[tile]; first += kGroup) {
         stage_tile[n] = tile;
         stage_first[n] = first;
         ++n;
       }
+    }
     n_stages = n;
   }
   __syncthreads();
-  const int total = n_stages;
+  for (int i = threadIdx.x; i < n_tiles * tile_n; i += kThreads) {
+    const int tile = i / tile_n, unit = i - tile * tile_n;
+    const unsigned m = masks[tile * words + (unit >> 5)];
+    if ((m >> (unit & 31)) & 1u)
+      units[tile_offset[tile] + ranks[tile * words + (unit >> 5)] + __popc(m & ((1u << (unit & 31)) - 1u))] =
+          (short)unit;
+  }
+  __syncthreads();
+  const int S = n_stages;
+  const int total = (c_end - c_begin) * S;
 
-  // 2. A STAGES-deep cp.async pipeline; stage q (its weight rows and its tile's slots for the
-  //    block's tokens) lands in buffer q % STAGES.
+  // 2. One STAGES-deep cp.async pipeline over q = (chunk - c_begin) * S + stage.
   auto stage_ptr = [&](int q) { return smem + (q % STAGES) * stage_bytes; };
   auto issue = [&](int q) {
-    const int tile = stage_tile[q], first = stage_first[q];
+    const int chunk = c_begin + q / S, st = q % S;
+    const int tile = stage_tile[st], first = stage_first[st];
+    const int n_rows = min(kGroup, tile_active[tile] - first);
     unsigned char* base = stage_ptr(q);
     Rows& buf = *reinterpret_cast<Rows*>(base);
     int* s_counts = reinterpret_cast<int*>(base + sizeof(Rows));
     short* s_cols = reinterpret_cast<short*>(s_counts + TT);
     T* s_vals = reinterpret_cast<T*>(s_cols + TT * capacity);
-    for (int i = threadIdx.x; i < tile_n * 32; i += kThreads) {
-      const int unit = i >> 5, v = i & 31;
-      const unsigned m = masks[tile * words + (unit >> 5)];
-      if (!((m >> (unit & 31)) & 1u)) continue;
-      const int r = ranks[tile * words + (unit >> 5)] + __popc(m & ((1u << (unit & 31)) - 1u)) - first;
-      if (r < 0 || r >= kGroup) continue;
-      const int c = blockIdx.y * DC + v * VEC;
-      const long long j = (long long)tile * tile_n + unit;
+    for (int i = threadIdx.x; i < n_rows * 16; i += kThreads) {
+      const int r = i >> 4, piece = i & 15;
+      const long long j = (long long)tile * tile_n + units[tile_offset[tile] + first + r];
+      const int c = chunk * DC + piece * PIECE;
+      void* dst = reinterpret_cast<unsigned char*>(&buf[r][0]) + piece * 16;
       if (c < K && j < n_units) {
-        cp_async<8>(&buf[r][v], w + j * ldw + c);
+        cp_async<16>(dst, w + j * ldw + c);
       } else {
-        V z;
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) z.v[e] = zero_value<T>();
-        buf[r][v] = z;
+        reinterpret_cast<unsigned long long*>(dst)[0] = 0ull;
+        reinterpret_cast<unsigned long long*>(dst)[1] = 0ull;
       }
     }
     // The used slots of the block's tokens in this tile, 8 bytes at a time (capacity % 4 == 0):
@@ -179,76 +196,80 @@ __global__ void __launch_bounds__(kThreads) twell_staged(
     }
   };
 
-  A acc[TPW][VEC];  // SpMM: output accumulators; SDDMM: this lane's slice of x's chunk
-#pragma unroll
-  for (int i = 0; i < TPW; ++i) {
-    V xv;
-    const bool load = SDDMM && col_ok && tok0 + i < M;
-    if (load) xv = *reinterpret_cast<const V*>(x + (tok0 + i) * ldx + col);
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) acc[i][v] = load ? to_acc(xv.v[v]) : A(0);
-  }
-
 #pragma unroll
   for (int q = 0; q < STAGES - 1; ++q) {
     if (q < total) issue(q);
     cp_async_commit();
   }
-  for (int q = 0; q < total; ++q) {
-    if (q + STAGES - 1 < total) issue(q + STAGES - 1);
-    cp_async_commit();
-    cp_async_wait<STAGES - 1>();
-    __syncthreads();
-    const int tile = stage_tile[q], first = stage_first[q];
-    const unsigned char* base = stage_ptr(q);
-    const Rows& buf = *reinterpret_cast<const Rows*>(base);
-    const int* s_counts = reinterpret_cast<const int*>(base + sizeof(Rows));
-    const short* s_cols = reinterpret_cast<const short*>(s_counts + TT);
-    const T* s_vals = reinterpret_cast<const T*>(s_cols + TT * capacity);
+  A acc[TPW][VEC];  // SpMM: output accumulators; SDDMM: this lane's slice of x's chunk
+  for (int chunk = c_begin; chunk < c_end; ++chunk) {
+    const int col = chunk * DC + lane * VEC;
+    const bool col_ok = col < K;  // K % PIECE == 0, so the whole vector is in range
 #pragma unroll
     for (int i = 0; i < TPW; ++i) {
-      const int t = warp * TPW + i;
-      const int cnt = s_counts[t];
-      for (int s = 0; s < cnt; ++s) {
-        const int idx = s_cols[t * capacity + s];
-        const unsigned m = masks[tile * words + (idx >> 5)];
-        const int r = ranks[tile * words + (idx >> 5)] + __popc(m & ((1u << (idx & 31)) - 1u)) - first;
-        if (r < 0 || r >= kGroup) continue;  // warp-uniform: another stage holds this row
-        const V wv = buf[r][lane];
-        if (SDDMM) {
-          A p = A(0);
+      V xv;
+      const bool load = SDDMM && col_ok && tok0 + i < M;
+      if (load) xv = *reinterpret_cast<const V*>(x + (tok0 + i) * ldx + col);
 #pragma unroll
-          for (int v = 0; v < VEC; ++v) p += acc[i][v] * to_acc(wv.v[v]);
-          p = warp_sum(p);
-          if (lane == 0) atomicAdd(pair_acc + ((tok0 + i) * n_tiles + tile) * capacity + s, (float)p);
-        } else {
-          const A h = to_acc(s_vals[t * capacity + s]);
+      for (int v = 0; v < VEC; ++v) acc[i][v] = load ? to_acc(xv.v[v]) : A(0);
+    }
+    for (int st = 0; st < S; ++st) {
+      const int q = (chunk - c_begin) * S + st;
+      if (q + STAGES - 1 < total) issue(q + STAGES - 1);
+      cp_async_commit();
+      cp_async_wait<STAGES - 1>();
+      __syncthreads();
+      const int tile = stage_tile[st], first = stage_first[st];
+      const unsigned char* base = stage_ptr(q);
+      const Rows& buf = *reinterpret_cast<const Rows*>(base);
+      const int* s_counts = reinterpret_cast<const int*>(base + sizeof(Rows));
+      const short* s_cols = reinterpret_cast<const short*>(s_counts + TT);
+      const T* s_vals = reinterpret_cast<const T*>(s_cols + TT * capacity);
 #pragma unroll
-          for (int v = 0; v < VEC; ++v) acc[i][v] += h * to_acc(wv.v[v]);
+      for (int i = 0; i < TPW; ++i) {
+        const int t = warp * TPW + i;
+        const int cnt = s_counts[t];
+        for (int s = 0; s < cnt; ++s) {
+          const int idx = s_cols[t * capacity + s];
+          const unsigned m = masks[tile * words + (idx >> 5)];
+          const int r = ranks[tile * words + (idx >> 5)] + __popc(m & ((1u << (idx & 31)) - 1u)) - first;
+          if (r < 0 || r >= kGroup) continue;  // warp-uniform: another stage holds this row
+          const V wv = buf[r][lane];
+          if (SDDMM) {
+            A p = A(0);
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) p += acc[i][v] * to_acc(wv.v[v]);
+            p = warp_sum(p);
+            if (lane == 0) atomicAdd(pair_acc + ((tok0 + i) * n_tiles + tile) * capacity + s, (float)p);
+          } else {
+            const A h = to_acc(s_vals[t * capacity + s]);
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) acc[i][v] += h * to_acc(wv.v[v]);
+          }
         }
       }
+      __syncthreads();  // buffer q % STAGES is refilled by the next iteration's issue
     }
-    __syncthreads();  // buffer q % STAGES is refilled by the next iteration's issue
+    if (SDDMM) continue;  // spilled pairs are handled by twell_sddmm_spill
+    // Spilled entries (rare by design): gather their rows directly; then store the chunk.
+#pragma unroll
+    for (int i = 0; i < TPW; ++i) {
+      const long long row = tok0 + i;
+      if (row >= M) break;
+      for (int e = spill_indptr[row]; e < spill_indptr[row + 1]; ++e) {
+        const A h = to_acc(spill_vals[e]);
+        if (!col_ok) continue;
+        const V wv = *reinterpret_cast<const V*>(w + (long long)spill_cols[e] * ldw + col);
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) acc[i][v] += h * to_acc(wv.v[v]);
+      }
+      if (col_ok) {
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) out[row * ldo + col + v] = from_acc<T>(acc[i][v]);
+      }
+    }
   }
   cp_async_wait<0>();
-  if (SDDMM) return;  // spilled pairs are handled by twell_sddmm_spill
-  // Spilled entries (rare by design): gather their rows directly.
-#pragma unroll
-  for (int i = 0; i < TPW; ++i) {
-    const long long row = tok0 + i;
-    if (row >= M) break;
-    for (int e = spill_indptr[row]; e < spill_indptr[row + 1]; ++e) {
-      const A h = to_acc(spill_vals[e]);
-      if (!col_ok) continue;
-      const V wv = *reinterpret_cast<const V*>(w + (long long)spill_cols[e] * ldw + col);
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) acc[i][v] += h * to_acc(wv.v[v]);
-    }
-    if (col_ok) {
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) out[row * ldo + col + v] = from_acc<T>(acc[i][v]);
-    }
-  }
 }
 
 // values[slot] = (SCALE ? pattern[slot] : 1) * pair_acc[slot] for used slots, 0 elsewhere.

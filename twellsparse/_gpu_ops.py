@@ -37,14 +37,14 @@ STAGED_SMEM_LIMIT = 200 * 1024
 
 
 def staged_eligible(parts: TwELLParts, tile_n: int, itemsize: int, *operands: tuple[Any, int]) -> bool:
-    """Whether the staged kernels can run: capacity a multiple of 4, 8-byte vector reads of the
-    (array, row stride) operands, and stage buffers that fit shared memory."""
+    """Whether the staged kernels can run: capacity a multiple of 4, 16-byte pieces of the
+    (array, row stride) operands' rows, and stage buffers that fit shared memory."""
     nt, cap = parts.data.shape[1:]
     if cap % 4 or K.staged_smem_bytes(nt, tile_n, cap, itemsize) > STAGED_SMEM_LIMIT:
         return False
     for arr, ld in operands:
-        vec = K.staged_vec(arr.dtype)
-        if arr.shape[1] % vec or ld % vec or arr.data.ptr % K.STAGED_VEC_BYTES:
+        size = arr.itemsize
+        if (arr.shape[1] * size) % 16 or (ld * size) % 16 or arr.data.ptr % 16:
             return False
     return True
 
@@ -59,7 +59,7 @@ def _choose_path(path: str, staged_ok: bool) -> str:
     if path not in ("auto", "staged", "portable"):
         raise ValueError(f"path: expected 'auto', 'staged' or 'portable', got {path!r}")
     if path == "staged" and not staged_ok:
-        raise ValueError("path: 'staged' needs capacity % 4 == 0, 8-byte-aligned rows and K a multiple of 8 bytes")
+        raise ValueError("path: 'staged' needs capacity % 4 == 0 and 16-byte-aligned rows of a multiple of 16 bytes")
     if path == "auto":
         return "staged" if AUTO_PATH == "staged" and staged_ok else "portable"
     return path
@@ -107,7 +107,10 @@ def _staged_launch(
         np.int64(ldo),
         pair_acc if pair_acc is not None else K.null_pointer(),
     )
-    grid = (blocks, -(-k // (32 * K.staged_vec(w.dtype))))
+    # Column chunks are split over grid.y only as far as needed to fill the GPU twice.
+    n_chunks = -(-k // (32 * K.staged_vec(w.dtype)))
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    grid = (blocks, max(1, min(n_chunks, -(-2 * sms // max(blocks, 1)))))
     smem = K.staged_smem_bytes(nt, tile_n, cap, w.dtype.itemsize)
     K.launch_grid(K.staged_expression(w.dtype, sddmm=sddmm), grid, (K.STAGED_THREADS,), args, smem)
 

@@ -53,7 +53,9 @@ def staged_smem_bytes(n_tiles: int, tile_n: int, capacity: int, itemsize: int) -
     stage = STAGED_GROUP * 32 * STAGED_VEC_BYTES + STAGED_TOKENS * (4 + capacity * (2 + itemsize))
     words = tile_n // 32
     max_stages = n_tiles * -(-tile_n // STAGED_GROUP)
-    return STAGED_STAGES * stage + 4 * (2 * n_tiles * words + n_tiles + 2 * max_stages)
+    metadata = 4 * (2 * n_tiles * words + 2 * n_tiles + 2 * max_stages)
+    unit_lists = 2 * n_tiles * tile_n
+    return STAGED_STAGES * stage + metadata + unit_lists
 
 
 def staged_vec(dtype: Any) -> int:
