@@ -179,3 +179,24 @@ def test_bad_inputs():
         tt.ffn(x, wg, wd, activation="tanh")
     with pytest.raises(ValueError, match="tile_n"):
         tt.ffn(x, wg, wd, tile_n=48)
+
+
+def test_from_module_non_gated_and_bias_rejected():
+    torch.manual_seed(2)
+
+    class Mlp(torch.nn.Module):
+        def __init__(self, bias=False):
+            super().__init__()
+            self.up_proj = torch.nn.Linear(16, 64, bias=bias, dtype=torch.float64)
+            self.down_proj = torch.nn.Linear(64, 16, bias=False, dtype=torch.float64)
+
+        def forward(self, x):
+            return self.down_proj(torch.relu(self.up_proj(x)))
+
+    dense = Mlp()
+    sparse = tt.from_module(dense, tile_n=32)
+    assert isinstance(sparse, tt.TwELLMLP)
+    x = torch.randn(7, 16, dtype=torch.float64)
+    torch.testing.assert_close(sparse(x), dense(x))
+    with pytest.raises(ValueError, match="bias"):
+        tt.from_module(Mlp(bias=True))
