@@ -98,7 +98,7 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
     dense_gated, dense_plain = dense_ffns(x, wg, wu, wd, provider)
     gated_plan = ts.GatedFFN(wg, wu, wd, dispatch="sparse")
     plain_plan = ts.FFN(wg, wd, dispatch="sparse")
-    gated_auto = ts.GatedFFN(wg, wu, wd)  # dispatch="auto": dense remainder above the break-even
+    gated_auto = ts.GatedFFN(wg, wu, wd, dispatch="auto")  # dense remainder above the break-even
     wd_t = cp.ascontiguousarray(wd.T)
     h = ts.linear_to_twell(x, wg)
     h_dense = h.toarray()

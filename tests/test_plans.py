@@ -55,11 +55,11 @@ def test_dispatch_paths_compute_the_same_function(rng, gated):
         assert plan.last_stats["path"] == dispatch
     np.testing.assert_allclose(outs["sparse"], outs["dense"], rtol=1e-5, atol=1e-6)
     # auto: above the break-even the dense remainder runs, below it the sparse kernels
-    above = cls(*weights, tile_n=32, breakeven=0.01)
+    above = cls(*weights, tile_n=32, dispatch="auto", breakeven=0.01)
     above(p["x"])
     assert above.last_stats["path"] == "dense" and above.last_stats["dense_fallback"]
     assert 0.02 < above.last_stats["sampled_density"] < 0.1
-    below = cls(*weights, tile_n=32, breakeven=0.5)
+    below = cls(*weights, tile_n=32, dispatch="auto", breakeven=0.5)
     below(p["x"])
     assert below.last_stats["path"] == "sparse" and not below.last_stats["dense_fallback"]
 

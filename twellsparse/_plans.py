@@ -164,10 +164,12 @@ class FFN(_FFNPlanBase):
     w_down : array, shape (d_model, d_ff)
     activation, tile_n, capacity, threshold
         As for :func:`twellsparse.linear_to_twell`.
-    dispatch : {"auto", "sparse", "dense"}
-        ``"auto"`` samples the activation density after the first GEMM and runs the dense
-        remainder (cuBLAS) above ``breakeven``, the sparse kernels below it; both compute the
-        same function. ``last_stats["path"]`` says which ran.
+    dispatch : {"sparse", "dense", "auto"}
+        ``"sparse"`` (default) runs the TwELL kernels; ``"dense"`` the dense remainder (cuBLAS
+        and a fused act-mul kernel); ``"auto"`` samples the activation density after the first
+        GEMM and runs dense above ``breakeven``, sparse below it. All compute the same function;
+        ``last_stats["path"]`` says which ran. (``"auto"`` is not the default yet: its GPU dense
+        remainder has not run on a GPU; see bench/NOTES.md.)
     breakeven : float, optional
         Density threshold for ``"auto"``; default ``DENSE_BREAKEVEN`` (measured on the H200).
 
@@ -186,7 +188,7 @@ class FFN(_FFNPlanBase):
         tile_n: int = 256,
         capacity: int | None = None,
         threshold: float | None = None,
-        dispatch: str = "auto",
+        dispatch: str = "sparse",
         breakeven: float | None = None,
     ) -> None:
         weights = {"w_up": w_up, "w_down": w_down}
@@ -222,7 +224,7 @@ class GatedFFN(_FFNPlanBase):
         tile_n: int = 256,
         capacity: int | None = None,
         threshold: float | None = None,
-        dispatch: str = "auto",
+        dispatch: str = "sparse",
         breakeven: float | None = None,
     ) -> None:
         weights = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}
@@ -241,7 +243,7 @@ def ffn(
     tile_n: int = 256,
     capacity: int | None = None,
     threshold: float | None = None,
-    dispatch: str = "auto",
+    dispatch: str = "sparse",
 ) -> Any:
     """Non-gated sparse FFN: ``act(x @ w_up.T) @ w_down.T`` with the hidden layer in TwELL.
 
@@ -279,7 +281,7 @@ def gated_ffn(
     tile_n: int = 256,
     capacity: int | None = None,
     threshold: float | None = None,
-    dispatch: str = "auto",
+    dispatch: str = "sparse",
 ) -> Any:
     """Gated sparse FFN: ``(act(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T``.
 
