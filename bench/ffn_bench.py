@@ -17,38 +17,13 @@ from collections.abc import Callable
 from typing import Any
 
 import cupy as cp
-import numpy as np
 
 import twellsparse as ts
 from twellsparse import _gpu_ops
 from twellsparse._environment import append_records, environment
 from twellsparse._gpu_ops import gemm_nt
+from twellsparse._timing import Timer
 from twellsparse.testing import ffn_problem, rel_error
-
-FLUSH_BYTES = 256 << 20  # several times the H200's 60 MB L2
-
-
-class Timer:
-    """CUDA-event timing on the current stream: warm-up, L2 flush before every rep, median."""
-
-    def __init__(self, reps: int, warmup: int = 3) -> None:
-        self.reps, self.warmup = reps, warmup
-        self._flush = cp.empty(FLUSH_BYTES // 4, dtype=cp.int32)
-
-    def __call__(self, fn: Callable[[], Any]) -> dict[str, float]:
-        for _ in range(self.warmup):
-            fn()
-        times = []
-        for i in range(self.reps):
-            self._flush.fill(i)
-            start, stop = cp.cuda.Event(), cp.cuda.Event()
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, stop))
-        t = np.asarray(times)
-        return {"median": float(np.median(t)), "p10": float(np.percentile(t, 10)), "p90": float(np.percentile(t, 90))}
 
 
 def dense_provider() -> tuple[str, Callable[[Any, Any], Any]]:
@@ -92,6 +67,10 @@ def dense_ffns(x: Any, wg: Any, wu: Any, wd: Any, provider: str) -> tuple[Callab
 
 def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Timer) -> dict[str, Any]:
     """Check, then time, every op for one activation pattern and density."""
+
+    def ms(fn: Callable[[], Any]) -> dict[str, float]:
+        return timer(fn)[1]
+
     provider, nt = dense_provider()
     p = ffn_problem(args.m, args.d_model, args.d_ff, density, pattern, ts.bfloat16, 0, cp)
     x, wg, wu, wd = p["x"], p["w_gate"], p["w_up"], p["w_down"]
@@ -115,17 +94,17 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
         if not err < 2e-2:
             raise SystemExit(f"{name}: relative error {err:.3e} vs dense at {pattern} {density}; not timing")
     rows = {
-        "dense_gemm": timer(lambda: nt(x, wg)),
-        "producer": timer(lambda: ts.linear_to_twell(x, wg)),
-        "gemm_cupy_cublas": timer(lambda: gemm_nt(x, wg)),
-        "pack_relu": timer(lambda: ts._convert.dense_to_twell(z, 256, 32, "spill", None, "relu")),
-        "spmm_down": timer(lambda: ts.matmul(h, wd_t)),
-        "dense_down": timer(lambda: nt(h_dense, wd)),
-        "dense_ffn": timer(dense_plain),
-        "ffn": timer(lambda: plain_plan(x)),
-        "dense_gated_ffn": timer(dense_gated),
-        "gated_ffn": timer(lambda: gated_plan(x)),
-        "gated_ffn_auto": timer(lambda: gated_auto(x)),
+        "dense_gemm": ms(lambda: nt(x, wg)),
+        "producer": ms(lambda: ts.linear_to_twell(x, wg)),
+        "gemm_cupy_cublas": ms(lambda: gemm_nt(x, wg)),
+        "pack_relu": ms(lambda: ts._convert.dense_to_twell(z, 256, 32, "spill", None, "relu")),
+        "spmm_down": ms(lambda: ts.matmul(h, wd_t)),
+        "dense_down": ms(lambda: nt(h_dense, wd)),
+        "dense_ffn": ms(dense_plain),
+        "ffn": ms(lambda: plain_plan(x)),
+        "dense_gated_ffn": ms(dense_gated),
+        "gated_ffn": ms(lambda: gated_plan(x)),
+        "gated_ffn_auto": ms(lambda: gated_auto(x)),
     }
     # Kernel variants under development: checked against the default path first, and a failure
     # is recorded instead of stopping the benchmark.
@@ -140,7 +119,7 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
         try:
             if expect is not None and not rel_error(fn(), expect) < 2e-2:
                 raise ValueError(f"relative error {rel_error(fn(), expect):.3e} against the default path")
-            rows[name] = timer(fn)
+            rows[name] = ms(fn)
         except Exception as exc:  # record and go on: the default paths above are what is reported
             rows[name] = {"error": f"{type(exc).__name__}: {exc}"}
     return {
@@ -166,7 +145,7 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    timer = Timer(args.reps)
+    timer = Timer(args.reps, on_gpu=True, flush_l2=True)
     env = environment()
     records = []
     for pattern in args.patterns:

@@ -16,7 +16,6 @@ import argparse
 import importlib.util
 import pathlib
 import sys
-import time
 from typing import Any
 
 import numpy as np
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 
 from twellsparse._environment import append_records, environment
+from twellsparse._timing import Timer
 
 _EX = pathlib.Path(__file__).resolve().parents[1] / "examples" / "tiny_llama.py"
 
@@ -79,20 +79,6 @@ def run_stack(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def timed(fn: Any, reps: int, cuda: bool) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return float(np.median(times))
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
@@ -114,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     # The decoder stack alone is timed: the embedding and LM head are the same in both models.
     x = torch.randn(args.batch, cfg.seq, cfg.d_model, device=device, dtype=dtype)
     env = environment()
+    timer = Timer(args.reps, on_gpu=cuda, warmup=1)
     for density in (float(d) for d in args.densities.split(",")):
         sparse, dense = build(ex, cfg, args.layers, density, device, dtype, x)
         with torch.no_grad():
@@ -140,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         for name, blocks in (("dense", dense), ("twell", sparse)):
             with torch.no_grad():
-                rec[f"{name}_forward_ms"] = timed(lambda b=blocks: run_stack(b, x), args.reps, cuda)
-            rec[f"{name}_train_ms"] = timed(lambda b=blocks: train_step(b), args.reps, cuda)
+                rec[f"{name}_forward_ms"] = timer(lambda b=blocks: run_stack(b, x))[1]["median"]
+            rec[f"{name}_train_ms"] = timer(lambda b=blocks: train_step(b))[1]["median"]
         for kind in ("forward", "train"):
             rec[f"{kind}_speedup"] = rec[f"dense_{kind}_ms"] / rec[f"twell_{kind}_ms"]
             rec[f"twell_{kind}_tokens_per_ms"] = n_tokens / rec[f"twell_{kind}_ms"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +20,7 @@ import torch
 
 import twellsparse.torch as tt
 from twellsparse._environment import append_records, environment
+from twellsparse._timing import Timer
 from twellsparse.testing import ffn_problem
 
 
@@ -37,24 +37,6 @@ def saved_activation_bytes(fn: Callable[[], torch.Tensor], exclude: list[torch.T
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
     return sum(seen.values())
-
-
-def timed(fn: Callable[[], Any], reps: int, cuda: bool) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return float(np.median(times))
 
 
 def case(args: argparse.Namespace, density: float, device: str, dtype: torch.dtype) -> dict[str, Any]:
@@ -88,7 +70,7 @@ def case(args: argparse.Namespace, density: float, device: str, dtype: torch.dty
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        rec[f"{name}_ms"] = timed(step(fn), args.reps, cuda)
+        rec[f"{name}_ms"] = Timer(args.reps, on_gpu=cuda, warmup=1)(step(fn))[1]["median"]
         rec[f"{name}_peak_bytes"] = torch.cuda.max_memory_allocated() if cuda else None
         rec[f"{name}_saved_bytes"] = saved_activation_bytes(fn, params)
     rec["speedup"] = rec["dense_ms"] / rec["twell_ms"]

@@ -37,9 +37,7 @@ def coo_to_twell(
         return ref.pack_coo(rows, cols, vals, shape, tile_n, capacity, overflow)
     from . import _gpu_convert
 
-    indptr = xp.zeros(shape[0] + 1, dtype=xp.int32)
-    if rows.size:
-        indptr[1:] = xp.cumsum(xp.bincount(rows, minlength=shape[0]))
+    indptr = ref.indptr_from_rows(rows, shape[0], xp)
     return _gpu_convert.csr_to_parts(indptr, cols, vals, shape, tile_n, capacity, overflow)
 
 
@@ -69,9 +67,7 @@ def twell_to_csr_arrays(parts: TwELLParts, shape: tuple[int, int], tile_n: int) 
     xp = array_module(parts.data)
     if xp is np:
         rows, cols, vals = ref.unpack_coo(parts, tile_n)
-        indptr = np.zeros(shape[0] + 1, dtype=np.int32)
-        np.cumsum(np.bincount(rows, minlength=shape[0]), out=indptr[1:])
-        return vals, cols.astype(np.int32), indptr
+        return vals, cols.astype(np.int32), ref.indptr_from_rows(rows, shape[0])
     from . import _gpu_convert
 
     vals, cols, indptr = _gpu_convert.parts_to_csr(parts, shape, tile_n)

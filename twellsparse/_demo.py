@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -13,32 +12,8 @@ from . import _reference as ref
 from ._backend import gpu_available, to_host
 from ._environment import environment
 from ._ops import linear_to_twell, matmul
+from ._timing import Timer
 from .testing import ffn_problem, rel_error
-
-
-def _timer(on_gpu: bool) -> Callable[[Callable[[], Any]], tuple[Any, float]]:
-    """Median wall time in ms of a few runs (CUDA events on the GPU), after one warm-up."""
-
-    def run(fn: Callable[[], Any]) -> tuple[Any, float]:
-        result = fn()
-        times = []
-        for _ in range(5):
-            if on_gpu:
-                import cupy as cp
-
-                start, stop = cp.cuda.Event(), cp.cuda.Event()
-                start.record()
-                result = fn()
-                stop.record()
-                stop.synchronize()
-                times.append(cp.cuda.get_elapsed_time(start, stop))
-            else:
-                t0 = time.perf_counter()
-                result = fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return result, float(np.median(times))
-
-    return run
 
 
 def _nbytes(*arrays: Any) -> int:
@@ -57,7 +32,11 @@ def run_demo(force_cpu: bool = False, seed: int = 0, json_path: str | None = Non
         m, d_model, d_ff, dtype, where = 512, 256, 1024, "float32", "CPU (NumPy reference path; no GPU found)"
     p = ffn_problem(m, d_model, d_ff, 0.01, "skewed", dtype, seed, xp)
     x, w_gate, w_down = p["x"], p["w_gate"], p["w_down"]
-    timed = _timer(on_gpu)
+    timer = Timer(reps=5, on_gpu=on_gpu, warmup=1)
+
+    def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+        result, ms = timer(fn)
+        return result, ms["median"]
 
     h, t_pack = timed(lambda: linear_to_twell(x, w_gate, activation="relu"))
     w_down_t = xp.ascontiguousarray(w_down.T)

@@ -49,6 +49,14 @@ def keep_mask(h: np.ndarray, threshold: float | None) -> np.ndarray:
 # ----------------------------------------------------------------------------- packing
 
 
+def indptr_from_rows(rows, n_rows: int, xp=np):
+    """int32 CSR row pointers of entries sorted by row (NumPy or CuPy)."""
+    indptr = xp.zeros(n_rows + 1, dtype=xp.int32)
+    if rows.size:
+        indptr[1:] = xp.cumsum(xp.bincount(rows, minlength=n_rows))
+    return indptr
+
+
 def overflow_excess(row_tile_nnz, capacity: int, overflow: str, xp=np) -> int:
     """Apply the overflow policy to the per-row-tile counts; return the number of excess entries.
 
@@ -105,9 +113,7 @@ def pack_coo(
     counts = np.minimum(row_tile_nnz, capacity).astype(np.int32)
 
     spilled = ~in_slot if overflow == "spill" else np.zeros_like(in_slot)
-    spill_rows = rows[spilled]
-    spill_indptr = np.zeros(m + 1, dtype=np.int32)
-    np.cumsum(np.bincount(spill_rows, minlength=m), out=spill_indptr[1:])
+    spill_indptr = indptr_from_rows(rows[spilled], m)
     parts = TwELLParts(
         data,
         indices,
@@ -151,9 +157,7 @@ def to_scipy_csr(parts: TwELLParts, shape: tuple[int, int], tile_n: int, dtype=N
     rows, cols, vals = unpack_coo(parts, tile_n)
     if dtype is not None:
         vals = vals.astype(dtype)
-    indptr = np.zeros(shape[0] + 1, dtype=np.int64)
-    np.cumsum(np.bincount(rows, minlength=shape[0]), out=indptr[1:])
-    return sp.csr_array((vals, cols, indptr), shape=shape)
+    return sp.csr_array((vals, cols, indptr_from_rows(rows, shape[0])), shape=shape)
 
 
 def to_dense(parts: TwELLParts, shape: tuple[int, int], tile_n: int) -> np.ndarray:

@@ -405,16 +405,13 @@ class twell_array:
         Dtypes promote as in NumPy: a Python scalar keeps this matrix's dtype, a NumPy scalar or
         array promotes (float32 * float64 scalar is float64).
         """
-        if isinstance(other, (np.integer, np.floating)):
-            dt = value_dtype(np.result_type(self.dtype, other), "other.dtype")
+        if isinstance(other, (int, float, np.integer, np.floating)):
+            # NumPy scalars promote; Python scalars (np.float64 subclasses float) keep the dtype.
+            numpy_scalar = isinstance(other, (np.integer, np.floating))
+            dt = value_dtype(np.result_type(self.dtype, other), "other.dtype") if numpy_scalar else self.dtype
             scalar = dt.type(other)
             p = self._parts
             parts = p._replace(data=p.data.astype(dt) * scalar, spill_data=p.spill_data.astype(dt) * scalar)
-            return twell_array._from_parts(parts, self.shape, self.tile_n)
-        if isinstance(other, (int, float)):  # after NumPy scalars: np.float64 is a float
-            scalar = self.dtype.type(other)
-            p = self._parts
-            parts = p._replace(data=p.data * scalar, spill_data=p.spill_data * scalar)
             return twell_array._from_parts(parts, self.shape, self.tile_n)
         if is_twell(other) or sp.issparse(other) or _is_cupyx_sparse(other):
             other = other.toarray()

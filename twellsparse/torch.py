@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ._backend import array_module, bfloat16
+from ._backend import array_module, as_array, bfloat16
 from ._ffn_autodiff import backward_arrays, forward_arrays, with_values
 from ._parts import TwELLParts
 from ._twell import twell_array
@@ -42,14 +42,7 @@ _NAMESPACE = "twellsparse"
 
 def _to_array(t: Tensor) -> Any:
     """Zero-copy NumPy (CPU) or CuPy (CUDA) view of a tensor (made contiguous first)."""
-    t = t.detach().contiguous()
-    if t.is_cuda:
-        import cupy
-
-        return cupy.from_dlpack(t)
-    if t.dtype == torch.bfloat16:  # NumPy's DLPack import refuses bfloat16: hand over the bits
-        return t.view(torch.int16).numpy().view(bfloat16)
-    return t.numpy()
+    return as_array(t.detach().contiguous(), "tensor")
 
 
 def _to_tensor(a: Any) -> Tensor:

@@ -1,0 +1,57 @@
+"""One timer for the demo and the benchmarks: warm-up, repetitions, median and spread.
+
+On the GPU it times with CUDA events on CuPy's current stream (work that torch queues on the
+default stream is timed too) and can overwrite a buffer larger than the L2 cache before every
+repetition, untimed, so no repetition finds its inputs cached by the previous one. On the CPU it
+uses the wall clock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ._backend import cupy_module
+
+#: Bytes overwritten between repetitions to flush the L2 (several times the H200's 60 MB).
+FLUSH_BYTES = 256 << 20
+
+
+class Timer:
+    """``Timer(reps, on_gpu, warmup=3, flush_l2=False)(fn)`` returns (last result, times in ms:
+    ``{"median", "p10", "p90"}``)."""
+
+    def __init__(self, reps: int, on_gpu: bool, warmup: int = 3, flush_l2: bool = False) -> None:
+        self.reps, self.on_gpu, self.warmup = reps, on_gpu, warmup
+        cp = cupy_module() if on_gpu else None
+        self._cp = cp
+        self._flush = cp.empty(FLUSH_BYTES // 4, dtype=cp.int32) if cp is not None and flush_l2 else None
+
+    def __call__(self, fn: Callable[[], Any]) -> tuple[Any, dict[str, float]]:
+        result = None
+        for _ in range(self.warmup):
+            result = fn()
+        times = []
+        for i in range(self.reps):
+            if self._flush is not None:
+                self._flush.fill(i)
+            if self._cp is not None:
+                start, stop = self._cp.cuda.Event(), self._cp.cuda.Event()
+                start.record()
+                result = fn()
+                stop.record()
+                stop.synchronize()
+                times.append(self._cp.cuda.get_elapsed_time(start, stop))
+            else:
+                t0 = time.perf_counter()
+                result = fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        t = np.asarray(times)
+        return result, {
+            "median": float(np.median(t)),
+            "p10": float(np.percentile(t, 10)),
+            "p90": float(np.percentile(t, 90)),
+        }
