@@ -13,88 +13,110 @@ template <typename T, int V> struct alignas(sizeof(T) * V) Chunk {
   T v[V];
 };
 
-// One warp per (row, tile): lanes read consecutive runs of V columns (one 16-byte load when the
-// run is whole and `vector_ok` says rows are 16-byte aligned), keep the entries the
-// activation/threshold selects, and a warp prefix sum gives each kept entry its slot, so the
-// output is canonical (columns increasing) with no sort.
+// Row-tiles per warp in dense_to_twell: their first loads are issued together, so a warp keeps
+// several 16-byte requests in flight instead of one (the pack is a pure streaming pass).
+constexpr int kPackTilesPerWarp = 4;
+
+// A warp's pass over row-tiles rt0 .. rt0 + kPackTilesPerWarp - 1: lanes read consecutive runs
+// of V columns (one 16-byte load when the run is whole and `vector_ok` says rows are 16-byte
+// aligned), keep the entries the activation/threshold selects, and a warp prefix sum gives each
+// kept entry its slot, so the output is canonical (columns increasing) with no sort.
 template <typename T, int ACT>
 __global__ void __launch_bounds__(256) dense_to_twell(
     const T* __restrict__ x, long long ldx, int vector_ok, int M, int N, int tile_n, int n_tiles,
     int capacity, double threshold, T* __restrict__ data, short* __restrict__ indices, int* __restrict__ counts,
     int* __restrict__ row_tile_nnz, const long long* __restrict__ spill_offsets,
     int* __restrict__ spill_indices, T* __restrict__ spill_data) {
-  using A = typename acc_of<T>::type;
   constexpr int V = sizeof(T) >= 8 ? 2 : 16 / (int)sizeof(T);
-  const long long rt = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  constexpr int G = kPackTilesPerWarp;
+  const long long rt0 = ((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5) * G;
   const int lane = threadIdx.x & 31;
-  if (rt >= (long long)M * n_tiles) return;  // warp-uniform
+  const long long n_rt = (long long)M * n_tiles;
   const bool spill_pass = spill_offsets != nullptr;
-  long long spill_base = 0;
-  if (spill_pass) {
-    if (row_tile_nnz[rt] <= capacity) return;  // warp-uniform
-    spill_base = spill_offsets[rt];
+  // The first run of each row-tile, loaded before any is processed.
+  Chunk<T, V> first[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const long long rt = rt0 + g;
+    const int col0 = (int)(rt % n_tiles) * tile_n;
+    const int c0 = col0 + lane * V;
+    const bool whole = rt < n_rt && vector_ok && c0 + V <= min(col0 + tile_n, N);
+    if (whole && (!spill_pass || row_tile_nnz[rt] > capacity)) {
+      first[g] = *reinterpret_cast<const Chunk<T, V>*>(x + (rt / n_tiles) * ldx + c0);
+    }
   }
-  const int row = (int)(rt / n_tiles), tile = (int)(rt % n_tiles);
-  const int col0 = tile * tile_n;
-  const int col_end = min(col0 + tile_n, N);
-  const T* xrow = x + (long long)row * ldx;
-  const long long slot0 = rt * capacity;
-  int found = 0;
-  for (int base = col0; base < col_end; base += 32 * V) {
-    T v[V];
-    bool k[V];
-    int local = 0;
-    const int c0 = base + lane * V;
-    if (vector_ok && c0 + V <= col_end) {
-      const Chunk<T, V> chunk = *reinterpret_cast<const Chunk<T, V>*>(xrow + c0);
 #pragma unroll
-      for (int j = 0; j < V; ++j) v[j] = chunk.v[j];
-    } else {
-#pragma unroll
-      for (int j = 0; j < V; ++j) v[j] = c0 + j < col_end ? xrow[c0 + j] : zero_value<T>();
+  for (int g = 0; g < G; ++g) {
+    const long long rt = rt0 + g;
+    if (rt >= n_rt) break;  // warp-uniform
+    long long spill_base = 0;
+    if (spill_pass) {
+      if (row_tile_nnz[rt] <= capacity) continue;  // warp-uniform
+      spill_base = spill_offsets[rt];
     }
+    const long long row = rt / n_tiles;
+    const int col0 = (int)(rt % n_tiles) * tile_n;
+    const int col_end = min(col0 + tile_n, N);
+    const T* xrow = x + row * ldx;
+    const long long slot0 = rt * capacity;
+    int found = 0;
+    for (int base = col0; base < col_end; base += 32 * V) {
+      T v[V];
+      bool k[V];
+      int local = 0;
+      const int c0 = base + lane * V;
+      if (vector_ok && c0 + V <= col_end) {
+        const Chunk<T, V> chunk =
+            base == col0 ? first[g] : *reinterpret_cast<const Chunk<T, V>*>(xrow + c0);
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      k[j] = false;
-      if (c0 + j < col_end) {
-        // Non-identity activations store the activated value rounded to T, and decide on it.
-        if (ACT != ACT_IDENTITY) v[j] = from_acc<T>(activate<ACT>(to_acc(v[j])));
-        k[j] = keep(to_acc(v[j]), threshold);
-        local += k[j];
+        for (int j = 0; j < V; ++j) v[j] = chunk.v[j];
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) v[j] = c0 + j < col_end ? xrow[c0 + j] : zero_value<T>();
       }
-    }
-    int incl = local;
 #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int t = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += t;
-    }
-    int pos = found + incl - local;
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      if (!k[j]) continue;
-      const int c = base + lane * V + j;
-      if (!spill_pass) {
-        if (pos < capacity) {
-          data[slot0 + pos] = v[j];
-          indices[slot0 + pos] = (short)(c - col0);
+      for (int j = 0; j < V; ++j) {
+        k[j] = false;
+        if (c0 + j < col_end) {
+          // Non-identity activations store the activated value rounded to T, and decide on it.
+          if (ACT != ACT_IDENTITY) v[j] = from_acc<T>(activate<ACT>(to_acc(v[j])));
+          k[j] = keep(to_acc(v[j]), threshold);
+          local += k[j];
         }
-      } else if (pos >= capacity) {
-        spill_data[spill_base + pos - capacity] = v[j];
-        spill_indices[spill_base + pos - capacity] = c;
       }
-      ++pos;
+      int incl = local;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int t = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += t;
+      }
+      int pos = found + incl - local;
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        if (!k[j]) continue;
+        const int c = base + lane * V + j;
+        if (!spill_pass) {
+          if (pos < capacity) {
+            data[slot0 + pos] = v[j];
+            indices[slot0 + pos] = (short)(c - col0);
+          }
+        } else if (pos >= capacity) {
+          spill_data[spill_base + pos - capacity] = v[j];
+          spill_indices[spill_base + pos - capacity] = c;
+        }
+        ++pos;
+      }
+      found += __shfl_sync(0xffffffffu, incl, 31);
     }
-    found += __shfl_sync(0xffffffffu, incl, 31);
-  }
-  if (!spill_pass) {
-    for (int s = found + lane; s < capacity; s += 32) {
-      data[slot0 + s] = zero_value<T>();
-      indices[slot0 + s] = -1;
-    }
-    if (lane == 0) {
-      counts[rt] = min(found, capacity);
-      row_tile_nnz[rt] = found;
+    if (!spill_pass) {
+      for (int s = found + lane; s < capacity; s += 32) {
+        data[slot0 + s] = zero_value<T>();
+        indices[slot0 + s] = -1;
+      }
+      if (lane == 0) {
+        counts[rt] = min(found, capacity);
+        row_tile_nnz[rt] = found;
+      }
     }
   }
 }

@@ -18,18 +18,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
-
 from ._backend import array_module
-from ._ops import linear_to_twell, matmul, sddmm
-from ._twell import twell_array
-
-
-def _values_op(fn: Any, *arrays: Any) -> Any:
-    """Elementwise ``fn`` on value arrays, computed in float32 (float64 for float64 inputs)."""
-    dt = arrays[0].dtype
-    wide = np.float64 if dt == np.float64 else np.float32
-    return fn(*(a.astype(wide) for a in arrays)).astype(dt)
+from ._ops import gated_product, linear_to_twell, matmul, product_values, sddmm, with_values
+from ._ops import values_op as _values_op
 
 
 def _activation_grad(activation: str, z: Any) -> Any:
@@ -50,32 +41,23 @@ def _activation_grad(activation: str, z: Any) -> Any:
     raise ValueError(f"activation: unknown {activation!r}")
 
 
-def with_values(pattern: twell_array, data: Any, spill: Any) -> twell_array:
-    """A TwELL matrix with ``pattern``'s structure and the given slot and spill values."""
-    parts = pattern.parts._replace(data=data, spill_data=spill)
-    return twell_array._from_parts(parts, pattern.shape, pattern.tile_n)
-
-
 def forward_arrays(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold):
     """(out, act TwELL, linear values on its pattern or None)."""
     g = linear_to_twell(x, w_act, activation=activation, tile_n=tile_n, capacity=capacity, threshold=threshold)
     if w_lin is None:
         return matmul(g, w_down.T), g, None
-    u = sddmm(x, w_lin, g)
-    mul = lambda a, b: a * b  # noqa: E731
-    h = with_values(g, _values_op(mul, g.data, u.data), _values_op(mul, g.spill_data, u.spill_data))
-    return matmul(h, w_down.T), g, u
+    out, u = gated_product(x, w_lin, w_down.T, g, keep_up=True)
+    return out, g, u
 
 
 def backward_arrays(grad_out, grad_act, x, w_act, w_lin, w_down, g, u, activation):
     """(dx, dw_act, dw_lin or None, dw_down); ``grad_act`` (a TwELL of g's pattern) may be None."""
     d_h = sddmm(grad_out, w_down.T, g)
-    mul = lambda a, b: a * b  # noqa: E731
     if u is None:
         h, d_act = g, d_h
     else:
-        h = with_values(g, _values_op(mul, g.data, u.data), _values_op(mul, g.spill_data, u.spill_data))
-        d_act = with_values(g, _values_op(mul, d_h.data, u.data), _values_op(mul, d_h.spill_data, u.spill_data))
+        h = product_values(g, u)
+        d_act = product_values(d_h, u)
     if grad_act is not None:
         add = lambda a, b: a + b  # noqa: E731
         d_act = with_values(
@@ -92,7 +74,7 @@ def backward_arrays(grad_out, grad_act, x, w_act, w_lin, w_down, g, u, activatio
     dx = matmul(d_z, w_act)
     dw_lin = None
     if u is not None:
-        d_u = with_values(g, _values_op(mul, d_h.data, g.data), _values_op(mul, d_h.spill_data, g.spill_data))
+        d_u = product_values(d_h, g)
         dw_lin = matmul(d_u.T, x)
         dx = _values_op(lambda a, b: a + b, dx, matmul(d_u, w_lin))
     return dx, dw_act, dw_lin, dw_down

@@ -42,6 +42,12 @@ def staged_eligible(parts: TwELLParts, tile_n: int, itemsize: int, *operands: tu
     nt, cap = parts.data.shape[1:]
     if cap % 4 or K.staged_smem_bytes(nt, tile_n, cap, itemsize) > STAGED_SMEM_LIMIT:
         return False
+    return rows_aligned(*operands)
+
+
+def rows_aligned(*operands: tuple[Any, int]) -> bool:
+    """Whether every (array, row stride) operand has 16-byte-aligned rows of a multiple of 16 bytes
+    (what the 16-byte vector loads of the gather and staged kernels need)."""
     for arr, ld in operands:
         size = arr.itemsize
         if (arr.shape[1] * size) % 16 or (ld * size) % 16 or arr.data.ptr % 16:
@@ -49,20 +55,27 @@ def staged_eligible(parts: TwELLParts, tile_n: int, itemsize: int, *operands: tu
     return True
 
 
-#: The path "auto" takes. The staged kernels are correct and tested but, as measured on the H200
-#: (bench/results), still slower than the portable ones on the standard problem: their per-stage
-#: bookkeeping is repeated for every 128-column chunk. They stay opt-in until that is fixed.
-AUTO_PATH = "portable"
+#: The paths of the product kernels: "gather" (twell_gather.cu, one warp per row, 16-byte row
+#: gathers; needs rows_aligned operands), "staged" (twell_staged.cu, weight rows staged in shared
+#: memory per block of tokens; opt-in: slower than gather on the H200 so far, see bench/NOTES.md)
+#: and "portable" (any layout). "auto" takes gather when the operands allow it, else portable.
+PATHS = ("auto", "gather", "staged", "portable")
 
 
-def _choose_path(path: str, staged_ok: bool) -> str:
-    if path not in ("auto", "staged", "portable"):
-        raise ValueError(f"path: expected 'auto', 'staged' or 'portable', got {path!r}")
+def _choose_path(path: str, gather_ok: bool, staged_ok: bool) -> str:
+    if path not in PATHS:
+        raise ValueError(f"path: expected one of {', '.join(map(repr, PATHS))}, got {path!r}")
     if path == "staged" and not staged_ok:
         raise ValueError("path: 'staged' needs capacity % 4 == 0 and 16-byte-aligned rows of a multiple of 16 bytes")
+    if path == "gather" and not gather_ok:
+        raise ValueError("path: 'gather' needs 16-byte-aligned operand rows whose length is a multiple of 16 bytes")
     if path == "auto":
-        return "staged" if AUTO_PATH == "staged" and staged_ok else "portable"
+        return "gather" if gather_ok else "portable"
     return path
+
+
+def _gather_grid(m: int) -> tuple[tuple[int], tuple[int]]:
+    return (-(-m // K.GATHER_WARPS),), (32 * K.GATHER_WARPS,)
 
 
 def _staged_launch(
@@ -115,18 +128,27 @@ def _staged_launch(
     K.launch_grid(K.staged_expression(w.dtype, sddmm=sddmm), grid, (K.STAGED_THREADS,), args, smem)
 
 
-def spmm(parts: TwELLParts, tile_n: int, b: Any, out: Any, path: str = "auto") -> Any:
+def spmm(
+    parts: TwELLParts, tile_n: int, b: Any, out: Any, path: str = "auto", variant: tuple[int, int] | None = None
+) -> Any:
     """``out = A @ b``; ``b`` (N x K) and ``out`` (M x K) share A's dtype, out has unit column stride.
 
-    ``path``: ``"staged"`` (weight rows staged once per block of tokens; needs 8-byte-aligned
-    rows), ``"portable"`` (one row gather per nonzero, any layout), or ``"auto"`` (staged when
-    eligible).
+    ``path``: one of :data:`PATHS`. ``variant``: the gather kernel's (KV, U) instantiation
+    (default ``(GATHER_KV, GATHER_U)``; the others exist for 16-bit types, for benchmarking).
     """
     m = parts.data.shape[0]
     b, ldb = row_stride(b)
     k = b.shape[1]
     ldo = np.int64(max(out.strides[0] // out.itemsize, k, 1))
-    path = _choose_path(path, staged_eligible(parts, tile_n, b.itemsize, (b, ldb)))
+    gather_ok = rows_aligned((b, ldb), (out, int(ldo)))
+    path = _choose_path(path, gather_ok, staged_eligible(parts, tile_n, b.itemsize, (b, ldb)))
+    if path == "gather":
+        kv, u = variant or (K.GATHER_KV, K.GATHER_U)
+        nt, cap = parts.data.shape[1:]
+        geometry = (np.int32(m), np.int32(nt), np.int32(tile_n), np.int32(cap))
+        args = (*_matrix_args(parts), *geometry, b, np.int64(ldb), np.int32(k), out, ldo)
+        K.launch_grid(K.gather_expression("spmm", b.dtype, kv, u), *_gather_grid(m), args)
+        return out
     if path == "staged":
         _staged_launch(parts, tile_n, b, ldb, None, 0, out, int(ldo), None)
         return out
@@ -171,7 +193,13 @@ def sddmm(parts: TwELLParts, tile_n: int, x: Any, y: Any, scale: bool, path: str
     t, s = K.CXX_TYPE[x.dtype], "true" if scale else "false"
     data = cp.empty(parts.data.shape, dtype=x.dtype)  # the pattern's dtype may differ
     eligible = x.dtype.itemsize < 8 and staged_eligible(parts, tile_n, x.itemsize, (x, ldx), (y, ldy))
-    path = _choose_path(path, eligible)
+    path = _choose_path(path, rows_aligned((x, ldx), (y, ldy)), eligible)
+    if path == "gather":
+        spill = cp.empty(parts.spill_data.shape, dtype=x.dtype)
+        geometry = (np.int32(m), np.int32(nt), np.int32(tile_n), np.int32(cap))
+        args = (*_matrix_args(parts), *geometry, x, np.int64(ldx), y, np.int64(ldy), k, data, spill)
+        K.launch_grid(K.gather_expression("sddmm", x.dtype, scale=scale), *_gather_grid(m), args)
+        return parts._replace(data=data, spill_data=spill)
     if path == "staged":
         pair_acc = cp.zeros(parts.data.shape, dtype=cp.float32)
         _staged_launch(parts, tile_n, y, ldy, x, ldx, None, 0, pair_acc)
@@ -213,6 +241,64 @@ def sddmm(parts: TwELLParts, tile_n: int, x: Any, y: Any, scale: bool, path: str
         ),
     )
     return parts._replace(data=data, spill_data=spill)
+
+
+def gated_consumer_eligible(x: Any, w_up: Any, w_down_t: Any) -> bool:
+    """Whether :func:`gated_consumer` can run on these operands (16-byte rows, one dtype)."""
+    same = x.dtype == w_up.dtype == w_down_t.dtype
+    return same and rows_aligned(row_stride(x), row_stride(w_up), row_stride(w_down_t))
+
+
+def gated_consumer(
+    gate: TwELLParts,
+    tile_n: int,
+    x: Any,
+    w_up: Any,
+    w_down_t: Any,
+    keep_up: bool = False,
+    variant: tuple[int, int] | None = None,
+) -> tuple[Any, TwELLParts | None]:
+    """The gated FFN after its gate in one kernel (:func:`gated_consumer_eligible` operands):
+    ``u = x @ w_up.T`` at the gate's pattern, ``h = gate * u``, ``out = h @ w_down_t``.
+
+    Returns ``(out, u)``; ``u`` (parts with the gate's structure and zero padding, what the
+    backward pass needs) only when ``keep_up``, else None.
+    """
+    cp = _cp()
+    m, nt, cap = gate.data.shape
+    x, ldx = row_stride(x)
+    w_up, ldu = row_stride(w_up)
+    w_down_t, ldd = row_stride(w_down_t)
+    k_out = w_down_t.shape[1]
+    kv, u = variant or (K.GATHER_KV, K.GATHER_U)
+    out = cp.empty((m, k_out), dtype=x.dtype)
+    u_data = u_spill = None
+    if keep_up or k_out > K.gather_chunk(x.dtype, kv):  # later passes read u back
+        u_data = (cp.zeros if keep_up else cp.empty)(gate.data.shape, dtype=x.dtype)
+        u_spill = cp.empty(gate.spill_data.shape, dtype=x.dtype)
+    null = K.null_pointer()
+    args = (
+        *_matrix_args(gate),
+        np.int32(m),
+        np.int32(nt),
+        np.int32(tile_n),
+        np.int32(cap),
+        x,
+        np.int64(ldx),
+        w_up,
+        np.int64(ldu),
+        np.int32(x.shape[1]),
+        w_down_t,
+        np.int64(ldd),
+        np.int32(k_out),
+        null if u_data is None else u_data,
+        null if u_spill is None else u_spill,
+        out,
+        np.int64(k_out),
+    )
+    K.launch_grid(K.gather_expression("gated", x.dtype, kv, u), *_gather_grid(m), args)
+    up = gate._replace(data=u_data, spill_data=u_spill) if keep_up else None
+    return out, up
 
 
 def act_mul(z_act: Any, z_lin: Any, activation: str, threshold: float | None) -> Any:

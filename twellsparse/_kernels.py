@@ -34,9 +34,39 @@ CXX_TYPE: dict[np.dtype, str] = {
 #: Activation name -> template argument (twell::Activation in twell_types.cuh).
 ACTIVATION_ID = {"relu": 0, "relu2": 1, "silu": 2, "gelu": 3, "identity": 4}
 
+#: Row-tiles each warp of dense_to_twell packs (kPackTilesPerWarp in twell_convert.cu).
+PACK_TILES_PER_WARP = 4
+
 #: Values per thread of the SpMM kernels (template argument).
 SPMM_VPT = 4
 SPMM_THREADS = 128
+
+#: Row-gather kernels (twell_gather.cu): SpMM passes of GATHER_KV 16-byte vectors per lane with
+#: GATHER_U pairs' rows in flight; SDDMM dots GATHER_U2 pairs at a time. GATHER_VARIANTS are the
+#: (KV, U) alternatives instantiated for 16-bit types so the benchmark can compare them.
+GATHER_KV = 4
+GATHER_U = 4
+GATHER_U2 = 8
+GATHER_VARIANTS = ((4, 4), (8, 2))
+GATHER_WARPS = 4  # rows (warps) per block
+
+
+def gather_expression(kind: str, dtype: Any, kv: int = GATHER_KV, u: int = GATHER_U, scale: bool = False) -> str:
+    """Name expression of a row-gather kernel: kind "spmm", "sddmm" or "gated"."""
+    t = CXX_TYPE[np.dtype(dtype)]
+    if kind == "spmm":
+        return f"twell_gather_spmm<{t}, {kv}, {u}>"
+    if kind == "sddmm":
+        return f"twell_gather_sddmm<{t}, {'true' if scale else 'false'}, {GATHER_U2}>"
+    if kind == "gated":
+        return f"twell_gather_gated<{t}, {kv}, {u}, {GATHER_U2}>"
+    raise ValueError(f"kind: expected 'spmm', 'sddmm' or 'gated', got {kind!r}")
+
+
+def gather_chunk(dtype: Any, kv: int = GATHER_KV) -> int:
+    """Output columns one pass of a row-gather SpMM covers."""
+    return kv * 32 * (16 // np.dtype(dtype).itemsize)
+
 
 #: Staged kernels (twell_staged.cu): tokens per warp, threads per block, bytes per lane vector,
 #: rows per stage, pipeline depth.
@@ -98,12 +128,19 @@ def _instantiations() -> dict[str, list[str]]:
             staged.append(staged_expression(dt, sddmm=True))
             staged += [f"twell_pairs_finalize<{t}, false>", f"twell_pairs_finalize<{t}, true>"]
     staged.append("twell_block_masks")
+    gather = []
+    for dt in VALUE_DTYPES:
+        variants = GATHER_VARIANTS if dt.itemsize == 2 else ((GATHER_KV, GATHER_U),)
+        for kv, u in variants:
+            gather += [gather_expression("spmm", dt, kv, u), gather_expression("gated", dt, kv, u)]
+        gather += [gather_expression("sddmm", dt, scale=s) for s in (False, True)]
     elementwise = [f"ffn_act_mul<{t}, {a}>" for t, a in itertools.product(types, ACTIVATION_ID.values())]
     return {
         "twell_convert.cu": convert,
         "twell_spmm.cu": spmm,
         "twell_sddmm.cu": sddmm,
         "twell_staged.cu": staged,
+        "twell_gather.cu": gather,
         "twell_elementwise.cu": elementwise,
     }
 

@@ -218,6 +218,48 @@ def pack_preactivation(
     return ref.pack_dense(ref.activation(z, act).astype(dtype), tile_n, capacity, overflow, threshold)
 
 
+def values_op(fn: Any, *arrays: Any) -> Any:
+    """Elementwise ``fn`` on value arrays, computed in float32 (float64 for float64 inputs)."""
+    dt = arrays[0].dtype
+    wide = np.float64 if dt == np.float64 else np.float32
+    return fn(*(a.astype(wide) for a in arrays)).astype(dt)
+
+
+def with_values(pattern: twell_array, data: Any, spill: Any) -> twell_array:
+    """A TwELL matrix with ``pattern``'s structure and the given slot and spill values."""
+    parts = pattern.parts._replace(data=data, spill_data=spill)
+    return twell_array._from_parts(parts, pattern.shape, pattern.tile_n)
+
+
+def product_values(a: twell_array, b: twell_array) -> twell_array:
+    """``a * b`` for two TwELL matrices of one structure, each product rounded to a's dtype."""
+    mul = lambda p, q: p * q  # noqa: E731
+    return with_values(a, values_op(mul, a.data, b.data), values_op(mul, a.spill_data, b.spill_data))
+
+
+def gated_product(
+    x: Any, w_lin: Any, w_down_t: Any, gate: twell_array, keep_up: bool = False
+) -> tuple[Any, twell_array | None]:
+    """The gated FFN after its gate: ``u = x @ w_lin.T`` at the gate's pattern (rounded to the
+    value type), ``h = gate * u`` (rounded), ``out = h @ w_down_t``.
+
+    One fused kernel on the GPU when the operands share a dtype and have 16-byte rows
+    (``_gpu_ops.gated_consumer``), else SDDMM, product and SpMM. Returns ``(out, u)``, ``u``
+    only when ``keep_up`` (the backward pass needs it), else None.
+    """
+    if is_cupy_array(x):
+        from . import _gpu_ops
+
+        same = x.dtype == w_lin.dtype == w_down_t.dtype == gate.dtype
+        if same and _gpu_ops.gated_consumer_eligible(x, w_lin, w_down_t):
+            out, up = _gpu_ops.gated_consumer(gate.parts, gate.tile_n, x, w_lin, w_down_t, keep_up)
+            return out, (twell_array._from_parts(up, gate.shape, gate.tile_n) if up is not None else None)
+    u_parts, _ = _sddmm_parts(x, w_lin, gate, scale=False)
+    u = twell_array._from_parts(u_parts, gate.shape, gate.tile_n)
+    h = product_values(gate.astype(u.dtype), u)
+    return matmul(h, w_down_t), (u if keep_up else None)
+
+
 def dense_ffn_tail(x: Any, z: Any, w_lin: Any, w_down: Any, dtype: Any, act: str, threshold: float | None) -> Any:
     """The dense remainder of an FFN block given the activation's pre-activations ``z``:
     ``(keep(act(z)) [* x @ w_lin.T]) @ w_down.T`` (the automatic fallback above break-even)."""

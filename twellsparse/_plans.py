@@ -15,7 +15,7 @@ import numpy as np
 
 from . import _reference as ref
 from ._backend import array_module, result_dtype, value_dtype
-from ._ops import _dense, _same_device, _sddmm_parts, dense_ffn_tail, matmul, pack_preactivation, preactivation
+from ._ops import _dense, _same_device, dense_ffn_tail, gated_product, matmul, pack_preactivation, preactivation
 from ._twell import twell_array
 from ._validation import check_activation, check_capacity, check_threshold, check_tile_n
 
@@ -112,8 +112,7 @@ class _FFNPlanBase:
         h = twell_array._from_parts(parts, (xx.shape[0], first.shape[0]), self.tile_n, dropped)
         self._last = ("sparse", sampled, h)
         if w_lin is not None:
-            h_parts, _ = _sddmm_parts(xx, w_lin, h, scale=True)
-            h = twell_array._from_parts(h_parts, h.shape, h.tile_n)
+            return gated_product(xx, w_lin, self._w_down_t, h)[0]
         return matmul(h, self._w_down_t)
 
     def _sampled_density(self, z: Any) -> float:

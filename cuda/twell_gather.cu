@@ -1,0 +1,326 @@
+// Row-gather kernels: one warp per token row, 16-byte vector gathers of whole weight rows.
+//
+// These serve the products of the FFN (SpMM for the down projection, SDDMM for the up
+// projection and the backward's dH, and the fused gated consumer) whenever every dense operand
+// has 16-byte-aligned rows whose length is a multiple of 16 bytes; other layouts take the
+// portable kernels of twell_spmm.cu / twell_sddmm.cu.
+//
+// Why this shape: a (token, unit) pair needs one whole weight row (4 KB at d_model 2048 in
+// bf16). A warp gathers it as 32 lanes x 16 bytes per step, so every request is a full 512-byte
+// coalesced line run, and several pairs' rows are requested before any is consumed, keeping
+// U x KV (SpMM) or 2 x U2 (SDDMM) 16-byte loads in flight per lane: the L2-to-SM gather rate,
+// not latency, bounds the kernel. The row's entries are enumerated 32 at a time (one per lane)
+// with a warp scan over the tile counts, so batches stay full at any density.
+#include "twell_types.cuh"
+
+using namespace twell;
+
+namespace {
+
+constexpr unsigned kFull = 0xffffffffu;
+
+struct alignas(16) Raw16 {
+  unsigned x, y, z, w;
+};
+
+// Read-only 16-byte load through the non-coherent path (weights and inputs never change while
+// a kernel runs; hot rows stay in L1).
+__device__ __forceinline__ Raw16 ldg16(const void* p) {
+  Raw16 r;
+  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ Raw16 zero16() { return Raw16{0u, 0u, 0u, 0u}; }
+
+// The elements of a 16-byte vector, widened to the accumulator type.
+template <typename T> struct Lanes {
+  static constexpr int N = 16 / (int)sizeof(T);
+  using A = typename acc_of<T>::type;
+  union Bits {
+    Raw16 raw;
+    T v[N];
+  };
+  __device__ static __forceinline__ void widen(const Raw16& r, A (&out)[N]) {
+    Bits b;
+    b.raw = r;
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = to_acc(b.v[i]);
+  }
+  __device__ static __forceinline__ Raw16 narrow(const A (&in)[N]) {
+    Bits b;
+#pragma unroll
+    for (int i = 0; i < N; ++i) b.v[i] = from_acc<T>(in[i]);
+    return b.raw;
+  }
+};
+
+template <typename A> __device__ __forceinline__ A warp_total(A v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  return v;
+}
+
+// Entry positions: a slot of the padded part (>= 0) or ~i for spill entry i (< 0).
+__device__ __forceinline__ bool in_spill(long long where) { return where < 0; }
+
+// Calls f(n, col, val, where) for the stored entries of `row`, up to 32 at a time: lane l holds
+// entry l of the batch (meaningful for l < n; other lanes hold col 0 and val 0). Tile entries
+// come first, in tile order, then the row's spill entries. Without VALUES the values are not
+// read (val = 0; `data` may then hold another type).
+template <bool VALUES, typename T, typename F>
+__device__ __forceinline__ void for_each_batch(const T* data, const short* __restrict__ indices,
+                                               const int* __restrict__ counts,
+                                               const int* __restrict__ spill_indptr,
+                                               const int* __restrict__ spill_cols, const T* spill_vals,
+                                               long long row, int n_tiles, int tile_n, int capacity,
+                                               int lane, F&& f) {
+  using A = typename acc_of<T>::type;
+  for (int t0 = 0; t0 < n_tiles; t0 += 32) {
+    const int tile = t0 + lane;
+    const int cnt = tile < n_tiles ? counts[row * n_tiles + tile] : 0;
+    int incl = cnt;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(kFull, incl, o);
+      if (lane >= o) incl += y;
+    }
+    const int excl = incl - cnt;
+    const int total = __shfl_sync(kFull, incl, 31);
+    for (int e0 = 0; e0 < total; e0 += 32) {
+      const int e = e0 + lane;
+      // Owner lane of entry e: the number of lanes whose inclusive count is <= e.
+      int owner = 0;
+#pragma unroll
+      for (int step = 16; step > 0; step >>= 1) {
+        const int probe = __shfl_sync(kFull, incl, owner + step - 1);
+        if (probe <= e) owner += step;
+      }
+      owner = min(owner, 31);
+      const int start = __shfl_sync(kFull, excl, owner);
+      int col = 0;
+      A val = A(0);
+      long long where = 0;
+      if (e < total) {
+        where = (row * n_tiles + t0 + owner) * capacity + (e - start);
+        col = (t0 + owner) * tile_n + indices[where];
+        if (VALUES) val = to_acc(data[where]);
+      }
+      f(min(32, total - e0), col, val, where);
+    }
+  }
+  const int s0 = spill_indptr[row], s1 = spill_indptr[row + 1];
+  for (int e0 = s0; e0 < s1; e0 += 32) {
+    const int e = e0 + lane;
+    int col = 0;
+    A val = A(0);
+    if (e < s1) {
+      col = spill_cols[e];
+      if (VALUES) val = to_acc(spill_vals[e]);
+    }
+    f(min(32, s1 - e0), col, val, ~(long long)e);
+  }
+}
+
+// acc (this lane's KV vectors of the column chunk starting at k0) += sum over the batch's n
+// pairs of val * b[col, chunk]. U pairs' rows are requested before any is used.
+template <typename T, int KV, int U>
+__device__ __forceinline__ void gather_accumulate(typename acc_of<T>::type (&acc)[KV][Lanes<T>::N], int n,
+                                                  int col, typename acc_of<T>::type val,
+                                                  const T* __restrict__ b, long long ldb, int K, int k0,
+                                                  int lane) {
+  using A = typename acc_of<T>::type;
+  constexpr int V = Lanes<T>::N;
+  for (int p = 0; p < n; p += U) {
+    int c[U];
+    A v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      c[u] = __shfl_sync(kFull, col, (p + u) & 31);
+      v[u] = __shfl_sync(kFull, val, (p + u) & 31);
+    }
+    Raw16 w[U][KV];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int kv = 0; kv < KV; ++kv) {
+        const int k = k0 + (kv * 32 + lane) * V;
+        w[u][kv] = (p + u < n && k < K) ? ldg16(b + (long long)c[u] * ldb + k) : zero16();
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const A vu = p + u < n ? v[u] : A(0);
+#pragma unroll
+      for (int kv = 0; kv < KV; ++kv) {
+        A e[V];
+        Lanes<T>::widen(w[u][kv], e);
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[kv][i] += vu * e[i];
+      }
+    }
+  }
+}
+
+// Dot products x_row . y[col] for the batch's n pairs; lane l returns pair l's (0 for l >= n).
+// U2 pairs at a time, two column steps unrolled: 2 x U2 row loads in flight per lane.
+template <typename T, int U2>
+__device__ __forceinline__ typename acc_of<T>::type gather_dots(const T* __restrict__ x_row,
+                                                                const T* __restrict__ y, long long ldy,
+                                                                int K, int n, int col, int lane) {
+  using A = typename acc_of<T>::type;
+  constexpr int V = Lanes<T>::N;
+  A mine = A(0);
+  for (int p = 0; p < n; p += U2) {
+    int c[U2];
+#pragma unroll
+    for (int u = 0; u < U2; ++u) c[u] = __shfl_sync(kFull, col, (p + u) & 31);
+    A part[U2];
+#pragma unroll
+    for (int u = 0; u < U2; ++u) part[u] = A(0);
+#pragma unroll 2
+    for (int k = lane * V; k < K; k += 32 * V) {
+      A xv[V];
+      Lanes<T>::widen(ldg16(x_row + k), xv);
+      Raw16 w[U2];
+#pragma unroll
+      for (int u = 0; u < U2; ++u) w[u] = p + u < n ? ldg16(y + (long long)c[u] * ldy + k) : zero16();
+#pragma unroll
+      for (int u = 0; u < U2; ++u) {
+        A e[V];
+        Lanes<T>::widen(w[u], e);
+#pragma unroll
+        for (int i = 0; i < V; ++i) part[u] += xv[i] * e[i];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U2; ++u) {
+      const A s = warp_total(part[u]);
+      if (lane == p + u) mine = s;
+    }
+  }
+  return mine;
+}
+
+template <typename T, int KV>
+__device__ __forceinline__ void store_chunk(const typename acc_of<T>::type (&acc)[KV][Lanes<T>::N], T* out_row,
+                                            int K, int k0, int lane) {
+  constexpr int V = Lanes<T>::N;
+#pragma unroll
+  for (int kv = 0; kv < KV; ++kv) {
+    const int k = k0 + (kv * 32 + lane) * V;
+    if (k < K) *reinterpret_cast<Raw16*>(out_row + k) = Lanes<T>::narrow(acc[kv]);
+  }
+}
+
+template <typename T, int KV>
+__device__ __forceinline__ void clear(typename acc_of<T>::type (&acc)[KV][Lanes<T>::N]) {
+#pragma unroll
+  for (int kv = 0; kv < KV; ++kv)
+#pragma unroll
+    for (int i = 0; i < Lanes<T>::N; ++i) acc[kv][i] = 0;
+}
+
+}  // namespace
+
+// out[row, :] = sum over the row's entries (j, v) of v * b[j, :]. One warp per row, the K
+// columns in passes of KV x 32 x 16 bytes. Rows of b and out: 16-byte aligned, K % (16 /
+// sizeof(T)) == 0 (the host checks).
+template <typename T, int KV, int U>
+__global__ void __launch_bounds__(128) twell_gather_spmm(
+    const T* __restrict__ data, const short* __restrict__ indices, const int* __restrict__ counts,
+    const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
+    const T* __restrict__ spill_vals, int M, int n_tiles, int tile_n, int capacity,
+    const T* __restrict__ b, long long ldb, int K, T* __restrict__ out, long long ldo) {
+  using A = typename acc_of<T>::type;
+  constexpr int CHUNK = KV * 32 * Lanes<T>::N;
+  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (row >= M) return;  // warp-uniform
+  for (int k0 = 0; k0 < K; k0 += CHUNK) {
+    A acc[KV][Lanes<T>::N];
+    clear<T, KV>(acc);
+    for_each_batch<true>(data, indices, counts, spill_indptr, spill_cols, spill_vals, row, n_tiles, tile_n,
+                         capacity, lane, [&](int n, int col, A val, long long) {
+                     gather_accumulate<T, KV, U>(acc, n, col, val, b, ldb, K, k0, lane);
+                   });
+    store_chunk<T, KV>(acc, out + row * ldo, K, k0, lane);
+  }
+}
+
+// Sampled products at the pattern: out = x[row] . y[j] for every stored entry (j, v), times v
+// when SCALE (without SCALE the pattern's values are never read, whatever their type). Padding
+// slots of `out` get 0. One warp per row.
+template <typename T, bool SCALE, int U2>
+__global__ void __launch_bounds__(128) twell_gather_sddmm(
+    const T* __restrict__ data, const short* __restrict__ indices, const int* __restrict__ counts,
+    const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
+    const T* __restrict__ spill_vals, int M, int n_tiles, int tile_n, int capacity,
+    const T* __restrict__ x, long long ldx, const T* __restrict__ y, long long ldy, int K,
+    T* __restrict__ out, T* __restrict__ out_spill) {
+  using A = typename acc_of<T>::type;
+  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (row >= M) return;  // warp-uniform
+  const T* x_row = x + row * ldx;
+  for_each_batch<SCALE>(data, indices, counts, spill_indptr, spill_cols, spill_vals, row, n_tiles, tile_n,
+                        capacity, lane, [&](int n, int col, A val, long long where) {
+                   A d = gather_dots<T, U2>(x_row, y, ldy, K, n, col, lane);
+                   if (SCALE) d *= val;
+                   if (lane < n) {
+                     if (in_spill(where)) out_spill[~where] = from_acc<T>(d);
+                     else out[where] = from_acc<T>(d);
+                   }
+                 });
+  const long long base = row * n_tiles * (long long)capacity;
+  for (int i = lane; i < n_tiles * capacity; i += 32) {
+    if (i % capacity >= counts[row * n_tiles + i / capacity]) out[base + i] = zero_value<T>();
+  }
+}
+
+// The gated FFN's consumer for one row of tokens:
+//   u[row, j] = x[row] . w_up[j]                      at the gate's stored entries (rounded to T)
+//   out[row, :] = sum_j (gate[row, j] * u[row, j]) * w_down_t[j, :]   (the product rounded to T)
+// The up-projection dots of a batch of entries feed the down projection's gathers directly;
+// the rounding matches the unfused path (SDDMM to T, then the product in fp32 rounded to T).
+// When K_out needs more than one pass of KV x 32 x 16 bytes, u is kept in u_data / u_spill
+// (laid out like the gate's parts) and later passes read it back; those buffers are also
+// written when given, for the backward pass. Padding slots of u_data are not written.
+template <typename T, int KV, int U, int U2>
+__global__ void __launch_bounds__(128) twell_gather_gated(
+    const T* __restrict__ gate, const short* __restrict__ indices, const int* __restrict__ counts,
+    const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
+    const T* __restrict__ gate_spill, int M, int n_tiles, int tile_n, int capacity,
+    const T* __restrict__ x, long long ldx, const T* __restrict__ w_up, long long ldu, int K_in,
+    const T* __restrict__ w_down_t, long long ldd, int K_out, T* u_data, T* u_spill,
+    T* __restrict__ out, long long ldo) {
+  using A = typename acc_of<T>::type;
+  constexpr int CHUNK = KV * 32 * Lanes<T>::N;
+  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (row >= M) return;  // warp-uniform
+  const T* x_row = x + row * ldx;
+  const bool keep_u = u_data != nullptr;
+  for (int k0 = 0; k0 < K_out; k0 += CHUNK) {
+    A acc[KV][Lanes<T>::N];
+    clear<T, KV>(acc);
+    const bool first = k0 == 0;
+    for_each_batch<true>(gate, indices, counts, spill_indptr, spill_cols, gate_spill, row, n_tiles, tile_n,
+                         capacity, lane, [&](int n, int col, A g, long long where) {
+                           T u = zero_value<T>();
+                           if (first) {
+                             u = from_acc<T>(gather_dots<T, U2>(x_row, w_up, ldu, K_in, n, col, lane));
+                             if (keep_u && lane < n) {
+                               if (in_spill(where)) u_spill[~where] = u;
+                               else u_data[where] = u;
+                             }
+                           } else if (lane < n) {
+                             u = in_spill(where) ? u_spill[~where] : u_data[where];
+                           }
+                           const A h = to_acc(from_acc<T>(g * to_acc(u)));
+                           gather_accumulate<T, KV, U>(acc, n, col, h, w_down_t, ldd, K_out, k0, lane);
+                         });
+    __syncwarp();  // later passes read the u values other lanes wrote
+    store_chunk<T, KV>(acc, out + row * ldo, K_out, k0, lane);
+  }
+}

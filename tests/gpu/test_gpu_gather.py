@@ -1,0 +1,149 @@
+"""The row-gather kernels (cuda/twell_gather.cu) against the float64 reference: SpMM in every
+instantiated variant, SDDMM with and without the pattern's scale, and the fused gated consumer,
+on shapes that exercise several column passes, several 32-entry batches per row, more than 32
+tiles per row, spill entries and empty rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import twellsparse as ts
+from twellsparse import _gpu_ops
+from twellsparse import _kernels as K
+from twellsparse.testing import rel_error, sparse_activations
+
+pytestmark = pytest.mark.gpu
+
+FLOAT_TOL = {np.dtype(np.float32): 2e-6, np.dtype(np.float64): 1e-12}
+DTYPES = [np.float16, ts.bfloat16, np.float32, np.float64]
+
+
+def _bound(dtype, expected):
+    dt = np.dtype(dtype)
+    if dt in FLOAT_TOL:
+        return FLOAT_TOL[dt]
+    rounded = np.asarray(expected).astype(dt).astype(np.float64)
+    return 2.0 * rel_error(rounded, expected) + 1e-4
+
+
+def _round(x, dtype):
+    return np.asarray(x, dtype=np.float64).astype(dtype).astype(np.float64)
+
+
+# (m, n, k, tile_n, capacity, density): k values are multiples of 16 bytes for every dtype, and
+# some exceed one column pass (gather_chunk) so the pass loop and its partial last pass run.
+SHAPES = [
+    (67, 5632, 2048, 256, None, 0.01),
+    (33, 2000, 1040, 32, 2, 0.08),  # 63 tiles (two groups of 32), heavy spill, 2 passes
+    (16, 700, 8, 64, 1, 0.3),  # many entries per row: several 32-entry batches, all spilling
+    (5, 300, 4104, 128, 8, 0.02),  # 5 passes for fp16/bf16, a partial last one
+]
+
+
+def _problem(cp, rng, m, n, tile_n, capacity, density, dtype):
+    h = sparse_activations(m, n, density, "skewed", dtype, rng)
+    h[m // 2] = 0  # an empty row
+    return h, ts.twell_array(cp.asarray(h), tile_n=tile_n, capacity=capacity)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, n, k, tile_n, capacity, density", SHAPES)
+def test_spmm_variants(cp, rng, dtype, m, n, k, tile_n, capacity, density):
+    h, a = _problem(cp, rng, m, n, tile_n, capacity, density, dtype)
+    b = rng.standard_normal((n, k)).astype(dtype)
+    expected = h.astype(np.float64) @ b.astype(np.float64)
+    variants = K.GATHER_VARIANTS if np.dtype(dtype).itemsize == 2 else ((K.GATHER_KV, K.GATHER_U),)
+    for variant in variants:
+        out = cp.empty((m, k), dtype=dtype)
+        _gpu_ops.spmm(a.parts, tile_n, cp.asarray(b), out, path="gather", variant=variant)
+        assert rel_error(out, expected) <= _bound(dtype, expected), variant
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", [False, True])
+@pytest.mark.parametrize("m, n, k, tile_n, capacity, density", SHAPES)
+def test_sddmm(cp, rng, dtype, scale, m, n, k, tile_n, capacity, density):
+    h, a = _problem(cp, rng, m, n, tile_n, capacity, density, dtype)
+    x = rng.standard_normal((m, k)).astype(dtype)
+    y = rng.standard_normal((n, k)).astype(dtype)
+    parts = _gpu_ops.sddmm(a.parts, tile_n, cp.asarray(x), cp.asarray(y), scale, path="gather")
+    got = ts.twell_array._from_parts(parts, (m, n), tile_n)
+    dots = x.astype(np.float64) @ y.astype(np.float64).T
+    expected = np.where(h != 0, dots * (h.astype(np.float64) if scale else 1.0), 0.0)
+    assert rel_error(got.toarray(), expected) <= _bound(dtype, expected)
+    assert not cp.isnan(got.data).any()  # padding written (allocations are poisoned)
+    portable = _gpu_ops.sddmm(a.parts, tile_n, cp.asarray(x), cp.asarray(y), scale, path="portable")
+    assert rel_error(got.toarray(), ts.twell_array._from_parts(portable, (m, n), tile_n).toarray()) <= _bound(
+        dtype, expected
+    )
+
+
+def test_sddmm_ignores_pattern_values_of_another_dtype(cp, rng):
+    """Without the scale, the pattern's values are never read, so their dtype may differ."""
+    h, a = _problem(cp, rng, 40, 900, 128, 3, 0.05, np.float64)
+    x = rng.standard_normal((40, 64)).astype(np.float16)
+    y = rng.standard_normal((900, 64)).astype(np.float16)
+    parts = _gpu_ops.sddmm(a.parts, 128, cp.asarray(x), cp.asarray(y), False, path="gather")
+    got = ts.twell_array._from_parts(parts, (40, 900), 128).toarray()
+    dots = x.astype(np.float64) @ y.astype(np.float64).T
+    expected = np.where(h != 0, dots, 0.0)
+    assert rel_error(got, expected) <= _bound(np.float16, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("keep_up", [False, True])
+@pytest.mark.parametrize("m, n, k, tile_n, capacity, density", SHAPES)
+def test_gated_consumer(cp, rng, dtype, keep_up, m, n, k, tile_n, capacity, density):
+    g, gate = _problem(cp, rng, m, n, tile_n, capacity, density, dtype)
+    d_model = k
+    x = rng.standard_normal((m, d_model)).astype(dtype)
+    w_up = (rng.standard_normal((n, d_model)) / np.sqrt(d_model)).astype(dtype)
+    w_down_t = rng.standard_normal((n, k)).astype(dtype)
+    variants = K.GATHER_VARIANTS if np.dtype(dtype).itemsize == 2 else ((K.GATHER_KV, K.GATHER_U),)
+    # Reference with the kernel's roundings: u and h = gate * u rounded to the value type.
+    u = _round(x.astype(np.float64) @ w_up.astype(np.float64).T, dtype)
+    hidden = np.where(g != 0, _round(g.astype(np.float64) * u, dtype), 0.0)
+    expected = hidden @ w_down_t.astype(np.float64)
+    for variant in variants:
+        out, up = _gpu_ops.gated_consumer(
+            gate.parts, tile_n, cp.asarray(x), cp.asarray(w_up), cp.asarray(w_down_t), keep_up, variant
+        )
+        assert out.shape == (m, k)
+        assert rel_error(out, expected) <= _bound(dtype, expected), variant
+        if keep_up:
+            got_u = ts.twell_array._from_parts(up, (m, n), tile_n).toarray()
+            assert rel_error(got_u, np.where(g != 0, u, 0.0)) <= _bound(dtype, u), variant
+            assert not cp.isnan(up.data).any()
+        else:
+            assert up is None
+
+
+def test_gated_product_fused_matches_unfused(cp, rng):
+    """ts-level gated_product: the fused kernel and the SDDMM + SpMM fallback agree."""
+    from twellsparse._ops import gated_product
+
+    g, gate = _problem(cp, rng, 50, 1000, 256, 4, 0.03, ts.bfloat16)
+    x = cp.asarray(rng.standard_normal((50, 256)).astype(ts.bfloat16))
+    w_up = cp.asarray((rng.standard_normal((1000, 256)) / 16).astype(ts.bfloat16))
+    w_down_t = cp.asarray(rng.standard_normal((1000, 256)).astype(ts.bfloat16))
+    fused, u = gated_product(x, w_up, w_down_t, gate, keep_up=True)
+    # 255 columns are not a multiple of 16 bytes: the unfused SDDMM + SpMM fallback runs.
+    unfused, u2 = gated_product(x[:, :255], w_up[:, :255], w_down_t, gate, keep_up=True)
+    assert u is not None and u2 is not None
+    for out, xx, wu in ((fused, x, w_up), (unfused, x[:, :255], w_up[:, :255])):
+        uu = _round(cp.asnumpy(xx).astype(np.float64) @ cp.asnumpy(wu).astype(np.float64).T, ts.bfloat16)
+        hh = np.where(g != 0, _round(g.astype(np.float64) * uu, ts.bfloat16), 0.0)
+        exp = hh @ cp.asnumpy(w_down_t).astype(np.float64)
+        assert rel_error(out, exp) <= _bound(ts.bfloat16, exp)
+
+
+def test_gather_path_needs_aligned_rows(cp, rng):
+    h, a = _problem(cp, rng, 10, 300, 64, 2, 0.1, np.float32)
+    b = cp.asarray(rng.standard_normal((300, 7)).astype(np.float32))  # 28-byte rows
+    out = cp.empty((10, 7), dtype=np.float32)
+    with pytest.raises(ValueError, match="path: 'gather' needs 16-byte-aligned"):
+        _gpu_ops.spmm(a.parts, 64, b, out, path="gather")
+    _gpu_ops.spmm(a.parts, 64, b, out, path="auto")  # falls back to the portable kernel
+    np.testing.assert_allclose(out.get(), h.astype(np.float64) @ b.get(), rtol=1e-5, atol=1e-5)
+    assert not _gpu_ops.gated_consumer_eligible(b[:, :5], b[:, :5], b)
