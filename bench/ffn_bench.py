@@ -113,16 +113,20 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
     ref_gated = gated_plan(x)
     variants = {
         "spmm_down_portable": (lambda: _gpu_ops.spmm(h.parts, h.tile_n, wd_t, h_out, path="portable"), ref_down),
-        "spmm_down_gather_8x2": (
-            lambda: _gpu_ops.spmm(h.parts, h.tile_n, wd_t, h_out, path="gather", variant=(8, 2)),
+        "spmm_down_gather_4x4": (
+            lambda: _gpu_ops.spmm(h.parts, h.tile_n, wd_t, h_out, path="gather", variant=(4, 4)),
             ref_down,
         ),
         "gated_consumer": (lambda: _gpu_ops.gated_consumer(h.parts, h.tile_n, x, wu, wd_t)[0], ref_gated),
-        "gated_consumer_8x2": (
-            lambda: _gpu_ops.gated_consumer(h.parts, h.tile_n, x, wu, wd_t, variant=(8, 2))[0],
+        "gated_consumer_4x4": (
+            lambda: _gpu_ops.gated_consumer(h.parts, h.tile_n, x, wu, wd_t, variant=(4, 4))[0],
             ref_gated,
         ),
         "sddmm_up_gather": (lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="gather").data, ref_up),
+        "sddmm_up_gather_4x4": (
+            lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="gather", variant=(4, 4)).data,
+            ref_up,
+        ),
         "spmm_down_staged": (lambda: _gpu_ops.spmm(h.parts, h.tile_n, wd_t, h_out, path="staged"), ref_down),
         "sddmm_up_portable": (lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="portable").data, None),
         "sddmm_up_staged": (lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="staged").data, ref_up),

@@ -13,42 +13,36 @@ template <typename T, int V> struct alignas(sizeof(T) * V) Chunk {
   T v[V];
 };
 
-// Row-tiles per warp in dense_to_twell: their first loads are issued together, so a warp keeps
-// several 16-byte requests in flight instead of one (the pack is a pure streaming pass).
-constexpr int kPackTilesPerWarp = 4;
-
-// A warp's pass over row-tiles rt0 .. rt0 + kPackTilesPerWarp - 1: lanes read consecutive runs
-// of V columns (one 16-byte load when the run is whole and `vector_ok` says rows are 16-byte
-// aligned), keep the entries the activation/threshold selects, and a warp prefix sum gives each
-// kept entry its slot, so the output is canonical (columns increasing) with no sort.
+// A warp's row-tiles rt = warp, warp + n_warps, ... (a persistent grid): lanes read
+// consecutive runs of V columns (one 16-byte load when the run is whole and `vector_ok` says rows
+// are 16-byte aligned), keep the entries the activation/threshold selects, and a warp prefix sum
+// gives each kept entry its slot, so the output is canonical (columns increasing) with no sort.
+// The first run of the warp's next row-tile is loaded before the current one is processed, so
+// the streaming read always has a request in flight per warp.
 template <typename T, int ACT>
-__global__ void __launch_bounds__(256) dense_to_twell(
+__global__ void __launch_bounds__(256, 4) dense_to_twell(
     const T* __restrict__ x, long long ldx, int vector_ok, int M, int N, int tile_n, int n_tiles,
     int capacity, double threshold, T* __restrict__ data, short* __restrict__ indices, int* __restrict__ counts,
     int* __restrict__ row_tile_nnz, const long long* __restrict__ spill_offsets,
     int* __restrict__ spill_indices, T* __restrict__ spill_data) {
   constexpr int V = sizeof(T) >= 8 ? 2 : 16 / (int)sizeof(T);
-  constexpr int G = kPackTilesPerWarp;
-  const long long rt0 = ((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5) * G;
+  const long long n_warps = (gridDim.x * (long long)blockDim.x) >> 5;
   const int lane = threadIdx.x & 31;
   const long long n_rt = (long long)M * n_tiles;
   const bool spill_pass = spill_offsets != nullptr;
-  // The first run of each row-tile, loaded before any is processed.
-  Chunk<T, V> first[G];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    const long long rt = rt0 + g;
+  // The first run of row-tile rt, when it is a whole aligned vector.
+  auto first_run = [&](long long rt, Chunk<T, V>& chunk) {
     const int col0 = (int)(rt % n_tiles) * tile_n;
     const int c0 = col0 + lane * V;
-    const bool whole = rt < n_rt && vector_ok && c0 + V <= min(col0 + tile_n, N);
-    if (whole && (!spill_pass || row_tile_nnz[rt] > capacity)) {
-      first[g] = *reinterpret_cast<const Chunk<T, V>*>(x + (rt / n_tiles) * ldx + c0);
-    }
-  }
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    const long long rt = rt0 + g;
-    if (rt >= n_rt) break;  // warp-uniform
+    if (rt < n_rt && vector_ok && c0 + V <= min(col0 + tile_n, N))
+      chunk = *reinterpret_cast<const Chunk<T, V>*>(x + (rt / n_tiles) * ldx + c0);
+  };
+  Chunk<T, V> next;
+  long long rt = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  first_run(rt, next);
+  for (; rt < n_rt; rt += n_warps) {  // warp-uniform
+    const Chunk<T, V> first = next;
+    first_run(rt + n_warps, next);
     long long spill_base = 0;
     if (spill_pass) {
       if (row_tile_nnz[rt] <= capacity) continue;  // warp-uniform
@@ -66,8 +60,7 @@ __global__ void __launch_bounds__(256) dense_to_twell(
       int local = 0;
       const int c0 = base + lane * V;
       if (vector_ok && c0 + V <= col_end) {
-        const Chunk<T, V> chunk =
-            base == col0 ? first[g] : *reinterpret_cast<const Chunk<T, V>*>(xrow + c0);
+        const Chunk<T, V> chunk = base == col0 ? first : *reinterpret_cast<const Chunk<T, V>*>(xrow + c0);
 #pragma unroll
         for (int j = 0; j < V; ++j) v[j] = chunk.v[j];
       } else {

@@ -8,7 +8,7 @@
 // Why this shape: a (token, unit) pair needs one whole weight row (4 KB at d_model 2048 in
 // bf16). A warp gathers it as 32 lanes x 16 bytes per step, so every request is a full 512-byte
 // coalesced line run, and several pairs' rows are requested before any is consumed, keeping
-// U x KV (SpMM) or 2 x U2 (SDDMM) 16-byte loads in flight per lane: the L2-to-SM gather rate,
+// U x KV 16-byte loads in flight per lane: the L2-to-SM gather rate,
 // not latency, bounds the kernel. The row's entries are enumerated 32 at a time (one per lane)
 // with a warp scan over the tile counts, so batches stay full at any density.
 #include "twell_types.cuh"
@@ -163,40 +163,49 @@ __device__ __forceinline__ void gather_accumulate(typename acc_of<T>::type (&acc
 }
 
 // Dot products x_row . y[col] for the batch's n pairs; lane l returns pair l's (0 for l >= n).
-// U2 pairs at a time, two column steps unrolled: 2 x U2 row loads in flight per lane.
-template <typename T, int U2>
+// The K columns go in passes of KV x 32 x 16 bytes: the pass's x vectors stay in registers and
+// U pairs' row pieces are requested before any is used, as in gather_accumulate.
+template <typename T, int KV, int U>
 __device__ __forceinline__ typename acc_of<T>::type gather_dots(const T* __restrict__ x_row,
                                                                 const T* __restrict__ y, long long ldy,
                                                                 int K, int n, int col, int lane) {
   using A = typename acc_of<T>::type;
   constexpr int V = Lanes<T>::N;
+  constexpr int CHUNK = KV * 32 * V;
   A mine = A(0);
-  for (int p = 0; p < n; p += U2) {
-    int c[U2];
+  for (int k0 = 0; k0 < K; k0 += CHUNK) {
+    A xv[KV][V];
 #pragma unroll
-    for (int u = 0; u < U2; ++u) c[u] = __shfl_sync(kFull, col, (p + u) & 31);
-    A part[U2];
-#pragma unroll
-    for (int u = 0; u < U2; ++u) part[u] = A(0);
-#pragma unroll 2
-    for (int k = lane * V; k < K; k += 32 * V) {
-      A xv[V];
-      Lanes<T>::widen(ldg16(x_row + k), xv);
-      Raw16 w[U2];
-#pragma unroll
-      for (int u = 0; u < U2; ++u) w[u] = p + u < n ? ldg16(y + (long long)c[u] * ldy + k) : zero16();
-#pragma unroll
-      for (int u = 0; u < U2; ++u) {
-        A e[V];
-        Lanes<T>::widen(w[u], e);
-#pragma unroll
-        for (int i = 0; i < V; ++i) part[u] += xv[i] * e[i];
-      }
+    for (int kv = 0; kv < KV; ++kv) {
+      const int k = k0 + (kv * 32 + lane) * V;
+      Lanes<T>::widen(k < K ? ldg16(x_row + k) : zero16(), xv[kv]);
     }
+    for (int p = 0; p < n; p += U) {
+      int c[U];
 #pragma unroll
-    for (int u = 0; u < U2; ++u) {
-      const A s = warp_total(part[u]);
-      if (lane == p + u) mine = s;
+      for (int u = 0; u < U; ++u) c[u] = __shfl_sync(kFull, col, (p + u) & 31);
+      Raw16 w[U][KV];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+#pragma unroll
+        for (int kv = 0; kv < KV; ++kv) {
+          const int k = k0 + (kv * 32 + lane) * V;
+          w[u][kv] = (p + u < n && k < K) ? ldg16(y + (long long)c[u] * ldy + k) : zero16();
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        A part = A(0);
+#pragma unroll
+        for (int kv = 0; kv < KV; ++kv) {
+          A e[V];
+          Lanes<T>::widen(w[u][kv], e);
+#pragma unroll
+          for (int i = 0; i < V; ++i) part += xv[kv][i] * e[i];
+        }
+        const A s = warp_total(part);
+        if (lane == p + u) mine += s;
+      }
     }
   }
   return mine;
@@ -251,7 +260,7 @@ __global__ void __launch_bounds__(128) twell_gather_spmm(
 // Sampled products at the pattern: out = x[row] . y[j] for every stored entry (j, v), times v
 // when SCALE (without SCALE the pattern's values are never read, whatever their type). Padding
 // slots of `out` get 0. One warp per row.
-template <typename T, bool SCALE, int U2>
+template <typename T, bool SCALE, int KV, int U>
 __global__ void __launch_bounds__(128) twell_gather_sddmm(
     const T* __restrict__ data, const short* __restrict__ indices, const int* __restrict__ counts,
     const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
@@ -265,7 +274,7 @@ __global__ void __launch_bounds__(128) twell_gather_sddmm(
   const T* x_row = x + row * ldx;
   for_each_batch<SCALE>(data, indices, counts, spill_indptr, spill_cols, spill_vals, row, n_tiles, tile_n,
                         capacity, lane, [&](int n, int col, A val, long long where) {
-                   A d = gather_dots<T, U2>(x_row, y, ldy, K, n, col, lane);
+                   A d = gather_dots<T, KV, U>(x_row, y, ldy, K, n, col, lane);
                    if (SCALE) d *= val;
                    if (lane < n) {
                      if (in_spill(where)) out_spill[~where] = from_acc<T>(d);
@@ -278,15 +287,14 @@ __global__ void __launch_bounds__(128) twell_gather_sddmm(
   }
 }
 
-// The gated FFN's consumer for one row of tokens:
-//   u[row, j] = x[row] . w_up[j]                      at the gate's stored entries (rounded to T)
-//   out[row, :] = sum_j (gate[row, j] * u[row, j]) * w_down_t[j, :]   (the product rounded to T)
-// The up-projection dots of a batch of entries feed the down projection's gathers directly;
-// the rounding matches the unfused path (SDDMM to T, then the product in fp32 rounded to T).
-// When K_out needs more than one pass of KV x 32 x 16 bytes, u is kept in u_data / u_spill
-// (laid out like the gate's parts) and later passes read it back; those buffers are also
-// written when given, for the backward pass. Padding slots of u_data are not written.
-template <typename T, int KV, int U, int U2>
+// The gated FFN's consumer for one row of tokens, in two phases of one warp:
+//   1. u[row, j] = x[row] . w_up[j] at the gate's stored entries, rounded to T, into u_data /
+//      u_spill (laid out like the gate's parts; padding slots are not written);
+//   2. out[row, :] = sum_j h[row, j] * w_down_t[j, :] with h = gate * u rounded to T,
+// the roundings of the unfused path (SDDMM to T, then the product in fp32 rounded to T). Only
+// the row's compact u values go through memory (L1/L2: the warp reads back what it wrote); the
+// phases run back to back so each keeps the registers to itself.
+template <typename T, int KV, int U>
 __global__ void __launch_bounds__(128) twell_gather_gated(
     const T* __restrict__ gate, const short* __restrict__ indices, const int* __restrict__ counts,
     const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
@@ -300,27 +308,27 @@ __global__ void __launch_bounds__(128) twell_gather_gated(
   const int lane = threadIdx.x & 31;
   if (row >= M) return;  // warp-uniform
   const T* x_row = x + row * ldx;
-  const bool keep_u = u_data != nullptr;
+  for_each_batch<false>(gate, indices, counts, spill_indptr, spill_cols, gate_spill, row, n_tiles, tile_n,
+                        capacity, lane, [&](int n, int col, A, long long where) {
+                          const T u = from_acc<T>(gather_dots<T, KV, U>(x_row, w_up, ldu, K_in, n, col, lane));
+                          if (lane < n) {
+                            if (in_spill(where)) u_spill[~where] = u;
+                            else u_data[where] = u;
+                          }
+                        });
+  __syncwarp();  // phase 2 reads the u values other lanes wrote
   for (int k0 = 0; k0 < K_out; k0 += CHUNK) {
     A acc[KV][Lanes<T>::N];
     clear<T, KV>(acc);
-    const bool first = k0 == 0;
     for_each_batch<true>(gate, indices, counts, spill_indptr, spill_cols, gate_spill, row, n_tiles, tile_n,
                          capacity, lane, [&](int n, int col, A g, long long where) {
-                           T u = zero_value<T>();
-                           if (first) {
-                             u = from_acc<T>(gather_dots<T, U2>(x_row, w_up, ldu, K_in, n, col, lane));
-                             if (keep_u && lane < n) {
-                               if (in_spill(where)) u_spill[~where] = u;
-                               else u_data[where] = u;
-                             }
-                           } else if (lane < n) {
-                             u = in_spill(where) ? u_spill[~where] : u_data[where];
+                           A h = A(0);
+                           if (lane < n) {
+                             const T u = in_spill(where) ? u_spill[~where] : u_data[where];
+                             h = to_acc(from_acc<T>(g * to_acc(u)));
                            }
-                           const A h = to_acc(from_acc<T>(g * to_acc(u)));
                            gather_accumulate<T, KV, U>(acc, n, col, h, w_down_t, ldd, K_out, k0, lane);
                          });
-    __syncwarp();  // later passes read the u values other lanes wrote
     store_chunk<T, KV>(acc, out + row * ldo, K_out, k0, lane);
   }
 }

@@ -46,12 +46,3 @@ def test_every_dtype_has_a_cxx_type():
     from twellsparse._backend import VALUE_DTYPES
 
     assert set(_kernels.CXX_TYPE) == set(VALUE_DTYPES)
-
-
-def test_pack_tiles_per_warp_matches_source():
-    """The host's grid for dense_to_twell assumes the kernel's row-tiles per warp."""
-    import re
-
-    src = _kernels.read_source("twell_convert.cu")
-    match = re.search(r"constexpr int kPackTilesPerWarp = (\d+);", src)
-    assert match and int(match.group(1)) == _kernels.PACK_TILES_PER_WARP

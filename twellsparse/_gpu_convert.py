@@ -81,7 +81,9 @@ def dense_to_parts(
 
     def run(offsets: Any, spill_indices: Any, spill_data: Any) -> None:
         args = (*head, data, indices, counts, row_tile_nnz, offsets, spill_indices, spill_data)
-        K.launch(expr, -(-m * nt // K.PACK_TILES_PER_WARP) * 32, _BLOCK, args)
+        # A persistent grid: each warp strides over row-tiles, prefetching its next one.
+        blocks = min(-(-m * nt * 32 // _BLOCK), K.sm_count() * 4)  # 4 resident: __launch_bounds__
+        K.launch_grid(expr, (blocks,), (_BLOCK,), args)
 
     run(K.null_pointer(), K.null_pointer(), K.null_pointer())
     *spill, dropped = _apply_overflow(row_tile_nnz, capacity, overflow, x.dtype, run)

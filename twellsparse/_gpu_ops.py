@@ -122,7 +122,7 @@ def _staged_launch(
     )
     # Column chunks are split over grid.y only as far as needed to fill the GPU twice.
     n_chunks = -(-k // (32 * K.staged_vec(w.dtype)))
-    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    sms = K.sm_count()
     grid = (blocks, max(1, min(n_chunks, -(-2 * sms // max(blocks, 1)))))
     smem = K.staged_smem_bytes(nt, tile_n, cap, w.dtype.itemsize)
     K.launch_grid(K.staged_expression(w.dtype, sddmm=sddmm), grid, (K.STAGED_THREADS,), args, smem)
@@ -179,7 +179,15 @@ def spmm_transposed(parts: TwELLParts, tile_n: int, n_cols: int, g: Any, out: An
     return out
 
 
-def sddmm(parts: TwELLParts, tile_n: int, x: Any, y: Any, scale: bool, path: str = "auto") -> TwELLParts:
+def sddmm(
+    parts: TwELLParts,
+    tile_n: int,
+    x: Any,
+    y: Any,
+    scale: bool,
+    path: str = "auto",
+    variant: tuple[int, int] | None = None,
+) -> TwELLParts:
     """Parts with the pattern of ``parts`` and values ``x[i] . y[j]`` (times the pattern's when
     ``scale``); x, y (and the pattern, when ``scale``) share one dtype. ``path`` as for spmm;
     float64 always takes the portable path (the staged kernel accumulates pairs in fp32). The
@@ -198,7 +206,8 @@ def sddmm(parts: TwELLParts, tile_n: int, x: Any, y: Any, scale: bool, path: str
         spill = cp.empty(parts.spill_data.shape, dtype=x.dtype)
         geometry = (np.int32(m), np.int32(nt), np.int32(tile_n), np.int32(cap))
         args = (*_matrix_args(parts), *geometry, x, np.int64(ldx), y, np.int64(ldy), k, data, spill)
-        K.launch_grid(K.gather_expression("sddmm", x.dtype, scale=scale), *_gather_grid(m), args)
+        kv, u = variant or (K.GATHER_KV, K.GATHER_U)
+        K.launch_grid(K.gather_expression("sddmm", x.dtype, kv, u, scale), *_gather_grid(m), args)
         return parts._replace(data=data, spill_data=spill)
     if path == "staged":
         pair_acc = cp.zeros(parts.data.shape, dtype=cp.float32)
@@ -272,11 +281,9 @@ def gated_consumer(
     k_out = w_down_t.shape[1]
     kv, u = variant or (K.GATHER_KV, K.GATHER_U)
     out = cp.empty((m, k_out), dtype=x.dtype)
-    u_data = u_spill = None
-    if keep_up or k_out > K.gather_chunk(x.dtype, kv):  # later passes read u back
-        u_data = (cp.zeros if keep_up else cp.empty)(gate.data.shape, dtype=x.dtype)
-        u_spill = cp.empty(gate.spill_data.shape, dtype=x.dtype)
-    null = K.null_pointer()
+    # Phase 1 of the kernel writes u at the stored slots only: zero the padding for callers.
+    u_data = (cp.zeros if keep_up else cp.empty)(gate.data.shape, dtype=x.dtype)
+    u_spill = cp.empty(gate.spill_data.shape, dtype=x.dtype)
     args = (
         *_matrix_args(gate),
         np.int32(m),
@@ -291,8 +298,8 @@ def gated_consumer(
         w_down_t,
         np.int64(ldd),
         np.int32(k_out),
-        null if u_data is None else u_data,
-        null if u_spill is None else u_spill,
+        u_data,
+        u_spill,
         out,
         np.int64(k_out),
     )

@@ -34,20 +34,17 @@ CXX_TYPE: dict[np.dtype, str] = {
 #: Activation name -> template argument (twell::Activation in twell_types.cuh).
 ACTIVATION_ID = {"relu": 0, "relu2": 1, "silu": 2, "gelu": 3, "identity": 4}
 
-#: Row-tiles each warp of dense_to_twell packs (kPackTilesPerWarp in twell_convert.cu).
-PACK_TILES_PER_WARP = 4
-
 #: Values per thread of the SpMM kernels (template argument).
 SPMM_VPT = 4
 SPMM_THREADS = 128
 
-#: Row-gather kernels (twell_gather.cu): SpMM passes of GATHER_KV 16-byte vectors per lane with
-#: GATHER_U pairs' rows in flight; SDDMM dots GATHER_U2 pairs at a time. GATHER_VARIANTS are the
-#: (KV, U) alternatives instantiated for 16-bit types so the benchmark can compare them.
-GATHER_KV = 4
-GATHER_U = 4
-GATHER_U2 = 8
-GATHER_VARIANTS = ((4, 4), (8, 2))
+#: Row-gather kernels (twell_gather.cu): passes of GATHER_KV 16-byte vectors per lane over the
+#: columns, GATHER_U pairs' rows in flight at a time. GATHER_VARIANTS are the (KV, U)
+#: instantiations of every kernel and type, so the benchmark can compare them; the default
+#: (8, 2) was fastest on the H200 (bench/NOTES.md).
+GATHER_KV = 8
+GATHER_U = 2
+GATHER_VARIANTS = ((8, 2), (4, 4))
 GATHER_WARPS = 4  # rows (warps) per block
 
 
@@ -57,15 +54,10 @@ def gather_expression(kind: str, dtype: Any, kv: int = GATHER_KV, u: int = GATHE
     if kind == "spmm":
         return f"twell_gather_spmm<{t}, {kv}, {u}>"
     if kind == "sddmm":
-        return f"twell_gather_sddmm<{t}, {'true' if scale else 'false'}, {GATHER_U2}>"
+        return f"twell_gather_sddmm<{t}, {'true' if scale else 'false'}, {kv}, {u}>"
     if kind == "gated":
-        return f"twell_gather_gated<{t}, {kv}, {u}, {GATHER_U2}>"
+        return f"twell_gather_gated<{t}, {kv}, {u}>"
     raise ValueError(f"kind: expected 'spmm', 'sddmm' or 'gated', got {kind!r}")
-
-
-def gather_chunk(dtype: Any, kv: int = GATHER_KV) -> int:
-    """Output columns one pass of a row-gather SpMM covers."""
-    return kv * 32 * (16 // np.dtype(dtype).itemsize)
 
 
 #: Staged kernels (twell_staged.cu): tokens per warp, threads per block, bytes per lane vector,
@@ -128,12 +120,12 @@ def _instantiations() -> dict[str, list[str]]:
             staged.append(staged_expression(dt, sddmm=True))
             staged += [f"twell_pairs_finalize<{t}, false>", f"twell_pairs_finalize<{t}, true>"]
     staged.append("twell_block_masks")
-    gather = []
-    for dt in VALUE_DTYPES:
-        variants = GATHER_VARIANTS if dt.itemsize == 2 else ((GATHER_KV, GATHER_U),)
-        for kv, u in variants:
-            gather += [gather_expression("spmm", dt, kv, u), gather_expression("gated", dt, kv, u)]
-        gather += [gather_expression("sddmm", dt, scale=s) for s in (False, True)]
+    gather = [
+        gather_expression(kind, dt, kv, u, scale)
+        for dt in VALUE_DTYPES
+        for kv, u in GATHER_VARIANTS
+        for kind, scale in (("spmm", False), ("gated", False), ("sddmm", False), ("sddmm", True))
+    ]
     elementwise = [f"ffn_act_mul<{t}, {a}>" for t, a in itertools.product(types, ACTIVATION_ID.values())]
     return {
         "twell_convert.cu": convert,
@@ -255,6 +247,20 @@ def launch_grid(
     if shared_mem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_mem:
         kernel.max_dynamic_shared_size_bytes = shared_mem
     kernel(grid, block, args, shared_mem=shared_mem)
+
+
+@functools.cache
+def _sm_count(device_id: int) -> int:
+    cp = cupy_module()
+    assert cp is not None
+    return int(cp.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+def sm_count() -> int:
+    """Multiprocessors of the current device (for persistent grids)."""
+    cp = cupy_module()
+    assert cp is not None
+    return _sm_count(cp.cuda.Device().id)
 
 
 def null_pointer() -> np.uint64:

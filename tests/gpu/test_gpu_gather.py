@@ -32,7 +32,8 @@ def _round(x, dtype):
 
 
 # (m, n, k, tile_n, capacity, density): k values are multiples of 16 bytes for every dtype, and
-# some exceed one column pass (gather_chunk) so the pass loop and its partial last pass run.
+# several exceed one column pass of a variant (KV x 32 x 16 bytes), so the pass loop and a
+# partial last pass run.
 SHAPES = [
     (67, 5632, 2048, 256, None, 0.01),
     (33, 2000, 1040, 32, 2, 0.08),  # 63 tiles (two groups of 32), heavy spill, 2 passes
@@ -53,8 +54,7 @@ def test_spmm_variants(cp, rng, dtype, m, n, k, tile_n, capacity, density):
     h, a = _problem(cp, rng, m, n, tile_n, capacity, density, dtype)
     b = rng.standard_normal((n, k)).astype(dtype)
     expected = h.astype(np.float64) @ b.astype(np.float64)
-    variants = K.GATHER_VARIANTS if np.dtype(dtype).itemsize == 2 else ((K.GATHER_KV, K.GATHER_U),)
-    for variant in variants:
+    for variant in K.GATHER_VARIANTS:
         out = cp.empty((m, k), dtype=dtype)
         _gpu_ops.spmm(a.parts, tile_n, cp.asarray(b), out, path="gather", variant=variant)
         assert rel_error(out, expected) <= _bound(dtype, expected), variant
@@ -100,12 +100,11 @@ def test_gated_consumer(cp, rng, dtype, keep_up, m, n, k, tile_n, capacity, dens
     x = rng.standard_normal((m, d_model)).astype(dtype)
     w_up = (rng.standard_normal((n, d_model)) / np.sqrt(d_model)).astype(dtype)
     w_down_t = rng.standard_normal((n, k)).astype(dtype)
-    variants = K.GATHER_VARIANTS if np.dtype(dtype).itemsize == 2 else ((K.GATHER_KV, K.GATHER_U),)
     # Reference with the kernel's roundings: u and h = gate * u rounded to the value type.
     u = _round(x.astype(np.float64) @ w_up.astype(np.float64).T, dtype)
     hidden = np.where(g != 0, _round(g.astype(np.float64) * u, dtype), 0.0)
     expected = hidden @ w_down_t.astype(np.float64)
-    for variant in variants:
+    for variant in K.GATHER_VARIANTS:
         out, up = _gpu_ops.gated_consumer(
             gate.parts, tile_n, cp.asarray(x), cp.asarray(w_up), cp.asarray(w_down_t), keep_up, variant
         )
