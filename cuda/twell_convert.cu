@@ -9,10 +9,6 @@
 
 using namespace twell;
 
-template <typename T, int V> struct alignas(sizeof(T) * V) Chunk {
-  T v[V];
-};
-
 // A warp's row-tiles rt = warp, warp + n_warps, ... (a persistent grid): lanes read
 // consecutive runs of V columns (one 16-byte load when the run is whole and `vector_ok` says rows
 // are 16-byte aligned), keep the entries the activation/threshold selects, and a warp prefix sum
@@ -28,30 +24,43 @@ __global__ void __launch_bounds__(256, 4) dense_to_twell(
   constexpr int V = sizeof(T) >= 8 ? 2 : 16 / (int)sizeof(T);
   const long long n_warps = (gridDim.x * (long long)blockDim.x) >> 5;
   const int lane = threadIdx.x & 31;
-  const long long n_rt = (long long)M * n_tiles;
   const bool spill_pass = spill_offsets != nullptr;
-  // The first run of row-tile rt, when it is a whole aligned vector.
-  auto first_run = [&](long long rt, Chunk<T, V>& chunk) {
-    const int col0 = (int)(rt % n_tiles) * tile_n;
+  // The first run of row-tile (row, tile), when it is a whole aligned vector.
+  auto first_run = [&](long long row, int tile, Chunk<T, V>& chunk) {
+    const int col0 = tile * tile_n;
     const int c0 = col0 + lane * V;
-    if (rt < n_rt && vector_ok && c0 + V <= min(col0 + tile_n, N))
-      chunk = *reinterpret_cast<const Chunk<T, V>*>(x + (rt / n_tiles) * ldx + c0);
+    if (row < M && vector_ok && c0 + V <= min(col0 + tile_n, N))
+      chunk = *reinterpret_cast<const Chunk<T, V>*>(x + row * ldx + c0);
   };
+  // Walk (row, tile) without a 64-bit division per row-tile: only the start and step divide.
+  const long long warp = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  const long long step_row = n_warps / n_tiles;
+  const int step_tile = (int)(n_warps % n_tiles);
+  long long row = warp / n_tiles;
+  int tile = (int)(warp % n_tiles);
   Chunk<T, V> next;
-  long long rt = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
-  first_run(rt, next);
-  for (; rt < n_rt; rt += n_warps) {  // warp-uniform
+  first_run(row, tile, next);
+  while (row < M) {  // warp-uniform
+    const long long rt = row * n_tiles + tile;
+    long long next_row = row + step_row;
+    int next_tile = tile + step_tile;
+    if (next_tile >= n_tiles) {
+      next_tile -= n_tiles;
+      ++next_row;
+    }
     const Chunk<T, V> first = next;
-    first_run(rt + n_warps, next);
+    first_run(next_row, next_tile, next);
+    const int col0 = tile * tile_n;
+    const long long this_row = row;
+    row = next_row;
+    tile = next_tile;
     long long spill_base = 0;
     if (spill_pass) {
       if (row_tile_nnz[rt] <= capacity) continue;  // warp-uniform
       spill_base = spill_offsets[rt];
     }
-    const long long row = rt / n_tiles;
-    const int col0 = (int)(rt % n_tiles) * tile_n;
     const int col_end = min(col0 + tile_n, N);
-    const T* xrow = x + row * ldx;
+    const T* xrow = x + this_row * ldx;
     const long long slot0 = rt * capacity;
     int found = 0;
     for (int base = col0; base < col_end; base += 32 * V) {

@@ -7,14 +7,32 @@
 using namespace twell;
 
 template <typename T, int ACT>
+__device__ __forceinline__ T act_mul_one(T z_act, const T* z_lin, long long i, double threshold) {
+  // Round the activation to T first, exactly as the producer stores it, then decide.
+  const T a = from_acc<T>(activate<ACT>(to_acc(z_act)));
+  typename acc_of<T>::type h = keep(to_acc(a), threshold) ? to_acc(a) : 0;
+  if (z_lin != nullptr) h *= to_acc(z_lin[i]);
+  return from_acc<T>(h);
+}
+
+// Grid-stride over 16-byte chunks when `vector_ok` (all three arrays 16-byte aligned), then the
+// scalar tail: a streaming pass that reads z_act (and z_lin) once and writes out once.
+template <typename T, int ACT>
 __global__ void __launch_bounds__(256) ffn_act_mul(const T* __restrict__ z_act, const T* __restrict__ z_lin,
-                                                   long long n, double threshold, T* __restrict__ out) {
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-       i += (long long)gridDim.x * blockDim.x) {
-    // Round the activation to T first, exactly as the producer stores it, then decide.
-    const T a = from_acc<T>(activate<ACT>(to_acc(z_act[i])));
-    typename acc_of<T>::type h = keep(to_acc(a), threshold) ? to_acc(a) : 0;
-    if (z_lin != nullptr) h *= to_acc(z_lin[i]);
-    out[i] = from_acc<T>(h);
+                                                   long long n, int vector_ok, double threshold,
+                                                   T* __restrict__ out) {
+  constexpr int V = 16 / (int)sizeof(T);
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  const long long first = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  const long long n_vec = vector_ok ? n / V : 0;
+  for (long long c = first; c < n_vec; c += stride) {
+    const Chunk<T, V> a = reinterpret_cast<const Chunk<T, V>*>(z_act)[c];
+    Chunk<T, V> lin;
+    if (z_lin != nullptr) lin = reinterpret_cast<const Chunk<T, V>*>(z_lin)[c];
+    Chunk<T, V> o;
+#pragma unroll
+    for (int j = 0; j < V; ++j) o.v[j] = act_mul_one<T, ACT>(a.v[j], z_lin != nullptr ? lin.v : nullptr, j, threshold);
+    reinterpret_cast<Chunk<T, V>*>(out)[c] = o;
   }
+  for (long long i = n_vec * V + first; i < n; i += stride) out[i] = act_mul_one<T, ACT>(z_act[i], z_lin, i, threshold);
 }

@@ -281,9 +281,9 @@ __global__ void __launch_bounds__(128) twell_gather_sddmm(
                      else out[where] = from_acc<T>(d);
                    }
                  });
-  const long long base = row * n_tiles * (long long)capacity;
-  for (int i = lane; i < n_tiles * capacity; i += 32) {
-    if (i % capacity >= counts[row * n_tiles + i / capacity]) out[base + i] = zero_value<T>();
+  for (int tile = 0; tile < n_tiles; ++tile) {
+    const long long rt = row * n_tiles + tile;
+    for (int s = counts[rt] + lane; s < capacity; s += 32) out[rt * capacity + s] = zero_value<T>();
   }
 }
 

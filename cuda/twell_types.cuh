@@ -38,6 +38,11 @@ template <> __device__ __forceinline__ f16 from_acc<f16>(float v) {
 
 template <typename T> __device__ __forceinline__ T zero_value() { return from_acc<T>(0); }
 
+// V consecutive values as one aligned unit (V * sizeof(T) = 16 bytes: one vector load).
+template <typename T, int V> struct alignas(sizeof(T) * V) Chunk {
+  T v[V];
+};
+
 // Activations (the names of twellsparse._validation.ACTIVATIONS, same order).
 enum Activation { ACT_RELU = 0, ACT_RELU2 = 1, ACT_SILU = 2, ACT_GELU = 3, ACT_IDENTITY = 4 };
 

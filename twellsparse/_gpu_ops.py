@@ -314,11 +314,13 @@ def act_mul(z_act: Any, z_lin: Any, activation: str, threshold: float | None) ->
     z_act = cp.ascontiguousarray(z_act)
     out = cp.empty_like(z_act)
     n = z_act.size
-    lin = K.null_pointer() if z_lin is None else cp.ascontiguousarray(z_lin)
-    blocks = min(-(-n // 256), 132 * 32) if n else 0
+    lin: Any = K.null_pointer() if z_lin is None else cp.ascontiguousarray(z_lin)
+    blocks = min(-(-n // 256), K.sm_count() * 8) if n else 0
     expr = f"ffn_act_mul<{K.CXX_TYPE[z_act.dtype]}, {K.ACTIVATION_ID[activation]}>"
     thr = np.float64(-1.0 if threshold is None else threshold)
-    K.launch_grid(expr, (blocks,), (256,), (z_act, lin, np.int64(n), thr, out))
+    arrays = (z_act, out) if z_lin is None else (z_act, lin, out)
+    vector_ok = np.int32(all(a.data.ptr % 16 == 0 for a in arrays))
+    K.launch_grid(expr, (blocks,), (256,), (z_act, lin, np.int64(n), vector_ok, thr, out))
     return out
 
 
