@@ -78,6 +78,7 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
     gated_plan = ts.GatedFFN(wg, wu, wd, dispatch="sparse")
     plain_plan = ts.FFN(wg, wd, dispatch="sparse")
     gated_auto = ts.GatedFFN(wg, wu, wd, dispatch="auto")  # dense remainder above the break-even
+    plain_auto = ts.FFN(wg, wd, dispatch="auto")
     wd_t = cp.ascontiguousarray(wd.T)
     h = ts.linear_to_twell(x, wg)
     h_dense = h.toarray()
@@ -105,6 +106,7 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
         "dense_gated_ffn": ms(dense_gated),
         "gated_ffn": ms(lambda: gated_plan(x)),
         "gated_ffn_auto": ms(lambda: gated_auto(x)),
+        "ffn_auto": ms(lambda: plain_auto(x)),
     }
     # Kernel variants under development: checked against the default path first, and a failure
     # is recorded instead of stopping the benchmark.
@@ -118,8 +120,8 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
             ref_down,
         ),
         "gated_consumer": (lambda: _gpu_ops.gated_consumer(h.parts, h.tile_n, x, wu, wd_t)[0], ref_gated),
-        "gated_consumer_4x4": (
-            lambda: _gpu_ops.gated_consumer(h.parts, h.tile_n, x, wu, wd_t, variant=(4, 4))[0],
+        "gated_consumer_8x2": (
+            lambda: _gpu_ops.gated_consumer(h.parts, h.tile_n, x, wu, wd_t, variant=(8, 2))[0],
             ref_gated,
         ),
         "sddmm_up_gather": (lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="gather").data, ref_up),
@@ -154,8 +156,10 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
             "ffn": rows["dense_ffn"]["median"] / rows["ffn"]["median"],
             "gated_ffn": rows["dense_gated_ffn"]["median"] / rows["gated_ffn"]["median"],
             "gated_ffn_auto": rows["dense_gated_ffn"]["median"] / rows["gated_ffn_auto"]["median"],
+            "ffn_auto": rows["dense_ffn"]["median"] / rows["ffn_auto"]["median"],
         },
         "auto_path": gated_auto.last_stats.get("path"),
+        "ffn_auto_path": plain_auto.last_stats.get("path"),
         "rel_error_vs_dense": errors,
     }
 

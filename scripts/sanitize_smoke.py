@@ -11,6 +11,7 @@ import numpy as np
 
 import twellsparse as ts
 from twellsparse import _gpu_ops
+from twellsparse import _kernels as K
 
 cp.cuda.set_allocator(None)
 rng = np.random.default_rng(0)
@@ -36,7 +37,13 @@ for dtype in (ts.bfloat16, np.float32):
     wg = cp.asarray(rng.standard_normal((300, 24)).astype(dtype))
     wd = cp.asarray(rng.standard_normal((24, 300)).astype(dtype))
     ts.linear_to_twell(xin, wg, tile_n=32, capacity=2)
-    ts.ffn(xin, wg, wd, tile_n=32, capacity=2)
-    ts.gated_ffn(xin, wg, wg, wd, tile_n=32, capacity=2)
+    for dispatch in ("sparse", "dense"):
+        ts.ffn(xin, wg, wd, tile_n=32, capacity=2, dispatch=dispatch)
+        ts.gated_ffn(xin, wg, wg, wd, tile_n=32, capacity=2, dispatch=dispatch)
+    # The row-gather kernels in every variant, on 24 columns (16-byte rows for both dtypes).
+    for variant in K.GATHER_VARIANTS:
+        _gpu_ops.spmm(a4.parts, 32, b8, cp.empty((37, 24), dtype=dtype), path="gather", variant=variant)
+        _gpu_ops.sddmm(a4.parts, 32, xin, b8, True, path="gather", variant=variant)
+        _gpu_ops.gated_consumer(a4.parts, 32, xin, b8, b8, keep_up=True, variant=variant)
 cp.cuda.Device().synchronize()
 print("sanitize smoke: all kernels ran")

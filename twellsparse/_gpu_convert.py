@@ -65,6 +65,20 @@ def dense_to_parts(
     x: Any, tile_n: int, capacity: int, overflow: str, threshold: float | None = None, activation: str = "identity"
 ) -> tuple[TwELLParts, int]:
     """Pack ``act(x)`` (entries kept if nonzero, or above the threshold); returns (parts, dropped)."""
+    _, finish = dense_to_parts_deferred(x, tile_n, capacity, threshold, activation)
+    return finish(overflow)
+
+
+def dense_to_parts_deferred(
+    x: Any, tile_n: int, capacity: int, threshold: float | None = None, activation: str = "identity"
+) -> tuple[TwELLParts, Callable[[str], tuple[TwELLParts, int]]]:
+    """Pass 1 of :func:`dense_to_parts` without waiting for its overflow check.
+
+    Returns ``(first, finish)``: ``first`` holds each row-tile's first ``capacity`` entries and an
+    empty spill (complete exactly when nothing overflowed), and ``finish(overflow)`` applies the
+    policy (one scalar read-back) and returns ``(parts, dropped)`` as :func:`dense_to_parts`
+    does. Work queued between the two keeps the GPU busy while the host reads the count.
+    """
     cp = _cp()
     x, ldx = row_stride(x)
     m, n = x.shape
@@ -86,8 +100,14 @@ def dense_to_parts(
         K.launch_grid(expr, (blocks,), (_BLOCK,), args)
 
     run(K.null_pointer(), K.null_pointer(), K.null_pointer())
-    *spill, dropped = _apply_overflow(row_tile_nnz, capacity, overflow, x.dtype, run)
-    return TwELLParts(data, indices, counts, *spill), dropped
+    empty_spill = cp.empty(0, dtype=x.dtype), cp.empty(0, dtype=cp.int32), cp.zeros(m + 1, dtype=cp.int32)
+    first = TwELLParts(data, indices, counts, *empty_spill)
+
+    def finish(overflow: str) -> tuple[TwELLParts, int]:
+        *spill, dropped = _apply_overflow(row_tile_nnz, capacity, overflow, x.dtype, run)
+        return TwELLParts(data, indices, counts, *spill), dropped
+
+    return first, finish
 
 
 def csr_to_parts(

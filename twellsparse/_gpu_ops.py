@@ -134,7 +134,7 @@ def spmm(
     """``out = A @ b``; ``b`` (N x K) and ``out`` (M x K) share A's dtype, out has unit column stride.
 
     ``path``: one of :data:`PATHS`. ``variant``: the gather kernel's (KV, U) instantiation
-    (default ``(GATHER_KV, GATHER_U)``; the others exist for 16-bit types, for benchmarking).
+    (one of ``_kernels.GATHER_VARIANTS``; default ``GATHER_DEFAULT["spmm"]``).
     """
     m = parts.data.shape[0]
     b, ldb = row_stride(b)
@@ -143,7 +143,7 @@ def spmm(
     gather_ok = rows_aligned((b, ldb), (out, int(ldo)))
     path = _choose_path(path, gather_ok, staged_eligible(parts, tile_n, b.itemsize, (b, ldb)))
     if path == "gather":
-        kv, u = variant or (K.GATHER_KV, K.GATHER_U)
+        kv, u = variant or K.GATHER_DEFAULT["spmm"]
         nt, cap = parts.data.shape[1:]
         geometry = (np.int32(m), np.int32(nt), np.int32(tile_n), np.int32(cap))
         args = (*_matrix_args(parts), *geometry, b, np.int64(ldb), np.int32(k), out, ldo)
@@ -206,7 +206,7 @@ def sddmm(
         spill = cp.empty(parts.spill_data.shape, dtype=x.dtype)
         geometry = (np.int32(m), np.int32(nt), np.int32(tile_n), np.int32(cap))
         args = (*_matrix_args(parts), *geometry, x, np.int64(ldx), y, np.int64(ldy), k, data, spill)
-        kv, u = variant or (K.GATHER_KV, K.GATHER_U)
+        kv, u = variant or K.GATHER_DEFAULT["sddmm"]
         K.launch_grid(K.gather_expression("sddmm", x.dtype, kv, u, scale), *_gather_grid(m), args)
         return parts._replace(data=data, spill_data=spill)
     if path == "staged":
@@ -279,7 +279,7 @@ def gated_consumer(
     w_up, ldu = row_stride(w_up)
     w_down_t, ldd = row_stride(w_down_t)
     k_out = w_down_t.shape[1]
-    kv, u = variant or (K.GATHER_KV, K.GATHER_U)
+    kv, u = variant or K.GATHER_DEFAULT["gated"]
     out = cp.empty((m, k_out), dtype=x.dtype)
     # Phase 1 of the kernel writes u at the stored slots only: zero the padding for callers.
     u_data = (cp.zeros if keep_up else cp.empty)(gate.data.shape, dtype=x.dtype)

@@ -38,17 +38,16 @@ ACTIVATION_ID = {"relu": 0, "relu2": 1, "silu": 2, "gelu": 3, "identity": 4}
 SPMM_VPT = 4
 SPMM_THREADS = 128
 
-#: Row-gather kernels (twell_gather.cu): passes of GATHER_KV 16-byte vectors per lane over the
-#: columns, GATHER_U pairs' rows in flight at a time. GATHER_VARIANTS are the (KV, U)
-#: instantiations of every kernel and type, so the benchmark can compare them; the default
-#: (8, 2) was fastest on the H200 (bench/NOTES.md).
-GATHER_KV = 8
-GATHER_U = 2
+#: Row-gather kernels (twell_gather.cu): passes of KV 16-byte vectors per lane over the columns,
+#: U pairs' rows in flight at a time. GATHER_VARIANTS are the (KV, U) instantiations of every
+#: kernel and type; GATHER_DEFAULT the fastest of them per kernel on the H200 (standard problem,
+#: bench/results/2026-12-02-ffn.jsonl; the benchmark times the others beside it).
 GATHER_VARIANTS = ((8, 2), (4, 4))
+GATHER_DEFAULT = {"spmm": (8, 2), "sddmm": (8, 2), "gated": (4, 4)}
 GATHER_WARPS = 4  # rows (warps) per block
 
 
-def gather_expression(kind: str, dtype: Any, kv: int = GATHER_KV, u: int = GATHER_U, scale: bool = False) -> str:
+def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = False) -> str:
     """Name expression of a row-gather kernel: kind "spmm", "sddmm" or "gated"."""
     t = CXX_TYPE[np.dtype(dtype)]
     if kind == "spmm":

@@ -6,6 +6,7 @@ Each op validates its inputs, then runs the CPU reference (NumPy inputs) or the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -216,6 +217,26 @@ def pack_preactivation(
     if is_cupy_array(z):
         return conv.dense_to_twell(z, tile_n, capacity, overflow, threshold, act)
     return ref.pack_dense(ref.activation(z, act).astype(dtype), tile_n, capacity, overflow, threshold)
+
+
+def pack_preactivation_deferred(
+    z: Any, dtype: Any, act: str, tile_n: int, capacity: int, threshold: float | None
+) -> tuple[TwELLParts, Callable[[str], tuple[TwELLParts, int]]]:
+    """:func:`pack_preactivation` with the overflow policy applied later: ``(first, finish)``,
+    ``first`` exact unless some row-tile overflowed (then ``finish(overflow)`` returns parts
+    that differ from it). On the CPU ``first`` is already complete."""
+    if is_cupy_array(z):
+        from . import _gpu_convert
+
+        return _gpu_convert.dense_to_parts_deferred(z, tile_n, capacity, threshold, act)
+    spilled = pack_preactivation(z, dtype, act, tile_n, capacity, threshold, "spill")
+
+    def finish(overflow: str) -> tuple[TwELLParts, int]:
+        if overflow == "spill":
+            return spilled
+        return pack_preactivation(z, dtype, act, tile_n, capacity, threshold, overflow)
+
+    return spilled[0], finish
 
 
 def values_op(fn: Any, *arrays: Any) -> Any:

@@ -14,21 +14,61 @@ from typing import Any
 import numpy as np
 
 from . import _reference as ref
-from ._backend import array_module, result_dtype, value_dtype
-from ._ops import _dense, _same_device, dense_ffn_tail, gated_product, matmul, pack_preactivation, preactivation
+from ._backend import array_module, is_cupy_array, result_dtype, value_dtype
+from ._ops import (
+    _dense,
+    _same_device,
+    dense_ffn_tail,
+    gated_product,
+    matmul,
+    pack_preactivation_deferred,
+    preactivation,
+)
 from ._twell import twell_array
 from ._validation import check_activation, check_capacity, check_threshold, check_tile_n
 
 #: Density above which ``dispatch="auto"`` runs the dense remainder of the block instead of the
-#: sparse kernels. Measured on the H200 (bench/results/2026-12-02-ffn.jsonl, commit a4bed5d): the
-#: sparse path was slower than dense at every density measured (0.5% to 2%), so the break-even is
-#: 0 until faster kernels land; rerun bench/ffn_bench.py and update these with them.
-DENSE_BREAKEVEN = {"ffn": 0.0, "gated_ffn": 0.0}
+#: sparse kernels. From the H200 runs of bench/ffn_bench.py (bench/results/2026-12-02-ffn.jsonl):
+#: the gated block's sparse path measured 1.06x-1.15x dense at 0.5% and 0.82x at 1% (the
+#: crossing is near 0.6%); the non-gated block's measured 0.91x-0.95x at 0.5%, so its crossing
+#: lies below 0.5%. Rerun the benchmark and update these whenever the kernels change.
+DENSE_BREAKEVEN = {"ffn": 0.004, "gated_ffn": 0.006}
 
 #: Rows sampled to estimate the activation density before choosing a path.
 DENSITY_SAMPLE_ROWS = 256
 
 DISPATCH = ("auto", "sparse", "dense")
+
+
+class _DensityProbe:
+    """The kept fraction of a call's activations, copied to pinned host memory without waiting
+    and read at the next call (by then the copy has long finished), so that ``dispatch="auto"``
+    costs no host synchronisation after the first call."""
+
+    def __init__(self) -> None:
+        self._host: Any = None
+        self._event: Any = None
+        self._value: float | None = None
+
+    def post(self, fraction: Any) -> None:
+        """Record a 0-d device array (copied asynchronously) or a host number."""
+        if not is_cupy_array(fraction):
+            self._value, self._event = float(fraction), None
+            return
+        import cupy as cp
+        import cupyx
+
+        if self._host is None:
+            self._host = cupyx.empty_pinned((1,), dtype=np.float64)
+        fraction.astype(cp.float64).reshape(1).get(out=self._host, blocking=False)
+        self._event = cp.cuda.get_current_stream().record()
+
+    def value(self) -> float | None:
+        """The last recorded fraction (None before the first)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._value, self._event = float(self._host[0]), None
+        return self._value
 
 
 class _FFNPlanBase:
@@ -59,6 +99,7 @@ class _FFNPlanBase:
         _check_weight_shapes(arrays, None)
         self._weights = arrays
         self._last: tuple[str, float, twell_array | None] | None = None
+        self._density = _DensityProbe()
         self.refresh()
 
     def refresh(self) -> None:
@@ -103,20 +144,37 @@ class _FFNPlanBase:
             raise ValueError(f"x: expected {first.shape[1]} columns (d_model), got shape {tuple(xx.shape)}")
         dt = result_dtype(xx.dtype, w[act_name].dtype)
         z = preactivation(xx, w[act_name])
-        sampled = self._sampled_density(z) if self.dispatch == "auto" else float("nan")
+        sampled = float("nan")
+        if self.dispatch == "auto":
+            # The previous call's density (read without waiting); the first call samples and waits.
+            estimate = self._density.value()
+            sampled = float(self._kept_fraction(z)) if estimate is None else estimate
+            self._density.post(self._kept_fraction(z))
         w_lin = w[lin_name] if lin_name else None
         if self.dispatch == "dense" or (self.dispatch == "auto" and sampled > self.breakeven):
             self._last = ("dense", sampled, None)
             return dense_ffn_tail(xx, z, w_lin, w["w_down"], dt, self.activation, self.threshold)
-        parts, dropped = pack_preactivation(z, dt, self.activation, self.tile_n, self.capacity, self.threshold, "spill")
-        h = twell_array._from_parts(parts, (xx.shape[0], first.shape[0]), self.tile_n, dropped)
-        self._last = ("sparse", sampled, h)
-        if w_lin is not None:
-            return gated_product(xx, w_lin, self._w_down_t, h)[0]
-        return matmul(h, self._w_down_t)
+        shape = (xx.shape[0], first.shape[0])
 
-    def _sampled_density(self, z: Any) -> float:
-        """Fraction of kept activations over evenly spaced rows (one small read-back)."""
+        def tail(parts: Any) -> Any:
+            h = twell_array._from_parts(parts, shape, self.tile_n)
+            return matmul(h, self._w_down_t) if w_lin is None else gated_product(xx, w_lin, self._w_down_t, h)[0]
+
+        # The tail runs on the row-tiles' first `capacity` entries while the host reads the
+        # overflow count; only if entries spilled does it run again on the complete parts.
+        first_parts, finish = pack_preactivation_deferred(
+            z, dt, self.activation, self.tile_n, self.capacity, self.threshold
+        )
+        out = tail(first_parts)
+        parts, _ = finish("spill")
+        if parts.spill_data.size != first_parts.spill_data.size:
+            out = tail(parts)
+        self._last = ("sparse", sampled, twell_array._from_parts(parts, shape, self.tile_n))
+        return out
+
+    def _kept_fraction(self, z: Any) -> Any:
+        """Fraction of kept activations over evenly spaced rows: a 0-d array on z's device (no
+        read-back) or a float for an empty z."""
         m = z.shape[0]
         if m == 0 or z.shape[1] == 0:
             return 0.0
@@ -124,10 +182,10 @@ class _FFNPlanBase:
         if self.threshold is None and self.activation in ("relu", "relu2"):
             # Kept exactly where z > 0 (up to relu2 underflow, irrelevant to an estimate): one
             # comparison and one count instead of the activation's chain of elementwise ops.
-            return int(array_module(z).count_nonzero(rows > 0)) / rows.size
+            return array_module(z).count_nonzero(rows > 0) / rows.size
         rows = rows.astype(z.dtype if z.dtype == np.float64 else np.float32)
         kept = ref.keep_mask(ref.activation(rows, self.activation).astype(self.dtype), self.threshold)
-        return float(kept.mean())
+        return kept.mean()
 
 
 def _check_weight_shapes(arrays: dict[str, Any], d_model: int | None) -> None:
@@ -168,12 +226,13 @@ class FFN(_FFNPlanBase):
     w_down : array, shape (d_model, d_ff)
     activation, tile_n, capacity, threshold
         As for :func:`twellsparse.linear_to_twell`.
-    dispatch : {"sparse", "dense", "auto"}
-        ``"sparse"`` (default) runs the TwELL kernels; ``"dense"`` the dense remainder (cuBLAS
-        and a fused act-mul kernel); ``"auto"`` samples the activation density after the first
-        GEMM and runs dense above ``breakeven``, sparse below it. All compute the same function;
-        ``last_stats["path"]`` says which ran. (``"auto"`` is not the default yet: its GPU dense
-        remainder has not run on a GPU; see bench/NOTES.md.)
+    dispatch : {"auto", "sparse", "dense"}
+        ``"auto"`` (default) runs the dense remainder when the activation density is above
+        ``breakeven``, the sparse one below it. The density is sampled from 256 evenly spaced
+        rows after the first GEMM; a call decides on the previous call's sample (read without
+        a host synchronisation), the first call on its own. ``"sparse"`` always runs the TwELL
+        kernels, ``"dense"`` always the dense remainder (cuBLAS and a fused act-mul kernel).
+        All compute the same function; ``last_stats["path"]`` says which ran.
     breakeven : float, optional
         Density threshold for ``"auto"``; default ``DENSE_BREAKEVEN`` (measured on the H200).
 
@@ -192,7 +251,7 @@ class FFN(_FFNPlanBase):
         tile_n: int = 256,
         capacity: int | None = None,
         threshold: float | None = None,
-        dispatch: str = "sparse",
+        dispatch: str = "auto",
         breakeven: float | None = None,
     ) -> None:
         weights = {"w_up": w_up, "w_down": w_down}
@@ -228,7 +287,7 @@ class GatedFFN(_FFNPlanBase):
         tile_n: int = 256,
         capacity: int | None = None,
         threshold: float | None = None,
-        dispatch: str = "sparse",
+        dispatch: str = "auto",
         breakeven: float | None = None,
     ) -> None:
         weights = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}
@@ -247,7 +306,7 @@ def ffn(
     tile_n: int = 256,
     capacity: int | None = None,
     threshold: float | None = None,
-    dispatch: str = "sparse",
+    dispatch: str = "auto",
 ) -> Any:
     """Non-gated sparse FFN: ``act(x @ w_up.T) @ w_down.T`` with the hidden layer in TwELL.
 
@@ -285,7 +344,7 @@ def gated_ffn(
     tile_n: int = 256,
     capacity: int | None = None,
     threshold: float | None = None,
-    dispatch: str = "sparse",
+    dispatch: str = "auto",
 ) -> Any:
     """Gated sparse FFN: ``(act(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T``.
 
