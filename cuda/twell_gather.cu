@@ -332,3 +332,30 @@ __global__ void __launch_bounds__(128) twell_gather_gated(
     store_chunk<T, KV>(acc, out + row * ldo, K_out, k0, lane);
   }
 }
+
+// out[r, :] = sum over CSR row r's entries (c, v) of v * b[c, :]: the row-gather SpMM for a
+// matrix in CSR form. The transposed products A.T @ g of the backward pass run it on the CSR of
+// A.T (the pattern's columns sorted once), so each output row is one warp's sum over its list,
+// in fp32, with no atomics.
+template <typename T, int KV, int U>
+__global__ void __launch_bounds__(128) twell_gather_csr_spmm(
+    const int* __restrict__ indptr, const int* __restrict__ cols, const T* __restrict__ vals, int M,
+    const T* __restrict__ b, long long ldb, int K, T* __restrict__ out, long long ldo) {
+  using A = typename acc_of<T>::type;
+  constexpr int CHUNK = KV * 32 * Lanes<T>::N;
+  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (row >= M) return;  // warp-uniform
+  const int e_begin = indptr[row], e_end = indptr[row + 1];
+  for (int k0 = 0; k0 < K; k0 += CHUNK) {
+    A acc[KV][Lanes<T>::N];
+    clear<T, KV>(acc);
+    for (int e0 = e_begin; e0 < e_end; e0 += 32) {
+      const int e = e0 + lane;
+      const int col = e < e_end ? cols[e] : 0;
+      const A val = e < e_end ? to_acc(vals[e]) : A(0);
+      gather_accumulate<T, KV, U>(acc, min(32, e_end - e0), col, val, b, ldb, K, k0, lane);
+    }
+    store_chunk<T, KV>(acc, out + row * ldo, K, k0, lane);
+  }
+}

@@ -8,7 +8,7 @@ import numpy as np
 
 from . import _kernels as K
 from ._backend import bfloat16, cupy_module
-from ._gpu_convert import row_stride
+from ._gpu_convert import parts_to_csr, row_stride
 from ._parts import TwELLParts
 
 
@@ -159,12 +159,43 @@ def spmm(
     return out
 
 
+def _take(values: Any, order: Any) -> Any:
+    """``values[order]`` through an unsigned view of the same width (any value dtype)."""
+    return values.view(f"u{values.itemsize}")[order].view(values.dtype)
+
+
+def transposed_csr(parts: TwELLParts, tile_n: int, n_cols: int) -> tuple[Any, Any, Any]:
+    """CSR arrays ``(indptr, cols, vals)`` of ``A.T`` (N x M): columns of A become rows, each
+    row's entries in increasing token order (one radix sort of the composite keys)."""
+    cp = _cp()
+    m = parts.data.shape[0]
+    vals, cols, indptr = parts_to_csr(parts, (m, n_cols), tile_n)
+    rows = cp.searchsorted(indptr[1:], cp.arange(cols.size, dtype=cp.int32), side="right").astype(cp.int32)
+    order = cp.argsort(cols.astype(cp.int64) * max(m, 1) + rows)
+    indptr_t = cp.zeros(n_cols + 1, dtype=cp.int32)
+    if cols.size:
+        indptr_t[1:] = cp.cumsum(cp.bincount(cols, minlength=n_cols)[:n_cols])
+    return indptr_t, rows[order], _take(vals, order)
+
+
 def spmm_transposed(parts: TwELLParts, tile_n: int, n_cols: int, g: Any, out: Any) -> Any:
-    """``out = A.T @ g``; ``g`` (M x K), ``out`` (N x K)."""
+    """``out = A.T @ g``; ``g`` (M x K), ``out`` (N x K).
+
+    With 16-byte rows (``rows_aligned``) the entries are sorted into the CSR of ``A.T`` and a
+    row-gather kernel sums each output row in one warp; other layouts scatter with fp32 atomics
+    into a workspace (the summation order, and so the last bits, can then vary between runs).
+    """
     cp = _cp()
     m = parts.data.shape[0]
     g, ldg = row_stride(g)
     k = g.shape[1]
+    ldo_out = max(out.strides[0] // out.itemsize, k, 1)
+    if rows_aligned((g, ldg), (out, ldo_out)) and parts.data.dtype == g.dtype:
+        indptr_t, cols_t, vals_t = transposed_csr(parts, tile_n, n_cols)
+        kv, u = K.GATHER_DEFAULT["csr_spmm"]
+        args = (indptr_t, cols_t, vals_t, np.int32(n_cols), g, np.int64(ldg), np.int32(k), out, np.int64(ldo_out))
+        K.launch_grid(K.gather_expression("csr_spmm", g.dtype, kv, u), *_gather_grid(n_cols), args)
+        return out
     acc = cp.float64 if g.dtype == cp.float64 else cp.float32
     ws = cp.zeros((n_cols, k), dtype=acc)
     t = K.CXX_TYPE[g.dtype]

@@ -43,12 +43,12 @@ SPMM_THREADS = 128
 #: kernel and type; GATHER_DEFAULT the fastest of them per kernel on the H200 (standard problem,
 #: bench/results/2026-12-02-ffn.jsonl; the benchmark times the others beside it).
 GATHER_VARIANTS = ((8, 2), (4, 4))
-GATHER_DEFAULT = {"spmm": (8, 2), "sddmm": (8, 2), "gated": (4, 4)}
+GATHER_DEFAULT = {"spmm": (8, 2), "sddmm": (8, 2), "gated": (4, 4), "csr_spmm": (8, 2)}
 GATHER_WARPS = 4  # rows (warps) per block
 
 
 def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = False) -> str:
-    """Name expression of a row-gather kernel: kind "spmm", "sddmm" or "gated"."""
+    """Name expression of a row-gather kernel: kind "spmm", "sddmm", "gated" or "csr_spmm"."""
     t = CXX_TYPE[np.dtype(dtype)]
     if kind == "spmm":
         return f"twell_gather_spmm<{t}, {kv}, {u}>"
@@ -56,7 +56,9 @@ def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = Fals
         return f"twell_gather_sddmm<{t}, {'true' if scale else 'false'}, {kv}, {u}>"
     if kind == "gated":
         return f"twell_gather_gated<{t}, {kv}, {u}>"
-    raise ValueError(f"kind: expected 'spmm', 'sddmm' or 'gated', got {kind!r}")
+    if kind == "csr_spmm":
+        return f"twell_gather_csr_spmm<{t}, {kv}, {u}>"
+    raise ValueError(f"kind: expected 'spmm', 'sddmm', 'gated' or 'csr_spmm', got {kind!r}")
 
 
 #: Staged kernels (twell_staged.cu): tokens per warp, threads per block, bytes per lane vector,
@@ -123,7 +125,7 @@ def _instantiations() -> dict[str, list[str]]:
         gather_expression(kind, dt, kv, u, scale)
         for dt in VALUE_DTYPES
         for kv, u in GATHER_VARIANTS
-        for kind, scale in (("spmm", False), ("gated", False), ("sddmm", False), ("sddmm", True))
+        for kind, scale in (("spmm", False), ("gated", False), ("sddmm", False), ("sddmm", True), ("csr_spmm", False))
     ]
     elementwise = [f"ffn_act_mul<{t}, {a}>" for t, a in itertools.product(types, ACTIVATION_ID.values())]
     return {
