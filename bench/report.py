@@ -36,6 +36,13 @@ def latest(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [r for r in mine if r["commit"] == newest]
 
 
+def _fmt_auto(r: dict[str, Any], ms: dict[str, float], key: str, dense_key: str, path_key: str) -> str:
+    """`` / auto t (s.ssx, path)`` for records that timed the automatic dispatch, else ``""``."""
+    if key not in ms:
+        return ""
+    return f" / auto {ms[key]:.3f} ({ms[dense_key] / ms[key]:.2f}x, {r.get(path_key)})"
+
+
 def ffn_table(records: list[dict[str, Any]]) -> str:
     if not records:
         return "_No FFN benchmark recorded yet._"
@@ -45,22 +52,70 @@ def ffn_table(records: list[dict[str, Any]]) -> str:
         f"FFN blocks, {r0['dtype']}, M = {m}, d_model = {d_model}, d_ff = {d_ff}; {r0['gpu']} "
         f"(driver {r0.get('driver_version')}, CuPy {r0.get('cupy')}), {r0['date'][:10]}, commit "
         f"{r0['commit'][:10]}; dense = {r0['dense_provider']}, same run. Times are medians in ms "
-        "(L2 flushed); speed-up = dense time / twellsparse time (below 1 = slower than dense).",
+        "(L2 flushed); speed-up = dense time / twellsparse time (below 1 = slower than dense). "
+        "`sparse` forces the TwELL kernels; `auto` is the default dispatch (dense remainder above "
+        "the break-even density), with the path it took.",
         "",
         "| pattern | density | dense GEMM | producer (GEMM+relu+pack) | down: dense / TwELL | "
-        "non-gated FFN: dense / TwELL (speed-up) | gated FFN: dense / TwELL (speed-up) |",
+        "non-gated FFN: dense / sparse / auto | gated FFN: dense / sparse / auto |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in sorted(records, key=lambda r: (r["pattern"], r["density"])):
-        ms = {k: v["median"] for k, v in r["ms"].items()}
+        ms = {k: v["median"] for k, v in r["ms"].items() if "median" in v}
         sp = r["speedup"]
+        plain_auto = _fmt_auto(r, ms, "ffn_auto", "dense_ffn", "ffn_auto_path")
+        gated_auto = _fmt_auto(r, ms, "gated_ffn_auto", "dense_gated_ffn", "auto_path")
         lines.append(
             f"| {r['pattern']} | {r['density']:.2%} | {ms['dense_gemm']:.3f} | {ms['producer']:.3f} "
             f"({1 / sp['producer_vs_gemm']:.2f}x the GEMM) | {ms['dense_down']:.3f} / {ms['spmm_down']:.3f} | "
-            f"{ms['dense_ffn']:.3f} / {ms['ffn']:.3f} ({sp['ffn']:.2f}x) | "
-            f"{ms['dense_gated_ffn']:.3f} / {ms['gated_ffn']:.3f} ({sp['gated_ffn']:.2f}x) |"
+            f"{ms['dense_ffn']:.3f} / {ms['ffn']:.3f} ({sp['ffn']:.2f}x){plain_auto} | "
+            f"{ms['dense_gated_ffn']:.3f} / {ms['gated_ffn']:.3f} ({sp['gated_ffn']:.2f}x){gated_auto} |"
         )
     return "\n".join(lines)
+
+
+def training_table(steps: list[dict[str, Any]], models: list[dict[str, Any]]) -> str:
+    """Training-step and whole-model records (bench/train_step.py, bench/model_bench.py)."""
+    lines = []
+    if steps:
+        r0 = steps[0]
+        lines += [
+            "",
+            f"Gated FFN forward + backward through `twellsparse.torch` vs dense torch autograd, "
+            f"{r0['dtype']}, shape {r0['shape']}; {r0['gpu']}, {r0['date'][:10]}, commit {r0['commit'][:10]}.",
+            "",
+            "| density | dense ms | TwELL ms | speed-up | saved activations: TwELL / dense |",
+            "|---|---|---|---|---|",
+        ]
+        for r in sorted(steps, key=lambda r: r["density_target"]):
+            lines.append(
+                f"| {r['density_target']:.2%} | {r['dense_ms']:.3f} | {r['twell_ms']:.3f} | {r['speedup']:.2f}x | "
+                f"{r['saved_ratio']:.2f} |"
+            )
+    if models:
+        r0 = models[0]
+        lines += [
+            "",
+            f"Decoder stack of the 2B shape ({r0['layers']} layers, {r0['tokens']} tokens, d_model {r0['d_model']}, "
+            f"d_ff {r0['d_ff']}, {r0['dtype']}), TwELL MLPs vs dense MLPs; {r0['gpu']}, {r0['date'][:10]}, commit "
+            f"{r0['commit'][:10]}.",
+            "",
+            "| density | forward tokens/ms: dense / TwELL (speed-up) | train step tokens/ms: dense / TwELL "
+            "(speed-up) |",
+            "|---|---|---|",
+        ]
+        for r in sorted(models, key=lambda r: r["density_target"]):
+            lines.append(
+                f"| {r['density_target']:.2%} | {r['dense_forward_tokens_per_ms']:.0f} / "
+                f"{r['twell_forward_tokens_per_ms']:.0f} ({r['forward_speedup']:.2f}x) | "
+                f"{r['dense_train_tokens_per_ms']:.0f} / {r['twell_train_tokens_per_ms']:.0f} "
+                f"({r['train_speedup']:.2f}x) |"
+            )
+    return "\n".join(lines)
+
+
+def tables(records: list[dict[str, Any]]) -> str:
+    return ffn_table(latest(records, "ffn")) + training_table(latest(records, "train_step"), latest(records, "model"))
 
 
 def update_readme(readme: pathlib.Path, table: str) -> None:
@@ -77,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", type=pathlib.Path, default=HERE / "results")
     ap.add_argument("--update-readme", type=pathlib.Path, metavar="README")
     args = ap.parse_args(argv)
-    table = ffn_table(latest(load(args.results), "ffn"))
+    table = tables(load(args.results))
     if args.update_readme:
         update_readme(args.update_readme, table)
     else:
