@@ -115,7 +115,8 @@ def training_table(steps: list[dict[str, Any]], models: list[dict[str, Any]]) ->
 
 
 def tables(records: list[dict[str, Any]]) -> str:
-    return ffn_table(latest(records, "ffn")) + training_table(latest(records, "train_step"), latest(records, "model"))
+    training = training_table(latest(records, "train_step"), latest(records, "model"))
+    return ffn_table(latest(records, "ffn")) + ("\n" + training if training else "")
 
 
 def update_readme(readme: pathlib.Path, table: str) -> None:

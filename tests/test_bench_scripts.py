@@ -19,7 +19,7 @@ def _load(name: str):
 
 def test_report_matches_readme():
     report = _load("report")
-    table = report.ffn_table(report.latest(report.load(ROOT / "bench" / "results"), "ffn"))
+    table = report.tables(report.load(ROOT / "bench" / "results"))
     assert "| uniform |" in table and "| skewed |" in table
     readme = (ROOT / "README.md").read_text()
     section = readme.split(report.START, 1)[1].split(report.END, 1)[0].strip()

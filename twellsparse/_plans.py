@@ -28,11 +28,12 @@ from ._twell import twell_array
 from ._validation import check_activation, check_capacity, check_threshold, check_tile_n
 
 #: Density above which ``dispatch="auto"`` runs the dense remainder of the block instead of the
-#: sparse kernels. From the H200 runs of bench/ffn_bench.py (bench/results/2026-12-02-ffn.jsonl):
-#: the gated block's sparse path measured 1.06x-1.15x dense at 0.5% and 0.82x at 1% (the
-#: crossing is near 0.6%); the non-gated block's measured 0.91x-0.95x at 0.5%, so its crossing
-#: lies below 0.5%. Rerun the benchmark and update these whenever the kernels change.
-DENSE_BREAKEVEN = {"ffn": 0.004, "gated_ffn": 0.006}
+#: sparse kernels: where the measured sparse/dense ratio of bench/ffn_bench.py on the H200
+#: (bench/results/2026-12-02-ffn.jsonl, commit b6238d8) crosses the dense remainder's. Gated:
+#: sparse 1.17x-1.24x dense at 0.5%, 0.89x-0.94x at 1%, dense remainder 1.03x, crossing near
+#: 0.8%. Non-gated: sparse 0.98x-1.00x at 0.5%, 0.81x-0.82x at 1%, dense remainder 0.92x-0.97x,
+#: crossing near 0.6%. Rerun the benchmark and update these whenever the kernels change.
+DENSE_BREAKEVEN = {"ffn": 0.006, "gated_ffn": 0.008}
 
 #: Rows sampled to estimate the activation density before choosing a path.
 DENSITY_SAMPLE_ROWS = 256
