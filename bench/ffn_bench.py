@@ -129,9 +129,7 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
             lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="gather", variant=(4, 4)).data,
             ref_up,
         ),
-        "spmm_down_staged": (lambda: _gpu_ops.spmm(h.parts, h.tile_n, wd_t, h_out, path="staged"), ref_down),
         "sddmm_up_portable": (lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="portable").data, None),
-        "sddmm_up_staged": (lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="staged").data, ref_up),
     }
     for name, (fn, expect) in variants.items():
         try:

@@ -31,23 +31,9 @@ def _k_grid(k: int) -> int:
     return -(-k // (K.SPMM_THREADS * K.SPMM_VPT))
 
 
-#: Dynamic shared memory a staged launch may use (Hopper gives a block up to 227 KB; up to about
-#: 113 KB two blocks share a multiprocessor).
-STAGED_SMEM_LIMIT = 200 * 1024
-
-
-def staged_eligible(parts: TwELLParts, tile_n: int, itemsize: int, *operands: tuple[Any, int]) -> bool:
-    """Whether the staged kernels can run: capacity a multiple of 4, 16-byte pieces of the
-    (array, row stride) operands' rows, and stage buffers that fit shared memory."""
-    nt, cap = parts.data.shape[1:]
-    if cap % 4 or K.staged_smem_bytes(nt, tile_n, cap, itemsize) > STAGED_SMEM_LIMIT:
-        return False
-    return rows_aligned(*operands)
-
-
 def rows_aligned(*operands: tuple[Any, int]) -> bool:
     """Whether every (array, row stride) operand has 16-byte-aligned rows of a multiple of 16 bytes
-    (what the 16-byte vector loads of the gather and staged kernels need)."""
+    (what the 16-byte vector loads of the gather kernels need)."""
     for arr, ld in operands:
         size = arr.itemsize
         if (arr.shape[1] * size) % 16 or (ld * size) % 16 or arr.data.ptr % 16:
@@ -56,17 +42,14 @@ def rows_aligned(*operands: tuple[Any, int]) -> bool:
 
 
 #: The paths of the product kernels: "gather" (twell_gather.cu, one warp per row, 16-byte row
-#: gathers; needs rows_aligned operands), "staged" (twell_staged.cu, weight rows staged in shared
-#: memory per block of tokens; opt-in: slower than gather on the H200 so far, see bench/NOTES.md)
-#: and "portable" (any layout). "auto" takes gather when the operands allow it, else portable.
-PATHS = ("auto", "gather", "staged", "portable")
+#: gathers; needs rows_aligned operands) and "portable" (any layout). "auto" takes gather when the
+#: operands allow it, else portable.
+PATHS = ("auto", "gather", "portable")
 
 
-def _choose_path(path: str, gather_ok: bool, staged_ok: bool) -> str:
+def _choose_path(path: str, gather_ok: bool) -> str:
     if path not in PATHS:
         raise ValueError(f"path: expected one of {', '.join(map(repr, PATHS))}, got {path!r}")
-    if path == "staged" and not staged_ok:
-        raise ValueError("path: 'staged' needs capacity % 4 == 0 and 16-byte-aligned rows of a multiple of 16 bytes")
     if path == "gather" and not gather_ok:
         raise ValueError("path: 'gather' needs 16-byte-aligned operand rows whose length is a multiple of 16 bytes")
     if path == "auto":
@@ -76,56 +59,6 @@ def _choose_path(path: str, gather_ok: bool, staged_ok: bool) -> str:
 
 def _gather_grid(m: int) -> tuple[tuple[int], tuple[int]]:
     return (-(-m // K.GATHER_WARPS),), (32 * K.GATHER_WARPS,)
-
-
-def _staged_launch(
-    parts: TwELLParts, tile_n: int, w: Any, ldw: int, x: Any, ldx: int, out: Any, ldo: int, pair_acc: Any
-) -> None:
-    """Launch twell_staged: SpMM into ``out`` (x None), or SDDMM partial dots into ``pair_acc``."""
-    cp = _cp()
-    m, nt, cap = parts.data.shape
-    sddmm = x is not None
-    k = w.shape[1]
-    blocks = -(-m // K.STAGED_TOKENS)
-    masks = cp.zeros(blocks * nt * (tile_n // 32), dtype=cp.uint32)
-    K.launch(
-        "twell_block_masks",
-        m * nt * cap,
-        256,
-        (
-            parts.indices,
-            parts.counts,
-            np.int32(m),
-            np.int32(nt),
-            np.int32(tile_n),
-            np.int32(cap),
-            np.int32(K.STAGED_TOKENS),
-            masks,
-        ),
-    )
-    args = (
-        *_matrix_args(parts),
-        np.int32(m),
-        np.int32(nt),
-        np.int32(tile_n),
-        np.int32(cap),
-        masks,
-        w,
-        np.int64(ldw),
-        np.int32(w.shape[0]),
-        np.int32(k),
-        x if sddmm else K.null_pointer(),
-        np.int64(ldx),
-        out if out is not None else K.null_pointer(),
-        np.int64(ldo),
-        pair_acc if pair_acc is not None else K.null_pointer(),
-    )
-    # Column chunks are split over grid.y only as far as needed to fill the GPU twice.
-    n_chunks = -(-k // (32 * K.staged_vec(w.dtype)))
-    sms = K.sm_count()
-    grid = (blocks, max(1, min(n_chunks, -(-2 * sms // max(blocks, 1)))))
-    smem = K.staged_smem_bytes(nt, tile_n, cap, w.dtype.itemsize)
-    K.launch_grid(K.staged_expression(w.dtype, sddmm=sddmm), grid, (K.STAGED_THREADS,), args, smem)
 
 
 def spmm(
@@ -141,16 +74,13 @@ def spmm(
     k = b.shape[1]
     ldo = np.int64(max(out.strides[0] // out.itemsize, k, 1))
     gather_ok = rows_aligned((b, ldb), (out, int(ldo)))
-    path = _choose_path(path, gather_ok, staged_eligible(parts, tile_n, b.itemsize, (b, ldb)))
+    path = _choose_path(path, gather_ok)
     if path == "gather":
         kv, u = variant or K.GATHER_DEFAULT["spmm"]
         nt, cap = parts.data.shape[1:]
         geometry = (np.int32(m), np.int32(nt), np.int32(tile_n), np.int32(cap))
         args = (*_matrix_args(parts), *geometry, b, np.int64(ldb), np.int32(k), out, ldo)
         K.launch_grid(K.gather_expression("spmm", b.dtype, kv, u), *_gather_grid(m), args)
-        return out
-    if path == "staged":
-        _staged_launch(parts, tile_n, b, ldb, None, 0, out, int(ldo), None)
         return out
     expr = f"twell_spmm<{K.CXX_TYPE[b.dtype]}, {K.SPMM_VPT}>"
     K.launch_grid(
@@ -220,10 +150,8 @@ def sddmm(
     variant: tuple[int, int] | None = None,
 ) -> TwELLParts:
     """Parts with the pattern of ``parts`` and values ``x[i] . y[j]`` (times the pattern's when
-    ``scale``); x, y (and the pattern, when ``scale``) share one dtype. ``path`` as for spmm;
-    float64 always takes the portable path (the staged kernel accumulates pairs in fp32). The
-    staged kernel adds each K-chunk's partial dot products with fp32 atomics, so its results
-    can differ between runs in the last bits (the summation order varies)."""
+    ``scale``); x, y (and the pattern, when ``scale``) share one dtype (without ``scale`` the
+    pattern's values are not read). ``path`` and ``variant`` as for :func:`spmm`."""
     cp = _cp()
     m, nt, cap = parts.data.shape
     x, ldx = row_stride(x)
@@ -231,8 +159,7 @@ def sddmm(
     k = np.int32(x.shape[1])
     t, s = K.CXX_TYPE[x.dtype], "true" if scale else "false"
     data = cp.empty(parts.data.shape, dtype=x.dtype)  # the pattern's dtype may differ
-    eligible = x.dtype.itemsize < 8 and staged_eligible(parts, tile_n, x.itemsize, (x, ldx), (y, ldy))
-    path = _choose_path(path, rows_aligned((x, ldx), (y, ldy)), eligible)
+    path = _choose_path(path, rows_aligned((x, ldx), (y, ldy)))
     if path == "gather":
         spill = cp.empty(parts.spill_data.shape, dtype=x.dtype)
         geometry = (np.int32(m), np.int32(nt), np.int32(tile_n), np.int32(cap))
@@ -240,28 +167,22 @@ def sddmm(
         kv, u = variant or K.GATHER_DEFAULT["sddmm"]
         K.launch_grid(K.gather_expression("sddmm", x.dtype, kv, u, scale), *_gather_grid(m), args)
         return parts._replace(data=data, spill_data=spill)
-    if path == "staged":
-        pair_acc = cp.zeros(parts.data.shape, dtype=cp.float32)
-        _staged_launch(parts, tile_n, y, ldy, x, ldx, None, 0, pair_acc)
-        finalize = (pair_acc, parts.data, parts.counts, np.int64(data.size), np.int32(cap), data)
-        K.launch(f"twell_pairs_finalize<{t}, {s}>", data.size, 256, finalize)
-    else:
-        args = (
-            x,
-            np.int64(ldx),
-            y,
-            np.int64(ldy),
-            k,
-            parts.data,
-            parts.indices,
-            parts.counts,
-            np.int32(m),
-            np.int32(nt),
-            np.int32(tile_n),
-            np.int32(cap),
-            data,
-        )
-        K.launch(f"twell_sddmm_slots<{t}, {s}>", m * nt * 32, 256, args)
+    args = (
+        x,
+        np.int64(ldx),
+        y,
+        np.int64(ldy),
+        k,
+        parts.data,
+        parts.indices,
+        parts.counts,
+        np.int32(m),
+        np.int32(nt),
+        np.int32(tile_n),
+        np.int32(cap),
+        data,
+    )
+    K.launch(f"twell_sddmm_slots<{t}, {s}>", m * nt * 32, 256, args)
     spill = cp.empty(parts.spill_data.shape, dtype=x.dtype)
     K.launch(
         f"twell_sddmm_spill<{t}, {s}>",

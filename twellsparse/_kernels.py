@@ -61,37 +61,6 @@ def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = Fals
     raise ValueError(f"kind: expected 'spmm', 'sddmm', 'gated' or 'csr_spmm', got {kind!r}")
 
 
-#: Staged kernels (twell_staged.cu): tokens per warp, threads per block, bytes per lane vector,
-#: rows per stage, pipeline depth.
-STAGED_TPW = 16
-STAGED_THREADS = 256
-STAGED_VEC_BYTES = 8
-STAGED_GROUP = 128
-STAGED_STAGES = 2
-STAGED_TOKENS = STAGED_TPW * STAGED_THREADS // 32  # tokens per block
-
-
-def staged_smem_bytes(n_tiles: int, tile_n: int, capacity: int, itemsize: int) -> int:
-    """Dynamic shared memory of a staged launch (mirrors the carve-up in twell_staged.cu)."""
-    stage = STAGED_GROUP * 32 * STAGED_VEC_BYTES + STAGED_TOKENS * (4 + capacity * (2 + itemsize))
-    words = tile_n // 32
-    max_stages = n_tiles * -(-tile_n // STAGED_GROUP)
-    metadata = 4 * (2 * n_tiles * words + 2 * n_tiles + 2 * max_stages)
-    unit_lists = 2 * n_tiles * tile_n
-    return STAGED_STAGES * stage + metadata + unit_lists
-
-
-def staged_vec(dtype: Any) -> int:
-    """Elements per lane vector of the staged kernels (8 bytes)."""
-    return STAGED_VEC_BYTES // np.dtype(dtype).itemsize
-
-
-def staged_expression(dtype: Any, sddmm: bool) -> str:
-    t = CXX_TYPE[np.dtype(dtype)]
-    mode = "true" if sddmm else "false"
-    return f"twell_staged<{t}, {STAGED_TPW}, {staged_vec(dtype)}, {mode}, {STAGED_STAGES}>"
-
-
 def _instantiations() -> dict[str, list[str]]:
     """Every template instantiation, per source file."""
     types = [CXX_TYPE[d] for d in VALUE_DTYPES]
@@ -113,14 +82,6 @@ def _instantiations() -> dict[str, list[str]]:
             f"twell_cast_from_acc<{t}>",
         ]
     sddmm = [f"twell_sddmm_{part}<{t}, {s}>" for part in ("slots", "spill") for t in types for s in ("false", "true")]
-    staged = []
-    for dt in VALUE_DTYPES:
-        t = CXX_TYPE[dt]
-        staged.append(staged_expression(dt, sddmm=False))
-        if dt.itemsize < 8:  # pair accumulators are fp32: float64 SDDMM stays on the portable path
-            staged.append(staged_expression(dt, sddmm=True))
-            staged += [f"twell_pairs_finalize<{t}, false>", f"twell_pairs_finalize<{t}, true>"]
-    staged.append("twell_block_masks")
     gather = [
         gather_expression(kind, dt, kv, u, scale)
         for dt in VALUE_DTYPES
@@ -132,7 +93,6 @@ def _instantiations() -> dict[str, list[str]]:
         "twell_convert.cu": convert,
         "twell_spmm.cu": spmm,
         "twell_sddmm.cu": sddmm,
-        "twell_staged.cu": staged,
         "twell_gather.cu": gather,
         "twell_elementwise.cu": elementwise,
     }
