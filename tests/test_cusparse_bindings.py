@@ -1,0 +1,41 @@
+"""The cuSPARSE bindings without a GPU: the library is found and loaded (the CUDA extras install
+it), its version is read, and a missing library gives an error naming every place tried."""
+
+from __future__ import annotations
+
+import pytest
+from twellsparse.bindings import cusparse
+
+
+def test_library_loads_and_reports_version():
+    major, minor, patch = cusparse.version()
+    assert major >= 12 and minor >= 0 and patch >= 0
+
+
+def test_candidates_start_with_the_environment_override(monkeypatch):
+    monkeypatch.setenv(cusparse.ENV_LIBRARY, "/opt/custom/libcusparse.so.12")
+    assert next(cusparse.library_candidates()) == "/opt/custom/libcusparse.so.12"
+
+
+def test_missing_library_names_what_was_tried(monkeypatch):
+    monkeypatch.setattr(cusparse, "library_candidates", lambda: iter(["/nonexistent/libcusparse.so.12"]))
+    cusparse.library.cache_clear()
+    try:
+        with pytest.raises(cusparse.CuSparseError, match=r"no libcusparse .* Tried: /nonexistent/libcusparse.so.12"):
+            cusparse.library()
+    finally:
+        monkeypatch.undo()
+        cusparse.library.cache_clear()
+    assert cusparse.version()[0] >= 12  # the real library loads again
+
+
+def test_failed_status_is_named():
+    with pytest.raises(cusparse.CuSparseError, match="cusparseGetProperty: CUSPARSE_STATUS_INVALID_VALUE"):
+        cusparse._check(3, "cusparseGetProperty")
+
+
+def test_value_types_and_algorithms():
+    assert cusparse.SPMM_ALGS["csr_alg3"] == 12 and cusparse.SPMM_ALGS["blocked_ell_alg1"] == 13
+    assert cusparse._value_type("bfloat16") == 14
+    with pytest.raises(ValueError, match="dtype: expected one of"):
+        cusparse._value_type("int8")
