@@ -2,8 +2,8 @@
 
 What they add over ``cupyx.scipy.sparse``: CSR SpMM in bf16/fp16 with row-major dense operands
 and a choice of algorithm (ALG1, ALG2, ALG3 with its preprocess step), Blocked-ELL matrices and
-their SpMM, and SDDMM at a CSR pattern. They exist to benchmark TwELL against cuSPARSE at its
-best; every call runs on CuPy's current stream.
+their SpMM, SDDMM at a CSR pattern, and dense-to-CSR conversion in every value type. They exist
+to benchmark TwELL against cuSPARSE at its best; every call runs on CuPy's current stream.
 
 The shared library is found without compiling anything: ``TWELL_CUSPARSE`` (a path), then the
 NVIDIA pip wheels (``nvidia-cusparse-cu12`` or ``nvidia-cusparse``), then ``CUDA_PATH`` /
@@ -58,6 +58,15 @@ cusparseStatus_t cusparseSpMM(cusparseHandle_t handle, int op_a, int op_b, const
     cusparseSpMatDescr_t a, cusparseDnMatDescr_t b, const void* beta, cusparseDnMatDescr_t c,
     int compute_type, int alg, void* buffer);
 
+cusparseStatus_t cusparseSpMatGetSize(cusparseSpMatDescr_t descr, int64_t* rows, int64_t* cols, int64_t* nnz);
+cusparseStatus_t cusparseCsrSetPointers(cusparseSpMatDescr_t descr, void* row_offsets, void* col_ind, void* values);
+cusparseStatus_t cusparseDenseToSparse_bufferSize(cusparseHandle_t handle, cusparseDnMatDescr_t a,
+    cusparseSpMatDescr_t b, int alg, size_t* buffer_size);
+cusparseStatus_t cusparseDenseToSparse_analysis(cusparseHandle_t handle, cusparseDnMatDescr_t a,
+    cusparseSpMatDescr_t b, int alg, void* buffer);
+cusparseStatus_t cusparseDenseToSparse_convert(cusparseHandle_t handle, cusparseDnMatDescr_t a,
+    cusparseSpMatDescr_t b, int alg, void* buffer);
+
 cusparseStatus_t cusparseSDDMM_bufferSize(cusparseHandle_t handle, int op_a, int op_b, const void* alpha,
     cusparseDnMatDescr_t a, cusparseDnMatDescr_t b, const void* beta, cusparseSpMatDescr_t c,
     int compute_type, int alg, size_t* buffer_size);
@@ -77,6 +86,7 @@ INDEX_BASE_ZERO = 0
 ORDER_COL, ORDER_ROW = 1, 2
 MAJOR_VERSION, MINOR_VERSION, PATCH_LEVEL = 0, 1, 2
 SDDMM_ALG_DEFAULT = 0
+DENSE_TO_SPARSE_ALG_DEFAULT = 0
 #: cusparseSpMMAlg_t values by the names this module takes.
 SPMM_ALGS = {"default": 0, "csr_alg1": 4, "csr_alg2": 6, "csr_alg3": 12, "blocked_ell_alg1": 13}
 #: cudaDataType values of the value dtypes (bfloat16 by name: NumPy has no such dtype).
@@ -365,6 +375,40 @@ def sddmm(x: Any, y: Any, pattern: _Sparse, out_vals: Any) -> Any:
     _check(lib.cusparseSDDMM_preprocess(_handle(), *args, _ptr(buffer)), "cusparseSDDMM_preprocess")
     _check(lib.cusparseSDDMM(_handle(), *args, _ptr(buffer)), "cusparseSDDMM")
     return out_vals
+
+
+def dense_to_csr(x: Any) -> tuple[Any, Any, Any]:
+    """``(indptr, cols, vals)`` of a dense row-major CuPy matrix by cuSPARSE's DenseToSparse (the
+    conversion dynamic activations need before a CSR SpMM); one read-back of the nonzero count."""
+    import cupy as cp
+
+    lib, ffi = library(), _ffi()
+    m, n = x.shape
+    dense = _Dense("x", x)
+    indptr = cp.empty(m + 1, dtype=cp.int32)
+    d = ffi.new("cusparseSpMatDescr_t*")
+    null = ffi.NULL
+    _check(
+        lib.cusparseCreateCsr(
+            d, m, n, 0, _ptr(indptr), null, null, INDEX_32I, INDEX_32I, INDEX_BASE_ZERO, _value_type(x.dtype)
+        ),
+        "cusparseCreateCsr",
+    )
+    csr = _Sparse(d[0], (indptr,))
+    size = ffi.new("size_t*")
+    h = _handle()
+    alg = DENSE_TO_SPARSE_ALG_DEFAULT
+    _check(lib.cusparseDenseToSparse_bufferSize(h, dense.descr, csr.descr, alg, size), "DenseToSparse_bufferSize")
+    buffer = cp.empty(max(int(size[0]), 1), dtype=cp.uint8)
+    _check(lib.cusparseDenseToSparse_analysis(h, dense.descr, csr.descr, alg, _ptr(buffer)), "DenseToSparse_analysis")
+    rows, cols_n, nnz = ffi.new("int64_t*"), ffi.new("int64_t*"), ffi.new("int64_t*")
+    _check(lib.cusparseSpMatGetSize(csr.descr, rows, cols_n, nnz), "cusparseSpMatGetSize")
+    cols = cp.empty(max(int(nnz[0]), 1), dtype=cp.int32)
+    vals = cp.empty(max(int(nnz[0]), 1), dtype=x.dtype)
+    _check(lib.cusparseCsrSetPointers(csr.descr, _ptr(indptr), _ptr(cols), _ptr(vals)), "cusparseCsrSetPointers")
+    _check(lib.cusparseDenseToSparse_convert(h, dense.descr, csr.descr, alg, _ptr(buffer)), "DenseToSparse_convert")
+    k = int(nnz[0])
+    return indptr, cols[:k], vals[:k]
 
 
 def blocked_ell_from_dense(x: Any, block_size: int) -> tuple[Any, Any]:

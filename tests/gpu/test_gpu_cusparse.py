@@ -93,3 +93,12 @@ def test_bad_operands_raise_before_any_call(cp):
     with pytest.raises(ValueError, match="b: expected a 2-D array with unit column stride"):
         desc = cusparse.csr_descriptor(cp.zeros(6, dtype=cp.int32), cp.zeros(0, dtype=cp.int32), cp.zeros(0), (5, 5))
         cusparse.SpMM(desc, cp.zeros((5, 4)).T, cp.zeros((5, 5)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dense_to_csr(cp, rng, dtype):
+    a = _csr(rng, 150, 400, 0.05, dtype)
+    indptr, cols, vals = cusparse.dense_to_csr(cp.asarray(a.toarray()))
+    np.testing.assert_array_equal(indptr.get(), a.indptr)
+    np.testing.assert_array_equal(cols.get(), a.indices)
+    np.testing.assert_array_equal(vals.get().astype(np.float64), a.data.astype(np.float64))
