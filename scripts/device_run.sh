@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|micro|benchquick|profile|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -30,6 +30,10 @@ for step in $what; do
       python3 bench/train_step.py --out "$OUT/train_step.jsonl" 2>&1 | tee "$OUT/train_step.log"
       status=$((status | ${PIPESTATUS[0]}))
       python3 bench/model_bench.py --out "$OUT/model_bench.jsonl" 2>&1 | tee "$OUT/model_bench.log"
+      status=$((status | ${PIPESTATUS[0]}))
+      ;;&
+    micro|all)
+      python3 -m twellsparse bench --out "$OUT/micro" 2>&1 | tee "$OUT/micro.log" | tail -60
       status=$((status | ${PIPESTATUS[0]}))
       ;;&
     benchquick)

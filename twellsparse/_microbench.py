@@ -1,0 +1,366 @@
+"""Microbenchmarks behind ``python -m twellsparse bench``: TwELL beside cuSPARSE and dense cuBLAS.
+
+Ops, each over a density sweep and the token counts M asked for:
+
+- ``spmm``: ``A @ B`` with A the hidden activations (M x N) and B a weight (N x K): dense cuBLAS;
+  TwELL packed beforehand, and with the dense -> TwELL pack included (what dynamic activations
+  cost); cuSPARSE CSR with each SpMM algorithm, and with cuSPARSE's dense -> CSR included;
+  Blocked-ELL at block sizes 16 and 32 where the shape allows and the padding stays under 60%.
+- ``convert``: dense -> TwELL beside cuSPARSE dense -> CSR and a device copy (the bandwidth
+  ceiling), with GB/s on the bytes each one reads and writes.
+- ``sddmm``: TwELL beside cuSPARSE SDDMM at the same pattern and the dense GEMM.
+
+Every provider's result is checked against the dense one before it is timed; a failure (or a
+combination cuSPARSE refuses) is recorded instead of a time. On a machine without a GPU, or
+with ``cpu=True``, the NumPy reference path is timed against NumPy dense on small problems: a
+smoke run that keeps the harness from rotting, not a performance measurement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ._backend import bfloat16, gpu_available
+from ._environment import append_records, environment
+from ._timing import Timer
+from .testing import rel_error, sparse_activations
+
+OPS = ("spmm", "convert", "sddmm")
+TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4, "float64": 1e-10}
+#: Blocked-ELL is skipped when its padded storage exceeds this fraction of the dense matrix.
+BLOCKED_ELL_MAX_FILL = 0.6
+
+
+@dataclasses.dataclass
+class Config:
+    """What to run; :func:`default_config` fills it for a mode."""
+
+    ops: tuple[str, ...]
+    densities: tuple[float, ...]
+    ms: tuple[int, ...]
+    n: int
+    k: int
+    dtype: str
+    reps: int
+    on_gpu: bool
+    pattern: str = "uniform"
+    seed: int = 0
+
+
+def default_config(quick: bool = False, cpu: bool = False) -> Config:
+    """The full sweep on the standard problem's widths, a quick one, or the CPU smoke run."""
+    if cpu or not gpu_available():
+        return Config(OPS, (0.05, 0.2), (64,), 512, 64, "float32", 2, on_gpu=False)
+    if quick:
+        return Config(OPS, (0.01, 0.1), (2048,), 1024, 512, "bfloat16", 5, on_gpu=True)
+    densities = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+    return Config(OPS, densities, (4096, 16384), 5632, 2048, "bfloat16", 20, on_gpu=True)
+
+
+def _dtype(name: str) -> Any:
+    return bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+# ----------------------------------------------------------------------------- providers
+# Each returns {name: (fn, check)}: fn is timed; check(result) returns the relative error
+# against the dense result, or raises.
+
+Provider = tuple[Callable[[], Any], Callable[[Any], float]]
+
+
+def _spmm_gpu(h: Any, b: Any) -> dict[str, Provider]:
+    import cupy as cp
+
+    import twellsparse as ts
+
+    from ._gpu_ops import gemm_nt
+
+    b_t = cp.ascontiguousarray(b.T)
+    expected = gemm_nt(h, b_t)
+
+    def close(out: Any) -> float:
+        return rel_error(out, expected)
+
+    a = ts.twell_array(h)
+    providers: dict[str, Provider] = {
+        "dense-cublas": (lambda: gemm_nt(h, b_t), close),
+        "twell": (lambda: ts.matmul(a, b), close),
+        "twell+pack": (lambda: ts.matmul(ts.twell_array(h), b), close),
+    }
+    try:
+        from .bindings import cusparse
+    except ImportError:
+        return providers
+    try:
+        csr = cusparse.dense_to_csr(h)
+    except cusparse.CuSparseError:
+        return providers
+    m, k = h.shape[0], b.shape[1]
+    desc = cusparse.csr_descriptor(*csr, h.shape)
+    planned_cache: dict[str, Any] = {}
+    for alg in ("default", "csr_alg1", "csr_alg2", "csr_alg3"):
+        out = cp.empty((m, k), dtype=b.dtype)
+
+        def planned(alg: str = alg, out: Any = out) -> Any:
+            # Planning (workspace, ALG3's preprocess) happens once, outside the timing.
+            if alg not in planned_cache:
+                planned_cache[alg] = cusparse.SpMM(desc, b, out, alg)
+            return planned_cache[alg]()
+
+        providers[f"cusparse-csr-{alg}"] = (planned, close)
+
+    def converted() -> Any:
+        fresh = cusparse.csr_descriptor(*cusparse.dense_to_csr(h), h.shape)
+        return cusparse.SpMM(fresh, b, cp.empty((m, k), dtype=b.dtype))()
+
+    providers["cusparse-csr-default+convert"] = (converted, close)
+    for bs in (16, 32):
+        if h.shape[0] % bs or h.shape[1] % bs:
+            continue
+        block_cols, values = cusparse.blocked_ell_from_dense(h, bs)
+        if values.size > BLOCKED_ELL_MAX_FILL * h.size:
+            continue
+        ell = cusparse.SpMM(
+            cusparse.blocked_ell_descriptor(block_cols, values, h.shape, bs), b, cp.empty((m, k), dtype=b.dtype),
+            "blocked_ell_alg1",
+        )  # fmt: skip
+        providers[f"cusparse-blocked-ell-{bs}"] = (ell, close)
+    return providers
+
+
+def _convert_gpu(h: Any) -> dict[str, Provider]:
+    import cupy as cp
+
+    import twellsparse as ts
+
+    nnz = int(cp.count_nonzero(h))
+
+    def exact_twell(a: Any) -> float:
+        return 0.0 if bool((a.toarray() == h).all()) else float("inf")
+
+    dst = cp.empty_like(h)
+    providers: dict[str, Provider] = {
+        "twell": (lambda: ts.twell_array(h), exact_twell),
+        "copy": (lambda: cp.copyto(dst, h) or dst, lambda out: 0.0 if bool((out == h).all()) else float("inf")),
+    }
+    try:
+        from .bindings import cusparse
+
+        cusparse.library()
+    except (ImportError, RuntimeError):
+        return providers
+    providers["cusparse-dense2csr"] = (
+        lambda: cusparse.dense_to_csr(h),
+        lambda csr: 0.0 if int(csr[1].size) == nnz else float("inf"),
+    )
+    return providers
+
+
+def _bytes_moved(h: Any, result: Any) -> int:
+    """Bytes a conversion reads and writes: the input once and each output array once (a
+    twell_array's parts, a CSR tuple, or a copy)."""
+    if hasattr(result, "parts"):
+        return h.nbytes + sum(int(p.nbytes) for p in result.parts)
+    if isinstance(result, tuple):
+        return h.nbytes + sum(int(p.nbytes) for p in result)
+    return 2 * h.nbytes
+
+
+def _sddmm_gpu(h: Any, x: Any, y: Any) -> dict[str, Provider]:
+    import cupy as cp
+
+    import twellsparse as ts
+
+    from ._gpu_ops import gemm_nt
+
+    full = gemm_nt(x, y)
+    mask = h != 0
+    sampled = cp.where(mask, full, 0)
+    a = ts.twell_array(h)
+    providers: dict[str, Provider] = {
+        "dense-cublas": (lambda: gemm_nt(x, y), lambda out: rel_error(out, full)),
+        "twell": (lambda: ts.sddmm(x, y, a), lambda out: rel_error(out.toarray(), sampled)),
+    }
+    try:
+        from .bindings import cusparse
+
+        indptr, cols, vals = cusparse.dense_to_csr(h)
+    except (ImportError, RuntimeError):
+        return providers
+    desc = cusparse.csr_descriptor(indptr, cols, vals, h.shape)
+    rows = cp.searchsorted(indptr[1:], cp.arange(cols.size), side="right")
+    providers["cusparse-sddmm"] = (
+        lambda: cusparse.sddmm(x, y, desc, vals),
+        lambda out: rel_error(out, full[rows, cols]),
+    )
+    return providers
+
+
+def _cpu_providers(op: str, h: Any, b: Any, x: Any, y: Any) -> dict[str, Provider]:
+    import twellsparse as ts
+
+    a = ts.twell_array(h)
+    if op == "spmm":
+        expected = h.astype(np.float64) @ b.astype(np.float64)
+        return {
+            "dense-numpy": (lambda: h @ b, lambda out: rel_error(out, expected)),
+            "twell-reference": (lambda: ts.matmul(a, b), lambda out: rel_error(out, expected)),
+        }
+    if op == "convert":
+        return {
+            "twell-reference": (lambda: ts.twell_array(h), lambda t: float(np.abs(t.toarray() - h).max())),
+            "copy": (lambda: h.copy(), lambda out: float(np.abs(out - h).max())),
+        }
+    sampled = np.where(h != 0, x.astype(np.float64) @ y.astype(np.float64).T, 0.0)
+    return {
+        "dense-numpy": (lambda: x @ y.T, lambda out: 0.0),
+        "twell-reference": (lambda: ts.sddmm(x, y, a), lambda out: rel_error(out.toarray(), sampled)),
+    }
+
+
+# ----------------------------------------------------------------------------- running
+
+DENSE = {"spmm": ("dense-cublas", "dense-numpy"), "sddmm": ("dense-cublas", "dense-numpy"), "convert": ("copy",)}
+
+
+def run(cfg: Config, out_path: str | None = None, progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Check and time every (op, M, density, provider); returns the records (also appended to
+    ``out_path`` as JSON lines, one case at a time)."""
+    say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+    timer = Timer(cfg.reps, on_gpu=cfg.on_gpu, warmup=2, flush_l2=cfg.on_gpu)
+    env = environment()
+    dtype = _dtype(cfg.dtype)
+    rng = np.random.default_rng(cfg.seed)
+    records: list[dict] = []
+    cases = [(op, m, d) for op in cfg.ops for m in cfg.ms for d in cfg.densities]
+    for i, (op, m, density) in enumerate(cases, 1):
+        h = sparse_activations(m, cfg.n, density, cfg.pattern, dtype, rng)
+        b = rng.standard_normal((cfg.n, cfg.k)).astype(dtype)
+        x = rng.standard_normal((m, cfg.k)).astype(dtype)
+        y = rng.standard_normal((cfg.n, cfg.k)).astype(dtype)
+        if cfg.on_gpu:
+            import cupy as cp
+
+            h, b, x, y = (cp.asarray(v) for v in (h, b, x, y))
+            if op == "spmm":
+                providers = _spmm_gpu(h, b)
+            elif op == "convert":
+                providers = _convert_gpu(h)
+            else:
+                providers = _sddmm_gpu(h, x, y)
+        else:
+            providers = _cpu_providers(op, h, b, x, y)
+        case = {"kind": "micro", "op": op, "shape": [m, cfg.n, cfg.k], "dtype": cfg.dtype, "pattern": cfg.pattern}
+        case["density"] = float((h != 0).sum()) / h.size
+        timings: dict[str, Any] = {}
+        for name, (fn, check) in providers.items():
+            try:
+                err = check(fn())
+                if not err <= TOLERANCE[cfg.dtype]:
+                    raise ValueError(f"relative error {err:.3e} against dense")
+                result, ms = timer(fn)
+                timings[name] = {**ms, "rel_error": err}
+                if op == "convert":
+                    timings[name]["gb_per_s"] = _bytes_moved(h, result) / (ms["median"] * 1e-3) / 1e9
+            except Exception as exc:  # recorded, not fatal: the other providers still run
+                timings[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        dense = next((timings[n]["median"] for n in DENSE[op] if "median" in timings.get(n, {})), None)
+        for t in timings.values():
+            if dense is not None and "median" in t:
+                t["speedup_vs_dense"] = dense / t["median"]
+        record = {**case, "ms": timings, **env}
+        records.append(record)
+        append_records(out_path, [record])
+        say(f"[{i}/{len(cases)}] {op} M={m} density={case['density']:.3%}: " + _brief(timings))
+    return records
+
+
+def _brief(timings: dict[str, Any]) -> str:
+    return ", ".join(
+        f"{name} {t['median']:.3f} ms" if "median" in t else f"{name} failed" for name, t in timings.items()
+    )
+
+
+def summary(records: list[dict]) -> str:
+    """A markdown table per op: median ms and speed-up over dense for each provider."""
+    out = []
+    for op in OPS:
+        recs = [r for r in records if r["op"] == op]
+        if not recs:
+            continue
+        names = list(dict.fromkeys(n for r in recs for n in r["ms"]))
+        out += [f"\n{op} ({recs[0]['dtype']}, N={recs[0]['shape'][1]}, K={recs[0]['shape'][2]})", ""]
+        out.append("| M | density | " + " | ".join(names) + " |")
+        out.append("|---|---|" + "---|" * len(names))
+        for r in recs:
+            cells = []
+            for n in names:
+                t = r["ms"].get(n, {})
+                if "median" not in t:
+                    cells.append("failed" if "error" in t else "")
+                    continue
+                extra = f" ({t['speedup_vs_dense']:.2f}x)" if "speedup_vs_dense" in t else ""
+                if "gb_per_s" in t:
+                    extra += f" {t['gb_per_s']:.0f} GB/s"
+                cells.append(f"{t['median']:.3f}{extra}")
+            out.append(f"| {r['shape'][0]} | {r['density']:.2%} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def plots(records: list[dict], out_dir: pathlib.Path) -> list[pathlib.Path]:
+    """Speed-up over dense vs density per (op, M), with dense = 1 and, for SpMM, the FLOP
+    ceiling 1 / density; and SpMM time vs M per provider. Needs matplotlib (the bench extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for op in OPS:
+        for m in sorted({r["shape"][0] for r in records if r["op"] == op}):
+            recs = sorted((r for r in records if r["op"] == op and r["shape"][0] == m), key=lambda r: r["density"])
+            if not recs:
+                continue
+            fig, ax = plt.subplots(figsize=(7, 4.5))
+            dens = [r["density"] for r in recs]
+            for name in dict.fromkeys(n for r in recs for n in r["ms"]):
+                pts = [
+                    (r["density"], r["ms"][name]["speedup_vs_dense"])
+                    for r in recs
+                    if "speedup_vs_dense" in r["ms"].get(name, {})
+                ]
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), marker="o", label=name)
+            ax.axhline(1.0, color="black", linewidth=1, label="dense = 1")
+            if op == "spmm":
+                ax.plot(dens, [1 / d for d in dens], "k--", linewidth=1, label="FLOP ceiling 1/density")
+            ax.set(xscale="log", yscale="log", xlabel="density", ylabel="speed-up over dense")
+            ax.set_title(f"{op}, M = {m}")
+            ax.legend(fontsize=7)
+            path = out_dir / f"{op}_speedup_m{m}.png"
+            fig.savefig(path, dpi=120, bbox_inches="tight")
+            plt.close(fig)
+            written.append(path)
+    spmm = [r for r in records if r["op"] == "spmm"]
+    if len({r["shape"][0] for r in spmm}) > 1:
+        density = min({r["density"] for r in spmm}, key=lambda d: abs(d - 0.01))
+        recs = sorted((r for r in spmm if r["density"] == density), key=lambda r: r["shape"][0])
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name in dict.fromkeys(n for r in recs for n in r["ms"]):
+            pts = [(r["shape"][0], r["ms"][name]["median"]) for r in recs if "median" in r["ms"].get(name, {})]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=name)
+        ax.set(xscale="log", yscale="log", xlabel="M (tokens)", ylabel="ms")
+        ax.set_title(f"spmm time vs M at {density:.2%}")
+        ax.legend(fontsize=7)
+        path = out_dir / "spmm_time_vs_m.png"
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+        plt.close(fig)
+        written.append(path)
+    return written
