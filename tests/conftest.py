@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import zlib
+
+# JAX would otherwise take 75% of GPU memory at start-up, leaving CuPy (which twellsparse.jax's
+# callbacks allocate through) too little; it reads this when its GPU backend starts.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np
 import pytest

@@ -1,0 +1,56 @@
+"""twellsparse.jax on the GPU: the callbacks run the CUDA kernels on XLA's stream; values and
+gradients under jit against jax.numpy dense computations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+tsj = pytest.importorskip("twellsparse.jax")
+
+import twellsparse as ts  # noqa: E402
+from twellsparse.testing import ffn_problem, rel_error  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def _gpu():
+    try:
+        return jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("JAX has no GPU backend here")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ts.bfloat16])
+def test_gated_ffn_values_and_gradients_on_gpu(rng, dtype):
+    dev = _gpu()
+    p = ffn_problem(512, 256, 1024, 0.02, "skewed", dtype, rng)
+    args = tuple(jax.device_put(jnp.asarray(p[k]), dev) for k in ("x", "w_gate", "w_up", "w_down"))
+    sparse = jax.jit(lambda *a: tsj.gated_ffn(*a, capacity=8))
+
+    def dense(x, g, u, d):
+        f32 = [t.astype(jnp.float32) for t in (x, g, u, d)]
+        return (jax.nn.relu(f32[0] @ f32[1].T) * (f32[0] @ f32[2].T)) @ f32[3].T
+
+    out = sparse(*args)
+    assert out.devices() == {dev}
+    bound = 1e-4 if dtype == np.float32 else 2e-2
+    assert rel_error(np.asarray(out, np.float64), np.asarray(dense(*args), np.float64)) < bound
+    c = jax.device_put(jnp.asarray(rng.standard_normal((512, 256)).astype(np.float32)), dev)
+    got = jax.jit(jax.grad(lambda *a: jnp.sum(sparse(*a).astype(jnp.float32) * c), (0, 1, 2, 3)))(*args)
+    want = jax.grad(lambda *a: jnp.sum(dense(*a) * c), (0, 1, 2, 3))(*args)
+    for g, e in zip(got, want, strict=True):
+        assert rel_error(np.asarray(g, np.float64), np.asarray(e, np.float64)) < (1e-3 if dtype == np.float32 else 5e-2)
+
+
+def test_matmul_and_linear_to_twell_on_gpu(rng):
+    dev = _gpu()
+    x = jax.device_put(jnp.asarray(rng.standard_normal((300, 64)).astype(np.float32)), dev)
+    w = jax.device_put(jnp.asarray(rng.standard_normal((700, 64)).astype(np.float32)), dev)
+    h = jax.jit(lambda a, b: tsj.linear_to_twell(a, b, capacity=16, spill_capacity=200_000))(x, w)
+    dense_h = np.maximum(np.asarray(x) @ np.asarray(w).T, 0)
+    np.testing.assert_allclose(tsj.from_jax(h).toarray().get(), dense_h, rtol=1e-5, atol=1e-4)
+    b = jax.device_put(jnp.asarray(rng.standard_normal((700, 32)).astype(np.float32)), dev)
+    np.testing.assert_allclose(jax.jit(tsj.matmul)(h, b), dense_h @ np.asarray(b), rtol=1e-4, atol=1e-3)

@@ -1,0 +1,154 @@
+"""twellsparse.jax on the CPU (the reference path through buffer_callback): values under jit and
+gradients against jax.numpy dense computations, the pytree, DLPack interop, vmap, overflow."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+tsj = pytest.importorskip("twellsparse.jax")
+
+import twellsparse as ts  # noqa: E402
+from twellsparse.testing import ffn_problem, sparse_activations  # noqa: E402
+
+TOL = dict(rtol=2e-4, atol=2e-4)
+
+
+def _pattern(rng, m=23, n=300, density=0.08, tile_n=64, capacity=3):
+    h = sparse_activations(m, n, density, "skewed", np.float32, rng)
+    return h, tsj.to_jax(ts.twell_array(h, tile_n=tile_n, capacity=capacity))
+
+
+def test_pytree_and_dlpack_round_trip(rng):
+    h, a = _pattern(rng)
+    leaves, treedef = jax.tree_util.tree_flatten(a)
+    assert len(leaves) == 6 and all(isinstance(leaf, jax.Array) for leaf in leaves)
+    back = tsj.from_jax(jax.tree_util.tree_unflatten(treedef, leaves))
+    np.testing.assert_array_equal(back.toarray(), h)
+    assert back.n_spilled == ts.twell_array(h, tile_n=64, capacity=3).n_spilled > 0
+
+
+def test_matmul_values_and_gradients(rng):
+    h, a = _pattern(rng)
+    b = jnp.asarray(rng.standard_normal((300, 17)).astype(np.float32))
+    c = jnp.asarray(rng.standard_normal((23, 17)).astype(np.float32))
+    out = jax.jit(tsj.matmul)(a, b)
+    np.testing.assert_allclose(out, h @ np.asarray(b), **TOL)
+
+    def loss(data, spill, bb):
+        aa = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(a), [data, *a.parts[1:3], spill, *a.parts[4:]])
+        return jnp.sum(tsj.matmul(aa, bb) * c)
+
+    d_data, d_spill, d_b = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(a.parts.data, a.parts.spill_data, b)
+    np.testing.assert_allclose(d_b, h.T @ np.asarray(c), **TOL)
+    dense_dh = np.asarray(c) @ np.asarray(b).T  # d loss / d h, read at the stored entries
+    got = tsj.from_jax(
+        jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(a), [d_data, *a.parts[1:3], d_spill, *a.parts[4:]])
+    )
+    np.testing.assert_allclose(got.toarray(), np.where(h != 0, dense_dh, 0), **TOL)
+
+
+def test_sddmm_values_and_gradients(rng):
+    h, a = _pattern(rng)
+    x = jnp.asarray(rng.standard_normal((23, 9)).astype(np.float32))
+    y = jnp.asarray(rng.standard_normal((300, 9)).astype(np.float32))
+    s = jax.jit(tsj.sddmm)(x, y, a)
+    mask = h != 0
+    np.testing.assert_allclose(tsj.from_jax(s).toarray(), np.where(mask, np.asarray(x) @ np.asarray(y).T, 0), **TOL)
+    w = rng.standard_normal((23, 300)).astype(np.float32) * mask
+
+    def loss(xx, yy):
+        return jnp.sum(_dense_of(tsj.sddmm(xx, yy, a)) * w)
+
+    def dense_loss(xx, yy):
+        return jnp.sum((xx @ yy.T) * w)
+
+    got = jax.grad(loss, argnums=(0, 1))(x, y)
+    want = jax.grad(dense_loss, argnums=(0, 1))(x, y)
+    for g, e in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, e, **TOL)
+
+
+def _dense_of(t):
+    """Dense view of a TwELL pytree built from jnp ops (scatter of the stored values)."""
+    m, n = t.shape
+    p = t.parts
+    rows = jnp.repeat(jnp.arange(m), p.data.shape[1] * p.data.shape[2])
+    tiles = jnp.tile(jnp.repeat(jnp.arange(p.data.shape[1]), p.data.shape[2]), m)
+    cols = tiles * t.tile_n + p.indices.reshape(-1).astype(jnp.int32)
+    used = p.indices.reshape(-1) >= 0
+    dense = (
+        jnp.zeros((m, n), p.data.dtype).at[rows, jnp.where(used, cols, 0)].add(jnp.where(used, p.data.reshape(-1), 0))
+    )
+    n_spill = p.spill_indices.shape[0]
+    spill_rows = jnp.searchsorted(p.spill_indptr[1:], jnp.arange(n_spill), side="right")
+    return dense.at[spill_rows, p.spill_indices].add(p.spill_data)
+
+
+def test_linear_to_twell_values_overflow_and_gradient(rng):
+    x = jnp.asarray(rng.standard_normal((40, 16)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((200, 16)).astype(np.float32))
+    z = np.asarray(x) @ np.asarray(w).T
+    f = jax.jit(lambda xx, ww: tsj.linear_to_twell(xx, ww, tile_n=64, capacity=4, spill_capacity=4000))
+    h = f(x, w)
+    np.testing.assert_allclose(tsj.from_jax(h).toarray(), np.maximum(z, 0), **TOL)
+    with pytest.raises(Exception, match="spill_capacity: expected at least"):
+        jax.block_until_ready(tsj.linear_to_twell(x, w, tile_n=64, capacity=4, spill_capacity=1))
+    c = rng.standard_normal((40, 200)).astype(np.float32)
+
+    def loss(xx, ww):
+        return jnp.sum(_dense_of(tsj.linear_to_twell(xx, ww, tile_n=64, capacity=4, spill_capacity=4000)) * c)
+
+    def dense_loss(xx, ww):
+        return jnp.sum(jax.nn.relu(xx @ ww.T) * c)
+
+    for g, e in zip(jax.grad(loss, (0, 1))(x, w), jax.grad(dense_loss, (0, 1))(x, w), strict=True):
+        np.testing.assert_allclose(g, e, **TOL)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_ffn_blocks_under_jit_with_gradients(rng, gated):
+    p = ffn_problem(48, 32, 256, 0.05, "skewed", np.float32, rng)
+    x, wg, wu, wd = (jnp.asarray(p[k]) for k in ("x", "w_gate", "w_up", "w_down"))
+    kw = dict(tile_n=64, capacity=2)  # forces spill
+    if gated:
+        sparse = jax.jit(lambda *a: tsj.gated_ffn(*a, **kw))
+        args = (x, wg, wu, wd)
+
+        def dense(xx, g, u, d):
+            return (jax.nn.relu(xx @ g.T) * (xx @ u.T)) @ d.T
+    else:
+        sparse = jax.jit(lambda *a: tsj.ffn(*a, **kw))
+        args = (x, wg, wd)
+
+        def dense(xx, g, d):
+            return jax.nn.relu(xx @ g.T) @ d.T
+
+    np.testing.assert_allclose(sparse(*args), dense(*args), **TOL)
+    c = jnp.asarray(rng.standard_normal((48, 32)).astype(np.float32))
+    argnums = tuple(range(len(args)))
+    got = jax.jit(jax.grad(lambda *a: jnp.sum(sparse(*a) * c), argnums))(*args)
+    want = jax.grad(lambda *a: jnp.sum(dense(*a) * c), argnums)(*args)
+    for g, e in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-3, atol=1e-3)
+
+
+def test_vmap_runs_per_element(rng):
+    h, a = _pattern(rng)
+    bs = jnp.asarray(rng.standard_normal((3, 300, 5)).astype(np.float32))
+    out = jax.vmap(lambda b: tsj.matmul(a, b))(bs)
+    np.testing.assert_allclose(out, np.einsum("mn,bnk->bmk", h, np.asarray(bs)), **TOL)
+
+
+def test_bfloat16_and_dtype_mismatch(rng):
+    h, a = _pattern(rng)
+    a16 = jax.tree_util.tree_map(lambda leaf: leaf.astype(jnp.bfloat16) if leaf.dtype == jnp.float32 else leaf, a)
+    b = jnp.asarray(rng.standard_normal((300, 8)), dtype=jnp.bfloat16)
+    out = tsj.matmul(a16, b)
+    assert out.dtype == jnp.bfloat16
+    exact = h.astype(ts.bfloat16).astype(np.float64) @ np.asarray(b).astype(np.float64)
+    assert np.linalg.norm(np.asarray(out, np.float64) - exact) / np.linalg.norm(exact) < 1e-2
+    with pytest.raises(TypeError, match="b: expected dtype float32"):
+        tsj.matmul(a, b)

@@ -1,0 +1,407 @@
+"""JAX adapter: TwELL ops on ``jax.Array``, inside ``jax.jit``, differentiable with ``jax.grad``.
+
+Every op runs twellsparse's own code through :func:`jax.experimental.buffer_callback.buffer_callback`:
+on a GPU the callback receives XLA's device buffers and computation stream, views the buffers as
+CuPy arrays through DLPack (zero-copy) and launches the CUDA kernels on that stream, so no data
+goes through the host; on the CPU it runs the NumPy reference path on the host buffers. Outputs
+are written in place into XLA's result buffers.
+
+- :class:`twellsparse.twell_array` is a pytree of its six component arrays (data, indices,
+  counts, spill data, spill indices, spill row pointers) with the shape and tile width as static
+  data; :func:`to_jax` / :func:`from_jax` move one between NumPy/CuPy and JAX through DLPack.
+- Gradients are custom VJPs built on the sparse backward products (SDDMM and transposed SpMM at
+  the pattern); no dense tokens x d_ff array is formed. ``ffn`` / ``gated_ffn`` save only their
+  inputs and recompute the activation pattern in the backward pass, because jit residuals need
+  static shapes and the pattern's spill does not have one.
+- Shapes under jit are static, so :func:`linear_to_twell` takes a ``spill_capacity``: the spill
+  part is padded to it, and a pattern needing more raises (an XLA runtime error carrying the
+  ``spill_capacity: expected at least ...`` message); nothing is dropped silently.
+- ``jax.vmap`` is supported by running the op once per batch element (``vmap_method =
+  "sequential"``).
+
+On a GPU, start JAX with ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (or a smaller
+``XLA_PYTHON_CLIENT_MEM_FRACTION``): the callbacks allocate their workspaces through CuPy, which
+needs memory JAX has not reserved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.buffer_callback import buffer_callback
+
+from . import _ops
+from ._ffn_autodiff import backward_arrays, forward_arrays
+from ._parts import TwELLParts
+from ._twell import twell_array
+from ._validation import check_capacity, check_tile_n
+
+__all__ = ["ffn", "from_jax", "gated_ffn", "linear_to_twell", "matmul", "sddmm", "to_jax"]
+
+_KDL_CPU = 1
+
+
+# ----------------------------------------------------------------------------- pytree
+
+
+def _flatten(a: twell_array) -> tuple[tuple, tuple]:
+    return tuple(a.parts), (a.shape, a.tile_n)
+
+
+def _unflatten(aux: tuple, leaves: Any) -> twell_array:
+    shape, tile_n = aux
+    return twell_array._from_parts(TwELLParts(*leaves), shape, tile_n)
+
+
+jax.tree_util.register_pytree_node(twell_array, _flatten, _unflatten)
+
+
+def to_jax(a: twell_array) -> twell_array:
+    """The same matrix with JAX arrays as components (zero-copy through DLPack where possible)."""
+    return jax.tree_util.tree_map(jnp.asarray, a)
+
+
+def from_jax(a: twell_array) -> twell_array:
+    """The same matrix with NumPy (CPU) or CuPy (GPU) components, spill trimmed to its entries."""
+    parts = TwELLParts(*(_array(leaf) for leaf in a.parts))
+    n_spill = int(parts.spill_indptr[-1]) if parts.spill_indptr.size else 0
+    parts = parts._replace(spill_data=parts.spill_data[:n_spill], spill_indices=parts.spill_indices[:n_spill])
+    return twell_array._from_parts(parts, a.shape, a.tile_n)
+
+
+def _array(x: Any) -> Any:
+    """NumPy or CuPy view of a JAX array or buffer (DLPack; CPU buffers through __array__)."""
+    if int(x.__dlpack_device__()[0]) == _KDL_CPU:
+        return np.asarray(x)
+    import cupy as cp
+
+    return cp.from_dlpack(x)
+
+
+# ----------------------------------------------------------------------------- callbacks
+
+
+@contextlib.contextmanager
+def _on_stream(ctx: Any, buffers: list) -> Iterator[None]:
+    """Run on XLA's computation stream and device when the buffers live on a GPU."""
+    if not buffers or int(buffers[0].__dlpack_device__()[0]) == _KDL_CPU:
+        yield
+        return
+    import cupy as cp
+
+    with cp.cuda.Device(int(buffers[0].__dlpack_device__()[1])), cp.cuda.ExternalStream(int(ctx.stream)):
+        yield
+
+
+def _call(fn: Callable[..., Any], out_types: Any, *args: Any) -> Any:
+    """``fn(outs, *args)`` on NumPy/CuPy views of the buffers; ``out_types`` a pytree of
+    ShapeDtypeStructs whose buffers ``fn`` fills in place."""
+
+    def callback(ctx: Any, outs: Any, *bufs: Any) -> None:
+        leaves = jax.tree_util.tree_leaves((outs, bufs))
+        with _on_stream(ctx, leaves):
+            fn(jax.tree_util.tree_map(_array, outs), *jax.tree_util.tree_map(_array, bufs))
+
+    return buffer_callback(callback, out_types, vmap_method="sequential")(*args)
+
+
+def _struct(shape: tuple, dtype: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(int(s) for s in shape), dtype)
+
+
+def _values_struct(a: twell_array) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    return _struct(a.parts.data.shape, a.parts.data.dtype), _struct(a.parts.spill_data.shape, a.parts.data.dtype)
+
+
+def _rebuild(parts: TwELLParts, like: twell_array) -> twell_array:
+    """A twell_array over JAX arrays (outside callbacks), with ``like``'s shape and tile."""
+    return twell_array._from_parts(parts, like.shape, like.tile_n)
+
+
+def _matrix(parts: Any, like: twell_array) -> twell_array:
+    """A twell_array over callback views, its spill trimmed to the entries ``spill_indptr``
+    counts (linear_to_twell pads the spill to a static length; reading the count back is a
+    host synchronisation, paid only when the spill part is non-empty)."""
+    p = TwELLParts(*parts)
+    if p.spill_data.shape[0]:
+        n = int(p.spill_indptr[-1])
+        p = p._replace(spill_data=p.spill_data[:n], spill_indices=p.spill_indices[:n])
+    return twell_array._from_parts(p, like.shape, like.tile_n)
+
+
+def _copy_values(dst: tuple, src: twell_array) -> None:
+    """Write a result's slot and spill values into (data, spill) output buffers; spill padding
+    (beyond the entries) gets zeros."""
+    dst[0][...] = src.parts.data
+    n = src.parts.spill_data.shape[0]
+    dst[1][:n] = src.parts.spill_data
+    dst[1][n:] = 0
+
+
+def _zero_cotangent(a: twell_array, data: Any, spill: Any) -> twell_array:
+    """A cotangent for ``a``: the given value cotangents, float0 zeros for the integer parts."""
+    f0 = jax.dtypes.float0
+    p = a.parts
+    parts = TwELLParts(
+        data,
+        np.zeros(p.indices.shape, f0),
+        np.zeros(p.counts.shape, f0),
+        spill,
+        np.zeros(p.spill_indices.shape, f0),
+        np.zeros(p.spill_indptr.shape, f0),
+    )
+    return twell_array._from_parts(parts, a.shape, a.tile_n)
+
+
+def _same_dtype(**arrays: Any) -> Any:
+    dtypes = {name: jnp.dtype(a.dtype) for name, a in arrays.items()}
+    first = next(iter(dtypes.values()))
+    for name, dt in dtypes.items():
+        if dt != first:
+            raise TypeError(f"{name}: expected dtype {first} like the other operands, got {dt}")
+    return first
+
+
+# ----------------------------------------------------------------------------- products
+
+
+@jax.custom_vjp
+def matmul(a: twell_array, b: jax.Array) -> jax.Array:
+    """``a @ b`` for a TwELL matrix ``a`` (JAX components) and a dense ``b``; see
+    :func:`twellsparse.matmul`. Differentiable in ``b`` and in ``a``'s values."""
+    return _matmul(a, b, transposed=False)
+
+
+def _matmul(a: twell_array, b: jax.Array, transposed: bool) -> jax.Array:
+    dt = _same_dtype(a=a.parts.data, b=b)
+    rows = a.shape[1] if transposed else a.shape[0]
+
+    def run(out: Any, parts: tuple, bb: Any) -> None:
+        m = _matrix(parts, a)
+        _ops.matmul(m.T if transposed else m, bb, out=out)
+
+    return _call(run, _struct((rows, b.shape[1]), dt), tuple(a.parts), b)
+
+
+def _matmul_fwd(a: twell_array, b: jax.Array) -> tuple[jax.Array, tuple]:
+    return matmul(a, b), (a, b)
+
+
+def _matmul_bwd(res: tuple, g: jax.Array) -> tuple:
+    a, b = res
+    d_b = _matmul(a, g, transposed=True)
+
+    def run(outs: tuple, parts: tuple, gg: Any, bb: Any) -> None:
+        _copy_values(outs, _ops.sddmm(gg, bb, _matrix(parts, a)))
+
+    d_data, d_spill = _call(run, _values_struct(a), tuple(a.parts), g, b)
+    return _zero_cotangent(a, d_data, d_spill), d_b
+
+
+matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+@jax.custom_vjp
+def sddmm(x: jax.Array, y: jax.Array, pattern: twell_array) -> twell_array:
+    """``x @ y.T`` at the stored entries of ``pattern`` (a TwELL matrix with JAX components);
+    see :func:`twellsparse.sddmm`. Differentiable in ``x`` and ``y``."""
+    _same_dtype(x=x, y=y)
+
+    def run(outs: tuple, xx: Any, yy: Any, parts: tuple) -> None:
+        _copy_values(outs, _ops.sddmm(xx, yy, _matrix(parts, pattern)))
+
+    data_t, spill_t = _values_struct(pattern)
+    data, spill = _call(
+        run, (_struct(data_t.shape, x.dtype), _struct(spill_t.shape, x.dtype)), x, y, tuple(pattern.parts)
+    )
+    return _rebuild(pattern.parts._replace(data=data, spill_data=spill), pattern)
+
+
+def _sddmm_fwd(x: jax.Array, y: jax.Array, pattern: twell_array) -> tuple[twell_array, tuple]:
+    return sddmm(x, y, pattern), (x, y, pattern)
+
+
+def _sddmm_bwd(res: tuple, d: twell_array) -> tuple:
+    x, y, pattern = res
+    dmat = _rebuild(pattern.parts._replace(data=d.parts.data, spill_data=d.parts.spill_data), pattern)
+    zeros = jnp.zeros_like(pattern.parts.data), jnp.zeros_like(pattern.parts.spill_data)
+    return _matmul(dmat, y, False), _matmul(dmat, x, True), _zero_cotangent(pattern, *zeros)
+
+
+sddmm.defvjp(_sddmm_fwd, _sddmm_bwd)
+
+
+# ----------------------------------------------------------------------------- producer
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _linear_to_twell(x, w, activation, tile_n, capacity, threshold, spill_capacity):
+    m, n = x.shape[0], w.shape[0]
+    nt = -(-n // tile_n)
+    dt = _same_dtype(x=x, w=w)
+    out_types = (
+        _struct((m, nt, capacity), dt),
+        _struct((m, nt, capacity), jnp.int16),
+        _struct((m, nt), jnp.int32),
+        _struct((spill_capacity,), dt),
+        _struct((spill_capacity,), jnp.int32),
+        _struct((m + 1,), jnp.int32),
+    )
+
+    def run(outs: tuple, xx: Any, ww: Any) -> None:
+        h = _ops.linear_to_twell(
+            xx, ww, activation=activation, tile_n=tile_n, capacity=capacity, threshold=threshold, overflow="spill"
+        )
+        n_spill = h.parts.spill_data.shape[0]
+        if n_spill > spill_capacity:
+            raise ValueError(
+                f"spill_capacity: expected at least {n_spill} (the entries beyond capacity {capacity}), "
+                f"got {spill_capacity}"
+            )
+        for out, part in zip(outs, h.parts, strict=True):
+            if out.shape == part.shape:
+                out[...] = part
+            else:  # the spill part, padded
+                out[:n_spill] = part
+                out[n_spill:] = 0
+
+    parts = _call(run, out_types, x, w)
+    return twell_array._from_parts(TwELLParts(*parts), (m, n), tile_n)
+
+
+def _linear_fwd(x, w, activation, tile_n, capacity, threshold, spill_capacity):
+    h = _linear_to_twell(x, w, activation, tile_n, capacity, threshold, spill_capacity)
+    return h, (x, w, h)
+
+
+def _linear_bwd(activation, tile_n, capacity, threshold, spill_capacity, res, d):
+    x, w, h = res
+
+    def run(outs: tuple, dd: tuple, xx: Any, ww: Any, parts: tuple) -> None:
+        from ._ffn_autodiff import _activation_grad
+
+        pattern = _matrix(parts, h)
+        d_values = _matrix(pattern.parts._replace(data=dd[0], spill_data=dd[1]), pattern)
+        if activation not in ("relu", "identity"):
+            z = _ops.sddmm(xx, ww, pattern)  # pre-activations on the pattern
+            grad = lambda dz, zz: dz * _activation_grad(activation, zz)  # noqa: E731
+            d_values = _ops.with_values(
+                pattern,
+                _ops.values_op(grad, d_values.data, z.data),
+                _ops.values_op(grad, d_values.spill_data, z.spill_data),
+            )
+        outs[0][...] = _ops.matmul(d_values, ww)
+        outs[1][...] = _ops.matmul(d_values.T, xx)
+
+    dx, dw = _call(
+        run,
+        (_struct(x.shape, x.dtype), _struct(w.shape, w.dtype)),
+        (d.parts.data, d.parts.spill_data),
+        x,
+        w,
+        tuple(h.parts),
+    )
+    return dx, dw
+
+
+_linear_to_twell.defvjp(_linear_fwd, _linear_bwd)
+
+
+def linear_to_twell(
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    activation: str = "relu",
+    tile_n: int = 256,
+    capacity: int | None = None,
+    threshold: float | None = None,
+    spill_capacity: int = 0,
+) -> twell_array:
+    """``act(x @ w.T)`` packed into TwELL (JAX components); see :func:`twellsparse.linear_to_twell`.
+
+    ``spill_capacity`` (static) is the length of the spill part: entries beyond a row-tile's
+    ``capacity`` go there, and a call needing more raises. Differentiable in ``x`` and ``w``
+    through the stored values.
+    """
+    tile_n = check_tile_n(tile_n)
+    capacity = check_capacity(capacity, tile_n)
+    if not isinstance(spill_capacity, int) or spill_capacity < 0:
+        raise ValueError(f"spill_capacity: expected a non-negative int, got {spill_capacity!r}")
+    return _linear_to_twell(x, w, activation, tile_n, capacity, threshold, spill_capacity)
+
+
+# ----------------------------------------------------------------------------- FFN blocks
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _ffn(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold):
+    dt = _same_dtype(x=x, w_act=w_act, w_down=w_down, **({} if w_lin is None else {"w_lin": w_lin}))
+
+    def run(out: Any, xx: Any, wa: Any, wl: Any, wd: Any) -> None:
+        out[...] = forward_arrays(xx, wa, wl, wd, activation, tile_n, capacity, threshold)[0]
+
+    return _call(run, _struct((x.shape[0], w_down.shape[0]), dt), x, w_act, w_lin, w_down)
+
+
+def _ffn_fwd(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold):
+    return _ffn(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold), (x, w_act, w_lin, w_down)
+
+
+def _ffn_bwd(activation, tile_n, capacity, threshold, res, g):
+    x, w_act, w_lin, w_down = res
+    types = [_struct(a.shape, a.dtype) for a in (x, w_act, w_down)]
+    if w_lin is not None:
+        types.append(_struct(w_lin.shape, w_lin.dtype))
+
+    def run(outs: list, gg: Any, xx: Any, wa: Any, wl: Any, wd: Any) -> None:
+        # The pattern and the up values are recomputed (jit residuals need static shapes).
+        _, pattern, up = forward_arrays(xx, wa, wl, wd, activation, tile_n, capacity, threshold)
+        dx, dwa, dwl, dwd = backward_arrays(gg, None, xx, wa, wl, wd, pattern, up, activation)
+        outs[0][...], outs[1][...], outs[2][...] = dx, dwa, dwd
+        if wl is not None:
+            outs[3][...] = dwl
+
+    grads = _call(run, types, g, x, w_act, w_lin, w_down)
+    return grads[0], grads[1], (grads[3] if w_lin is not None else None), grads[2]
+
+
+_ffn.defvjp(_ffn_fwd, _ffn_bwd)
+
+
+def ffn(
+    x: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    activation: str = "relu",
+    tile_n: int = 256,
+    capacity: int | None = None,
+    threshold: float | None = None,
+) -> jax.Array:
+    """Non-gated sparse FFN ``act(x @ w_up.T) @ w_down.T``; see :func:`twellsparse.ffn`.
+    Differentiable in ``x`` and every weight (sparse backward, pattern recomputed)."""
+    tile_n = check_tile_n(tile_n)
+    return _ffn(x, w_up, None, w_down, activation, tile_n, check_capacity(capacity, tile_n), threshold)
+
+
+def gated_ffn(
+    x: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    activation: str = "relu",
+    tile_n: int = 256,
+    capacity: int | None = None,
+    threshold: float | None = None,
+) -> jax.Array:
+    """Gated sparse FFN ``(act(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T``; see
+    :func:`twellsparse.gated_ffn`. Differentiable in ``x`` and every weight."""
+    tile_n = check_tile_n(tile_n)
+    return _ffn(x, w_gate, w_up, w_down, activation, tile_n, check_capacity(capacity, tile_n), threshold)
