@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|micro|benchquick|profile|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|jax|micro|benchquick|profile|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -30,6 +30,10 @@ for step in $what; do
       python3 bench/train_step.py --out "$OUT/train_step.jsonl" 2>&1 | tee "$OUT/train_step.log"
       status=$((status | ${PIPESTATUS[0]}))
       python3 bench/model_bench.py --out "$OUT/model_bench.jsonl" 2>&1 | tee "$OUT/model_bench.log"
+      status=$((status | ${PIPESTATUS[0]}))
+      ;;&
+    jax|all)
+      XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/jax_bench.py --out "$OUT/jax_bench.jsonl" 2>&1 | tee "$OUT/jax_bench.log"
       status=$((status | ${PIPESTATUS[0]}))
       ;;&
     micro|all)

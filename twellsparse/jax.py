@@ -64,7 +64,9 @@ jax.tree_util.register_pytree_node(twell_array, _flatten, _unflatten)
 
 def to_jax(a: twell_array) -> twell_array:
     """The same matrix with JAX arrays as components (zero-copy through DLPack where possible)."""
-    return jax.tree_util.tree_map(jnp.asarray, a)
+    return jax.tree_util.tree_map(
+        lambda leaf: jnp.asarray(leaf) if isinstance(leaf, np.ndarray) else jnp.from_dlpack(leaf), a
+    )
 
 
 def from_jax(a: twell_array) -> twell_array:
@@ -108,7 +110,38 @@ def _call(fn: Callable[..., Any], out_types: Any, *args: Any) -> Any:
         with _on_stream(ctx, leaves):
             fn(jax.tree_util.tree_map(_array, outs), *jax.tree_util.tree_map(_array, bufs))
 
-    return buffer_callback(callback, out_types, vmap_method="sequential")(*args)
+    out = buffer_callback(callback, out_types, vmap_method="sequential")(*args)
+    # Under shard_map the results vary over the same mesh axes as the inputs.
+    axes = frozenset().union(*(_vma(a) for a in jax.tree_util.tree_leaves(args)))
+    return jax.tree_util.tree_map(lambda o: _vary(o, axes), out) if axes else out
+
+
+def _vma(x: Any) -> frozenset:
+    """The mesh axes a value varies over inside shard_map (empty elsewhere)."""
+    aval = jax.typeof(x)
+    axis_type = getattr(aval, "manual_axis_type", None)  # newer JAX; older ones call it vma
+    return frozenset(axis_type.varying if axis_type is not None else getattr(aval, "vma", ()))
+
+
+def _like_primal(ct: Any, primal: Any) -> Any:
+    """A cotangent with its primal's mesh-axis type, as JAX's own rules give it: summed over the
+    axes the primal is invariant on (the transpose of the implicit pvary), cast to varying on
+    the axes only the primal varies over."""
+    if ct is None or getattr(ct, "dtype", None) == jax.dtypes.float0:
+        return ct
+    extra = tuple(sorted(_vma(ct) - _vma(primal)))
+    if extra:
+        ct = jax.lax.psum(ct, extra)
+    return _vary(ct, _vma(primal))
+
+
+def _cotangents(cts: tuple, primals: tuple) -> tuple:
+    return tuple(jax.tree_util.tree_map(_like_primal, c, p) for c, p in zip(cts, primals, strict=True))
+
+
+def _vary(x: Any, axes: frozenset) -> Any:
+    missing = tuple(sorted(axes - _vma(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _struct(shape: tuple, dtype: Any) -> jax.ShapeDtypeStruct:
@@ -201,7 +234,7 @@ def _matmul_bwd(res: tuple, g: jax.Array) -> tuple:
         _copy_values(outs, _ops.sddmm(gg, bb, _matrix(parts, a)))
 
     d_data, d_spill = _call(run, _values_struct(a), tuple(a.parts), g, b)
-    return _zero_cotangent(a, d_data, d_spill), d_b
+    return _cotangents((_zero_cotangent(a, d_data, d_spill), d_b), (a, b))
 
 
 matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -231,7 +264,8 @@ def _sddmm_bwd(res: tuple, d: twell_array) -> tuple:
     x, y, pattern = res
     dmat = _rebuild(pattern.parts._replace(data=d.parts.data, spill_data=d.parts.spill_data), pattern)
     zeros = jnp.zeros_like(pattern.parts.data), jnp.zeros_like(pattern.parts.spill_data)
-    return _matmul(dmat, y, False), _matmul(dmat, x, True), _zero_cotangent(pattern, *zeros)
+    cts = (_matmul(dmat, y, False), _matmul(dmat, x, True), _zero_cotangent(pattern, *zeros))
+    return _cotangents(cts, (x, y, pattern))
 
 
 sddmm.defvjp(_sddmm_fwd, _sddmm_bwd)
@@ -307,7 +341,7 @@ def _linear_bwd(activation, tile_n, capacity, threshold, spill_capacity, res, d)
         w,
         tuple(h.parts),
     )
-    return dx, dw
+    return _cotangents((dx, dw), (x, w))
 
 
 _linear_to_twell.defvjp(_linear_fwd, _linear_bwd)
@@ -368,7 +402,8 @@ def _ffn_bwd(activation, tile_n, capacity, threshold, res, g):
             outs[3][...] = dwl
 
     grads = _call(run, types, g, x, w_act, w_lin, w_down)
-    return grads[0], grads[1], (grads[3] if w_lin is not None else None), grads[2]
+    cts = (grads[0], grads[1], (grads[3] if w_lin is not None else None), grads[2])
+    return _cotangents(cts, (x, w_act, w_lin, w_down))
 
 
 _ffn.defvjp(_ffn_fwd, _ffn_bwd)

@@ -1,0 +1,100 @@
+"""The jitted JAX gated FFN beside the CuPy path, on the standard problem, in one run.
+
+Times ``jax.jit(twellsparse.jax.gated_ffn)`` (the kernels through buffer_callback on XLA's
+stream) against ``twellsparse.gated_ffn`` on CuPy arrays, both on the sparse path, and the dense
+jnp FFN; checks both against the dense result first. Target (issue: JAX adapter): the JAX path
+within 10% of the CuPy one. Run on a GPU with XLA_PYTHON_CLIENT_PREALLOCATE=false.
+
+Usage: python bench/jax_bench.py [--m 16384] [--densities 0.005,0.01] [--out results.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import cupy as cp
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import twellsparse as ts
+import twellsparse.jax as tsj
+from twellsparse._environment import append_records, environment
+from twellsparse._timing import Timer
+from twellsparse.testing import ffn_problem, rel_error
+
+
+def jax_ms(fn: Any, args: tuple, reps: int) -> dict[str, float]:
+    """Median/p10/p90 wall time of a jitted call, synchronised with block_until_ready."""
+    for _ in range(3):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    t = np.asarray(times)
+    return {"median": float(np.median(t)), "p10": float(np.percentile(t, 10)), "p90": float(np.percentile(t, 90))}
+
+
+def bench_density(args: argparse.Namespace, density: float, timer: Timer) -> dict[str, Any]:
+    """Check, then time, the three paths at one density."""
+    p = ffn_problem(args.m, args.d_model, args.d_ff, density, "uniform", ts.bfloat16, 0, cp)
+    weights = (p["w_gate"], p["w_up"], p["w_down"])
+    plan = ts.GatedFFN(*weights, dispatch="sparse")
+    jargs = tuple(jnp.from_dlpack(a) for a in (p["x"], *weights))  # zero-copy, stays on the GPU
+    sparse_jax = jax.jit(lambda *a: tsj.gated_ffn(*a))
+    dense_jit = jax.jit(lambda x, g, u, d: (jax.nn.relu(x @ g.T) * (x @ u.T)) @ d.T)
+    ref = np.asarray(dense_jit(*jargs).astype(jnp.float32))
+    errors = {
+        "jax": rel_error(np.asarray(sparse_jax(*jargs).astype(jnp.float32)), ref),
+        "cupy": rel_error(plan(p["x"]).astype(cp.float32), ref),
+    }
+    if not max(errors.values()) < 2e-2:
+        raise SystemExit(f"relative errors {errors} against dense at density {density}; not timing")
+    rows = {
+        "cupy_sparse": timer(lambda: plan(p["x"]))[1],
+        "jax_sparse": jax_ms(sparse_jax, jargs, args.reps),
+        "jax_dense": jax_ms(dense_jit, jargs, args.reps),
+    }
+    return {
+        "kind": "jax",
+        "shape": [args.m, args.d_model, args.d_ff],
+        "density_target": density,
+        "ms": rows,
+        "jax_vs_cupy": rows["jax_sparse"]["median"] / rows["cupy_sparse"]["median"],
+        "rel_error_vs_dense": errors,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--m", type=int, default=16384)
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--d-ff", type=int, default=5632)
+    ap.add_argument("--densities", default="0.005,0.01")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    env = environment()
+    timer = Timer(args.reps, on_gpu=True)
+    for density in (float(d) for d in args.densities.split(",")):
+        rec = {**bench_density(args, density, timer), **env}
+        append_records(args.out, [rec])
+        ms = {k: v["median"] for k, v in rec["ms"].items()}
+        print(
+            f"density {density:.2%}: cupy {ms['cupy_sparse']:.3f} ms, jax {ms['jax_sparse']:.3f} ms "
+            f"({rec['jax_vs_cupy']:.2f}x the CuPy time), jax dense {ms['jax_dense']:.3f} ms",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
