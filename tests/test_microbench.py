@@ -13,10 +13,10 @@ from twellsparse.__main__ import main
 def test_cpu_smoke_run(tmp_path, capsys):
     assert main(["bench", "--cpu", "--out", str(tmp_path)]) == 0
     records = [json.loads(line) for line in (tmp_path / "micro.jsonl").read_text().splitlines()]
-    assert {r["op"] for r in records} == {"spmm", "convert", "sddmm"}
+    assert {r["op"] for r in records} == {"spmm", "convert", "sddmm", "ffn"}
     for r in records:
         assert r["kind"] == "micro" and r["commit"] is not None and 0.03 < r["density"] < 0.3
-        assert len(r["ms"]) == 2
+        assert len(r["ms"]) == (3 if r["op"] == "ffn" else 2)
         for name, t in r["ms"].items():
             assert "error" not in t, (r["op"], name, t)
             assert t["median"] > 0 and "speedup_vs_dense" in t
@@ -24,7 +24,7 @@ def test_cpu_smoke_run(tmp_path, capsys):
             assert all(t["gb_per_s"] > 0 for t in r["ms"].values())
     out = capsys.readouterr().out
     assert "| M | density | dense-numpy | twell-reference |" in out
-    for op in ("spmm", "convert", "sddmm"):
+    for op in ("spmm", "convert", "sddmm", "ffn"):
         assert (tmp_path / f"{op}_speedup_m64.png").stat().st_size > 1000
 
 
@@ -36,5 +36,5 @@ def test_m_sweep_plots_time_vs_m(tmp_path):
 
 
 def test_unknown_op_is_refused(tmp_path):
-    with pytest.raises(SystemExit, match="--ops: expected a subset of spmm,convert,sddmm, got gemm"):
+    with pytest.raises(SystemExit, match="--ops: expected a subset of spmm,convert,sddmm,ffn, got gemm"):
         main(["bench", "--cpu", "--ops", "gemm", "--out", str(tmp_path)])

@@ -9,6 +9,8 @@ Ops, each over a density sweep and the token counts M asked for:
 - ``convert``: dense -> TwELL beside cuSPARSE dense -> CSR and a device copy (the bandwidth
   ceiling), with GB/s on the bytes each one reads and writes.
 - ``sddmm``: TwELL beside cuSPARSE SDDMM at the same pattern and the dense GEMM.
+- ``ffn``: the gated FFN block (d_model = K, d_ff = N) with the sparse path forced and with the
+  default dispatch, beside the dense cuBLAS block (bench/ffn_bench.py compares with torch).
 
 Every provider's result is checked against the dense one before it is timed; a failure (or a
 combination cuSPARSE refuses) is recorded instead of a time. On a machine without a GPU, or
@@ -29,9 +31,9 @@ import numpy as np
 from ._backend import bfloat16, gpu_available
 from ._environment import append_records, environment
 from ._timing import Timer
-from .testing import rel_error, sparse_activations
+from .testing import ffn_problem, rel_error, sparse_activations
 
-OPS = ("spmm", "convert", "sddmm")
+OPS = ("spmm", "convert", "sddmm", "ffn")
 TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4, "float64": 1e-10}
 #: Blocked-ELL is skipped when its padded storage exceeds this fraction of the dense matrix.
 BLOCKED_ELL_MAX_FILL = 0.6
@@ -202,6 +204,33 @@ def _sddmm_gpu(h: Any, x: Any, y: Any) -> dict[str, Provider]:
     return providers
 
 
+def _ffn_providers(p: dict[str, Any]) -> dict[str, Provider]:
+    """The gated FFN: dense (cuBLAS or NumPy), the sparse plan and the default-dispatch plan."""
+    import twellsparse as ts
+
+    x, wg, wu, wd = p["x"], p["w_gate"], p["w_up"], p["w_down"]
+    sparse = ts.GatedFFN(wg, wu, wd, dispatch="sparse")
+    auto = ts.GatedFFN(wg, wu, wd)
+    if isinstance(x, np.ndarray):
+        expected = ts._reference.gated_ffn_dense(x, wg, wu, wd, "relu")
+
+        def dense() -> Any:
+            return (np.maximum(x @ wg.T, 0) * (x @ wu.T)) @ wd.T
+
+        name = "dense-numpy"
+    else:
+        import cupy as cp
+
+        from ._gpu_ops import gemm_nt
+
+        def dense() -> Any:
+            return gemm_nt(cp.maximum(gemm_nt(x, wg), 0) * gemm_nt(x, wu), wd)
+
+        expected, name = dense(), "dense-cublas"
+    close = lambda out: rel_error(out, expected)  # noqa: E731
+    return {name: (dense, close), "twell-sparse": (lambda: sparse(x), close), "twell-auto": (lambda: auto(x), close)}
+
+
 def _cpu_providers(op: str, h: Any, b: Any, x: Any, y: Any) -> dict[str, Provider]:
     import twellsparse as ts
 
@@ -226,7 +255,68 @@ def _cpu_providers(op: str, h: Any, b: Any, x: Any, y: Any) -> dict[str, Provide
 
 # ----------------------------------------------------------------------------- running
 
-DENSE = {"spmm": ("dense-cublas", "dense-numpy"), "sddmm": ("dense-cublas", "dense-numpy"), "convert": ("copy",)}
+DENSE = {
+    "spmm": ("dense-cublas", "dense-numpy"),
+    "sddmm": ("dense-cublas", "dense-numpy"),
+    "ffn": ("dense-cublas", "dense-numpy"),
+    "convert": ("copy",),
+}
+
+
+def _case_providers(cfg: Config, op: str, m: int, density: float, dtype: Any, rng: Any) -> tuple[dict, Any]:
+    """Fresh random operands for one case: (providers, the activation matrix or pattern)."""
+    xp: Any = np
+    if cfg.on_gpu:
+        import cupy
+
+        xp = cupy
+    if op == "ffn":
+        problem = ffn_problem(m, cfg.k, cfg.n, density, cfg.pattern, dtype, rng, xp)
+        return _ffn_providers(problem), (problem["x"] @ problem["w_gate"].T) > 0
+    h = sparse_activations(m, cfg.n, density, cfg.pattern, dtype, rng)
+    b = rng.standard_normal((cfg.n, cfg.k)).astype(dtype)
+    x = rng.standard_normal((m, cfg.k)).astype(dtype)
+    y = rng.standard_normal((cfg.n, cfg.k)).astype(dtype)
+    if not cfg.on_gpu:
+        return _cpu_providers(op, h, b, x, y), h
+    h, b, x, y = (xp.asarray(v) for v in (h, b, x, y))
+    if op == "spmm":
+        return _spmm_gpu(h, b), h
+    if op == "convert":
+        return _convert_gpu(h), h
+    return _sddmm_gpu(h, x, y), h
+
+
+def _time_case(
+    case: dict[str, Any],
+    density: float,
+    providers: dict[str, Provider],
+    timer: Timer,
+    cfg: Config,
+    env: dict[str, Any],
+    out_path: str | None,
+    h: Any = None,
+) -> dict[str, Any]:
+    """Check then time each provider of one case; the record (also appended to ``out_path``)."""
+    timings: dict[str, Any] = {}
+    for name, (fn, check) in providers.items():
+        try:
+            err = check(fn())
+            if not err <= TOLERANCE[cfg.dtype]:
+                raise ValueError(f"relative error {err:.3e} against dense")
+            result, ms = timer(fn)
+            timings[name] = {**ms, "rel_error": err}
+            if case["op"] == "convert":
+                timings[name]["gb_per_s"] = _bytes_moved(h, result) / (ms["median"] * 1e-3) / 1e9
+        except Exception as exc:  # recorded, not fatal: the other providers still run
+            timings[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    dense = next((timings[n]["median"] for n in DENSE[case["op"]] if "median" in timings.get(n, {})), None)
+    for t in timings.values():
+        if dense is not None and "median" in t:
+            t["speedup_vs_dense"] = dense / t["median"]
+    record = {**case, "density": density, "ms": timings, **env}
+    append_records(out_path, [record])
+    return record
 
 
 def run(cfg: Config, out_path: str | None = None, progress: Callable[[str], None] | None = None) -> list[dict]:
@@ -240,44 +330,11 @@ def run(cfg: Config, out_path: str | None = None, progress: Callable[[str], None
     records: list[dict] = []
     cases = [(op, m, d) for op in cfg.ops for m in cfg.ms for d in cfg.densities]
     for i, (op, m, density) in enumerate(cases, 1):
-        h = sparse_activations(m, cfg.n, density, cfg.pattern, dtype, rng)
-        b = rng.standard_normal((cfg.n, cfg.k)).astype(dtype)
-        x = rng.standard_normal((m, cfg.k)).astype(dtype)
-        y = rng.standard_normal((cfg.n, cfg.k)).astype(dtype)
-        if cfg.on_gpu:
-            import cupy as cp
-
-            h, b, x, y = (cp.asarray(v) for v in (h, b, x, y))
-            if op == "spmm":
-                providers = _spmm_gpu(h, b)
-            elif op == "convert":
-                providers = _convert_gpu(h)
-            else:
-                providers = _sddmm_gpu(h, x, y)
-        else:
-            providers = _cpu_providers(op, h, b, x, y)
+        providers, pattern = _case_providers(cfg, op, m, density, dtype, rng)
+        measured = float((pattern != 0).sum()) / pattern.size
         case = {"kind": "micro", "op": op, "shape": [m, cfg.n, cfg.k], "dtype": cfg.dtype, "pattern": cfg.pattern}
-        case["density"] = float((h != 0).sum()) / h.size
-        timings: dict[str, Any] = {}
-        for name, (fn, check) in providers.items():
-            try:
-                err = check(fn())
-                if not err <= TOLERANCE[cfg.dtype]:
-                    raise ValueError(f"relative error {err:.3e} against dense")
-                result, ms = timer(fn)
-                timings[name] = {**ms, "rel_error": err}
-                if op == "convert":
-                    timings[name]["gb_per_s"] = _bytes_moved(h, result) / (ms["median"] * 1e-3) / 1e9
-            except Exception as exc:  # recorded, not fatal: the other providers still run
-                timings[name] = {"error": f"{type(exc).__name__}: {exc}"}
-        dense = next((timings[n]["median"] for n in DENSE[op] if "median" in timings.get(n, {})), None)
-        for t in timings.values():
-            if dense is not None and "median" in t:
-                t["speedup_vs_dense"] = dense / t["median"]
-        record = {**case, "ms": timings, **env}
-        records.append(record)
-        append_records(out_path, [record])
-        say(f"[{i}/{len(cases)}] {op} M={m} density={case['density']:.3%}: " + _brief(timings))
+        records.append(_time_case(case, measured, providers, timer, cfg, env, out_path, pattern))
+        say(f"[{i}/{len(cases)}] {op} M={m} density={measured:.3%}: " + _brief(records[-1]["ms"]))
     return records
 
 

@@ -16,8 +16,13 @@ def test_quick_run(cp, tmp_path):
     args = ["bench", "--quick", "--m", "256", "--densities", "0.05", "--reps", "2", "--out", str(tmp_path)]
     assert main(args) == 0
     records = {r["op"]: r for r in map(json.loads, (tmp_path / "micro.jsonl").read_text().splitlines())}
-    assert set(records) == {"spmm", "convert", "sddmm"}
-    must = {"spmm": ("dense-cublas", "twell", "twell+pack"), "convert": ("twell", "copy"), "sddmm": ("twell",)}
+    assert set(records) == {"spmm", "convert", "sddmm", "ffn"}
+    must = {
+        "spmm": ("dense-cublas", "twell", "twell+pack"),
+        "convert": ("twell", "copy"),
+        "sddmm": ("twell",),
+        "ffn": ("dense-cublas", "twell-sparse", "twell-auto"),
+    }
     for op, names in must.items():
         for name in names:
             t = records[op]["ms"][name]
