@@ -123,6 +123,75 @@ __global__ void __launch_bounds__(256, 4) dense_to_twell(
   }
 }
 
+// Pack relu(x @ w.T) from the GEMM output `h` (already relu'd, row-major, row stride ldh) and
+// cuBLASLt's ReLU bit-mask (`mask`, ld_words 32-bit words per token row, bit f set where the
+// GEMM result was positive): only the values whose bit is set are read, 1/16 of the bytes a
+// dense bf16 scan reads at low density. Lanes own 32-column words; a warp covers 32 words, i.e.
+// 32 / W row-tiles of W = tile_n / 32 words, and a segmented scan over each tile's W lanes gives
+// every kept entry its slot, so the output is canonical (increasing columns). A set bit whose
+// stored value is zero is not kept (the format stores nonzeros only). Two passes as in
+// dense_to_twell: pass 1 fills the slots and counts, pass 2 (spill_offsets given) the spill.
+template <typename T>
+__global__ void __launch_bounds__(256) relu_mask_to_twell(
+    const T* __restrict__ h, long long ldh, const unsigned* __restrict__ mask, long long ld_words, int M, int N,
+    int tile_n, int n_tiles, int capacity, T* __restrict__ data, short* __restrict__ indices,
+    int* __restrict__ counts, int* __restrict__ row_tile_nnz, const long long* __restrict__ spill_offsets,
+    int* __restrict__ spill_indices, T* __restrict__ spill_data) {
+  const int lane = threadIdx.x & 31;
+  const int W = tile_n >> 5;  // words per tile: a power of two from 1 to 32
+  const long long unit = (blockIdx.x * (long long)blockDim.x + threadIdx.x);  // (row-tile, word)
+  const long long rt = unit / W;
+  const int sub = (int)(unit % W);
+  const bool live = rt < (long long)M * n_tiles;  // whole segments are live or not (W divides 32)
+  const long long row = live ? rt / n_tiles : 0;
+  const int tile = live ? (int)(rt % n_tiles) : 0;
+  const int col0 = tile * tile_n + sub * 32;
+  const bool spill_pass = spill_offsets != nullptr;
+  const bool active = live && (!spill_pass || row_tile_nnz[rt] > capacity);
+  unsigned kept = 0u;
+  const T* hrow = h + row * ldh;
+  if (active && col0 < N) {
+    unsigned bits = mask[row * ld_words + (col0 >> 5)];
+    if (N - col0 < 32) bits &= (1u << (N - col0)) - 1u;
+    for (unsigned b = bits; b; b &= b - 1) {  // keep set bits whose value is nonzero
+      const int j = __ffs(b) - 1;
+      if (to_acc(hrow[col0 + j]) != 0) kept |= 1u << j;
+    }
+  }
+  const int cnt = __popc(kept);
+  int incl = cnt;
+  for (int o = 1; o < W; o <<= 1) {
+    const int t = __shfl_up_sync(0xffffffffu, incl, o, W);
+    if ((lane & (W - 1)) >= o) incl += t;
+  }
+  const int total = __shfl_sync(0xffffffffu, incl, W - 1, W);
+  if (!active) return;  // after the shuffles: every lane took part in them
+  const long long slot0 = rt * capacity;
+  int pos = incl - cnt;
+  for (unsigned b = kept; b; b &= b - 1, ++pos) {
+    const int j = __ffs(b) - 1;
+    if (!spill_pass) {
+      if (pos < capacity) {
+        data[slot0 + pos] = hrow[col0 + j];
+        indices[slot0 + pos] = (short)(sub * 32 + j);
+      }
+    } else if (pos >= capacity) {
+      spill_data[spill_offsets[rt] + pos - capacity] = hrow[col0 + j];
+      spill_indices[spill_offsets[rt] + pos - capacity] = col0 + j;
+    }
+  }
+  if (!spill_pass) {
+    for (int s = total + sub; s < capacity; s += W) {
+      data[slot0 + s] = zero_value<T>();
+      indices[slot0 + s] = -1;
+    }
+    if (sub == 0) {
+      counts[rt] = min(total, capacity);
+      row_tile_nnz[rt] = total;
+    }
+  }
+}
+
 // Largest r in [0, n) with a[r] <= v (a non-decreasing, a[0] <= v).
 __device__ __forceinline__ int last_le(const int* a, int n, long long v) {
   int lo = 0, hi = n - 1;

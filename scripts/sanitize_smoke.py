@@ -10,7 +10,7 @@ import cupy as cp
 import numpy as np
 
 import twellsparse as ts
-from twellsparse import _gpu_ops
+from twellsparse import _gpu_convert, _gpu_ops
 from twellsparse import _kernels as K
 
 cp.cuda.set_allocator(None)
@@ -43,5 +43,12 @@ for dtype in (ts.bfloat16, np.float32):
         _gpu_ops.spmm(a4.parts, 32, b8, cp.empty((37, 24), dtype=dtype), path="gather", variant=variant)
         _gpu_ops.sddmm(a4.parts, 32, xin, b8, True, path="gather", variant=variant)
         _gpu_ops.gated_consumer(a4.parts, 32, xin, b8, b8, keep_up=True, variant=variant)
+    # The ReLU-mask pack with a hand-made cuBLASLt-layout mask (4 words per 128 columns).
+    hm = np.maximum(x.astype(np.float32), 0).astype(dtype)
+    bits = np.zeros((37, 384), dtype=bool)
+    bits[:, :301] = hm.astype(np.float32) > 0
+    words = np.ascontiguousarray(np.packbits(bits, axis=-1, bitorder="little")).view("<u4").reshape(-1)
+    _, finish = _gpu_convert.relu_mask_to_parts_deferred(cp.asarray(hm), cp.asarray(words), 12, 32, 3)
+    finish("spill")
 cp.cuda.Device().synchronize()
 print("sanitize smoke: all kernels ran")

@@ -21,7 +21,10 @@ def test_missing_library_names_what_was_tried(monkeypatch):
     monkeypatch.setattr(cusparse, "library_candidates", lambda: iter(["/nonexistent/libcusparse.so.12"]))
     cusparse.library.cache_clear()
     try:
-        with pytest.raises(cusparse.CuSparseError, match=r"no libcusparse .* Tried: /nonexistent/libcusparse.so.12"):
+        with pytest.raises(
+            cusparse.CuSparseError,
+            match=r"cuSPARSE: no library could be loaded; .* Tried: /nonexistent/libcusparse.so.12",
+        ):
             cusparse.library()
     finally:
         monkeypatch.undo()

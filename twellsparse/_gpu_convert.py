@@ -79,32 +79,63 @@ def dense_to_parts_deferred(
     policy (one scalar read-back) and returns ``(parts, dropped)`` as :func:`dense_to_parts`
     does. Work queued between the two keeps the GPU busy while the host reads the count.
     """
-    cp = _cp()
     x, ldx = row_stride(x)
     m, n = x.shape
     nt = n_tiles(n, tile_n)
-    data = cp.empty((m, nt, capacity), dtype=x.dtype)
-    indices = cp.empty((m, nt, capacity), dtype=cp.int16)
-    counts = cp.empty((m, nt), dtype=cp.int32)
-    row_tile_nnz = cp.empty((m, nt), dtype=cp.int32)
     expr = f"dense_to_twell<{K.CXX_TYPE[x.dtype]}, {K.ACTIVATION_ID[activation]}>"
     thr = np.float64(-1.0 if threshold is None else threshold)
     vector_ok = np.int32(ldx * x.itemsize % 16 == 0 and x.data.ptr % 16 == 0 and tile_n * x.itemsize % 16 == 0)
     geometry = (np.int32(m), np.int32(n), np.int32(tile_n), np.int32(nt), np.int32(capacity), thr)
     head = (x, np.int64(ldx), vector_ok, *geometry)
+    # A persistent grid: each warp strides over row-tiles, prefetching its next one.
+    blocks = min(-(-m * nt * 32 // _BLOCK), K.sm_count() * 4)  # 4 resident: __launch_bounds__
+
+    def launch(*outputs: Any) -> None:
+        K.launch_grid(expr, (blocks,), (_BLOCK,), (*head, *outputs))
+
+    return _two_pass(m, nt, capacity, x.dtype, launch)
+
+
+def relu_mask_to_parts_deferred(
+    h: Any, mask: Any, mask_words: int, tile_n: int, capacity: int
+) -> tuple[TwELLParts, Callable[[str], tuple[TwELLParts, int]]]:
+    """:func:`dense_to_parts_deferred` for relu'd values ``h`` (M x N, 16-bit or float32) with
+    cuBLASLt's ReLU bit-mask (``mask_words`` uint32 words per row): reads only the values whose
+    bit is set. The parts equal those of packing ``h`` densely."""
+    h, ldh = row_stride(h)
+    m, n = h.shape
+    nt = n_tiles(n, tile_n)
+    shape_args = (np.int32(m), np.int32(n), np.int32(tile_n), np.int32(nt), np.int32(capacity))
+    head = (h, np.int64(ldh), mask, np.int64(mask_words), *shape_args)
+    expr = f"relu_mask_to_twell<{K.CXX_TYPE[h.dtype]}>"
+
+    def launch(*outputs: Any) -> None:
+        K.launch(expr, m * nt * (tile_n // 32), _BLOCK, (*head, *outputs))
+
+    return _two_pass(m, nt, capacity, h.dtype, launch)
+
+
+def _two_pass(
+    m: int, nt: int, capacity: int, dtype: Any, launch: Callable[..., None]
+) -> tuple[TwELLParts, Callable[[str], tuple[TwELLParts, int]]]:
+    """Run a producer's pass 1 (``launch(data, indices, counts, row_tile_nnz, None, None, None)``)
+    and return ``(first, finish)``; ``finish`` applies the overflow policy, launching pass 2 with
+    the spill offsets and arrays when entries must spill."""
+    cp = _cp()
+    data = cp.empty((m, nt, capacity), dtype=dtype)
+    indices = cp.empty((m, nt, capacity), dtype=cp.int16)
+    counts = cp.empty((m, nt), dtype=cp.int32)
+    row_tile_nnz = cp.empty((m, nt), dtype=cp.int32)
 
     def run(offsets: Any, spill_indices: Any, spill_data: Any) -> None:
-        args = (*head, data, indices, counts, row_tile_nnz, offsets, spill_indices, spill_data)
-        # A persistent grid: each warp strides over row-tiles, prefetching its next one.
-        blocks = min(-(-m * nt * 32 // _BLOCK), K.sm_count() * 4)  # 4 resident: __launch_bounds__
-        K.launch_grid(expr, (blocks,), (_BLOCK,), args)
+        launch(data, indices, counts, row_tile_nnz, offsets, spill_indices, spill_data)
 
     run(K.null_pointer(), K.null_pointer(), K.null_pointer())
-    empty_spill = cp.empty(0, dtype=x.dtype), cp.empty(0, dtype=cp.int32), cp.zeros(m + 1, dtype=cp.int32)
+    empty_spill = cp.empty(0, dtype=dtype), cp.empty(0, dtype=cp.int32), cp.zeros(m + 1, dtype=cp.int32)
     first = TwELLParts(data, indices, counts, *empty_spill)
 
     def finish(overflow: str) -> tuple[TwELLParts, int]:
-        *spill, dropped = _apply_overflow(row_tile_nnz, capacity, overflow, x.dtype, run)
+        *spill, dropped = _apply_overflow(row_tile_nnz, capacity, overflow, dtype, run)
         return TwELLParts(data, indices, counts, *spill), dropped
 
     return first, finish

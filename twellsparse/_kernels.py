@@ -73,6 +73,7 @@ def _instantiations() -> dict[str, list[str]]:
             f"twell_slots_to_csr<{t}>",
             f"twell_spill_to_csr<{t}>",
         ]
+    convert += [f"relu_mask_to_twell<{CXX_TYPE[d]}>" for d in VALUE_DTYPES if d.itemsize <= 4]
     convert.append("twell_tile_totals")
     spmm = []
     for t in types:

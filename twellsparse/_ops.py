@@ -195,6 +195,13 @@ def linear_to_twell(
     _same_device("x", xx, weight=ww)
     if ww.shape[1] != xx.shape[1]:
         raise ValueError(f"weight: expected {xx.shape[1]} columns (x's features), got shape {tuple(ww.shape)}")
+    if is_cupy_array(xx):
+        from . import _gpu_producer
+
+        if _gpu_producer.applies(xx, ww, act, thr):
+            _, _, finish = _gpu_producer.relu_linear_to_parts_deferred(xx, ww, tile_n, capacity)
+            parts, dropped = finish(overflow)
+            return twell_array._from_parts(parts, (xx.shape[0], ww.shape[0]), tile_n, dropped)
     z = preactivation(xx, ww)
     parts, dropped = pack_preactivation(z, result_dtype(xx.dtype, ww.dtype), act, tile_n, capacity, thr, overflow)
     return twell_array._from_parts(parts, (xx.shape[0], ww.shape[0]), tile_n, dropped)

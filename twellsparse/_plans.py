@@ -144,7 +144,7 @@ class _FFNPlanBase:
         if xx.shape[1] != first.shape[1]:
             raise ValueError(f"x: expected {first.shape[1]} columns (d_model), got shape {tuple(xx.shape)}")
         dt = result_dtype(xx.dtype, w[act_name].dtype)
-        z = preactivation(xx, w[act_name])
+        z, mask_pack = self._preactivation(xx, w[act_name])
         sampled = float("nan")
         if self.dispatch == "auto":
             # The previous call's density (read without waiting); the first call samples and waits.
@@ -163,15 +163,32 @@ class _FFNPlanBase:
 
         # The tail runs on the row-tiles' first `capacity` entries while the host reads the
         # overflow count; only if entries spilled does it run again on the complete parts.
-        first_parts, finish = pack_preactivation_deferred(
-            z, dt, self.activation, self.tile_n, self.capacity, self.threshold
-        )
+        if mask_pack is not None:
+            first_parts, finish = mask_pack()
+        else:
+            first_parts, finish = pack_preactivation_deferred(
+                z, dt, self.activation, self.tile_n, self.capacity, self.threshold
+            )
         out = tail(first_parts)
         parts, _ = finish("spill")
         if parts.spill_data.size != first_parts.spill_data.size:
             out = tail(parts)
         self._last = ("sparse", sampled, twell_array._from_parts(parts, shape, self.tile_n))
         return out
+
+    def _preactivation(self, x: Any, w_act: Any) -> tuple[Any, Any]:
+        """``(z, mask_pack)``: the activation's GEMM output and, when the cuBLASLt ReLU-mask
+        producer serves the call (``_gpu_producer``), a function packing it from the mask (z is
+        then already relu'd, which the dense remainder's relu leaves unchanged); else None."""
+        if is_cupy_array(x):
+            from . import _gpu_producer
+
+            if _gpu_producer.applies(x, w_act, self.activation, self.threshold):
+                from ._gpu_convert import relu_mask_to_parts_deferred
+
+                z, mask, words = _gpu_producer.relu_linear(x, w_act)
+                return z, lambda: relu_mask_to_parts_deferred(z, mask, words, self.tile_n, self.capacity)
+        return preactivation(x, w_act), None
 
     def _kept_fraction(self, z: Any) -> Any:
         """Fraction of kept activations over evenly spaced rows: a 0-d array on z's device (no

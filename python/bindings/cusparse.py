@@ -13,15 +13,14 @@ of ``cusparse.h`` (cuSPARSE 12).
 
 from __future__ import annotations
 
-import ctypes.util
 import functools
-import glob
-import os
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+
+from . import _loader
 
 CDEF = """
 typedef int cusparseStatus_t;
@@ -102,25 +101,7 @@ class CuSparseError(RuntimeError):
 
 def library_candidates() -> Iterator[str]:
     """Where libcusparse is looked for, in order (paths, then sonames for the loader)."""
-    explicit = os.environ.get(ENV_LIBRARY)
-    if explicit:
-        yield explicit
-    try:
-        import nvidia  # the namespace package of NVIDIA's pip wheels
-
-        for root in list(getattr(nvidia, "__path__", [])):
-            for sub in ("cusparse/lib", "cu13/lib", "cu12/lib"):
-                yield from sorted(glob.glob(os.path.join(root, sub, "libcusparse.so*")), reverse=True)
-    except ImportError:
-        pass
-    for var in ("CUDA_PATH", "CUDA_HOME"):
-        if os.environ.get(var):
-            yield from sorted(glob.glob(os.path.join(os.environ[var], "lib64", "libcusparse.so*")), reverse=True)
-    yield from sorted(glob.glob("/usr/local/cuda/lib64/libcusparse.so*"), reverse=True)
-    found = ctypes.util.find_library("cusparse")
-    if found:
-        yield found
-    yield from ("libcusparse.so.12", "libcusparse.so")
+    return _loader.candidates(ENV_LIBRARY, "cusparse", "cusparse", ("libcusparse.so.12", "libcusparse.so"))
 
 
 @functools.cache
@@ -143,17 +124,8 @@ def library() -> Any:
     CuSparseError
         Naming every place tried, when no candidate loads.
     """
-    ffi = _ffi()
-    tried = []
-    for candidate in library_candidates():
-        try:
-            return ffi.dlopen(candidate)
-        except OSError as exc:
-            tried.append(f"{candidate} ({exc})")
-    raise CuSparseError(
-        "cuSPARSE: no libcusparse could be loaded; install nvidia-cusparse-cu12 (CUDA 12) or nvidia-cusparse "
-        f"(CUDA 13), or set {ENV_LIBRARY} to the library's path. Tried: " + "; ".join(tried)
-    )
+    hint = f"install nvidia-cusparse-cu12 (CUDA 12) or nvidia-cusparse (CUDA 13), or set {ENV_LIBRARY} to its path"
+    return _loader.load(_ffi(), library_candidates(), "cuSPARSE", hint, CuSparseError)
 
 
 def _check(status: int, call: str) -> None:

@@ -1,0 +1,208 @@
+"""cffi bindings (ABI mode) to cuBLASLt for one job: ``relu(x @ w.T)`` with the ReLU bit-mask
+epilogue (``CUBLASLT_EPILOGUE_RELU_AUX``).
+
+The bit-mask (one bit per output element, set where the GEMM result was positive) lets the
+TwELL producer read 1/16 of the bytes a dense bf16 scan reads to find the nonzeros: the pack
+then gathers only the values whose bit is set. Library discovery as in :mod:`._loader`
+(``TWELL_CUBLASLT``, the ``nvidia-cublas`` wheels, the CUDA toolkit). Enum values are those of
+``cublasLt.h``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+
+from . import _loader
+
+CDEF = """
+typedef int cublasStatus_t;
+typedef struct cublasLtContext* cublasLtHandle_t;
+typedef struct { uint64_t data[32]; } cublasLtMatmulDescOpaque_t;
+typedef cublasLtMatmulDescOpaque_t* cublasLtMatmulDesc_t;
+typedef struct { uint64_t data[8]; } cublasLtMatrixLayoutOpaque_t;
+typedef cublasLtMatrixLayoutOpaque_t* cublasLtMatrixLayout_t;
+typedef struct { uint64_t data[8]; } cublasLtMatmulPreferenceOpaque_t;
+typedef cublasLtMatmulPreferenceOpaque_t* cublasLtMatmulPreference_t;
+typedef struct { uint64_t data[8]; } cublasLtMatmulAlgo_t;
+typedef struct {
+  cublasLtMatmulAlgo_t algo;
+  size_t workspaceSize;
+  cublasStatus_t state;
+  float wavesCount;
+  int reserved[4];
+} cublasLtMatmulHeuristicResult_t;
+typedef void* cudaStream_t;
+
+size_t cublasLtGetVersion(void);
+cublasStatus_t cublasLtCreate(cublasLtHandle_t* handle);
+cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t* desc, int compute_type, int scale_type);
+cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t desc);
+cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t desc, int attr, const void* buf, size_t size);
+cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* layout, int type, uint64_t rows, uint64_t cols,
+    int64_t ld);
+cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t layout);
+cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t* pref);
+cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t pref);
+cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t pref, int attr, const void* buf,
+    size_t size);
+cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc,
+    cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t d,
+    cublasLtMatmulPreference_t pref, int requested, cublasLtMatmulHeuristicResult_t* results, int* returned);
+cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc, const void* alpha, const void* a,
+    cublasLtMatrixLayout_t a_desc, const void* b, cublasLtMatrixLayout_t b_desc, const void* beta, const void* c,
+    cublasLtMatrixLayout_t c_desc, void* d, cublasLtMatrixLayout_t d_desc, const cublasLtMatmulAlgo_t* algo,
+    void* workspace, size_t workspace_size, cudaStream_t stream);
+"""
+
+# cublasLt.h / cublas_api.h / library_types.h
+STATUS_SUCCESS = 0
+COMPUTE_32F = 68
+CUDA_R = {"float16": 2, "bfloat16": 14, "float32": 0}
+_CUDA_R_32F = 0
+OP_N, OP_T = 0, 1
+DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE = 3, 4, 7
+DESC_EPILOGUE_AUX_POINTER, DESC_EPILOGUE_AUX_LD = 11, 12
+EPILOGUE_RELU_AUX = 2 | 128
+PREF_MAX_WORKSPACE_BYTES = 1
+#: Workspace offered to the heuristic (cuBLAS's own default on Hopper is 32 MiB).
+WORKSPACE_BYTES = 32 << 20
+ENV_LIBRARY = "TWELL_CUBLASLT"
+
+
+class CuBlasLtError(RuntimeError):
+    """A cuBLASLt call failed, or the library could not be loaded."""
+
+
+@functools.cache
+def _ffi() -> Any:
+    try:
+        import cffi
+    except ImportError as exc:
+        raise CuBlasLtError("cuBLASLt bindings need cffi: pip install cffi") from exc
+    ffi = cffi.FFI()
+    ffi.cdef(CDEF)
+    return ffi
+
+
+@functools.cache
+def library() -> Any:
+    """The loaded cuBLASLt library; :class:`CuBlasLtError` naming every place tried if none loads."""
+    candidates = _loader.candidates(
+        ENV_LIBRARY, "cublasLt", "cublas", ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so")
+    )
+    hint = f"install nvidia-cublas-cu12 (CUDA 12) or nvidia-cublas (CUDA 13), or set {ENV_LIBRARY} to its path"
+    return _loader.load(_ffi(), candidates, "cuBLASLt", hint, CuBlasLtError)
+
+
+def version() -> int:
+    """cuBLASLt's version number (needs the library, not a GPU)."""
+    return int(library().cublasLtGetVersion())
+
+
+def _check(status: int, call: str) -> None:
+    if status != STATUS_SUCCESS:
+        raise CuBlasLtError(f"{call}: cuBLAS status {status}")
+
+
+def mask_ld(n_out: int) -> int:
+    """Bits per token row of the ReLU mask: ``n_out`` rounded up to 128 (cuBLASLt's rule)."""
+    return -(-n_out // 128) * 128
+
+
+@functools.cache
+def _handle(device: int) -> Any:
+    h = _ffi().new("cublasLtHandle_t*")
+    _check(library().cublasLtCreate(h), "cublasLtCreate")
+    return h[0]
+
+
+class ReluMaskGemm:
+    """``out = relu(x @ w.T)`` (row-major, M x F) and its ReLU bit-mask, planned for one shape.
+
+    The mask holds ``mask_ld(F)`` bits per token row (uint32 words, row ``m`` at word
+    ``m * mask_ld(F) // 32``); bit ``f`` of a row is set where the GEMM result was positive.
+    fp32 accumulation; on CuPy's current stream.
+    """
+
+    def __init__(self, m: int, f: int, k: int, dtype: Any) -> None:
+        import cupy as cp
+
+        name = np.dtype(dtype).name
+        if name not in CUDA_R:
+            raise ValueError(f"dtype: expected one of {', '.join(CUDA_R)}, got {name}")
+        lib, ffi = library(), _ffi()
+        self.shape, self.dtype = (m, f, k), np.dtype(dtype)
+        self._keep: list = []  # cffi buffers the descriptors point to
+        dt = CUDA_R[name]
+        desc = ffi.new("cublasLtMatmulDesc_t*")
+        _check(lib.cublasLtMatmulDescCreate(desc, COMPUTE_32F, _CUDA_R_32F), "cublasLtMatmulDescCreate")
+        self._desc = desc[0]
+        self._set(DESC_TRANSA, "int32_t", OP_T)
+        self._set(DESC_TRANSB, "int32_t", OP_N)
+        self._set(DESC_EPILOGUE, "uint32_t", EPILOGUE_RELU_AUX)
+        self._set(DESC_EPILOGUE_AUX_LD, "int64_t", mask_ld(f))
+        # Column-major view: D (F x M, ld F) = op(A) op(B), A = w (K x F col-major, ld K), B = x (K x M).
+        self._layouts = [self._layout(dt, k, f, k), self._layout(dt, k, m, k), self._layout(dt, f, m, f)]
+        pref = ffi.new("cublasLtMatmulPreference_t*")
+        _check(lib.cublasLtMatmulPreferenceCreate(pref), "cublasLtMatmulPreferenceCreate")
+        size = ffi.new("uint64_t*", WORKSPACE_BYTES)
+        _check(
+            lib.cublasLtMatmulPreferenceSetAttribute(pref[0], PREF_MAX_WORKSPACE_BYTES, size, 8),
+            "cublasLtMatmulPreferenceSetAttribute",
+        )
+        result, returned = ffi.new("cublasLtMatmulHeuristicResult_t[1]"), ffi.new("int*")
+        a, b, d = self._layouts
+        self._handle = _handle(cp.cuda.Device().id)
+        _check(
+            lib.cublasLtMatmulAlgoGetHeuristic(self._handle, self._desc, a, b, d, d, pref[0], 1, result, returned),
+            "cublasLtMatmulAlgoGetHeuristic",
+        )
+        lib.cublasLtMatmulPreferenceDestroy(pref[0])
+        if returned[0] < 1:
+            raise CuBlasLtError(f"cuBLASLt: no algorithm for the ReLU-mask GEMM of shape {self.shape} in {name}")
+        self._algo = ffi.new("cublasLtMatmulAlgo_t*", result[0].algo)
+        self._workspace = cp.empty(max(int(result[0].workspaceSize), 1), dtype=cp.uint8)
+        self._alpha, self._beta = np.ones(1, np.float32), np.zeros(1, np.float32)
+
+    def _set(self, attr: int, ctype: str, value: int) -> None:
+        buf = _ffi().new(f"{ctype}*", value)
+        self._keep.append(buf)
+        _check(
+            library().cublasLtMatmulDescSetAttribute(self._desc, attr, buf, _ffi().sizeof(ctype)),
+            "cublasLtMatmulDescSetAttribute",
+        )
+
+    def _layout(self, dt: int, rows: int, cols: int, ld: int) -> Any:
+        layout = _ffi().new("cublasLtMatrixLayout_t*")
+        _check(library().cublasLtMatrixLayoutCreate(layout, dt, rows, cols, ld), "cublasLtMatrixLayoutCreate")
+        return layout[0]
+
+    def __call__(self, x: Any, w: Any, out: Any, mask: Any) -> None:
+        """Fill ``out`` (M x F, C-contiguous) and ``mask`` (uint32, M * mask_ld(F) / 32 words)."""
+        import cupy as cp
+
+        ffi, lib = _ffi(), library()
+        m, f, k = self.shape
+        for name, arr, shape in (("x", x, (m, k)), ("w", w, (f, k)), ("out", out, (m, f))):
+            if tuple(arr.shape) != shape or not arr.flags.c_contiguous or arr.dtype != self.dtype:
+                raise ValueError(f"{name}: expected a C-contiguous {self.dtype} array of shape {shape}")
+        if mask.dtype != np.uint32 or mask.size != m * mask_ld(f) // 32:
+            raise ValueError(f"mask: expected {m * mask_ld(f) // 32} uint32 words, got {mask.size} {mask.dtype}")
+        aux = ffi.new("void**", ffi.cast("void*", int(mask.data.ptr)))
+        _check(
+            lib.cublasLtMatmulDescSetAttribute(self._desc, DESC_EPILOGUE_AUX_POINTER, aux, ffi.sizeof("void*")),
+            "cublasLtMatmulDescSetAttribute",
+        )
+        a, b, d = self._layouts
+        ptr = lambda arr: ffi.cast("void*", int(arr.data.ptr))  # noqa: E731
+        _check(
+            lib.cublasLtMatmul(
+                self._handle, self._desc, ffi.cast("void*", self._alpha.ctypes.data), ptr(w), a, ptr(x), b,
+                ffi.cast("void*", self._beta.ctypes.data), ptr(out), d, ptr(out), d, self._algo,
+                ptr(self._workspace), self._workspace.size, ffi.cast("cudaStream_t", cp.cuda.get_current_stream().ptr),
+            ),
+            "cublasLtMatmul",
+        )  # fmt: skip

@@ -1,0 +1,75 @@
+"""The relu producer through cuBLASLt's ReLU bit-mask epilogue.
+
+One GEMM writes ``relu(x @ w.T)`` and a mask with one bit per entry (set where the result was
+positive); the pack then reads the mask (1/16 of the bf16 output's bytes) and only the values
+whose bit is set, instead of scanning the whole output. Serves ``activation="relu"`` without a
+threshold, in float16, bfloat16 and float32, when the cuBLASLt library loads.
+
+Opt-in: :data:`ENABLED` stays False until the path has run on the H200 (bench/ffn_bench.py
+times it beside the default producer as ``producer_relu_mask``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ._backend import bfloat16
+from ._parts import TwELLParts
+
+#: Whether linear_to_twell and the FFN plans use this producer where it applies.
+ENABLED = False
+
+_DTYPES = (np.dtype(np.float16), bfloat16, np.dtype(np.float32))
+
+
+def applies(x: Any, w: Any, activation: str, threshold: float | None) -> bool:
+    """Whether this producer can serve the call (it also needs the library to load)."""
+    if not ENABLED or activation != "relu" or threshold is not None or x.dtype != w.dtype:
+        return False
+    if np.dtype(x.dtype) not in _DTYPES:
+        return False
+    try:
+        from .bindings import cublaslt
+
+        cublaslt.library()
+    except (ImportError, RuntimeError):
+        return False
+    return True
+
+
+@functools.cache
+def _plan(m: int, f: int, k: int, dtype_name: str, device: int) -> Any:
+    from .bindings import cublaslt
+
+    return cublaslt.ReluMaskGemm(m, f, k, bfloat16 if dtype_name == "bfloat16" else np.dtype(dtype_name))
+
+
+def relu_linear(x: Any, w: Any) -> tuple[Any, Any, int]:
+    """``(relu(x @ w.T), mask, words per mask row)`` on the GPU, one cuBLASLt call."""
+    import cupy as cp
+
+    from .bindings import cublaslt
+
+    x, w = cp.ascontiguousarray(x), cp.ascontiguousarray(w)
+    (m, k), f = x.shape, w.shape[0]
+    words = cublaslt.mask_ld(f) // 32
+    out = cp.empty((m, f), dtype=x.dtype)
+    mask = cp.empty(m * words, dtype=cp.uint32)
+    if m and f:
+        _plan(m, f, k, np.dtype(x.dtype).name, cp.cuda.Device().id)(x, w, out, mask)
+    return out, mask, words
+
+
+def relu_linear_to_parts_deferred(
+    x: Any, w: Any, tile_n: int, capacity: int
+) -> tuple[Any, TwELLParts, Callable[[str], tuple[TwELLParts, int]]]:
+    """``(relu(x @ w.T), first, finish)`` as ``_gpu_convert.dense_to_parts_deferred`` gives them."""
+    from ._gpu_convert import relu_mask_to_parts_deferred
+
+    h, mask, words = relu_linear(x, w)
+    first, finish = relu_mask_to_parts_deferred(h, mask, words, tile_n, capacity)
+    return h, first, finish
