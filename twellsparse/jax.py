@@ -83,7 +83,10 @@ def _array(x: Any) -> Any:
         return np.asarray(x)
     import cupy as cp
 
-    return cp.from_dlpack(x)
+    try:
+        return cp.from_dlpack(x)
+    except (BufferError, TypeError, ValueError):  # a producer that refuses CuPy's stream handshake
+        return cp.asarray(x)  # through __cuda_array_interface__
 
 
 # ----------------------------------------------------------------------------- callbacks
