@@ -16,6 +16,8 @@ from typing import Any
 
 HERE = pathlib.Path(__file__).resolve().parent
 START, END = "<!-- bench:ffn:start -->", "<!-- bench:ffn:end -->"
+#: (M, d_model, d_ff) of TARGETS.md's standard problem: its table comes first.
+STANDARD_SHAPE = (16384, 2048, 5632)
 
 
 def load(results: pathlib.Path) -> list[dict[str, Any]]:
@@ -115,8 +117,12 @@ def training_table(steps: list[dict[str, Any]], models: list[dict[str, Any]]) ->
 
 
 def tables(records: list[dict[str, Any]]) -> str:
+    """The FFN tables (one per problem shape, the standard problem first) and the training ones."""
+    ffn = latest(records, "ffn")
+    shapes = sorted({tuple(r["shape"]) for r in ffn}, key=lambda s: (s != STANDARD_SHAPE, s))
+    parts = [ffn_table([r for r in ffn if tuple(r["shape"]) == shape]) for shape in shapes] or [ffn_table([])]
     training = training_table(latest(records, "train_step"), latest(records, "model"))
-    return ffn_table(latest(records, "ffn")) + ("\n" + training if training else "")
+    return "\n\n".join(parts) + ("\n" + training if training else "")
 
 
 def update_readme(readme: pathlib.Path, table: str) -> None:

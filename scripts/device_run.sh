@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|jax|micro|benchquick|profile|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|widths|jax|micro|benchquick|profile|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -31,6 +31,14 @@ for step in $what; do
       status=$((status | ${PIPESTATUS[0]}))
       python3 bench/model_bench.py --out "$OUT/model_bench.jsonl" 2>&1 | tee "$OUT/model_bench.log"
       status=$((status | ${PIPESTATUS[0]}))
+      ;;&
+    widths|all)
+      # The other widths of the issue and the M sweep (uniform and skewed, 0.25-5% density).
+      for shape in "--d-model 4096 --d-ff 14336 --m 16384" "--m 4096" "--m 65536"; do
+        python3 bench/ffn_bench.py $shape --densities 0.0025,0.005,0.01,0.02,0.05 --reps 10 \
+          --out "$OUT/ffn_bench.jsonl" 2>&1 | tee -a "$OUT/ffn_widths.log"
+        status=$((status | ${PIPESTATUS[0]}))
+      done
       ;;&
     jax|all)
       XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/jax_bench.py --out "$OUT/jax_bench.jsonl" 2>&1 | tee "$OUT/jax_bench.log"
