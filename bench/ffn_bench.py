@@ -134,6 +134,14 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
             ref_gated,
         ),
         "sddmm_up_gather": (lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="gather").data, ref_up),
+        "sddmm_up_gather_split": (
+            lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="gather", variant=(8, 2, True)).data,
+            ref_up,
+        ),
+        "gated_consumer_split": (
+            lambda: _gpu_ops.gated_consumer(h.parts, h.tile_n, x, wu, wd_t, variant=(4, 4, True))[0],
+            ref_gated,
+        ),
         "sddmm_up_gather_4x4": (
             lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="gather", variant=(4, 4)).data,
             ref_up,
