@@ -122,6 +122,26 @@ __device__ __forceinline__ void for_each_batch(const T* data, const short* __res
   }
 }
 
+// This lane's KV 16-byte pieces, in the column chunk at k0, of the rows of b that the batch's
+// pairs p .. p + U - 1 name (each pair's column broadcast from its lane); zero past n or K. All
+// U x KV loads are issued before any is used.
+template <typename T, int KV, int U>
+__device__ __forceinline__ void load_pair_rows(Raw16 (&w)[U][KV], int p, int n, int col, const T* __restrict__ b,
+                                               long long ldb, int K, int k0, int lane) {
+  constexpr int V = Lanes<T>::N;
+  int c[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) c[u] = __shfl_sync(kFull, col, (p + u) & 31);
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+#pragma unroll
+    for (int kv = 0; kv < KV; ++kv) {
+      const int k = k0 + (kv * 32 + lane) * V;
+      w[u][kv] = (p + u < n && k < K) ? ldg16(b + (long long)c[u] * ldb + k) : zero16();
+    }
+  }
+}
+
 // acc (this lane's KV vectors of the column chunk starting at k0) += sum over the batch's n
 // pairs of val * b[col, chunk]. U pairs' rows are requested before any is used.
 template <typename T, int KV, int U>
@@ -132,22 +152,11 @@ __device__ __forceinline__ void gather_accumulate(typename acc_of<T>::type (&acc
   using A = typename acc_of<T>::type;
   constexpr int V = Lanes<T>::N;
   for (int p = 0; p < n; p += U) {
-    int c[U];
     A v[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      c[u] = __shfl_sync(kFull, col, (p + u) & 31);
-      v[u] = __shfl_sync(kFull, val, (p + u) & 31);
-    }
+    for (int u = 0; u < U; ++u) v[u] = __shfl_sync(kFull, val, (p + u) & 31);
     Raw16 w[U][KV];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-#pragma unroll
-      for (int kv = 0; kv < KV; ++kv) {
-        const int k = k0 + (kv * 32 + lane) * V;
-        w[u][kv] = (p + u < n && k < K) ? ldg16(b + (long long)c[u] * ldb + k) : zero16();
-      }
-    }
+    load_pair_rows<T, KV, U>(w, p, n, col, b, ldb, K, k0, lane);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const A vu = p + u < n ? v[u] : A(0);
@@ -183,18 +192,8 @@ __device__ __forceinline__ typename acc_of<T>::type gather_dots(const T* __restr
       Lanes<T>::widen(k < K ? ldg16(x_row + k) : zero16(), xv[kv]);
     }
     for (int p = 0; p < n; p += U) {
-      int c[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) c[u] = __shfl_sync(kFull, col, (p + u) & 31);
       Raw16 w[U][KV];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-#pragma unroll
-        for (int kv = 0; kv < KV; ++kv) {
-          const int k = k0 + (kv * 32 + lane) * V;
-          w[u][kv] = (p + u < n && k < K) ? ldg16(y + (long long)c[u] * ldy + k) : zero16();
-        }
-      }
+      load_pair_rows<T, KV, U>(w, p, n, col, y, ldy, K, k0, lane);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         A part = A(0);

@@ -20,22 +20,10 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from tiny_llama import DenseGatedMLP  # the dense twin of TwELLGatedMLP (the script's folder is on sys.path)
 from torch import nn
 
 import twellsparse.torch as tt
-
-
-class DenseGatedMLP(nn.Module):
-    """The dense twin of TwELLGatedMLP (same parameter names, so the same initial weights)."""
-
-    def __init__(self, d: int, f: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(d, f, bias=False)
-        self.up_proj = nn.Linear(d, f, bias=False)
-        self.down_proj = nn.Linear(f, d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.relu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):

@@ -277,9 +277,11 @@ def gated_product(
     """
     if is_cupy_array(x):
         from . import _gpu_ops
+        from ._gpu_convert import row_stride
 
-        same = x.dtype == w_lin.dtype == w_down_t.dtype == gate.dtype
-        if same and _gpu_ops.gated_consumer_eligible(x, w_lin, w_down_t):
+        # Unit column strides once (a transposed weight is copied here, not again in the kernel's launch).
+        x, w_lin, w_down_t = (row_stride(a)[0] for a in (x, w_lin, w_down_t))
+        if gate.dtype == x.dtype and _gpu_ops.gated_consumer_eligible(x, w_lin, w_down_t):
             out, up = _gpu_ops.gated_consumer(gate.parts, gate.tile_n, x, w_lin, w_down_t, keep_up)
             return out, (twell_array._from_parts(up, gate.shape, gate.tile_n) if up is not None else None)
     u_parts, _ = _sddmm_parts(x, w_lin, gate, scale=False)

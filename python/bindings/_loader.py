@@ -14,6 +14,17 @@ from collections.abc import Iterator
 from typing import Any
 
 
+def ffi(cdef: str, what: str, error: type[Exception]) -> Any:
+    """A cffi FFI holding ``cdef``; ``error`` naming the missing package when cffi is absent."""
+    try:
+        import cffi
+    except ImportError as exc:
+        raise error(f"{what} bindings need cffi: pip install 'twellsparse[cuda12]' (or [cuda13])") from exc
+    out = cffi.FFI()
+    out.cdef(cdef)
+    return out
+
+
 def candidates(env_var: str, stem: str, wheel_dir: str, sonames: tuple[str, ...]) -> Iterator[str]:
     """Paths and sonames to try for ``lib<stem>.so``, in order."""
     explicit = os.environ.get(env_var)

@@ -78,13 +78,7 @@ class CuBlasLtError(RuntimeError):
 
 @functools.cache
 def _ffi() -> Any:
-    try:
-        import cffi
-    except ImportError as exc:
-        raise CuBlasLtError("cuBLASLt bindings need cffi: pip install cffi") from exc
-    ffi = cffi.FFI()
-    ffi.cdef(CDEF)
-    return ffi
+    return _loader.ffi(CDEF, "cuBLASLt", CuBlasLtError)
 
 
 @functools.cache

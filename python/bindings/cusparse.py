@@ -106,13 +106,7 @@ def library_candidates() -> Iterator[str]:
 
 @functools.cache
 def _ffi() -> Any:
-    try:
-        import cffi
-    except ImportError as exc:
-        raise CuSparseError("cuSPARSE bindings need cffi: pip install 'twellsparse[cusparse]'") from exc
-    ffi = cffi.FFI()
-    ffi.cdef(CDEF)
-    return ffi
+    return _loader.ffi(CDEF, "cuSPARSE", CuSparseError)
 
 
 @functools.cache
