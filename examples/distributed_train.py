@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0 and args.out:
         torch.save({"losses": losses, "state": state}, args.out)
     if not args.single:
+        dist.barrier()  # rank 0 may still be saving: tearing gloo down under it can abort the process
         dist.destroy_process_group()
 
 
