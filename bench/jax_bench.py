@@ -26,24 +26,31 @@ import numpy as np
 import twellsparse as ts
 import twellsparse.jax as tsj
 from twellsparse._environment import append_records, environment
-from twellsparse._timing import Timer
 from twellsparse.testing import ffn_problem, rel_error
 
 
-def jax_ms(fn: Any, args: tuple, reps: int) -> dict[str, float]:
-    """Median/p10/p90 wall time of a jitted call, synchronised with block_until_ready."""
+def wall_ms(call: Any, wait: Any, reps: int, batch: int = 10) -> dict[str, float]:
+    """Median/p10/p90 per-call wall time over ``reps`` batches of ``batch`` back-to-back calls,
+    each batch ended by ``wait(result)``: the same clock for the CuPy and the JAX paths (XLA's
+    stream is not CuPy's, so CUDA events on one cannot time the other)."""
     for _ in range(3):
-        jax.block_until_ready(fn(*args))
+        wait(call())
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
+        for _ in range(batch):
+            result = call()
+        wait(result)
+        times.append((time.perf_counter() - t0) * 1e3 / batch)
     t = np.asarray(times)
     return {"median": float(np.median(t)), "p10": float(np.percentile(t, 10)), "p90": float(np.percentile(t, 90))}
 
 
-def bench_density(args: argparse.Namespace, density: float, timer: Timer) -> dict[str, Any]:
+def _cupy_wait(_: Any) -> None:
+    cp.cuda.get_current_stream().synchronize()
+
+
+def bench_density(args: argparse.Namespace, density: float) -> dict[str, Any]:
     """Check, then time, the three paths at one density."""
     p = ffn_problem(args.m, args.d_model, args.d_ff, density, "uniform", ts.bfloat16, 0, cp)
     weights = (p["w_gate"], p["w_up"], p["w_down"])
@@ -59,9 +66,9 @@ def bench_density(args: argparse.Namespace, density: float, timer: Timer) -> dic
     if not max(errors.values()) < 2e-2:
         raise SystemExit(f"relative errors {errors} against dense at density {density}; not timing")
     rows = {
-        "cupy_sparse": timer(lambda: plan(p["x"]))[1],
-        "jax_sparse": jax_ms(sparse_jax, jargs, args.reps),
-        "jax_dense": jax_ms(dense_jit, jargs, args.reps),
+        "cupy_sparse": wall_ms(lambda: plan(p["x"]), _cupy_wait, args.reps),
+        "jax_sparse": wall_ms(lambda: sparse_jax(*jargs), jax.block_until_ready, args.reps),
+        "jax_dense": wall_ms(lambda: dense_jit(*jargs), jax.block_until_ready, args.reps),
     }
     return {
         "kind": "jax",
@@ -83,9 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     env = environment()
-    timer = Timer(args.reps, on_gpu=True)
     for density in (float(d) for d in args.densities.split(",")):
-        rec = {**bench_density(args, density, timer), **env}
+        rec = {**bench_density(args, density), **env}
         append_records(args.out, [rec])
         ms = {k: v["median"] for k, v in rec["ms"].items()}
         print(

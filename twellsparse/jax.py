@@ -39,6 +39,7 @@ from jax.experimental.buffer_callback import buffer_callback
 from . import _ops
 from ._ffn_autodiff import backward_arrays, forward_arrays
 from ._parts import TwELLParts
+from ._plans import FFN, GatedFFN
 from ._twell import twell_array
 from ._validation import check_capacity, check_tile_n
 
@@ -381,7 +382,15 @@ def _ffn(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold):
     dt = _same_dtype(x=x, w_act=w_act, w_down=w_down, **({} if w_lin is None else {"w_lin": w_lin}))
 
     def run(out: Any, xx: Any, wa: Any, wl: Any, wd: Any) -> None:
-        out[...] = forward_arrays(xx, wa, wl, wd, activation, tile_n, capacity, threshold)[0]
+        # The plans' path (overflow read-back deferred behind the tail, no up values kept: the
+        # backward recomputes them), always sparse: a plan per call, as the buffers may change.
+        settings = {"activation": activation, "tile_n": tile_n, "capacity": capacity, "threshold": threshold}
+        plan = (
+            FFN(wa, wd, **settings, dispatch="sparse")
+            if wl is None
+            else GatedFFN(wa, wl, wd, **settings, dispatch="sparse")
+        )
+        out[...] = plan(xx)
 
     return _call(run, _struct((x.shape[0], w_down.shape[0]), dt), x, w_act, w_lin, w_down)
 

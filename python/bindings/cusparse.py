@@ -345,7 +345,11 @@ def sddmm(x: Any, y: Any, pattern: _Sparse, out_vals: Any) -> Any:
 
 def dense_to_csr(x: Any) -> tuple[Any, Any, Any]:
     """``(indptr, cols, vals)`` of a dense row-major CuPy matrix by cuSPARSE's DenseToSparse (the
-    conversion dynamic activations need before a CSR SpMM); one read-back of the nonzero count."""
+    conversion dynamic activations need before a CSR SpMM); one read-back of the nonzero count.
+
+    The column indices within a row come out in cuSPARSE's order, not sorted (seen with CUDA 13.2
+    on an H200); cuSPARSE's SpMM takes them as they are.
+    """
     import cupy as cp
 
     lib, ffi = library(), _ffi()

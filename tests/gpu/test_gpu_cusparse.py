@@ -65,7 +65,9 @@ def test_blocked_ell_spmm(cp, rng, dtype, block_size):
             pytest.skip(f"cuSPARSE refuses Blocked-ELL for {np.dtype(dtype).name}: {exc}")
         raise
     expected = x.astype(np.float64) @ b.astype(np.float64)
-    assert rel_error(got, expected) <= TOL[np.dtype(dtype).name]
+    # cuSPARSE runs float32 Blocked-ELL on TF32 tensor cores (2.9e-4 measured on the H200).
+    tol = 1e-3 if np.dtype(dtype) == np.float32 else TOL[np.dtype(dtype).name]
+    assert rel_error(got, expected) <= tol
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -101,5 +103,10 @@ def test_dense_to_csr(cp, rng, dtype):
     dense = a.astype(np.float64).toarray().astype(dtype)  # scipy has no float16/bf16 toarray
     indptr, cols, vals = cusparse.dense_to_csr(cp.asarray(dense))
     np.testing.assert_array_equal(indptr.get(), a.indptr)
-    np.testing.assert_array_equal(cols.get(), a.indices)
-    np.testing.assert_array_equal(vals.get().astype(np.float64), a.data.astype(np.float64))
+    # cuSPARSE leaves the columns within a row unsorted: compare row by row in column order.
+    cols_h, vals_h = cols.get(), vals.get().astype(np.float64)
+    for r in range(a.shape[0]):
+        lo, hi = a.indptr[r], a.indptr[r + 1]
+        order = np.argsort(cols_h[lo:hi], kind="stable")
+        np.testing.assert_array_equal(cols_h[lo:hi][order], a.indices[lo:hi])
+        np.testing.assert_array_equal(vals_h[lo:hi][order], a.data[lo:hi].astype(np.float64))
