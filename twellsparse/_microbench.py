@@ -110,6 +110,11 @@ def _spmm_gpu(h: Any, b: Any) -> dict[str, Provider]:
         "twell": (lambda: ts.matmul(a, b), close),
         "twell+pack": (lambda: ts.matmul(ts.twell_array(h), b), close),
     }
+    # CuPy's own sparse product, the one a CuPy user has at hand (float32/float64 only).
+    import cupyx.scipy.sparse as cupyx_sparse
+
+    h_csr32, b32 = cupyx_sparse.csr_matrix(h.astype(cp.float32)), b.astype(cp.float32)
+    providers["cupyx-csr-fp32"] = (lambda: h_csr32 @ b32, close)
     try:
         from .bindings import cusparse
     except ImportError:

@@ -18,7 +18,7 @@ def test_quick_run(cp, tmp_path):
     records = {r["op"]: r for r in map(json.loads, (tmp_path / "micro.jsonl").read_text().splitlines())}
     assert set(records) == {"spmm", "convert", "sddmm", "ffn"}
     must = {
-        "spmm": ("dense-cublas", "twell", "twell+pack"),
+        "spmm": ("dense-cublas", "twell", "twell+pack", "cupyx-csr-fp32"),
         "convert": ("twell", "copy"),
         "sddmm": ("twell",),
         "ffn": ("dense-cublas", "twell-sparse", "twell-auto"),
