@@ -191,6 +191,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         for density in args.densities:
             rec = {**bench_case(args, pattern, density, timer), **env}
             records.append(rec)
+            append_records(args.out, [rec])  # case by case: a run stopped midway keeps its cases
             print(summary_line(rec), flush=True)
     return records
 
@@ -241,8 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         profile_once(args)
         return 0
-    records = run(args)
-    append_records(args.out, records)
+    run(args)
     return 0
 
 

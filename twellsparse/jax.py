@@ -90,6 +90,30 @@ def _array(x: Any) -> Any:
         return cp.asarray(x)  # through __cuda_array_interface__
 
 
+def _callback_view(buf: Any) -> Any:
+    """NumPy or CuPy view of a buffer handed to a callback, without any host synchronisation.
+
+    XLA orders the callback's buffers on the stream it passes (the one the kernels run on), so
+    the view needs no stream handshake; CuPy's own import of ``__cuda_array_interface__`` would
+    synchronise the host with that stream on every buffer, stalling the GPU between calls.
+    """
+    if int(buf.__dlpack_device__()[0]) == _KDL_CPU:
+        return np.asarray(buf)
+    import cupy as cp
+
+    cai = buf.__cuda_array_interface__
+    dtype = np.dtype(buf.dtype)
+    shape = tuple(int(d) for d in cai["shape"])
+    strides = cai.get("strides")
+    if strides is None:  # C-contiguous
+        strides, step = (), dtype.itemsize
+        for d in reversed(shape):
+            strides, step = (step, *strides), step * max(d, 1)
+    extent = dtype.itemsize + sum((d - 1) * s for d, s in zip(shape, strides, strict=True)) if all(shape) else 0
+    memory = cp.cuda.UnownedMemory(int(cai["data"][0]), extent, buf)
+    return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(memory, 0), strides=strides)
+
+
 # ----------------------------------------------------------------------------- callbacks
 
 
@@ -112,7 +136,7 @@ def _call(fn: Callable[..., Any], out_types: Any, *args: Any) -> Any:
     def callback(ctx: Any, outs: Any, *bufs: Any) -> None:
         leaves = jax.tree_util.tree_leaves((outs, bufs))
         with _on_stream(ctx, leaves):
-            fn(jax.tree_util.tree_map(_array, outs), *jax.tree_util.tree_map(_array, bufs))
+            fn(jax.tree_util.tree_map(_callback_view, outs), *jax.tree_util.tree_map(_callback_view, bufs))
 
     out = buffer_callback(callback, out_types, vmap_method="sequential")(*args)
     # Under shard_map the results vary over the same mesh axes as the inputs.
