@@ -65,13 +65,16 @@ def dense_ffns(x: Any, wg: Any, wu: Any, wd: Any, provider: str) -> tuple[Callab
     return torch_gated, torch_plain
 
 
-def relu_mask_producer(x: Any, w: Any, tile_n: int, capacity: int) -> Any:
-    """linear_to_twell through the cuBLASLt ReLU bit-mask producer (opt-in in the library)."""
+def dense_scan_producer(x: Any, w: Any) -> Any:
+    """linear_to_twell with the cuBLASLt ReLU-mask producer switched off: the GEMM, then the
+    pack scanning its whole output."""
     from twellsparse import _gpu_producer
 
-    _, _, finish = _gpu_producer.relu_linear_to_parts_deferred(x, w, tile_n, capacity)
-    parts, dropped = finish("spill")
-    return ts.twell_array._from_parts(parts, (x.shape[0], w.shape[0]), tile_n, dropped)
+    enabled, _gpu_producer.ENABLED = _gpu_producer.ENABLED, False
+    try:
+        return ts.linear_to_twell(x, w)
+    finally:
+        _gpu_producer.ENABLED = enabled
 
 
 def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Timer) -> dict[str, Any]:
@@ -134,20 +137,12 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
             ref_gated,
         ),
         "sddmm_up_gather": (lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="gather").data, ref_up),
-        "sddmm_up_gather_split": (
-            lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="gather", variant=(8, 2, True)).data,
-            ref_up,
-        ),
-        "gated_consumer_split": (
-            lambda: _gpu_ops.gated_consumer(h.parts, h.tile_n, x, wu, wd_t, variant=(4, 4, True))[0],
-            ref_gated,
-        ),
-        "sddmm_up_gather_4x4": (
-            lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="gather", variant=(4, 4)).data,
+        "sddmm_up_gather_8x2": (
+            lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="gather", variant=(8, 2)).data,
             ref_up,
         ),
         "sddmm_up_portable": (lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="portable").data, None),
-        "producer_relu_mask": (lambda: relu_mask_producer(x, wg, h.tile_n, h.capacity), h_dense),
+        "producer_dense_scan": (lambda: dense_scan_producer(x, wg), h_dense),
     }
     for name, (fn, expect) in variants.items():
         try:

@@ -173,10 +173,9 @@ __device__ __forceinline__ void gather_accumulate(typename acc_of<T>::type (&acc
 
 // Dot products x_row . y[col] for the batch's n pairs; lane l returns pair l's (0 for l >= n).
 // The K columns go in passes of KV x 32 x 16 bytes: the pass's x vectors stay in registers and
-// U pairs' row pieces are requested before any is used, as in gather_accumulate. Without SPLIT
-// a pair's KV x V products are summed in one dependent chain; with SPLIT in KV chains of V,
-// added as a tree (fewer cycles of latency per pair, KV more registers per pair).
-template <typename T, int KV, int U, bool SPLIT>
+// U pairs' row pieces are requested before any is used, as in gather_accumulate. (Summing a
+// pair's products in KV independent chains instead of one was measured on the H200: no gain.)
+template <typename T, int KV, int U>
 __device__ __forceinline__ typename acc_of<T>::type gather_dots(const T* __restrict__ x_row,
                                                                 const T* __restrict__ y, long long ldy,
                                                                 int K, int n, int col, int lane) {
@@ -197,29 +196,12 @@ __device__ __forceinline__ typename acc_of<T>::type gather_dots(const T* __restr
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         A part = A(0);
-        if constexpr (SPLIT) {
-          A chain[KV];
 #pragma unroll
-          for (int kv = 0; kv < KV; ++kv) {
-            A e[V];
-            Lanes<T>::widen(w[u][kv], e);
-            chain[kv] = xv[kv][0] * e[0];
+        for (int kv = 0; kv < KV; ++kv) {
+          A e[V];
+          Lanes<T>::widen(w[u][kv], e);
 #pragma unroll
-            for (int i = 1; i < V; ++i) chain[kv] += xv[kv][i] * e[i];
-          }
-#pragma unroll
-          for (int step = 1; step < KV; step <<= 1)
-#pragma unroll
-            for (int kv = 0; kv + step < KV; kv += 2 * step) chain[kv] += chain[kv + step];
-          part = chain[0];
-        } else {
-#pragma unroll
-          for (int kv = 0; kv < KV; ++kv) {
-            A e[V];
-            Lanes<T>::widen(w[u][kv], e);
-#pragma unroll
-            for (int i = 0; i < V; ++i) part += xv[kv][i] * e[i];
-          }
+          for (int i = 0; i < V; ++i) part += xv[kv][i] * e[i];
         }
         const A s = warp_total(part);
         if (lane == p + u) mine += s;
@@ -278,7 +260,7 @@ __global__ void __launch_bounds__(128) twell_gather_spmm(
 // Sampled products at the pattern: out = x[row] . y[j] for every stored entry (j, v), times v
 // when SCALE (without SCALE the pattern's values are never read, whatever their type). Padding
 // slots of `out` get 0. One warp per row.
-template <typename T, bool SCALE, int KV, int U, bool SPLIT>
+template <typename T, bool SCALE, int KV, int U>
 __global__ void __launch_bounds__(128) twell_gather_sddmm(
     const T* __restrict__ data, const short* __restrict__ indices, const int* __restrict__ counts,
     const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
@@ -292,7 +274,7 @@ __global__ void __launch_bounds__(128) twell_gather_sddmm(
   const T* x_row = x + row * ldx;
   for_each_batch<SCALE>(data, indices, counts, spill_indptr, spill_cols, spill_vals, row, n_tiles, tile_n,
                         capacity, lane, [&](int n, int col, A val, long long where) {
-                   A d = gather_dots<T, KV, U, SPLIT>(x_row, y, ldy, K, n, col, lane);
+                   A d = gather_dots<T, KV, U>(x_row, y, ldy, K, n, col, lane);
                    if (SCALE) d *= val;
                    if (lane < n) {
                      if (in_spill(where)) out_spill[~where] = from_acc<T>(d);
@@ -312,7 +294,7 @@ __global__ void __launch_bounds__(128) twell_gather_sddmm(
 // the roundings of the unfused path (SDDMM to T, then the product in fp32 rounded to T). Only
 // the row's compact u values go through memory (L1/L2: the warp reads back what it wrote); the
 // phases run back to back so each keeps the registers to itself.
-template <typename T, int KV, int U, bool SPLIT>
+template <typename T, int KV, int U>
 __global__ void __launch_bounds__(128) twell_gather_gated(
     const T* __restrict__ gate, const short* __restrict__ indices, const int* __restrict__ counts,
     const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
@@ -328,7 +310,7 @@ __global__ void __launch_bounds__(128) twell_gather_gated(
   const T* x_row = x + row * ldx;
   for_each_batch<false>(gate, indices, counts, spill_indptr, spill_cols, gate_spill, row, n_tiles, tile_n,
                         capacity, lane, [&](int n, int col, A, long long where) {
-                          const T u = from_acc<T>(gather_dots<T, KV, U, SPLIT>(x_row, w_up, ldu, K_in, n, col, lane));
+                          const T u = from_acc<T>(gather_dots<T, KV, U>(x_row, w_up, ldu, K_in, n, col, lane));
                           if (lane < n) {
                             if (in_spill(where)) u_spill[~where] = u;
                             else u_data[where] = u;

@@ -41,9 +41,8 @@ for dtype in (ts.bfloat16, np.float32):
     # The row-gather kernels in every variant, on 24 columns (16-byte rows for both dtypes).
     for variant in K.GATHER_VARIANTS:
         _gpu_ops.spmm(a4.parts, 32, b8, cp.empty((37, 24), dtype=dtype), path="gather", variant=variant)
-        for dots in (variant, (*variant, True)):  # with and without split dot chains
-            _gpu_ops.sddmm(a4.parts, 32, xin, b8, True, path="gather", variant=dots)
-            _gpu_ops.gated_consumer(a4.parts, 32, xin, b8, b8, keep_up=True, variant=dots)
+        _gpu_ops.sddmm(a4.parts, 32, xin, b8, True, path="gather", variant=variant)
+        _gpu_ops.gated_consumer(a4.parts, 32, xin, b8, b8, keep_up=True, variant=variant)
     # The ReLU-mask pack with a hand-made cuBLASLt-layout mask (4 words per 128 columns).
     hm = np.maximum(x.astype(np.float32), 0).astype(dtype)
     bits = np.zeros((37, 384), dtype=bool)

@@ -57,10 +57,10 @@ def _choose_path(path: str, gather_ok: bool) -> str:
     return path
 
 
-def _variant(variant: tuple | None, kind: str) -> tuple[int, int, bool]:
-    """(KV, U, split) of a gather kernel: the given (KV, U[, split]) or the kind's default."""
-    kv, u, *rest = variant or K.GATHER_DEFAULT[kind]
-    return kv, u, bool(rest[0]) if rest else False
+def _variant(variant: tuple[int, int] | None, kind: str) -> tuple[int, int]:
+    """(KV, U) of a gather kernel: the given one or the kind's default."""
+    kv, u = variant or K.GATHER_DEFAULT[kind]
+    return kv, u
 
 
 def _gather_grid(m: int) -> tuple[tuple[int], tuple[int]]:
@@ -153,7 +153,7 @@ def sddmm(
     y: Any,
     scale: bool,
     path: str = "auto",
-    variant: tuple | None = None,
+    variant: tuple[int, int] | None = None,
 ) -> TwELLParts:
     """Parts with the pattern of ``parts`` and values ``x[i] . y[j]`` (times the pattern's when
     ``scale``); x, y (and the pattern, when ``scale``) share one dtype (without ``scale`` the
@@ -170,8 +170,8 @@ def sddmm(
         spill = cp.empty(parts.spill_data.shape, dtype=x.dtype)
         geometry = (np.int32(m), np.int32(nt), np.int32(tile_n), np.int32(cap))
         args = (*_matrix_args(parts), *geometry, x, np.int64(ldx), y, np.int64(ldy), k, data, spill)
-        kv, u, split = _variant(variant, "sddmm")
-        K.launch_grid(K.gather_expression("sddmm", x.dtype, kv, u, scale, split), *_gather_grid(m), args)
+        kv, u = _variant(variant, "sddmm")
+        K.launch_grid(K.gather_expression("sddmm", x.dtype, kv, u, scale), *_gather_grid(m), args)
         return parts._replace(data=data, spill_data=spill)
     args = (
         x,
@@ -223,7 +223,7 @@ def gated_consumer(
     w_up: Any,
     w_down_t: Any,
     keep_up: bool = False,
-    variant: tuple | None = None,
+    variant: tuple[int, int] | None = None,
 ) -> tuple[Any, TwELLParts | None]:
     """The gated FFN after its gate in one kernel (:func:`gated_consumer_eligible` operands):
     ``u = x @ w_up.T`` at the gate's pattern, ``h = gate * u``, ``out = h @ w_down_t``.
@@ -237,7 +237,7 @@ def gated_consumer(
     w_up, ldu = row_stride(w_up)
     w_down_t, ldd = row_stride(w_down_t)
     k_out = w_down_t.shape[1]
-    kv, u, split = _variant(variant, "gated")
+    kv, u = _variant(variant, "gated")
     out = cp.empty((m, k_out), dtype=x.dtype)
     # Phase 1 of the kernel writes u at the stored slots only: zero the padding for callers.
     u_data = (cp.zeros if keep_up else cp.empty)(gate.data.shape, dtype=x.dtype)
@@ -261,7 +261,7 @@ def gated_consumer(
         out,
         np.int64(k_out),
     )
-    K.launch_grid(K.gather_expression("gated", x.dtype, kv, u, split=split), *_gather_grid(m), args)
+    K.launch_grid(K.gather_expression("gated", x.dtype, kv, u), *_gather_grid(m), args)
     up = gate._replace(data=u_data, spill_data=u_spill) if keep_up else None
     return out, up
 

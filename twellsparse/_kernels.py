@@ -41,25 +41,22 @@ SPMM_THREADS = 128
 #: Row-gather kernels (twell_gather.cu): passes of KV 16-byte vectors per lane over the columns,
 #: U pairs' rows in flight at a time. GATHER_VARIANTS are the (KV, U) instantiations of every
 #: kernel and type; GATHER_DEFAULT the fastest of them per kernel on the H200 (standard problem,
-#: bench/results/2026-12-02-ffn.jsonl; the benchmark times the others beside it). The SDDMM and
-#: gated kernels also come with ``split`` (a variant's optional third element, True: the dot
-#: products summed in KV chains), not yet measured.
+#: bench/results/2026-12-02-ffn.jsonl, commit 72f5ef8: (4, 4) took the SDDMM from 0.387 to
+#: 0.360 ms at 0.5% and from 0.679 to 0.619 ms at 1%; the benchmark times the others beside it).
 GATHER_VARIANTS = ((8, 2), (4, 4))
-GATHER_DEFAULT = {"spmm": (8, 2), "sddmm": (8, 2), "gated": (4, 4), "csr_spmm": (8, 2)}
+GATHER_DEFAULT = {"spmm": (8, 2), "sddmm": (4, 4), "gated": (4, 4), "csr_spmm": (8, 2)}
 GATHER_WARPS = 4  # rows (warps) per block
 
 
-def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = False, split: bool = False) -> str:
-    """Name expression of a row-gather kernel: kind "spmm", "sddmm", "gated" or "csr_spmm";
-    ``split`` (sddmm and gated) sums each pair's dot product in KV chains instead of one."""
+def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = False) -> str:
+    """Name expression of a row-gather kernel: kind "spmm", "sddmm", "gated" or "csr_spmm"."""
     t = CXX_TYPE[np.dtype(dtype)]
-    s = "true" if split else "false"
     if kind == "spmm":
         return f"twell_gather_spmm<{t}, {kv}, {u}>"
     if kind == "sddmm":
-        return f"twell_gather_sddmm<{t}, {'true' if scale else 'false'}, {kv}, {u}, {s}>"
+        return f"twell_gather_sddmm<{t}, {'true' if scale else 'false'}, {kv}, {u}>"
     if kind == "gated":
-        return f"twell_gather_gated<{t}, {kv}, {u}, {s}>"
+        return f"twell_gather_gated<{t}, {kv}, {u}>"
     if kind == "csr_spmm":
         return f"twell_gather_csr_spmm<{t}, {kv}, {u}>"
     raise ValueError(f"kind: expected 'spmm', 'sddmm', 'gated' or 'csr_spmm', got {kind!r}")
@@ -88,14 +85,10 @@ def _instantiations() -> dict[str, list[str]]:
         ]
     sddmm = [f"twell_sddmm_{part}<{t}, {s}>" for part in ("slots", "spill") for t in types for s in ("false", "true")]
     gather = [
-        gather_expression(kind, dt, kv, u, scale, split)
+        gather_expression(kind, dt, kv, u, scale)
         for dt in VALUE_DTYPES
         for kv, u in GATHER_VARIANTS
-        for kind, scale, split in (
-            ("spmm", False, False),
-            ("csr_spmm", False, False),
-            *((k, sc, sp) for k, sc in (("gated", False), ("sddmm", False), ("sddmm", True)) for sp in (False, True)),
-        )
+        for kind, scale in (("spmm", False), ("csr_spmm", False), ("gated", False), ("sddmm", False), ("sddmm", True))
     ]
     elementwise = [f"ffn_act_mul<{t}, {a}>" for t, a in itertools.product(types, ACTIVATION_ID.values())]
     return {

@@ -236,16 +236,38 @@ def _ffn_providers(p: dict[str, Any]) -> dict[str, Provider]:
 
         name = "dense-numpy"
     else:
-        import cupy as cp
-
         from ._gpu_ops import gemm_nt
+        from ._ops import dense_ffn_tail
 
         def dense() -> Any:
-            return gemm_nt(cp.maximum(gemm_nt(x, wg), 0) * gemm_nt(x, wu), wd)
+            # Three cuBLAS GEMMs and one fused relu-multiply: the plans' own dense remainder.
+            return dense_ffn_tail(x, gemm_nt(x, wg), wu, wd, x.dtype, "relu", None)
 
         expected, name = dense(), "dense-cublas"
     close = lambda out: rel_error(out, expected)  # noqa: E731
-    return {name: (dense, close), "twell-sparse": (lambda: sparse(x), close), "twell-auto": (lambda: auto(x), close)}
+    providers = {name: (dense, close), **_torch_dense_ffn(x, wg, wu, wd, close)}
+    return {**providers, "twell-sparse": (lambda: sparse(x), close), "twell-auto": (lambda: auto(x), close)}
+
+
+def _torch_dense_ffn(x: Any, wg: Any, wu: Any, wd: Any, close: Callable[[Any], float]) -> dict[str, Provider]:
+    """PyTorch's dense gated FFN on the same GPU arrays (zero-copy), TARGETS.md's baseline;
+    nothing where torch or its CUDA build is missing."""
+    if isinstance(x, np.ndarray):
+        return {}
+    try:
+        import torch
+    except ImportError:
+        return {}
+    if not torch.cuda.is_available():
+        return {}
+    import cupy as cp
+
+    tx, tg, tu, td = (torch.from_dlpack(a) for a in (x, wg, wu, wd))
+
+    def dense() -> Any:
+        return cp.from_dlpack((torch.relu(tx @ tg.T) * (tx @ tu.T)) @ td.T)
+
+    return {"dense-torch": (dense, close)}
 
 
 def _cpu_providers(op: str, h: Any, b: Any, x: Any, y: Any) -> dict[str, Provider]:
@@ -275,7 +297,7 @@ def _cpu_providers(op: str, h: Any, b: Any, x: Any, y: Any) -> dict[str, Provide
 DENSE = {
     "spmm": ("dense-cublas", "dense-numpy"),
     "sddmm": ("dense-cublas", "dense-numpy"),
-    "ffn": ("dense-cublas", "dense-numpy"),
+    "ffn": ("dense-torch", "dense-cublas", "dense-numpy"),
     "convert": ("copy",),
 }
 
@@ -359,7 +381,8 @@ def run(cfg: Config, out_path: str | None = None, progress: Callable[[str], None
     for i, (op, m, density) in enumerate(cases, 1):
         providers, pattern = _case_providers(cfg, op, m, density, dtype, rng)
         measured = float((pattern != 0).sum()) / pattern.size
-        case = {"kind": "micro", "op": op, "shape": [m, cfg.n, cfg.k], "dtype": cfg.dtype, "pattern": cfg.pattern}
+        case: dict[str, Any] = {"kind": "micro", "op": op, "shape": [m, cfg.n, cfg.k], "dtype": cfg.dtype}
+        case.update(pattern=cfg.pattern, density_target=density)
         records.append(_time_case(case, measured, providers, timers, cfg, env, out_path, pattern))
         say(f"[{i}/{len(cases)}] {op} M={m} density={measured:.3%}: " + _brief(records[-1]["ms"]))
     return records
@@ -433,8 +456,9 @@ def plots(records: list[dict], out_dir: pathlib.Path) -> list[pathlib.Path]:
             written.append(path)
     spmm = [r for r in records if r["op"] == "spmm"]
     if len({r["shape"][0] for r in spmm}) > 1:
-        density = min({r["density"] for r in spmm}, key=lambda d: abs(d - 0.01))
-        recs = sorted((r for r in spmm if r["density"] == density), key=lambda r: r["shape"][0])
+        target = lambda r: r.get("density_target", float(f"{r['density']:.2g}"))  # noqa: E731
+        density = min({target(r) for r in spmm}, key=lambda d: abs(d - 0.01))
+        recs = sorted((r for r in spmm if target(r) == density), key=lambda r: r["shape"][0])
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for name in dict.fromkeys(n for r in recs for n in r["ms"]):
             pts = [(r["shape"][0], r["ms"][name]["median"]) for r in recs if "median" in r["ms"].get(name, {})]

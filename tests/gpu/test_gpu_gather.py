@@ -17,8 +17,6 @@ pytestmark = pytest.mark.gpu
 
 FLOAT_TOL = {np.dtype(np.float32): 2e-6, np.dtype(np.float64): 1e-12}
 DTYPES = [np.float16, ts.bfloat16, np.float32, np.float64]
-#: The SDDMM and gated kernels come in every (KV, U) variant, with and without split dot chains.
-DOT_VARIANTS = [*K.GATHER_VARIANTS, *((kv, u, True) for kv, u in K.GATHER_VARIANTS)]
 
 
 def _bound(dtype, expected):
@@ -71,7 +69,7 @@ def test_sddmm(cp, rng, dtype, scale, m, n, k, tile_n, capacity, density):
     y = rng.standard_normal((n, k)).astype(dtype)
     dots = x.astype(np.float64) @ y.astype(np.float64).T
     expected = np.where(h != 0, dots * (h.astype(np.float64) if scale else 1.0), 0.0)
-    for variant in DOT_VARIANTS:
+    for variant in K.GATHER_VARIANTS:
         parts = _gpu_ops.sddmm(a.parts, tile_n, cp.asarray(x), cp.asarray(y), scale, path="gather", variant=variant)
         got = ts.twell_array._from_parts(parts, (m, n), tile_n)
         assert rel_error(got.toarray(), expected) <= _bound(dtype, expected), variant
@@ -107,7 +105,7 @@ def test_gated_consumer(cp, rng, dtype, keep_up, m, n, k, tile_n, capacity, dens
     u = _round(x.astype(np.float64) @ w_up.astype(np.float64).T, dtype)
     hidden = np.where(g != 0, _round(g.astype(np.float64) * u, dtype), 0.0)
     expected = hidden @ w_down_t.astype(np.float64)
-    for variant in DOT_VARIANTS:
+    for variant in K.GATHER_VARIANTS:
         out, up = _gpu_ops.gated_consumer(
             gate.parts, tile_n, cp.asarray(x), cp.asarray(w_up), cp.asarray(w_down_t), keep_up, variant
         )
