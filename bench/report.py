@@ -38,6 +38,39 @@ def latest(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [r for r in mine if r["commit"] == newest]
 
 
+def latest_per_case(records: list[dict[str, Any]], kind: str, case: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The newest record of ``kind`` for each value of the ``case`` fields (each record's pairs
+    were measured side by side in one run, so rows of different runs can share a table)."""
+    newest: dict[tuple, dict[str, Any]] = {}
+    for r in records:
+        if r.get("kind") != kind or not r.get("commit"):
+            continue
+        key = tuple(json.dumps(_field(r, f)) for f in case)
+        if key not in newest or r["date"] > newest[key]["date"]:
+            newest[key] = r
+    return list(newest.values())
+
+
+def _field(r: dict[str, Any], name: str) -> Any:
+    """A record's field; ``density_target`` falls back to the measured density at two digits
+    (records from before it was stored)."""
+    if name == "density_target" and name not in r:
+        return float(f"{r['density']:.2g}")
+    return r.get(name)
+
+
+def _provenance(records: list[dict[str, Any]]) -> str:
+    """``GPU (driver, CuPy), date, commit(s)`` of a table's records."""
+    r0 = records[0]
+    commits = ", ".join(sorted({r["commit"][:7] for r in records}))
+    dates = sorted({r["date"][:10] for r in records})
+    return (
+        f"{r0['gpu']} (driver {r0.get('driver_version')}, CUDA runtime {r0.get('cuda_runtime')}, CuPy "
+        f"{r0.get('cupy')}), {' to '.join(dict.fromkeys((dates[0], dates[-1])))}, "
+        f"commit{'s' if ',' in commits else ''} {commits}"
+    )
+
+
 def _fmt_auto(r: dict[str, Any], ms: dict[str, float], key: str, dense_key: str, path_key: str) -> str:
     """`` / auto t (s.ssx, path)`` for records that timed the automatic dispatch, else ``""``."""
     if key not in ms:
@@ -51,9 +84,8 @@ def ffn_table(records: list[dict[str, Any]]) -> str:
     r0 = records[0]
     m, d_model, d_ff = r0["shape"]
     lines = [
-        f"FFN blocks, {r0['dtype']}, M = {m}, d_model = {d_model}, d_ff = {d_ff}; {r0['gpu']} "
-        f"(driver {r0.get('driver_version')}, CuPy {r0.get('cupy')}), {r0['date'][:10]}, commit "
-        f"{r0['commit'][:10]}; dense = {r0['dense_provider']}, same run. Times are medians in ms "
+        f"FFN blocks, {r0['dtype']}, M = {m}, d_model = {d_model}, d_ff = {d_ff}; {_provenance(records)}; "
+        f"dense = {r0['dense_provider']}, same run. Times are medians in ms "
         "(L2 flushed); speed-up = dense time / twellsparse time (below 1 = slower than dense). "
         "`sparse` forces the TwELL kernels; `auto` is the default dispatch (dense remainder above "
         "the break-even density), with the path it took.",
@@ -116,13 +148,112 @@ def training_table(steps: list[dict[str, Any]], models: list[dict[str, Any]]) ->
     return "\n".join(lines)
 
 
+def _cell(t: dict[str, Any], extra: str = "") -> str:
+    if "median" not in t:
+        return "refused" if "NOT_SUPPORTED" in t.get("error", "") else ("failed" if t else "")
+    sp = f" ({t['speedup_vs_dense']:.2f}x)" if "speedup_vs_dense" in t else ""
+    return f"{t['median']:.3f}{sp}{extra}"
+
+
+def micro_tables(records: list[dict[str, Any]], m: int = STANDARD_SHAPE[0]) -> str:
+    """SpMM, conversion and SDDMM at M tokens from ``python -m twellsparse bench`` records."""
+    micro = [
+        r for r in latest_per_case(records, "micro", ("op", "shape", "density_target", "dtype")) if r["shape"][0] == m
+    ]
+    if not micro:
+        return ""
+    out = []
+    spmm = sorted((r for r in micro if r["op"] == "spmm"), key=lambda r: r["density"])
+    if spmm:
+        names = [
+            "dense-cublas", "twell", "twell+pack", "cusparse-csr-default", "cusparse-csr-csr_alg3",
+            "cusparse-csr-default+convert", "cupyx-csr-fp32", "cusparse-blocked-ell-16",
+        ]  # fmt: skip
+        r0 = spmm[0]
+        out += [
+            f"SpMM `A @ B`, A {m} x {r0['shape'][1]} sparse (uniform), B {r0['shape'][1]} x {r0['shape'][2]}, "
+            f"{r0['dtype']}; {_provenance(spmm)}. Medians in ms (L2 flushed), speed-up over the dense cuBLAS "
+            "GEMM in parentheses. `twell+pack` includes packing A from dense; `+convert` includes "
+            "cuSPARSE's dense-to-CSR; cupyx runs in float32 (cupyx.scipy.sparse has no bf16 product).",
+            "",
+            "| density | " + " | ".join(names) + " |",
+            "|---|" + "---|" * len(names),
+        ]
+        for r in spmm:
+            out.append(f"| {r['density']:.2%} | " + " | ".join(_cell(r["ms"].get(n, {})) for n in names) + " |")
+    convert = sorted((r for r in micro if r["op"] == "convert"), key=lambda r: r["density"])
+    if convert:
+        names = ["twell", "cusparse-dense2csr", "copy"]
+        out += [
+            "",
+            f"Dense to sparse, {m} x {convert[0]['shape'][1]} {convert[0]['dtype']}; {_provenance(convert)}. "
+            "ms and effective bandwidth on the bytes each conversion reads and writes; `copy` is the "
+            "device-to-device copy of the dense input (the bandwidth ceiling).",
+            "",
+            "| density | " + " | ".join(names) + " |",
+            "|---|" + "---|" * len(names),
+        ]
+        for r in convert:
+            cells = [
+                _cell(
+                    r["ms"].get(n, {}),
+                    f", {r['ms'][n]['gb_per_s']:.0f} GB/s" if "gb_per_s" in r["ms"].get(n, {}) else "",
+                )
+                for n in names
+            ]
+            out.append(f"| {r['density']:.2%} | " + " | ".join(cells) + " |")
+    sddmm = sorted((r for r in micro if r["op"] == "sddmm"), key=lambda r: r["density"])
+    if sddmm:
+        names = ["dense-cublas", "twell", "cusparse-sddmm"]
+        out += [
+            "",
+            f"SDDMM `(X @ Y.T)` at the pattern of a {m} x {sddmm[0]['shape'][1]} matrix, inner dimension "
+            f"{sddmm[0]['shape'][2]}, {sddmm[0]['dtype']}; {_provenance(sddmm)}. Dense = the full GEMM; "
+            "cuSPARSE refuses bf16 SDDMM.",
+            "",
+            "| density | " + " | ".join(names) + " |",
+            "|---|" + "---|" * len(names),
+        ]
+        for r in sddmm:
+            out.append(f"| {r['density']:.2%} | " + " | ".join(_cell(r["ms"].get(n, {})) for n in names) + " |")
+    return "\n".join(out)
+
+
+def jax_table(records: list[dict[str, Any]]) -> str:
+    """The jitted JAX gated FFN beside the CuPy plan (bench/jax_bench.py)."""
+    jx = sorted(latest(records, "jax"), key=lambda r: r["density_target"])
+    if not jx:
+        return ""
+    out = [
+        f"JAX: `jax.jit(twellsparse.jax.gated_ffn)` beside `twellsparse.GatedFFN` on CuPy arrays, shape "
+        f"{jx[0]['shape']}, bf16; {_provenance(jx)}. Per-call wall time over batches of 10 calls (ms).",
+        "",
+        "| density | CuPy plan | JAX jit (ratio to CuPy) | JAX dense | callback around a prebuilt plan | "
+        "copy-only callback |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in jx:
+        ms = {k: v["median"] for k, v in r["ms"].items()}
+        diag = [f"{ms[k]:.3f}" if k in ms else "" for k in ("jax_callback_prebuilt_plan", "jax_callback_copy_only")]
+        out.append(
+            f"| {r['density_target']:.2%} | {ms['cupy_sparse']:.3f} | {ms['jax_sparse']:.3f} "
+            f"({r['jax_vs_cupy']:.2f}x) | {ms['jax_dense']:.3f} | " + " | ".join(diag) + " |"
+        )
+    return "\n".join(out)
+
+
 def tables(records: list[dict[str, Any]]) -> str:
-    """The FFN tables (one per problem shape, the standard problem first) and the training ones."""
-    ffn = latest(records, "ffn")
+    """The FFN tables (one per problem shape, the standard problem first), the training ones, the
+    microbenchmarks against cuSPARSE and the JAX adapter."""
+    ffn = latest_per_case(records, "ffn", ("shape", "pattern", "density_target"))
     shapes = sorted({tuple(r["shape"]) for r in ffn}, key=lambda s: (s != STANDARD_SHAPE, s))
     parts = [ffn_table([r for r in ffn if tuple(r["shape"]) == shape]) for shape in shapes] or [ffn_table([])]
     training = training_table(latest(records, "train_step"), latest(records, "model"))
-    return "\n\n".join(parts) + ("\n" + training if training else "")
+    text = "\n\n".join(parts) + ("\n" + training if training else "")
+    for extra in (micro_tables(records), jax_table(records)):
+        if extra:
+            text += "\n\n" + extra
+    return text
 
 
 def update_readme(readme: pathlib.Path, table: str) -> None:
@@ -138,8 +269,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", type=pathlib.Path, default=HERE / "results")
     ap.add_argument("--update-readme", type=pathlib.Path, metavar="README")
+    ap.add_argument("--plots", type=pathlib.Path, metavar="DIR", help="also draw the microbenchmark plots here")
     args = ap.parse_args(argv)
-    table = tables(load(args.results))
+    records = load(args.results)
+    table = tables(records)
+    if args.plots:
+        from twellsparse._microbench import plots
+
+        args.plots.mkdir(parents=True, exist_ok=True)
+        micro = latest_per_case(records, "micro", ("op", "shape", "density_target", "dtype"))
+        for path in plots(micro, args.plots):
+            print(f"plot: {path}", file=sys.stderr)
     if args.update_readme:
         update_readme(args.update_readme, table)
     else:
