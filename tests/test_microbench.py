@@ -38,3 +38,15 @@ def test_m_sweep_plots_time_vs_m(tmp_path):
 def test_unknown_op_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="--ops: expected a subset of spmm,convert,sddmm,ffn, got gemm"):
         main(["bench", "--cpu", "--ops", "gemm", "--out", str(tmp_path)])
+
+
+def test_d_ff_sweep_makes_one_table_and_plot_per_width(tmp_path, capsys):
+    args = ["bench", "--cpu", "--ops", "spmm", "--d-ff", "96,160", "--d-model", "24", "--densities", "0.1"]
+    assert main([*args, "--out", str(tmp_path)]) == 0
+    records = [json.loads(line) for line in (tmp_path / "micro.jsonl").read_text().splitlines()]
+    assert sorted(r["shape"][1:] for r in records) == [[96, 24], [160, 24]]
+    assert all(r["density_target"] == 0.1 for r in records)
+    out = capsys.readouterr().out
+    assert "spmm (float32, N=96, K=24)" in out and "spmm (float32, N=160, K=24)" in out
+    for width in (96, 160):
+        assert (tmp_path / f"spmm_speedup_m64_n{width}.png").stat().st_size > 1000

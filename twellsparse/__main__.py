@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--ops", help="comma-separated subset of spmm,convert,sddmm,ffn")
     bench.add_argument("--densities", help="comma-separated densities, e.g. 0.005,0.01")
     bench.add_argument("--m", help="comma-separated token counts M")
+    bench.add_argument("--d-ff", help="comma-separated widths of the sparse dimension (d_ff), e.g. 5632,14336")
+    bench.add_argument("--d-model", type=int, help="the dense dimension (d_model)")
     bench.add_argument("--dtype", help="bfloat16, float16, float32 or float64")
     bench.add_argument("--reps", type=int, help="timed repetitions per case")
     bench.add_argument("--pattern", choices=("uniform", "skewed"), help="activation pattern")
@@ -44,6 +46,8 @@ def _bench(args: argparse.Namespace) -> int:
         "ops": tuple(args.ops.split(",")) if args.ops else None,
         "densities": tuple(float(d) for d in args.densities.split(",")) if args.densities else None,
         "ms": tuple(int(m) for m in args.m.split(",")) if args.m else None,
+        "ns": tuple(int(n) for n in args.d_ff.split(",")) if args.d_ff else None,
+        "k": args.d_model,
         "dtype": args.dtype,
         "reps": args.reps,
         "pattern": args.pattern,

@@ -52,8 +52,8 @@ class Config:
     ops: tuple[str, ...]
     densities: tuple[float, ...]
     ms: tuple[int, ...]
-    n: int
-    k: int
+    ns: tuple[int, ...]  # d_ff: the sparse dimension
+    k: int  # d_model
     dtype: str
     reps: int
     on_gpu: bool
@@ -64,11 +64,11 @@ class Config:
 def default_config(quick: bool = False, cpu: bool = False) -> Config:
     """The full sweep on the standard problem's widths, a quick one, or the CPU smoke run."""
     if cpu or not gpu_available():
-        return Config(OPS, (0.05, 0.2), (64,), 512, 64, "float32", 2, on_gpu=False)
+        return Config(OPS, (0.05, 0.2), (64,), (512,), 64, "float32", 2, on_gpu=False)
     if quick:
-        return Config(OPS, (0.01, 0.1), (2048,), 1024, 512, "bfloat16", 5, on_gpu=True)
+        return Config(OPS, (0.01, 0.1), (2048,), (1024,), 512, "bfloat16", 5, on_gpu=True)
     densities = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
-    return Config(OPS, densities, (4096, 16384), 5632, 2048, "bfloat16", 20, on_gpu=True)
+    return Config(OPS, densities, (4096, 16384), (5632,), 2048, "bfloat16", 20, on_gpu=True)
 
 
 def _dtype(name: str) -> Any:
@@ -302,7 +302,7 @@ DENSE = {
 }
 
 
-def _case_providers(cfg: Config, op: str, m: int, density: float, dtype: Any, rng: Any) -> tuple[dict, Any]:
+def _case_providers(cfg: Config, op: str, m: int, n: int, density: float, dtype: Any, rng: Any) -> tuple[dict, Any]:
     """Fresh random operands for one case: (providers, the activation matrix or pattern)."""
     xp: Any = np
     if cfg.on_gpu:
@@ -310,12 +310,12 @@ def _case_providers(cfg: Config, op: str, m: int, density: float, dtype: Any, rn
 
         xp = cupy
     if op == "ffn":
-        problem = ffn_problem(m, cfg.k, cfg.n, density, cfg.pattern, dtype, rng, xp)
+        problem = ffn_problem(m, cfg.k, n, density, cfg.pattern, dtype, rng, xp)
         return _ffn_providers(problem), (problem["x"] @ problem["w_gate"].T) > 0
-    h = sparse_activations(m, cfg.n, density, cfg.pattern, dtype, rng)
-    b = rng.standard_normal((cfg.n, cfg.k)).astype(dtype)
+    h = sparse_activations(m, n, density, cfg.pattern, dtype, rng)
+    b = rng.standard_normal((n, cfg.k)).astype(dtype)
     x = rng.standard_normal((m, cfg.k)).astype(dtype)
-    y = rng.standard_normal((cfg.n, cfg.k)).astype(dtype)
+    y = rng.standard_normal((n, cfg.k)).astype(dtype)
     if not cfg.on_gpu:
         return _cpu_providers(op, h, b, x, y), h
     h, b, x, y = (xp.asarray(v) for v in (h, b, x, y))
@@ -377,14 +377,14 @@ def run(cfg: Config, out_path: str | None = None, progress: Callable[[str], None
     dtype = _dtype(cfg.dtype)
     rng = np.random.default_rng(cfg.seed)
     records: list[dict] = []
-    cases = [(op, m, d) for op in cfg.ops for m in cfg.ms for d in cfg.densities]
-    for i, (op, m, density) in enumerate(cases, 1):
-        providers, pattern = _case_providers(cfg, op, m, density, dtype, rng)
+    cases = [(op, m, n, d) for op in cfg.ops for n in cfg.ns for m in cfg.ms for d in cfg.densities]
+    for i, (op, m, n, density) in enumerate(cases, 1):
+        providers, pattern = _case_providers(cfg, op, m, n, density, dtype, rng)
         measured = float((pattern != 0).sum()) / pattern.size
-        case: dict[str, Any] = {"kind": "micro", "op": op, "shape": [m, cfg.n, cfg.k], "dtype": cfg.dtype}
+        case: dict[str, Any] = {"kind": "micro", "op": op, "shape": [m, n, cfg.k], "dtype": cfg.dtype}
         case.update(pattern=cfg.pattern, density_target=density)
         records.append(_time_case(case, measured, providers, timers, cfg, env, out_path, pattern))
-        say(f"[{i}/{len(cases)}] {op} M={m} density={measured:.3%}: " + _brief(records[-1]["ms"]))
+        say(f"[{i}/{len(cases)}] {op} M={m} N={n} density={measured:.3%}: " + _brief(records[-1]["ms"]))
     return records
 
 
@@ -395,14 +395,12 @@ def _brief(timings: dict[str, Any]) -> str:
 
 
 def summary(records: list[dict]) -> str:
-    """A markdown table per op: median ms and speed-up over dense for each provider."""
+    """A markdown table per (op, N): median ms and speed-up over dense for each provider."""
     out = []
-    for op in OPS:
-        recs = [r for r in records if r["op"] == op]
-        if not recs:
-            continue
+    for op, width in dict.fromkeys((r["op"], r["shape"][1]) for r in records):
+        recs = [r for r in records if r["op"] == op and r["shape"][1] == width]
         names = list(dict.fromkeys(n for r in recs for n in r["ms"]))
-        out += [f"\n{op} ({recs[0]['dtype']}, N={recs[0]['shape'][1]}, K={recs[0]['shape'][2]})", ""]
+        out += [f"\n{op} ({recs[0]['dtype']}, N={width}, K={recs[0]['shape'][2]})", ""]
         out.append("| M | density | " + " | ".join(names) + " |")
         out.append("|---|---|" + "---|" * len(names))
         for r in recs:
@@ -421,8 +419,8 @@ def summary(records: list[dict]) -> str:
 
 
 def plots(records: list[dict], out_dir: pathlib.Path) -> list[pathlib.Path]:
-    """Speed-up over dense vs density per (op, M), with dense = 1 and, for SpMM, the FLOP
-    ceiling 1 / density; and SpMM time vs M per provider. Needs matplotlib (the bench extra)."""
+    """Speed-up over dense vs density per (op, M, N), with dense = 1 and, for SpMM, the FLOP
+    ceiling 1 / density; and SpMM time vs M per provider (at the narrowest N). Needs matplotlib (the bench extra)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -430,10 +428,10 @@ def plots(records: list[dict], out_dir: pathlib.Path) -> list[pathlib.Path]:
 
     written = []
     for op in OPS:
-        for m in sorted({r["shape"][0] for r in records if r["op"] == op}):
-            recs = sorted((r for r in records if r["op"] == op and r["shape"][0] == m), key=lambda r: r["density"])
-            if not recs:
-                continue
+        mine = [r for r in records if r["op"] == op]
+        widths = sorted({r["shape"][1] for r in mine})
+        for m, width in sorted({(r["shape"][0], r["shape"][1]) for r in mine}):
+            recs = sorted((r for r in mine if r["shape"][:2] == [m, width]), key=lambda r: r["density"])
             fig, ax = plt.subplots(figsize=(7, 4.5))
             dens = [r["density"] for r in recs]
             for name in dict.fromkeys(n for r in recs for n in r["ms"]):
@@ -448,13 +446,14 @@ def plots(records: list[dict], out_dir: pathlib.Path) -> list[pathlib.Path]:
             if op == "spmm":
                 ax.plot(dens, [1 / d for d in dens], "k--", linewidth=1, label="FLOP ceiling 1/density")
             ax.set(xscale="log", yscale="log", xlabel="density", ylabel="speed-up over dense")
-            ax.set_title(f"{op}, M = {m}")
+            ax.set_title(f"{op}, M = {m}, N = {width}")
             ax.legend(fontsize=7)
-            path = out_dir / f"{op}_speedup_m{m}.png"
+            path = out_dir / (f"{op}_speedup_m{m}" + (f"_n{width}" if len(widths) > 1 else "") + ".png")
             fig.savefig(path, dpi=120, bbox_inches="tight")
             plt.close(fig)
             written.append(path)
     spmm = [r for r in records if r["op"] == "spmm"]
+    spmm = [r for r in spmm if r["shape"][1] == min(r["shape"][1] for r in spmm)]  # one width
     if len({r["shape"][0] for r in spmm}) > 1:
         target = lambda r: r.get("density_target", float(f"{r['density']:.2g}"))  # noqa: E731
         density = min({target(r) for r in spmm}, key=lambda d: abs(d - 0.01))
