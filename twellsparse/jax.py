@@ -401,22 +401,29 @@ def linear_to_twell(
 # ----------------------------------------------------------------------------- FFN blocks
 
 
+def _units_major(w_down: jax.Array) -> jax.Array:
+    """``w_down.T`` materialised by XLA's transpose: the kernels read W_down one hidden unit's
+    row at a time, and CuPy's strided copy inside the callback would cost far more."""
+    return jnp.swapaxes(w_down, 0, 1)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _ffn(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold):
     dt = _same_dtype(x=x, w_act=w_act, w_down=w_down, **({} if w_lin is None else {"w_lin": w_lin}))
 
-    def run(out: Any, xx: Any, wa: Any, wl: Any, wd: Any) -> None:
+    def run(out: Any, xx: Any, wa: Any, wl: Any, wd_t: Any) -> None:
         # The plans' path (overflow read-back deferred behind the tail, no up values kept: the
         # backward recomputes them), always sparse: a plan per call, as the buffers may change.
+        # w_down arrives transposed (by XLA), so the plan's layout needs no copy.
         settings = {"activation": activation, "tile_n": tile_n, "capacity": capacity, "threshold": threshold}
         plan = (
-            FFN(wa, wd, **settings, dispatch="sparse")
+            FFN(wa, wd_t.T, **settings, dispatch="sparse")
             if wl is None
-            else GatedFFN(wa, wl, wd, **settings, dispatch="sparse")
+            else GatedFFN(wa, wl, wd_t.T, **settings, dispatch="sparse")
         )
         out[...] = plan(xx)
 
-    return _call(run, _struct((x.shape[0], w_down.shape[0]), dt), x, w_act, w_lin, w_down)
+    return _call(run, _struct((x.shape[0], w_down.shape[0]), dt), x, w_act, w_lin, _units_major(w_down))
 
 
 def _ffn_fwd(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold):
@@ -429,15 +436,16 @@ def _ffn_bwd(activation, tile_n, capacity, threshold, res, g):
     if w_lin is not None:
         types.append(_struct(w_lin.shape, w_lin.dtype))
 
-    def run(outs: list, gg: Any, xx: Any, wa: Any, wl: Any, wd: Any) -> None:
+    def run(outs: list, gg: Any, xx: Any, wa: Any, wl: Any, wd_t: Any) -> None:
         # The pattern and the up values are recomputed (jit residuals need static shapes).
+        wd = wd_t.T  # a view whose transpose, the kernels' layout, is contiguous
         _, pattern, up = forward_arrays(xx, wa, wl, wd, activation, tile_n, capacity, threshold)
         dx, dwa, dwl, dwd = backward_arrays(gg, None, xx, wa, wl, wd, pattern, up, activation)
         outs[0][...], outs[1][...], outs[2][...] = dx, dwa, dwd
         if wl is not None:
             outs[3][...] = dwl
 
-    grads = _call(run, types, g, x, w_act, w_lin, w_down)
+    grads = _call(run, types, g, x, w_act, w_lin, _units_major(w_down))
     cts = (grads[0], grads[1], (grads[3] if w_lin is not None else None), grads[2])
     return _cotangents(cts, (x, w_act, w_lin, w_down))
 

@@ -87,6 +87,13 @@ def _n_tiles(n: int, tile_n: int) -> int:
     return -(-n // tile_n)
 
 
+def _down_weight(w_down: Tensor) -> Any:
+    """``w_down`` (d_model, d_ff) as an array view whose transpose, the kernels' layout (one row
+    per hidden unit), is contiguous: transposed by torch's tiled kernel, where the ops would
+    otherwise make the copy with CuPy's strided one."""
+    return _to_array(w_down.t().contiguous()).T
+
+
 @torch.library.custom_op(f"{_NAMESPACE}::ffn_fwd", mutates_args=())
 def _ffn_fwd(
     x: Tensor,
@@ -103,7 +110,7 @@ def _ffn_fwd(
     with _on_device(x):
         w_lin_a = _to_array(w_lin) if w_lin is not None else None
         out, g, u = forward_arrays(
-            _to_array(x), _to_array(w_act), w_lin_a, _to_array(w_down), activation, tile_n, capacity, threshold
+            _to_array(x), _to_array(w_act), w_lin_a, _down_weight(w_down), activation, tile_n, capacity, threshold
         )
         p = g.parts
         if u is None:
@@ -162,7 +169,6 @@ def _ffn_bwd(
                 go=grad_out,
                 x=x,
                 wa=w_act,
-                wd=w_down,
                 d=act_data,
                 i=indices,
                 c=counts,
@@ -171,6 +177,7 @@ def _ffn_bwd(
                 sp=spill_indptr,
             ).items()
         }
+        a["wd"] = _down_weight(w_down)
         shape = (x.shape[0], w_act.shape[0])
         g = twell_array._from_parts(TwELLParts(a["d"], a["i"], a["c"], a["sd"], a["si"], a["sp"]), shape, tile_n)
         u = with_values(g, _to_array(u_data), _to_array(u_spill)) if w_lin is not None else None
