@@ -33,7 +33,7 @@ for step in $what; do
     bench|all)
       python3 bench/ffn_bench.py --out "$OUT/ffn_bench.jsonl" 2>&1 | tee "$OUT/ffn_bench.log"
       status=$((status | ${PIPESTATUS[0]}))
-      python3 bench/train_step.py --out "$OUT/train_step.jsonl" 2>&1 | tee "$OUT/train_step.log"
+      python3 bench/train_step.py --stages --out "$OUT/train_step.jsonl" 2>&1 | tee "$OUT/train_step.log"
       status=$((status | ${PIPESTATUS[0]}))
       python3 bench/model_bench.py --out "$OUT/model_bench.jsonl" 2>&1 | tee "$OUT/model_bench.log"
       status=$((status | ${PIPESTATUS[0]}))

@@ -191,7 +191,15 @@ def _ffn_bwd(
         xp = array_module(a["x"])
         if dw_lin is None:
             dw_lin = xp.empty(_EMPTY, dtype=a["x"].dtype)
-        return tuple(_to_tensor(xp.ascontiguousarray(r)) for r in (dx, dw_act, dw_lin, dw_down))  # type: ignore[return-value]
+        return tuple(_contiguous_tensor(r) for r in (dx, dw_act, dw_lin, dw_down))  # type: ignore[return-value]
+
+
+def _contiguous_tensor(a: Any) -> Tensor:
+    """A contiguous tensor of ``a``; a transposed view (dW_down comes out as one) is transposed
+    by torch's tiled kernel rather than by CuPy's strided copy."""
+    if a.ndim == 2 and not a.flags.c_contiguous and a.T.flags.c_contiguous:
+        return _to_tensor(a.T).t().contiguous()
+    return _to_tensor(array_module(a).ascontiguousarray(a))
 
 
 @_ffn_bwd.register_fake
