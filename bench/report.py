@@ -155,68 +155,57 @@ def _cell(t: dict[str, Any], extra: str = "") -> str:
     return f"{t['median']:.3f}{sp}{extra}"
 
 
+def _micro_table(recs: list[dict[str, Any]], caption: str, names: list[str]) -> list[str]:
+    """A caption and a density x provider table of medians (speed-up; GB/s for conversions)."""
+    lines = ["", caption, "", "| density | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for r in recs:
+        cells = []
+        for n in names:
+            t = r["ms"].get(n, {})
+            cells.append(_cell(t, f", {t['gb_per_s']:.0f} GB/s" if "gb_per_s" in t else ""))
+        lines.append(f"| {r['density']:.2%} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def micro_tables(records: list[dict[str, Any]], m: int = STANDARD_SHAPE[0]) -> str:
     """SpMM, conversion and SDDMM at M tokens from ``python -m twellsparse bench`` records."""
-    micro = [
-        r for r in latest_per_case(records, "micro", ("op", "shape", "density_target", "dtype")) if r["shape"][0] == m
-    ]
-    if not micro:
-        return ""
-    out = []
-    spmm = sorted((r for r in micro if r["op"] == "spmm"), key=lambda r: r["density"])
-    if spmm:
+    cases = latest_per_case(records, "micro", ("op", "shape", "density_target", "dtype"))
+    by_op = {
+        op: sorted((r for r in cases if r["op"] == op and r["shape"][0] == m), key=lambda r: r["density"])
+        for op in ("spmm", "convert", "sddmm")
+    }
+    out: list[str] = []
+    if by_op["spmm"]:
+        recs = by_op["spmm"]
+        (_, n, k), dt = recs[0]["shape"], recs[0]["dtype"]
+        caption = (
+            f"SpMM `A @ B`, A {m} x {n} sparse (uniform), B {n} x {k}, {dt}; {_provenance(recs)}. Medians in "
+            "ms (L2 flushed), speed-up over the dense cuBLAS GEMM in parentheses. `twell+pack` includes "
+            "packing A from dense; `+convert` includes cuSPARSE's dense-to-CSR; cupyx runs in float32 "
+            "(cupyx.scipy.sparse has no bf16 product)."
+        )
         names = [
             "dense-cublas", "twell", "twell+pack", "cusparse-csr-default", "cusparse-csr-csr_alg3",
             "cusparse-csr-default+convert", "cupyx-csr-fp32", "cusparse-blocked-ell-16",
         ]  # fmt: skip
-        r0 = spmm[0]
-        out += [
-            f"SpMM `A @ B`, A {m} x {r0['shape'][1]} sparse (uniform), B {r0['shape'][1]} x {r0['shape'][2]}, "
-            f"{r0['dtype']}; {_provenance(spmm)}. Medians in ms (L2 flushed), speed-up over the dense cuBLAS "
-            "GEMM in parentheses. `twell+pack` includes packing A from dense; `+convert` includes "
-            "cuSPARSE's dense-to-CSR; cupyx runs in float32 (cupyx.scipy.sparse has no bf16 product).",
-            "",
-            "| density | " + " | ".join(names) + " |",
-            "|---|" + "---|" * len(names),
-        ]
-        for r in spmm:
-            out.append(f"| {r['density']:.2%} | " + " | ".join(_cell(r["ms"].get(n, {})) for n in names) + " |")
-    convert = sorted((r for r in micro if r["op"] == "convert"), key=lambda r: r["density"])
-    if convert:
-        names = ["twell", "cusparse-dense2csr", "copy"]
-        out += [
-            "",
-            f"Dense to sparse, {m} x {convert[0]['shape'][1]} {convert[0]['dtype']}; {_provenance(convert)}. "
-            "ms and effective bandwidth on the bytes each conversion reads and writes; `copy` is the "
-            "device-to-device copy of the dense input (the bandwidth ceiling).",
-            "",
-            "| density | " + " | ".join(names) + " |",
-            "|---|" + "---|" * len(names),
-        ]
-        for r in convert:
-            cells = [
-                _cell(
-                    r["ms"].get(n, {}),
-                    f", {r['ms'][n]['gb_per_s']:.0f} GB/s" if "gb_per_s" in r["ms"].get(n, {}) else "",
-                )
-                for n in names
-            ]
-            out.append(f"| {r['density']:.2%} | " + " | ".join(cells) + " |")
-    sddmm = sorted((r for r in micro if r["op"] == "sddmm"), key=lambda r: r["density"])
-    if sddmm:
-        names = ["dense-cublas", "twell", "cusparse-sddmm"]
-        out += [
-            "",
-            f"SDDMM `(X @ Y.T)` at the pattern of a {m} x {sddmm[0]['shape'][1]} matrix, inner dimension "
-            f"{sddmm[0]['shape'][2]}, {sddmm[0]['dtype']}; {_provenance(sddmm)}. Dense = the full GEMM; "
-            "cuSPARSE refuses bf16 SDDMM.",
-            "",
-            "| density | " + " | ".join(names) + " |",
-            "|---|" + "---|" * len(names),
-        ]
-        for r in sddmm:
-            out.append(f"| {r['density']:.2%} | " + " | ".join(_cell(r["ms"].get(n, {})) for n in names) + " |")
-    return "\n".join(out)
+        out += _micro_table(recs, caption, names)
+    if by_op["convert"]:
+        recs = by_op["convert"]
+        caption = (
+            f"Dense to sparse, {m} x {recs[0]['shape'][1]} {recs[0]['dtype']}; {_provenance(recs)}. ms and "
+            "effective bandwidth on the bytes each conversion reads and writes; `copy` is the "
+            "device-to-device copy of the dense input (the bandwidth ceiling)."
+        )
+        out += _micro_table(recs, caption, ["twell", "cusparse-dense2csr", "copy"])
+    if by_op["sddmm"]:
+        recs = by_op["sddmm"]
+        (_, n, k), dt = recs[0]["shape"], recs[0]["dtype"]
+        caption = (
+            f"SDDMM `(X @ Y.T)` at the pattern of a {m} x {n} matrix, inner dimension {k}, {dt}; "
+            f"{_provenance(recs)}. Dense = the full GEMM; cuSPARSE refuses bf16 SDDMM."
+        )
+        out += _micro_table(recs, caption, ["dense-cublas", "twell", "cusparse-sddmm"])
+    return "\n".join(out[1:])
 
 
 def jax_table(records: list[dict[str, Any]]) -> str:
