@@ -14,6 +14,7 @@ for the gated block, the up-projection values on ``P``.
 This module imports torch; ``import twellsparse`` never imports it.
 """
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -55,8 +56,24 @@ def _to_tensor(a: Any) -> Tensor:
     return torch.from_dlpack(a)
 
 
+@functools.cache
+def _torch_allocator() -> Any:
+    """A CuPy allocator drawing from torch's caching allocator on torch's current stream: one
+    memory pool for both, and the kernels' workspaces counted in torch's memory statistics."""
+    import cupy
+
+    def malloc(size: int, device: int) -> int:
+        return int(torch.cuda.caching_allocator_alloc(size, device, torch.cuda.current_stream(device)))
+
+    def free(ptr: int, device: int) -> None:
+        torch.cuda.caching_allocator_delete(ptr)
+
+    return cupy.cuda.PythonFunctionAllocator(malloc, free)
+
+
 class _on_device:
-    """Run CuPy work on the tensor's device and torch's current stream (no-op on the CPU)."""
+    """Run CuPy work on the tensor's device and torch's current stream, allocating through
+    torch's caching allocator (no-op on the CPU)."""
 
     def __init__(self, t: Tensor) -> None:
         self._ctx: list[Any] = []
@@ -66,6 +83,7 @@ class _on_device:
             self._ctx = [
                 cupy.cuda.Device(t.device.index),
                 cupy.cuda.Stream.from_external(torch.cuda.current_stream(t.device)),
+                cupy.cuda.using_allocator(_torch_allocator().malloc),
             ]
 
     def __enter__(self) -> "_on_device":

@@ -52,3 +52,21 @@ def test_runs_on_torch_current_stream():
     stream.synchronize()
     ref = _dense(x, wg, wu, wd, True)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_workspaces_come_from_torchs_allocator():
+    """The kernels' CuPy workspaces are drawn from torch's caching allocator: the pre-activation
+    buffer (tokens x d_ff) shows in torch's peak, and nothing stays allocated after the call
+    (after a first call, which may cache per-shape workspaces such as cuBLASLt's)."""
+    x, wg, wu, wd = (t.detach() for t in _problem(1, 512, 64, 2048, torch.float32))
+    tt.gated_ffn(x, wg, wu, wd, capacity=16)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = tt.gated_ffn(x, wg, wu, wd, capacity=16)
+    torch.cuda.synchronize()
+    z_bytes = 512 * 2048 * 4
+    assert torch.cuda.max_memory_allocated() - before >= z_bytes
+    del out
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
