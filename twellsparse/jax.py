@@ -94,8 +94,8 @@ def _callback_view(buf: Any) -> Any:
     """NumPy or CuPy view of a buffer handed to a callback, without any host synchronisation.
 
     XLA orders the callback's buffers on the stream it passes (the one the kernels run on), so
-    the view needs no stream handshake; CuPy's own import of ``__cuda_array_interface__`` would
-    synchronise the host with that stream on every buffer, stalling the GPU between calls.
+    the view needs no stream handshake; CuPy's own import of ``__cuda_array_interface__`` may
+    synchronise the host with the stream the interface names (``CUPY_CUDA_ARRAY_INTERFACE_SYNC``).
     """
     if int(buf.__dlpack_device__()[0]) == _KDL_CPU:
         return np.asarray(buf)
