@@ -200,3 +200,46 @@ def test_from_module_non_gated_and_bias_rejected():
     torch.testing.assert_close(sparse(x), dense(x))
     with pytest.raises(ValueError, match="bias"):
         tt.from_module(Mlp(bias=True))
+
+
+@pytest.mark.parametrize("activation, threshold", [("relu", None), ("silu", 0.05)])
+def test_dense_dispatch_matches_sparse(activation, threshold):
+    """dispatch="dense" computes the same block with torch (values, gradients, L1 penalty) and
+    says so in stats()."""
+    torch.manual_seed(3)
+    kwargs = dict(tile_n=32, capacity=4, activation=activation, threshold=threshold, dtype=torch.float64)
+    sparse = tt.TwELLGatedMLP(16, 96, **kwargs)
+    dense = tt.TwELLGatedMLP(16, 96, dispatch="dense", **kwargs)
+    dense.load_state_dict(sparse.state_dict())
+    x = torch.randn(2, 11, 16, dtype=torch.float64)
+    outs, grads = [], []
+    for mlp in (sparse, dense):
+        out = mlp(x)
+        loss = out.square().sum() + mlp.l1_penalty()
+        grads.append(torch.autograd.grad(loss, list(mlp.parameters())))
+        outs.append((out, mlp.l1_penalty(), mlp.stats()))
+    torch.testing.assert_close(outs[0][0], outs[1][0])
+    torch.testing.assert_close(outs[0][1], outs[1][1])
+    for g_sparse, g_dense in zip(*grads, strict=True):
+        torch.testing.assert_close(g_sparse, g_dense)
+    (s_sparse, s_dense) = outs[0][2], outs[1][2]
+    assert not s_sparse["dense_fallback"] and s_dense["dense_fallback"]
+    assert s_sparse["density"] == pytest.approx(s_dense["density"])
+    assert s_sparse["n_spilled"] > 0 and s_dense["n_spilled"] == 0
+
+
+def test_auto_dispatch_follows_the_previous_density():
+    torch.manual_seed(4)
+    x = torch.randn(40, 16)
+    always_dense = tt.TwELLMLP(16, 64, tile_n=32, dispatch="auto", breakeven=0.0)
+    paths = []
+    for _ in range(3):
+        always_dense(x)
+        paths.append(always_dense.stats()["dense_fallback"])
+    assert paths == [False, True, True]  # the first forward has no density yet: sparse
+    never_dense = tt.TwELLMLP(16, 64, tile_n=32, dispatch="auto", breakeven=1.0)
+    for _ in range(2):
+        never_dense(x)
+        assert not never_dense.stats()["dense_fallback"]
+    with pytest.raises(ValueError, match="dispatch: expected one of auto, sparse, dense, got 'fast'"):
+        tt.TwELLMLP(16, 64, dispatch="fast")

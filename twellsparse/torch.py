@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from ._backend import array_module, as_array, bfloat16
 from ._ffn_autodiff import backward_arrays, forward_arrays, with_values
 from ._parts import TwELLParts
+from ._plans import DENSE_BREAKEVEN, DENSITY_SAMPLE_ROWS, DISPATCH
 from ._twell import twell_array
 from ._validation import check_activation, check_capacity, check_threshold, check_tile_n
 
@@ -308,6 +309,62 @@ def gated_ffn(
     return _run(x, w_gate, w_up, w_down, activation, tile_n, capacity, threshold)[0]
 
 
+def _dense_activation(z: Tensor, activation: str, threshold: float | None) -> Tensor:
+    """``act(z)`` in float32 rounded to z's dtype, with the producers' keep rule (entries whose
+    ``|act|`` is at most ``threshold`` zeroed), as the sparse path stores it."""
+    zf = z.float()
+    if activation == "relu":
+        a = torch.relu(zf)
+    elif activation == "relu2":
+        a = torch.relu(zf).square()
+    elif activation == "silu":
+        a = torch.nn.functional.silu(zf)
+    elif activation == "gelu":
+        a = torch.nn.functional.gelu(zf, approximate="tanh")
+    else:
+        a = zf
+    a = a.to(z.dtype)
+    if threshold is not None:
+        a = torch.where(a.float().abs() > threshold, a, torch.zeros_like(a))
+    return a
+
+
+def _dense_run(
+    x: Tensor, w_act: Tensor, w_lin: Tensor | None, w_down: Tensor, activation: str, threshold: float | None
+) -> tuple[Tensor, Tensor]:
+    """The block computed densely by torch (autograd as usual): (output, activations)."""
+    h_act = _dense_activation(x @ w_act.T, activation, threshold)
+    h = h_act if w_lin is None else h_act * (x @ w_lin.T)
+    return h @ w_down.T, h_act
+
+
+class _DensityProbe:
+    """A 0-d density tensor copied to pinned host memory without waiting, read at the next
+    forward (by then the copy has long finished): ``dispatch="auto"`` costs no host sync."""
+
+    def __init__(self) -> None:
+        self._host: Tensor | None = None
+        self._event: Any = None
+        self._value: float | None = None
+
+    def post(self, fraction: Tensor) -> None:
+        if not fraction.is_cuda:
+            self._value, self._event = float(fraction), None
+            return
+        if self._host is None:
+            self._host = torch.empty((), dtype=torch.float64, pin_memory=True)
+        self._host.copy_(fraction.detach().to(torch.float64), non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def value(self) -> float | None:
+        if self._event is not None:
+            self._event.synchronize()
+            assert self._host is not None
+            self._value, self._event = float(self._host), None
+        return self._value
+
+
 # ----------------------------------------------------------------------------- modules
 
 
@@ -324,6 +381,8 @@ class _TwELLMLPBase(nn.Module):
         tile_n: int,
         capacity: int | None,
         threshold: float | None,
+        dispatch: str,
+        breakeven: float | None,
         device: Any,
         dtype: Any,
     ) -> None:
@@ -336,35 +395,68 @@ class _TwELLMLPBase(nn.Module):
         self.tile_n = check_tile_n(tile_n)
         self.capacity = check_capacity(capacity, self.tile_n)
         self.threshold = check_threshold(threshold)
-        self._hidden: list[Tensor] | None = None
+        if dispatch not in DISPATCH:
+            raise ValueError(f"dispatch: expected one of {', '.join(DISPATCH)}, got {dispatch!r}")
+        self.dispatch = dispatch
+        kind = "gated_ffn" if "gate_proj" in projections else "ffn"
+        self.breakeven = DENSE_BREAKEVEN[kind] if breakeven is None else float(breakeven)
+        self._hidden: list[Tensor] | None = None  # the last sparse forward's TwELL parts
+        self._dense_hidden: Tensor | None = None  # the last dense forward's activations
+        self._density = _DensityProbe()
 
     def _forward(self, x: Tensor, w_act: Tensor, w_lin: Tensor | None, w_down: Tensor) -> Tensor:
+        if self._path() == "dense":
+            out, h = _dense_run(x, w_act, w_lin, w_down, self.activation, self.threshold)
+            self._hidden, self._dense_hidden = None, h
+            if self.dispatch == "auto":
+                rows = h.reshape(-1, h.shape[-1])
+                rows = rows[:: max(1, rows.shape[0] // DENSITY_SAMPLE_ROWS)].detach()
+                self._density.post(torch.count_nonzero(rows) / max(rows.numel(), 1))
+            return out
         out, hidden = _run(x, w_act, w_lin, w_down, self.activation, self.tile_n, self.capacity, self.threshold)
-        self._hidden = hidden
+        self._hidden, self._dense_hidden = hidden, None
+        if self.dispatch == "auto":
+            counts, spill = hidden[2], hidden[3]
+            self._density.post((counts.sum() + spill.numel()) / max(counts.shape[0] * self.intermediate_size, 1))
         return out
+
+    def _path(self) -> str:
+        """``"sparse"`` or ``"dense"``: under ``dispatch="auto"`` the previous forward's density
+        (posted without a host sync) against ``breakeven``; the first forward runs sparse."""
+        if self.dispatch != "auto":
+            return self.dispatch
+        density = self._density.value()
+        return "dense" if density is not None and density > self.breakeven else "sparse"
 
     def l1_penalty(self) -> Tensor:
         """Mean over tokens of the L1 norm of the last forward's hidden activations (the gate's,
         for the gated block); differentiable, for adding to the training loss."""
+        if self._dense_hidden is not None:
+            h = self._dense_hidden
+            return h.abs().sum() / max(h.numel() // max(h.shape[-1], 1), 1)
         if self._hidden is None:
             raise RuntimeError("l1_penalty: run a forward pass first")
         data, _, counts, spill, *_ = self._hidden
         return (data.abs().sum() + spill.abs().sum()) / max(counts.shape[0], 1)
 
     def stats(self) -> dict[str, Any]:
-        """Nonzeros per token, density and spilled entries of the last forward (reads back from
-        the device; call it outside the hot path)."""
-        if self._hidden is None:
-            return {}
-        _, _, counts, spill, *_ = self._hidden
-        tokens = counts.shape[0]
+        """The last forward: nonzeros per token, density, spilled entries, and whether it ran the
+        dense fallback (reads back from the device; call it outside the hot path)."""
         units = self.intermediate_size
-        nnz = int(counts.sum()) + spill.numel()
+        if self._dense_hidden is not None:
+            tokens = self._dense_hidden.numel() // max(units, 1)
+            nnz, n_spilled, dense = int(torch.count_nonzero(self._dense_hidden)), 0, True
+        elif self._hidden is not None:
+            _, _, counts, spill, *_ = self._hidden
+            tokens = counts.shape[0]
+            nnz, n_spilled, dense = int(counts.sum()) + spill.numel(), spill.numel(), False
+        else:
+            return {}
         return {
             "nnz_per_token": nnz / max(tokens, 1),
             "density": nnz / max(tokens * units, 1),
-            "n_spilled": spill.numel(),
-            "dense_fallback": False,
+            "n_spilled": n_spilled,
+            "dense_fallback": dense,
         }
 
 
@@ -379,6 +471,13 @@ class TwELLMLP(_TwELLMLPBase):
         ``"relu"`` (default), ``"relu2"``, or ``"silu"``/``"gelu"`` with a ``threshold``.
     tile_n, capacity, threshold
         As for :func:`twellsparse.linear_to_twell`.
+    dispatch : {"sparse", "auto", "dense"}
+        ``"auto"`` runs the dense torch computation (and says so in :meth:`stats`) while the
+        previous forward's density is above ``breakeven``; its decision is Python control flow
+        (a graph break under ``torch.compile``, where "sparse" or "dense" fit better).
+    breakeven : float, optional
+        Density above which ``"auto"`` runs dense; by default the forward's measured break-even
+        (``twellsparse.FFN``'s). Training's break-even is lower (see ``bench/NOTES.md``).
     """
 
     up_proj: nn.Linear
@@ -393,11 +492,14 @@ class TwELLMLP(_TwELLMLPBase):
         tile_n: int = 256,
         capacity: int | None = None,
         threshold: float | None = None,
+        dispatch: str = "sparse",
+        breakeven: float | None = None,
         device: Any = None,
         dtype: Any = None,
     ) -> None:
         projections = ("up_proj", "down_proj")
-        args = (hidden_size, intermediate_size, activation, tile_n, capacity, threshold, device, dtype)
+        settings = (activation, tile_n, capacity, threshold, dispatch, breakeven)
+        args = (hidden_size, intermediate_size, *settings, device, dtype)
         super().__init__(projections, *args)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -424,11 +526,14 @@ class TwELLGatedMLP(_TwELLMLPBase):
         tile_n: int = 256,
         capacity: int | None = None,
         threshold: float | None = None,
+        dispatch: str = "sparse",
+        breakeven: float | None = None,
         device: Any = None,
         dtype: Any = None,
     ) -> None:
         projections = ("gate_proj", "up_proj", "down_proj")
-        args = (hidden_size, intermediate_size, activation, tile_n, capacity, threshold, device, dtype)
+        settings = (activation, tile_n, capacity, threshold, dispatch, breakeven)
+        args = (hidden_size, intermediate_size, *settings, device, dtype)
         super().__init__(projections, *args)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -442,12 +547,15 @@ def from_module(
     tile_n: int = 256,
     capacity: int | None = None,
     threshold: float | None = None,
+    dispatch: str = "sparse",
+    breakeven: float | None = None,
 ) -> _TwELLMLPBase:
     """A TwELL MLP sharing the parameters of a Llama/Qwen-style MLP (``gate_proj``, ``up_proj``,
     ``down_proj``) or a non-gated one (``up_proj``, ``down_proj``), without biases.
 
     Use ``activation="relu"`` for ReLU-trained checkpoints, or ``"silu"`` with a ``threshold`` to
-    run a SwiGLU checkpoint sparsely (entries with ``|silu(z)| <= threshold`` are dropped).
+    run a SwiGLU checkpoint sparsely (entries with ``|silu(z)| <= threshold`` are dropped);
+    ``dispatch`` and ``breakeven`` as for :class:`TwELLMLP`.
     """
     linears = {name: getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")}
     if linears["up_proj"] is None or linears["down_proj"] is None:
@@ -457,7 +565,14 @@ def from_module(
             raise ValueError(f"mlp.{name}: expected a Linear without bias, got one with a bias")
     up = linears["up_proj"]
     assert up is not None
-    kwargs = dict(activation=activation, tile_n=tile_n, capacity=capacity, threshold=threshold)
+    kwargs = dict(
+        activation=activation,
+        tile_n=tile_n,
+        capacity=capacity,
+        threshold=threshold,
+        dispatch=dispatch,
+        breakeven=breakeven,
+    )
     cls = TwELLGatedMLP if linears["gate_proj"] is not None else TwELLMLP
     new = cls(up.in_features, up.out_features, device="meta", **kwargs)  # type: ignore[arg-type]
     for name, lin in linears.items():
