@@ -70,3 +70,17 @@ def test_workspaces_come_from_torchs_allocator():
     del out
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before
+
+
+def test_auto_dispatch_on_cuda():
+    """The density probe's pinned copy and event on the GPU: the first forward runs sparse, the
+    next ones dense at a zero break-even; both paths agree."""
+    torch.manual_seed(5)
+    x = torch.randn(64, 32, device="cuda")
+    auto = tt.TwELLGatedMLP(32, 512, tile_n=64, dispatch="auto", breakeven=0.0, device="cuda")
+    outs, paths = [], []
+    for _ in range(3):
+        outs.append(auto(x))
+        paths.append(auto.stats()["dense_fallback"])
+    assert paths == [False, True, True]
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
