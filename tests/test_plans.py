@@ -68,3 +68,23 @@ def test_dispatch_validation(rng):
     p = ffn_problem(8, 16, 64, 0.1, "uniform", np.float32, rng)
     with pytest.raises(ValueError, match="dispatch"):
         ts.FFN(p["w_gate"], p["w_down"], dispatch="fast")
+
+
+def test_fixed_spill_capacity_on_the_cpu_stays_exact(rng):
+    """On the CPU a fixed spill_capacity changes nothing: the count costs no sync there, so the
+    spill is never cut short, even when it needs more than the capacity given."""
+    p = ffn_problem(70, 48, 600, 0.03, "skewed", np.float64, rng)
+    weights = (p["w_gate"], p["w_up"], p["w_down"])
+    plan = ts.GatedFFN(*weights, tile_n=64, capacity=2, dispatch="sparse", spill_capacity=3)
+    exact = ref.gated_ffn_dense(p["x"], *weights, "relu")
+    for _ in range(2):
+        assert rel_error(plan(p["x"]), exact) < 1e-10
+        plan.check_spill()
+    assert plan.last_stats["n_spilled"] > 3
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, True, "8"])
+def test_spill_capacity_validation(rng, bad):
+    p = ffn_problem(8, 16, 64, 0.1, "uniform", np.float32, rng)
+    with pytest.raises(ValueError, match=f"spill_capacity: expected None or a non-negative int, got {bad!r}"):
+        ts.FFN(p["w_gate"], p["w_down"], spill_capacity=bad)

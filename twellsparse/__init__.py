@@ -9,7 +9,13 @@ from __future__ import annotations
 from . import testing
 from ._backend import bfloat16
 from ._constructors import from_dense, from_ell
-from ._errors import TwELLCapacityError, TwELLDroppedEntriesWarning, TwELLFallbackWarning, TwELLFormatError
+from ._errors import (
+    TwELLCapacityError,
+    TwELLDroppedEntriesWarning,
+    TwELLFallbackWarning,
+    TwELLFormatError,
+    TwELLSpillCapacityError,
+)
 from ._ops import linear_to_twell, matmul, sddmm
 from ._parts import TwELLParts
 from ._plans import FFN, GatedFFN, ffn, gated_ffn
@@ -23,6 +29,7 @@ __all__ = [
     "GatedFFN",
     "TwELLCapacityError",
     "TwELLDroppedEntriesWarning",
+    "TwELLSpillCapacityError",
     "TwELLFallbackWarning",
     "TwELLFormatError",
     "TwELLParts",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __all__ = [
     "TwELLCapacityError",
+    "TwELLSpillCapacityError",
     "TwELLDroppedEntriesWarning",
     "TwELLFallbackWarning",
     "TwELLFormatError",
@@ -36,6 +37,28 @@ class TwELLCapacityError(ValueError):
             f"capacity: expected at most {capacity} nonzeros per row-tile, got {count} in "
             f"row {row}, tile {tile} ({n_overflowing} row-tiles overflow); "
             f'use overflow="spill" to keep them exactly or raise capacity'
+        )
+
+
+class TwELLSpillCapacityError(ValueError):
+    """A plan with a fixed ``spill_capacity`` met more spilled entries than it holds: the output
+    of the call named was computed without them (raised at the plan's next call or check, since
+    the fixed capacity exists to avoid reading the count back during the call).
+
+    Attributes
+    ----------
+    n_left_out : int
+        Entries that did not fit.
+    spill_capacity : int
+        The plan's fixed spill length.
+    """
+
+    def __init__(self, n_left_out: int, spill_capacity: int, call: str):
+        self.n_left_out, self.spill_capacity = n_left_out, spill_capacity
+        super().__init__(
+            f"spill_capacity: expected at most {spill_capacity} spilled entries, {call} had "
+            f"{spill_capacity + n_left_out}, so its output left {n_left_out} out; raise spill_capacity "
+            "or capacity"
         )
 
 

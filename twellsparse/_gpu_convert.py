@@ -61,6 +61,32 @@ def _apply_overflow(
     return spill_data, spill_indices, indptr, 0
 
 
+def _static_spill(
+    row_tile_nnz: Any, capacity: int, spill_capacity: int, dtype: Any, spill_pass: Callable[..., None]
+) -> tuple[Any, Any, Any, Any]:
+    """The spill into arrays of a fixed length, with no host read-back (CUDA-graph capturable).
+
+    The row-tiles whose excess fits, in row-major order, within ``spill_capacity`` entries (a
+    prefix: the running total only grows) spill exactly; pass 2 skips the others because it is
+    given counts in which they hold exactly ``capacity``. Returns the spill CSR (data and
+    indices of length ``spill_capacity``, zero beyond ``indptr[-1]``; indptr counting only what
+    was written) and the number of entries left out, a 0-d int64 array on the device.
+    """
+    cp = _cp()
+    m, nt = row_tile_nnz.shape
+    per_tile = cp.maximum(row_tile_nnz.astype(cp.int64) - capacity, 0).reshape(-1)
+    ends = cp.cumsum(per_tile)
+    fits = ends <= spill_capacity
+    indptr = cp.zeros(m + 1, dtype=cp.int32)
+    indptr[1:] = cp.cumsum(cp.where(fits, per_tile, 0).reshape(m, nt).sum(axis=1))
+    spill_data = cp.zeros(spill_capacity, dtype=dtype)
+    spill_indices = cp.zeros(spill_capacity, dtype=cp.int32)
+    pass_counts = cp.where(fits.reshape(m, nt), row_tile_nnz, capacity).astype(cp.int32)
+    spill_pass(ends - per_tile, spill_indices, spill_data, pass_counts)
+    total = ends[-1] if per_tile.size else cp.zeros((), dtype=cp.int64)
+    return spill_data, spill_indices, indptr, total - indptr[-1]
+
+
 def dense_to_parts(
     x: Any, tile_n: int, capacity: int, overflow: str, threshold: float | None = None, activation: str = "identity"
 ) -> tuple[TwELLParts, int]:
@@ -71,7 +97,7 @@ def dense_to_parts(
 
 def dense_to_parts_deferred(
     x: Any, tile_n: int, capacity: int, threshold: float | None = None, activation: str = "identity"
-) -> tuple[TwELLParts, Callable[[str], tuple[TwELLParts, int]]]:
+) -> tuple[TwELLParts, Callable[..., tuple[TwELLParts, Any]]]:
     """Pass 1 of :func:`dense_to_parts` without waiting for its overflow check.
 
     Returns ``(first, finish)``: ``first`` holds each row-tile's first ``capacity`` entries and an
@@ -98,7 +124,7 @@ def dense_to_parts_deferred(
 
 def relu_mask_to_parts_deferred(
     h: Any, mask: Any, mask_words: int, tile_n: int, capacity: int
-) -> tuple[TwELLParts, Callable[[str], tuple[TwELLParts, int]]]:
+) -> tuple[TwELLParts, Callable[..., tuple[TwELLParts, Any]]]:
     """:func:`dense_to_parts_deferred` for relu'd values ``h`` (M x N, 16-bit or float32) with
     cuBLASLt's ReLU bit-mask (``mask_words`` uint32 words per row): reads only the values whose
     bit is set. The parts equal those of packing ``h`` densely."""
@@ -117,24 +143,29 @@ def relu_mask_to_parts_deferred(
 
 def _two_pass(
     m: int, nt: int, capacity: int, dtype: Any, launch: Callable[..., None]
-) -> tuple[TwELLParts, Callable[[str], tuple[TwELLParts, int]]]:
+) -> tuple[TwELLParts, Callable[..., tuple[TwELLParts, Any]]]:
     """Run a producer's pass 1 (``launch(data, indices, counts, row_tile_nnz, None, None, None)``)
-    and return ``(first, finish)``; ``finish`` applies the overflow policy, launching pass 2 with
-    the spill offsets and arrays when entries must spill."""
+    and return ``(first, finish)``. ``finish(overflow)`` applies the overflow policy, launching
+    pass 2 with the spill offsets and arrays when entries must spill (one scalar read-back);
+    ``finish("spill", spill_capacity=S)`` spills into S-long arrays without any read-back and
+    returns the entries left out as a device scalar (:func:`_static_spill`)."""
     cp = _cp()
     data = cp.empty((m, nt, capacity), dtype=dtype)
     indices = cp.empty((m, nt, capacity), dtype=cp.int16)
     counts = cp.empty((m, nt), dtype=cp.int32)
     row_tile_nnz = cp.empty((m, nt), dtype=cp.int32)
 
-    def run(offsets: Any, spill_indices: Any, spill_data: Any) -> None:
-        launch(data, indices, counts, row_tile_nnz, offsets, spill_indices, spill_data)
+    def run(offsets: Any, spill_indices: Any, spill_data: Any, nnz: Any = row_tile_nnz) -> None:
+        launch(data, indices, counts, nnz, offsets, spill_indices, spill_data)
 
     run(K.null_pointer(), K.null_pointer(), K.null_pointer())
     empty_spill = cp.empty(0, dtype=dtype), cp.empty(0, dtype=cp.int32), cp.zeros(m + 1, dtype=cp.int32)
     first = TwELLParts(data, indices, counts, *empty_spill)
 
-    def finish(overflow: str) -> tuple[TwELLParts, int]:
+    def finish(overflow: str, spill_capacity: int | None = None) -> tuple[TwELLParts, Any]:
+        if spill_capacity is not None:  # no read-back: (parts, entries left out on the device)
+            *spill, lost = _static_spill(row_tile_nnz, capacity, spill_capacity, dtype, run)
+            return TwELLParts(data, indices, counts, *spill), lost
         *spill, dropped = _apply_overflow(row_tile_nnz, capacity, overflow, dtype, run)
         return TwELLParts(data, indices, counts, *spill), dropped
 

@@ -68,7 +68,7 @@ def relu_linear(x: Any, w: Any) -> tuple[Any, Any, int]:
 
 def relu_linear_to_parts_deferred(
     x: Any, w: Any, tile_n: int, capacity: int
-) -> tuple[Any, TwELLParts, Callable[[str], tuple[TwELLParts, int]]]:
+) -> tuple[Any, TwELLParts, Callable[..., tuple[TwELLParts, Any]]]:
     """``(relu(x @ w.T), first, finish)`` as ``_gpu_convert.dense_to_parts_deferred`` gives them."""
     from ._gpu_convert import relu_mask_to_parts_deferred
 

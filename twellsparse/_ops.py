@@ -228,17 +228,18 @@ def pack_preactivation(
 
 def pack_preactivation_deferred(
     z: Any, dtype: Any, act: str, tile_n: int, capacity: int, threshold: float | None
-) -> tuple[TwELLParts, Callable[[str], tuple[TwELLParts, int]]]:
+) -> tuple[TwELLParts, Callable[..., tuple[TwELLParts, Any]]]:
     """:func:`pack_preactivation` with the overflow policy applied later: ``(first, finish)``,
     ``first`` exact unless some row-tile overflowed (then ``finish(overflow)`` returns parts
-    that differ from it). On the CPU ``first`` is already complete."""
+    that differ from it). On the CPU ``first`` is already complete, and ``finish`` ignores the
+    GPU's fixed ``spill_capacity`` (nothing is ever left out there)."""
     if is_cupy_array(z):
         from . import _gpu_convert
 
         return _gpu_convert.dense_to_parts_deferred(z, tile_n, capacity, threshold, act)
     spilled = pack_preactivation(z, dtype, act, tile_n, capacity, threshold, "spill")
 
-    def finish(overflow: str) -> tuple[TwELLParts, int]:
+    def finish(overflow: str, spill_capacity: int | None = None) -> tuple[TwELLParts, int]:
         if overflow == "spill":
             return spilled
         return pack_preactivation(z, dtype, act, tile_n, capacity, threshold, overflow)

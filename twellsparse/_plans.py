@@ -9,12 +9,14 @@ would silently go stale when weights are updated in place.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
 
 from . import _reference as ref
 from ._backend import array_module, is_cupy_array, result_dtype, value_dtype
+from ._errors import TwELLFallbackWarning, TwELLSpillCapacityError
 from ._ops import (
     _dense,
     _same_device,
@@ -41,35 +43,54 @@ DENSITY_SAMPLE_ROWS = 256
 DISPATCH = ("auto", "sparse", "dense")
 
 
-class _DensityProbe:
-    """The kept fraction of a call's activations, copied to pinned host memory without waiting
-    and read at the next call (by then the copy has long finished), so that ``dispatch="auto"``
-    costs no host synchronisation after the first call."""
+class _PostedScalar:
+    """A device scalar of one call (the kept fraction of its activations, the spilled entries it
+    left out), copied to pinned host memory without waiting and read at the next call (by then
+    the copy has long finished): no host synchronisation inside a call.
+
+    Posted while a CUDA graph is being captured, the copy becomes part of the graph: every
+    replay rewrites the host value, which is then read as it stands (the caller synchronises).
+    """
 
     def __init__(self) -> None:
         self._host: Any = None
         self._event: Any = None
         self._value: float | None = None
+        self._in_graph = False
 
-    def post(self, fraction: Any) -> None:
+    def post(self, scalar: Any) -> None:
         """Record a 0-d device array (copied asynchronously) or a host number."""
-        if not is_cupy_array(fraction):
-            self._value, self._event = float(fraction), None
+        if not is_cupy_array(scalar):
+            self._value, self._event = float(scalar), None
             return
         import cupy as cp
         import cupyx
 
         if self._host is None:
-            self._host = cupyx.empty_pinned((1,), dtype=np.float64)
-        fraction.astype(cp.float64).reshape(1).get(out=self._host, blocking=False)
-        self._event = cp.cuda.get_current_stream().record()
+            self._host = cupyx.zeros_pinned((1,), dtype=np.float64)
+        scalar.astype(cp.float64).reshape(1).get(out=self._host, blocking=False)
+        stream = cp.cuda.get_current_stream()
+        if stream.is_capturing():
+            self._in_graph, self._event = True, None
+        else:
+            self._event = stream.record()
 
     def value(self) -> float | None:
-        """The last recorded fraction (None before the first)."""
+        """The last recorded value (None before the first)."""
         if self._event is not None:
             self._event.synchronize()
             self._value, self._event = float(self._host[0]), None
+        elif self._in_graph:
+            self._value = float(self._host[0])
         return self._value
+
+    def take(self) -> float | None:
+        """:meth:`value`, then forget it (zeroing the host copy a captured graph rewrites)."""
+        v = self.value()
+        self._value = None
+        if self._host is not None:
+            self._host[0] = 0.0
+        return v
 
 
 class _FFNPlanBase:
@@ -85,8 +106,15 @@ class _FFNPlanBase:
         dispatch: str,
         breakeven: float | None,
         kind: str,
+        spill_capacity: int | None = None,
     ) -> None:
         self.activation = check_activation(activation)
+        if spill_capacity is not None and (
+            isinstance(spill_capacity, bool) or not isinstance(spill_capacity, int) or spill_capacity < 0
+        ):
+            raise ValueError(f"spill_capacity: expected None or a non-negative int, got {spill_capacity!r}")
+        self.spill_capacity = spill_capacity
+        self._warned_static = False
         self.tile_n = check_tile_n(tile_n)
         self.capacity = check_capacity(capacity, self.tile_n)
         self.threshold = check_threshold(threshold)
@@ -99,8 +127,10 @@ class _FFNPlanBase:
         _same_device(first_name, arrays[first_name], **arrays)
         _check_weight_shapes(arrays, None)
         self._weights = arrays
-        self._last: tuple[str, float, twell_array | None] | None = None
-        self._density = _DensityProbe()
+        # (path, sampled density, the hidden layer or a function making it on access)
+        self._last: tuple[str, float, Any] | None = None
+        self._density = _PostedScalar()
+        self._left_out = _PostedScalar()
         self.refresh()
 
     def refresh(self) -> None:
@@ -121,8 +151,9 @@ class _FFNPlanBase:
         """
         if self._last is None:
             return {}
-        path, sampled, h = self._last
+        path, sampled, hidden = self._last
         stats: dict[str, Any] = {"path": path, "sampled_density": sampled, "dense_fallback": path == "dense"}
+        h = hidden() if callable(hidden) else hidden
         if h is not None:
             (m, n), nnz = h.shape, h.nnz
             stats.update(
@@ -135,8 +166,18 @@ class _FFNPlanBase:
             )
         return stats
 
+    def check_spill(self) -> None:
+        """Raise :class:`TwELLSpillCapacityError` if the last call with a fixed ``spill_capacity``
+        left spilled entries out (after replaying a captured call: synchronise first)."""
+        left_out = self._left_out.take()
+        if left_out:
+            assert self.spill_capacity is not None
+            raise TwELLSpillCapacityError(int(left_out), self.spill_capacity, "the previous call")
+
     def _run(self, x: Any, act_name: str, lin_name: str | None) -> Any:
         """Validate x, compute the activation's pre-activations, choose the path, finish it."""
+        if self.spill_capacity is not None and not _capturing():
+            self.check_spill()
         xx = _dense(x, "x")
         w = self._weights
         first = next(iter(w.values()))
@@ -161,20 +202,54 @@ class _FFNPlanBase:
             h = twell_array._from_parts(parts, shape, self.tile_n)
             return matmul(h, self._w_down_t) if w_lin is None else gated_product(xx, w_lin, self._w_down_t, h)[0]
 
-        # The tail runs on the row-tiles' first `capacity` entries while the host reads the
-        # overflow count; only if entries spilled does it run again on the complete parts.
         if mask_pack is not None:
             first_parts, finish = mask_pack()
         else:
             first_parts, finish = pack_preactivation_deferred(
                 z, dt, self.activation, self.tile_n, self.capacity, self.threshold
             )
+        if self._fixed_spill_applies(xx, w_lin, dt):
+            # No read-back: the spill fills a fixed-length buffer, the count of entries that did
+            # not fit is posted for the next call (or check_spill) to raise on.
+            parts, left_out = finish("spill", spill_capacity=self.spill_capacity)
+            out = _gather_tail(parts, self.tile_n, xx, w_lin, self._w_down_t, dt)
+            self._left_out.post(left_out)
+            self._last = ("sparse", sampled, lambda: twell_array._from_parts(_trimmed(parts), shape, self.tile_n))
+            return out
+        # The tail runs on the row-tiles' first `capacity` entries while the host reads the
+        # overflow count; only if entries spilled does it run again on the complete parts.
         out = tail(first_parts)
         parts, _ = finish("spill")
         if parts.spill_data.size != first_parts.spill_data.size:
             out = tail(parts)
         self._last = ("sparse", sampled, twell_array._from_parts(parts, shape, self.tile_n))
         return out
+
+    def _fixed_spill_applies(self, x: Any, w_lin: Any, dt: Any) -> bool:
+        """Whether this call spills into the fixed-length buffer: a ``spill_capacity`` was given,
+        on the GPU, with operands the gather kernels take (they read the spill through its row
+        pointers; the other kernels take its length from the arrays). Otherwise the call checks
+        its overflow on the host, exactly, and says so once."""
+        if self.spill_capacity is None or not is_cupy_array(x):
+            return False
+        from . import _gpu_ops
+        from ._gpu_convert import row_stride
+
+        w_down_t = self._w_down_t
+        same = x.dtype == dt == w_down_t.dtype
+        if w_lin is not None:
+            ok = same and _gpu_ops.gated_consumer_eligible(x, w_lin, w_down_t)
+        else:
+            ok = same and _gpu_ops.rows_aligned(row_stride(w_down_t))
+        if not ok and not self._warned_static:
+            self._warned_static = True
+            warnings.warn(
+                "spill_capacity: the operands lack one dtype or 16-byte rows, so calls read the "
+                "overflow count back to the host (exact, not capturable in a CUDA graph)",
+                TwELLFallbackWarning,
+                stacklevel=4,
+            )
+        return ok
 
     def _preactivation(self, x: Any, w_act: Any) -> tuple[Any, Any]:
         """``(z, mask_pack)``: the activation's GEMM output and, when the cuBLASLt ReLU-mask
@@ -204,6 +279,32 @@ class _FFNPlanBase:
         rows = rows.astype(z.dtype if z.dtype == np.float64 else np.float32)
         kept = ref.keep_mask(ref.activation(rows, self.activation).astype(self.dtype), self.threshold)
         return kept.mean()
+
+
+def _capturing() -> bool:
+    """Whether CuPy's current stream is capturing a CUDA graph (no host reads then)."""
+    from ._backend import cupy_module
+
+    cp = cupy_module()
+    if cp is None or not cp.cuda.is_available():
+        return False
+    return bool(cp.cuda.get_current_stream().is_capturing())
+
+
+def _gather_tail(parts: Any, tile_n: int, x: Any, w_lin: Any, w_down_t: Any, dt: Any) -> Any:
+    """The block after its pack on the gather kernels only (parts with a fixed-length spill)."""
+    from . import _gpu_ops
+
+    if w_lin is not None:
+        return _gpu_ops.gated_consumer(parts, tile_n, x, w_lin, w_down_t)[0]
+    out = array_module(x).empty((x.shape[0], w_down_t.shape[1]), dtype=dt)
+    return _gpu_ops.spmm(parts, tile_n, w_down_t, out, path="gather")
+
+
+def _trimmed(parts: Any) -> Any:
+    """Parts whose spill arrays hold exactly their entries (one read-back)."""
+    n = int(parts.spill_indptr[-1])
+    return parts._replace(spill_data=parts.spill_data[:n], spill_indices=parts.spill_indices[:n])
 
 
 def _check_weight_shapes(arrays: dict[str, Any], d_model: int | None) -> None:
@@ -253,6 +354,13 @@ class FFN(_FFNPlanBase):
         All compute the same function; ``last_stats["path"]`` says which ran.
     breakeven : float, optional
         Density threshold for ``"auto"``; default ``DENSE_BREAKEVEN`` (measured on the H200).
+    spill_capacity : int, optional
+        A fixed length for the spill of overflowing row-tiles, so that a GPU call never reads
+        anything back to the host (and can be captured in a CUDA graph with ``dispatch`` set to
+        ``"sparse"`` or ``"dense"``). Entries beyond it are left out of that call's output and
+        :class:`twellsparse.TwELLSpillCapacityError` is raised at the next call or by
+        :meth:`check_spill`. Default None: the overflow count is read back (exact, one sync).
+        Needs operands of one dtype with 16-byte rows; otherwise calls stay exact and warn once.
 
     Attributes
     ----------
@@ -271,9 +379,11 @@ class FFN(_FFNPlanBase):
         threshold: float | None = None,
         dispatch: str = "auto",
         breakeven: float | None = None,
+        spill_capacity: int | None = None,
     ) -> None:
         weights = {"w_up": w_up, "w_down": w_down}
-        super().__init__(weights, activation, tile_n, capacity, threshold, dispatch, breakeven, "ffn")
+        settings = (activation, tile_n, capacity, threshold, dispatch, breakeven)
+        super().__init__(weights, *settings, "ffn", spill_capacity)
 
     def __call__(self, x: Any) -> Any:
         return self._run(x, "w_up", None)
@@ -291,7 +401,7 @@ class GatedFFN(_FFNPlanBase):
     w_down : array, shape (d_model, d_ff)
     activation, tile_n, capacity, threshold
         As for :func:`twellsparse.linear_to_twell` (applied to the gate).
-    dispatch, breakeven
+    dispatch, breakeven, spill_capacity
         As for :class:`FFN`.
     """
 
@@ -307,9 +417,11 @@ class GatedFFN(_FFNPlanBase):
         threshold: float | None = None,
         dispatch: str = "auto",
         breakeven: float | None = None,
+        spill_capacity: int | None = None,
     ) -> None:
         weights = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}
-        super().__init__(weights, activation, tile_n, capacity, threshold, dispatch, breakeven, "gated_ffn")
+        settings = (activation, tile_n, capacity, threshold, dispatch, breakeven)
+        super().__init__(weights, *settings, "gated_ffn", spill_capacity)
 
     def __call__(self, x: Any) -> Any:
         return self._run(x, "w_gate", "w_up")

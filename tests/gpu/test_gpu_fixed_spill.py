@@ -1,0 +1,90 @@
+"""Plans with a fixed spill_capacity on the GPU: no read-back inside a call, the same output as
+the exact path while the spill fits, a late but certain error when it does not, and a call
+captured in a CUDA graph and replayed on new inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import twellsparse as ts
+from twellsparse.testing import ffn_problem
+
+pytestmark = pytest.mark.gpu
+
+TILE, CAP = 64, 2
+
+
+def _plans(cp, p, gated, spill_capacity):
+    weights = (p["w_gate"], p["w_up"], p["w_down"]) if gated else (p["w_gate"], p["w_down"])
+    cls = ts.GatedFFN if gated else ts.FFN
+    settings = dict(tile_n=TILE, capacity=CAP, dispatch="sparse")
+    return cls(*weights, **settings, spill_capacity=spill_capacity), cls(*weights, **settings)
+
+
+def _excess_prefix(cp, p, spill_capacity):
+    """(entries spilled in all, entries a fixed spill of this length holds): the row-tiles'
+    excess in row-major order, cut at the first tile that does not fit."""
+    z = cp.asnumpy(p["x"].astype(cp.float32) @ p["w_gate"].astype(cp.float32).T)
+    m, n = z.shape
+    nt = -(-n // TILE)
+    counts = np.zeros((m, nt), dtype=np.int64)
+    for t in range(nt):
+        counts[:, t] = (z[:, t * TILE : (t + 1) * TILE] > 0).sum(axis=1)
+    excess = np.maximum(counts - CAP, 0).reshape(-1)
+    ends = np.cumsum(excess)
+    return int(ends[-1]), int(ends[ends <= spill_capacity][-1]) if (ends <= spill_capacity).any() else 0
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("dtype", [ts.bfloat16, np.float32])
+def test_fixed_spill_equals_the_exact_path(cp, rng, gated, dtype):
+    p = ffn_problem(300, 64, 1000, 0.05, "skewed", dtype, rng, cp)
+    total, _ = _excess_prefix(cp, p, 0)
+    assert total > 0  # the case must spill
+    fixed, exact = _plans(cp, p, gated, spill_capacity=total + 100)
+    got, want = fixed(p["x"]), exact(p["x"])
+    np.testing.assert_array_equal(cp.asnumpy(got).view(np.uint8), cp.asnumpy(want).view(np.uint8))
+    fixed.check_spill()
+    assert fixed.last_stats["n_spilled"] == exact.last_stats["n_spilled"] == total
+    assert fixed.last_stats["nnz"] == exact.last_stats["nnz"]
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_a_spill_that_does_not_fit_raises_at_the_next_call(cp, rng, gated):
+    p = ffn_problem(300, 64, 1000, 0.05, "skewed", ts.bfloat16, rng, cp)
+    total, _ = _excess_prefix(cp, p, 0)
+    small = total // 3
+    _, kept = _excess_prefix(cp, p, small)
+    fixed, _ = _plans(cp, p, gated, spill_capacity=small)
+    fixed(p["x"])
+    assert fixed.last_stats["n_spilled"] == kept
+    with pytest.raises(ts.TwELLSpillCapacityError) as info:
+        fixed(p["x"])
+    assert info.value.n_left_out == total - kept and info.value.spill_capacity == small
+    fixed.check_spill()  # the error was raised once; the failed call posted nothing new
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_capture_in_a_cuda_graph_and_replay(cp, rng, gated):
+    p1 = ffn_problem(256, 64, 1024, 0.04, "skewed", ts.bfloat16, rng, cp)
+    p2 = ffn_problem(256, 64, 1024, 0.04, "skewed", ts.bfloat16, np.random.default_rng(7), cp)
+    p2.update({k: p1[k] for k in ("w_gate", "w_up", "w_down")})  # same weights, new tokens
+    fixed, exact = _plans(cp, p1, gated, spill_capacity=256 * 64)
+    x = cp.array(p1["x"])
+    pool = cp.cuda.MemoryPool()  # the graph's own memory: nothing outside it reuses its blocks
+    stream = cp.cuda.Stream(non_blocking=True)
+    with cp.cuda.using_allocator(pool.malloc), stream:
+        fixed(x)  # compiles the kernels and makes the library handles before the capture
+        stream.synchronize()
+        stream.begin_capture()
+        out = fixed(x)
+        graph = stream.end_capture()
+    for p in (p1, p2):
+        x[...] = p["x"]
+        cp.cuda.Device().synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+        want = exact(p["x"])
+        np.testing.assert_array_equal(cp.asnumpy(out).view(np.uint8), cp.asnumpy(want).view(np.uint8))
+        fixed.check_spill()
