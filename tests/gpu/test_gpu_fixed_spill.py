@@ -24,16 +24,18 @@ def _plans(cp, p, gated, spill_capacity):
 
 def _excess_prefix(cp, p, spill_capacity):
     """(entries spilled in all, entries a fixed spill of this length holds): the row-tiles'
-    excess in row-major order, cut at the first tile that does not fit."""
-    z = cp.asnumpy(p["x"].astype(cp.float32) @ p["w_gate"].astype(cp.float32).T)
-    m, n = z.shape
-    nt = -(-n // TILE)
-    counts = np.zeros((m, nt), dtype=np.int64)
-    for t in range(nt):
-        counts[:, t] = (z[:, t * TILE : (t + 1) * TILE] > 0).sum(axis=1)
-    excess = np.maximum(counts - CAP, 0).reshape(-1)
+    excess in row-major order, cut at the first tile that does not fit. The pattern comes from
+    the same producer (linear_to_twell), so rounding decides it as in the plans."""
+    h = ts.linear_to_twell(p["x"], p["w_gate"], tile_n=TILE, capacity=CAP)
+    parts = h.parts
+    m, nt = parts.counts.shape
+    indptr = cp.asnumpy(parts.spill_indptr)
+    rows = np.repeat(np.arange(m), np.diff(indptr))
+    tiles = cp.asnumpy(parts.spill_indices) // TILE
+    excess = np.bincount(rows * nt + tiles, minlength=m * nt)
     ends = np.cumsum(excess)
-    return int(ends[-1]), int(ends[ends <= spill_capacity][-1]) if (ends <= spill_capacity).any() else 0
+    fits = ends[ends <= spill_capacity]
+    return int(ends[-1]), int(fits[-1]) if fits.size else 0
 
 
 @pytest.mark.parametrize("gated", [True, False])
