@@ -291,12 +291,20 @@ def gated_product(
     return matmul(h, w_down_t), (u if keep_up else None)
 
 
-def dense_ffn_tail(x: Any, z: Any, w_lin: Any, w_down: Any, dtype: Any, act: str, threshold: float | None) -> Any:
+def dense_ffn_tail(
+    x: Any, z: Any, w_lin: Any, w_down: Any, dtype: Any, act: str, threshold: float | None, activated: bool = False
+) -> Any:
     """The dense remainder of an FFN block given the activation's pre-activations ``z``:
-    ``(keep(act(z)) [* x @ w_lin.T]) @ w_down.T`` (the automatic fallback above break-even)."""
+    ``(keep(act(z)) [* x @ w_lin.T]) @ w_down.T`` (the automatic fallback above break-even).
+
+    ``activated``: ``z`` already holds ``act(z)`` rounded to ``dtype`` (the cuBLASLt ReLU
+    epilogue made it), so the non-gated block without a threshold goes straight to its down GEMM.
+    """
     if is_cupy_array(z):
         from . import _gpu_ops
 
+        if activated and w_lin is None and threshold is None and z.dtype == dtype:
+            return _gpu_ops.gemm_nt(z, w_down.astype(dtype, copy=False))
         z_lin = (
             None if w_lin is None else _gpu_ops.gemm_nt(x.astype(dtype, copy=False), w_lin.astype(dtype, copy=False))
         )

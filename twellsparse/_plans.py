@@ -195,7 +195,8 @@ class _FFNPlanBase:
         w_lin = w[lin_name] if lin_name else None
         if self.dispatch == "dense" or (self.dispatch == "auto" and sampled > self.breakeven):
             self._last = ("dense", sampled, None)
-            return dense_ffn_tail(xx, z, w_lin, w["w_down"], dt, self.activation, self.threshold)
+            activated = mask_pack is not None  # the ReLU-mask producer's z is relu(z) already
+            return dense_ffn_tail(xx, z, w_lin, w["w_down"], dt, self.activation, self.threshold, activated)
         shape = (xx.shape[0], first.shape[0])
 
         def tail(parts: Any) -> Any:

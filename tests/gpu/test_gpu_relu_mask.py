@@ -80,12 +80,18 @@ def test_plans_and_producer_with_the_mask_path(cp, rng, monkeypatch, gated):
         pytest.skip(str(exc))
     p = ffn_problem(400, 128, 1000, 0.02, "skewed", ts.bfloat16, rng, cp)
     x, wg, wu, wd = p["x"], p["w_gate"], p["w_up"], p["w_down"]
-    before = ts.GatedFFN(wg, wu, wd, dispatch="sparse")(x) if gated else ts.FFN(wg, wd, dispatch="sparse")(x)
+
+    def block(dispatch):
+        return ts.GatedFFN(wg, wu, wd, dispatch=dispatch)(x) if gated else ts.FFN(wg, wd, dispatch=dispatch)(x)
+
+    monkeypatch.setattr(_gpu_producer, "ENABLED", False)  # the dense-scan producer first
+    before, dense_before = block("sparse"), block("dense")
     h_before = ts.linear_to_twell(x, wg, capacity=4)
     monkeypatch.setattr(_gpu_producer, "ENABLED", True)
     assert _gpu_producer.applies(x, wg, "relu", None)
-    after = ts.GatedFFN(wg, wu, wd, dispatch="sparse")(x) if gated else ts.FFN(wg, wd, dispatch="sparse")(x)
+    after, dense_after = block("sparse"), block("dense")  # dense: z comes relu'd from cuBLASLt
     h_after = ts.linear_to_twell(x, wg, capacity=4)
     assert rel_error(after, before) < 2e-2  # different GEMM algorithms: rounding-level differences
+    assert rel_error(dense_after, dense_before) < 2e-2
     assert abs(h_after.nnz - h_before.nnz) <= max(5, h_before.nnz // 1000) and h_after.n_spilled > 0
     assert rel_error(h_after.toarray(), h_before.toarray()) < 2e-2
