@@ -32,6 +32,8 @@ def applies(x: Any, w: Any, activation: str, threshold: float | None) -> bool:
     """Whether this producer can serve the call (it also needs the library to load)."""
     if not ENABLED or activation != "relu" or threshold is not None or x.dtype != w.dtype:
         return False
+    if min(x.shape[0], x.shape[1], w.shape[0]) == 0:  # empty products stay with CuPy's matmul
+        return False
     if np.dtype(x.dtype) not in _DTYPES:
         return False
     try:
