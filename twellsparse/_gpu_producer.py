@@ -36,20 +36,23 @@ def applies(x: Any, w: Any, activation: str, threshold: float | None) -> bool:
         return False
     if np.dtype(x.dtype) not in _DTYPES:
         return False
-    try:
-        from .bindings import cublaslt
+    import cupy as cp
 
-        cublaslt.library()
-    except (ImportError, RuntimeError):
-        return False
-    return True
+    shape = (x.shape[0], w.shape[0], x.shape[1], np.dtype(x.dtype).name, cp.cuda.Device().id)
+    return _plan(*shape) is not None
 
 
 @functools.cache
 def _plan(m: int, f: int, k: int, dtype_name: str, device: int) -> Any:
-    from .bindings import cublaslt
+    """The cuBLASLt GEMM for one shape, or None where the library does not load or offers no
+    algorithm for it (the call then takes the dense-scan producer)."""
+    try:
+        from .bindings import cublaslt
 
-    return cublaslt.ReluMaskGemm(m, f, k, bfloat16 if dtype_name == "bfloat16" else np.dtype(dtype_name))
+        cublaslt.library()
+        return cublaslt.ReluMaskGemm(m, f, k, bfloat16 if dtype_name == "bfloat16" else np.dtype(dtype_name))
+    except (ImportError, RuntimeError):  # CuBlasLtError is a RuntimeError
+        return None
 
 
 def relu_linear(x: Any, w: Any) -> tuple[Any, Any, int]:
@@ -64,7 +67,10 @@ def relu_linear(x: Any, w: Any) -> tuple[Any, Any, int]:
     out = cp.empty((m, f), dtype=x.dtype)
     mask = cp.empty(m * words, dtype=cp.uint32)
     if m and f:
-        _plan(m, f, k, np.dtype(x.dtype).name, cp.cuda.Device().id)(x, w, out, mask)
+        plan = _plan(m, f, k, np.dtype(x.dtype).name, cp.cuda.Device().id)
+        if plan is None:
+            raise RuntimeError(f"cuBLASLt: no ReLU-mask GEMM for x {tuple(x.shape)}, w {tuple(w.shape)} ({x.dtype})")
+        plan(x, w, out, mask)
     return out, mask, words
 
 
