@@ -432,7 +432,8 @@ def _ffn_fwd(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold):
 
 def _ffn_bwd(activation, tile_n, capacity, threshold, res, g):
     x, w_act, w_lin, w_down = res
-    types = [_struct(a.shape, a.dtype) for a in (x, w_act, w_down)]
+    # dW_down leaves the callback units-major (as the kernels make it) and XLA transposes it.
+    types = [_struct(x.shape, x.dtype), _struct(w_act.shape, w_act.dtype), _struct(w_down.shape[::-1], w_down.dtype)]
     if w_lin is not None:
         types.append(_struct(w_lin.shape, w_lin.dtype))
 
@@ -441,12 +442,12 @@ def _ffn_bwd(activation, tile_n, capacity, threshold, res, g):
         wd = wd_t.T  # a view whose transpose, the kernels' layout, is contiguous
         _, pattern, up = forward_arrays(xx, wa, wl, wd, activation, tile_n, capacity, threshold)
         dx, dwa, dwl, dwd = backward_arrays(gg, None, xx, wa, wl, wd, pattern, up, activation)
-        outs[0][...], outs[1][...], outs[2][...] = dx, dwa, dwd
+        outs[0][...], outs[1][...], outs[2][...] = dx, dwa, dwd.T
         if wl is not None:
             outs[3][...] = dwl
 
     grads = _call(run, types, g, x, w_act, w_lin, _units_major(w_down))
-    cts = (grads[0], grads[1], (grads[3] if w_lin is not None else None), grads[2])
+    cts = (grads[0], grads[1], (grads[3] if w_lin is not None else None), jnp.swapaxes(grads[2], 0, 1))
     return _cotangents(cts, (x, w_act, w_lin, w_down))
 
 
