@@ -64,10 +64,13 @@ def _torch_allocator() -> Any:
     import cupy
 
     def malloc(size: int, device: int) -> int:
+        if size == 0:  # nothing to allocate (and nothing for torch to free later)
+            return 0
         return int(torch.cuda.caching_allocator_alloc(size, device, torch.cuda.current_stream(device)))
 
     def free(ptr: int, device: int) -> None:
-        torch.cuda.caching_allocator_delete(ptr)
+        if ptr:
+            torch.cuda.caching_allocator_delete(ptr)
 
     return cupy.cuda.PythonFunctionAllocator(malloc, free)
 
