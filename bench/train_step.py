@@ -85,7 +85,7 @@ def stage_times(args: argparse.Namespace, density: float) -> dict[str, float]:
     import cupy as cp
 
     import twellsparse as ts
-    from twellsparse._ops import gated_product, matmul, product_values, sddmm, values_op
+    from twellsparse._ops import gated_product, matmul, product_values, sddmm, transposed_products, values_op
 
     p = ffn_problem(args.m, args.d_model, args.d_ff, density, "uniform", ts.bfloat16, 0, cp)
     x, wg, wu, wd = (p[k] for k in ("x", "w_gate", "w_up", "w_down"))
@@ -107,6 +107,7 @@ def stage_times(args: argparse.Namespace, density: float) -> dict[str, float]:
         "bwd dW_down transpose copy": lambda: cp.ascontiguousarray(dw_down_t.T),
         "bwd dW_gate = dZ.T @ x": lambda: matmul(d_z.T, x),
         "bwd dW_up = dU.T @ x": lambda: matmul(d_u.T, x),
+        "bwd the 3 transposed, one sort": lambda: transposed_products(g, [(h, go), (d_z, x), (d_u, x)]),
         "bwd dX = dZ @ W_gate + dU @ W_up": lambda: values_op(add, matmul(d_z, wg), matmul(d_u, wu)),
     }
     return {name: timer(fn)[1]["median"] for name, fn in stages.items()}

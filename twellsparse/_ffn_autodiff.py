@@ -19,7 +19,7 @@ import math
 from typing import Any
 
 from ._backend import array_module
-from ._ops import gated_product, linear_to_twell, matmul, product_values, sddmm, with_values
+from ._ops import gated_product, linear_to_twell, matmul, product_values, sddmm, transposed_products, with_values
 from ._ops import values_op as _values_op
 
 
@@ -69,12 +69,13 @@ def backward_arrays(grad_out, grad_act, x, w_act, w_lin, w_down, g, u, activatio
         z = sddmm(x, w_act, g)  # pre-activations on the pattern
         grad = lambda dz, zz: dz * _activation_grad(activation, zz)  # noqa: E731
         d_z = with_values(g, _values_op(grad, d_act.data, z.data), _values_op(grad, d_act.spill_data, z.spill_data))
-    dw_down = matmul(h.T, grad_out).T
-    dw_act = matmul(d_z.T, x)
+    d_u = product_values(d_h, g) if u is not None else None
+    # The three transposed products share g's pattern: its transpose is sorted once.
+    pairs = [(h, grad_out), (d_z, x)] + ([(d_u, x)] if d_u is not None else [])
+    dw_down_t, dw_act, *dw_lin_or_none = transposed_products(g, pairs)
     dx = matmul(d_z, w_act)
     dw_lin = None
-    if u is not None:
-        d_u = product_values(d_h, g)
-        dw_lin = matmul(d_u.T, x)
+    if d_u is not None:
+        dw_lin = dw_lin_or_none[0]
         dx = _values_op(lambda a, b: a + b, dx, matmul(d_u, w_lin))
-    return dx, dw_act, dw_lin, dw_down
+    return dx, dw_act, dw_lin, dw_down_t.T

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -100,26 +101,55 @@ def _take(values: Any, order: Any) -> Any:
     return values.view(f"u{values.itemsize}")[order].view(values.dtype)
 
 
-def transposed_csr(parts: TwELLParts, tile_n: int, n_cols: int) -> tuple[Any, Any, Any]:
-    """CSR arrays ``(indptr, cols, vals)`` of ``A.T`` (N x M): columns of A become rows, each
-    row's entries in increasing token order (one radix sort of the composite keys)."""
+class TransposedPattern(NamedTuple):
+    """The structure of ``A.T`` in CSR for a TwELL pattern, whatever its values: row pointers,
+    the token of each entry, and the permutation from A's CSR order to A.T's."""
+
+    indptr: Any
+    rows: Any
+    order: Any
+
+
+def transposed_pattern(parts: TwELLParts, tile_n: int, n_cols: int) -> TransposedPattern:
+    """Columns of A become rows, each row's entries in increasing token order (one radix sort
+    of the composite keys). Matrices sharing A's structure (other values) share it."""
     cp = _cp()
     m = parts.data.shape[0]
-    vals, cols, indptr = parts_to_csr(parts, (m, n_cols), tile_n)
+    _, cols, indptr = parts_to_csr(parts, (m, n_cols), tile_n)
     rows = cp.searchsorted(indptr[1:], cp.arange(cols.size, dtype=cp.int32), side="right").astype(cp.int32)
     order = cp.argsort(cols.astype(cp.int64) * max(m, 1) + rows)
     indptr_t = cp.zeros(n_cols + 1, dtype=cp.int32)
     if cols.size:
         indptr_t[1:] = cp.cumsum(cp.bincount(cols, minlength=n_cols)[:n_cols])
-    return indptr_t, rows[order], _take(vals, order)
+    return TransposedPattern(indptr_t, rows[order], order)
 
 
-def spmm_transposed(parts: TwELLParts, tile_n: int, n_cols: int, g: Any, out: Any) -> Any:
+def transposed_csr(
+    parts: TwELLParts, tile_n: int, n_cols: int, pattern: TransposedPattern | None = None
+) -> tuple[Any, Any, Any]:
+    """CSR arrays ``(indptr, cols, vals)`` of ``A.T`` (N x M); ``pattern``, when given, is
+    :func:`transposed_pattern` of a matrix with A's structure (no sort then)."""
+    m = parts.data.shape[0]
+    pattern = pattern or transposed_pattern(parts, tile_n, n_cols)
+    vals = parts_to_csr(parts, (m, n_cols), tile_n)[0]
+    return pattern.indptr, pattern.rows, _take(vals, pattern.order)
+
+
+def spmm_transposed(
+    parts: TwELLParts,
+    tile_n: int,
+    n_cols: int,
+    g: Any,
+    out: Any,
+    pattern: Callable[[], TransposedPattern] | None = None,
+) -> Any:
     """``out = A.T @ g``; ``g`` (M x K), ``out`` (N x K).
 
     With 16-byte rows (``rows_aligned``) the entries are sorted into the CSR of ``A.T`` and a
     row-gather kernel sums each output row in one warp; other layouts scatter with fp32 atomics
     into a workspace (the summation order, and so the last bits, can then vary between runs).
+    ``pattern`` returns the shared :class:`TransposedPattern` of A's structure (built on first
+    use by the caller's products), so products on one pattern sort once.
     """
     cp = _cp()
     m = parts.data.shape[0]
@@ -127,7 +157,7 @@ def spmm_transposed(parts: TwELLParts, tile_n: int, n_cols: int, g: Any, out: An
     k = g.shape[1]
     ldo_out = max(out.strides[0] // out.itemsize, k, 1)
     if rows_aligned((g, ldg), (out, ldo_out)) and parts.data.dtype == g.dtype:
-        indptr_t, cols_t, vals_t = transposed_csr(parts, tile_n, n_cols)
+        indptr_t, cols_t, vals_t = transposed_csr(parts, tile_n, n_cols, pattern() if pattern else None)
         kv, u = K.GATHER_DEFAULT["csr_spmm"]
         args = (indptr_t, cols_t, vals_t, np.int32(n_cols), g, np.int64(ldg), np.int32(k), out, np.int64(ldo_out))
         K.launch_grid(K.gather_expression("csr_spmm", g.dtype, kv, u), *_gather_grid(n_cols), args)

@@ -6,6 +6,7 @@ Each op validates its inputs, then runs the CPU reference (NumPy inputs) or the 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -110,6 +111,27 @@ def _matmul_gpu(
         out[...] = result.reshape(out.shape)
         return out
     return result
+
+
+def transposed_products(pattern: twell_array, pairs: list[tuple[twell_array, Any]]) -> list[Any]:
+    """``a.T @ b`` for each ``(a, b)``, every ``a`` with ``pattern``'s structure (other values,
+    as the backward pass makes them): on the GPU the structure of the transpose is sorted once
+    for all of them. Internal: the operands are trusted (shapes and devices already checked)."""
+    if not is_cupy_array(pattern.data):
+        return [matmul(a.T, b) for a, b in pairs]
+    import cupy as cp
+
+    from . import _gpu_ops
+
+    n_cols = pattern.shape[1]
+    shared = functools.cache(lambda: _gpu_ops.transposed_pattern(pattern.parts, pattern.tile_n, n_cols))
+    results = []
+    for a, b in pairs:
+        dt = result_dtype(a.dtype, b.dtype)
+        out = cp.empty((n_cols, b.shape[1]), dtype=dt)
+        parts = _cast_parts(a.parts, dt)
+        results.append(_gpu_ops.spmm_transposed(parts, a.tile_n, n_cols, b.astype(dt, copy=False), out, shared))
+    return results
 
 
 def rmatmul(a: Any, other: Any) -> Any:

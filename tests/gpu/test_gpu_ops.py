@@ -224,3 +224,19 @@ def test_plans_on_gpu(cp, rng, dtype):
     again = ts.gated_ffn(x, wg, wu, wd, dispatch="sparse")
     assert rel_error(out, again) <= (2e-6 if np.dtype(dtype) == np.float32 else 1e-2)
     assert 0.005 < plan.last_stats["density"] < 0.02
+
+
+def test_transposed_products_share_one_sort(cp, rng):
+    """The backward's transposed products on one pattern (one sort of its transpose) equal the
+    products made one by one, bit for bit, spill included."""
+    from twellsparse._ops import transposed_products, values_op, with_values
+
+    h = sparse_activations(300, 700, 0.03, "skewed", ts.bfloat16, rng)
+    a = ts.twell_array(cp.asarray(h), tile_n=64, capacity=2)
+    assert a.n_spilled > 0
+    other = with_values(a, values_op(lambda v: v * 2, a.parts.data), values_op(lambda v: v * 3, a.parts.spill_data))
+    b1 = cp.asarray(rng.standard_normal((300, 64)).astype(ts.bfloat16))
+    b2 = cp.asarray(rng.standard_normal((300, 32)).astype(ts.bfloat16))
+    got = transposed_products(a, [(a, b1), (other, b2)])
+    for g, want in zip(got, (ts.matmul(a.T, b1), ts.matmul(other.T, b2)), strict=True):
+        np.testing.assert_array_equal(cp.asnumpy(g).view(np.uint16), cp.asnumpy(want).view(np.uint16))
