@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -9,6 +10,7 @@ import numpy as np
 
 from . import _kernels as K
 from ._backend import bfloat16, cupy_module
+from ._errors import TwELLFallbackWarning
 from ._gpu_convert import parts_to_csr, row_stride
 from ._parts import TwELLParts
 
@@ -48,14 +50,27 @@ def rows_aligned(*operands: tuple[Any, int]) -> bool:
 PATHS = ("auto", "gather", "portable")
 
 
-def _choose_path(path: str, gather_ok: bool) -> str:
+def _choose_path(path: str, gather_ok: bool, op: str) -> str:
     if path not in PATHS:
         raise ValueError(f"path: expected one of {', '.join(map(repr, PATHS))}, got {path!r}")
     if path == "gather" and not gather_ok:
         raise ValueError("path: 'gather' needs 16-byte-aligned operand rows whose length is a multiple of 16 bytes")
     if path == "auto":
+        if not gather_ok:
+            warn_portable(op)
         return "gather" if gather_ok else "portable"
     return path
+
+
+def warn_portable(op: str) -> None:
+    """Say that ``op`` runs its portable kernel because an operand lacks 16-byte rows."""
+    warnings.warn(
+        f"{op}: an operand's rows are not 16-byte aligned multiples of 16 bytes, so the portable "
+        "kernel runs, several times slower than the row-gather one; pad the feature dimension to "
+        "a multiple of 8 values (bf16/fp16), 4 (fp32) or 2 (fp64) for the fast path",
+        TwELLFallbackWarning,
+        stacklevel=4,
+    )
 
 
 def _variant(variant: tuple[int, int] | None, kind: str) -> tuple[int, int]:
@@ -81,7 +96,7 @@ def spmm(
     k = b.shape[1]
     ldo = np.int64(max(out.strides[0] // out.itemsize, k, 1))
     gather_ok = rows_aligned((b, ldb), (out, int(ldo)))
-    path = _choose_path(path, gather_ok)
+    path = _choose_path(path, gather_ok, "matmul")
     if path == "gather":
         kv, u = variant or K.GATHER_DEFAULT["spmm"]
         nt, cap = parts.data.shape[1:]
@@ -162,6 +177,7 @@ def spmm_transposed(
         args = (indptr_t, cols_t, vals_t, np.int32(n_cols), g, np.int64(ldg), np.int32(k), out, np.int64(ldo_out))
         K.launch_grid(K.gather_expression("csr_spmm", g.dtype, kv, u), *_gather_grid(n_cols), args)
         return out
+    warn_portable("matmul (transposed)")
     acc = cp.float64 if g.dtype == cp.float64 else cp.float32
     ws = cp.zeros((n_cols, k), dtype=acc)
     t = K.CXX_TYPE[g.dtype]
@@ -195,7 +211,7 @@ def sddmm(
     k = np.int32(x.shape[1])
     t, s = K.CXX_TYPE[x.dtype], "true" if scale else "false"
     data = cp.empty(parts.data.shape, dtype=x.dtype)  # the pattern's dtype may differ
-    path = _choose_path(path, rows_aligned((x, ldx), (y, ldy)))
+    path = _choose_path(path, rows_aligned((x, ldx), (y, ldy)), "sddmm")
     if path == "gather":
         spill = cp.empty(parts.spill_data.shape, dtype=x.dtype)
         geometry = (np.int32(m), np.int32(nt), np.int32(tile_n), np.int32(cap))

@@ -167,3 +167,19 @@ def test_transposed_product_through_csr(cp, rng, dtype, m, n, k, tile_n, capacit
         assert np.all(np.diff(cc[seg]) > 0)  # tokens increasing within each row
         t_csr[r, cc[seg]] = vv[seg]
     np.testing.assert_array_equal(t_csr, h.astype(np.float64).T)
+
+
+def test_auto_path_warns_when_it_takes_the_portable_kernels(cp, rng):
+    """Rows that are not 16-byte multiples (k = 7 bf16 values) run the portable kernels and say
+    so; aligned rows run the gather kernels silently."""
+    import warnings
+
+    h, a = _problem(cp, rng, 20, 300, 64, 2, 0.05, ts.bfloat16)
+    odd = cp.asarray(rng.standard_normal((300, 7)).astype(ts.bfloat16))
+    with pytest.warns(ts.TwELLFallbackWarning, match="matmul: .* portable kernel"):
+        got = ts.matmul(a, odd)
+    assert rel_error(got, h.astype(np.float64) @ cp.asnumpy(odd).astype(np.float64)) < 2e-2
+    even = cp.asarray(rng.standard_normal((300, 8)).astype(ts.bfloat16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ts.TwELLFallbackWarning)
+        ts.matmul(a, even)
