@@ -15,7 +15,7 @@ import numpy as np
 from . import _kernels as K
 from ._backend import cupy_module
 from ._parts import TwELLParts
-from ._reference import overflow_excess
+from ._reference import fixed_spill_layout, overflow_excess
 from ._validation import n_tiles
 
 _BLOCK = 256
@@ -64,27 +64,16 @@ def _apply_overflow(
 def _static_spill(
     row_tile_nnz: Any, capacity: int, spill_capacity: int, dtype: Any, spill_pass: Callable[..., None]
 ) -> tuple[Any, Any, Any, Any]:
-    """The spill into arrays of a fixed length, with no host read-back (CUDA-graph capturable).
-
-    The row-tiles whose excess fits, in row-major order, within ``spill_capacity`` entries (a
-    prefix: the running total only grows) spill exactly; pass 2 skips the others because it is
-    given counts in which they hold exactly ``capacity``. Returns the spill CSR (data and
-    indices of length ``spill_capacity``, zero beyond ``indptr[-1]``; indptr counting only what
-    was written) and the number of entries left out, a 0-d int64 array on the device.
-    """
+    """The spill into arrays of a fixed length, with no host read-back (CUDA-graph capturable):
+    the layout of :func:`fixed_spill_layout`, then pass 2 with its counts. Returns the spill
+    CSR (data and indices of length ``spill_capacity``, zero beyond ``indptr[-1]``) and the
+    entries left out, a 0-d int64 array on the device."""
     cp = _cp()
-    m, nt = row_tile_nnz.shape
-    per_tile = cp.maximum(row_tile_nnz.astype(cp.int64) - capacity, 0).reshape(-1)
-    ends = cp.cumsum(per_tile)
-    fits = ends <= spill_capacity
-    indptr = cp.zeros(m + 1, dtype=cp.int32)
-    indptr[1:] = cp.cumsum(cp.where(fits, per_tile, 0).reshape(m, nt).sum(axis=1))
+    offsets, indptr, pass_counts, left_out = fixed_spill_layout(row_tile_nnz, capacity, spill_capacity, xp=cp)
     spill_data = cp.zeros(spill_capacity, dtype=dtype)
     spill_indices = cp.zeros(spill_capacity, dtype=cp.int32)
-    pass_counts = cp.where(fits.reshape(m, nt), row_tile_nnz, capacity).astype(cp.int32)
-    spill_pass(ends - per_tile, spill_indices, spill_data, pass_counts)
-    total = ends[-1] if per_tile.size else cp.zeros((), dtype=cp.int64)
-    return spill_data, spill_indices, indptr, total - indptr[-1]
+    spill_pass(offsets, spill_indices, spill_data, pass_counts)
+    return spill_data, spill_indices, indptr, left_out
 
 
 def dense_to_parts(

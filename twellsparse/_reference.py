@@ -57,6 +57,27 @@ def indptr_from_rows(rows, n_rows: int, xp=np):
     return indptr
 
 
+def fixed_spill_layout(row_tile_nnz, capacity: int, spill_capacity: int, xp=np):
+    """Where a spill of fixed length goes, computed without leaving the device (NumPy or CuPy).
+
+    The row-tiles' excess over ``capacity``, in row-major order, fills ``spill_capacity`` slots;
+    the row-tiles up to the first that does not fit spill (a prefix: the running total only
+    grows), the others are left out whole. Returns ``(offsets, indptr, pass_counts, left_out)``:
+    each row-tile's first spill slot (int64, flattened), the spill's row pointers (int32, M + 1)
+    counting only what is written, the counts to hand pass 2 (a left-out row-tile holds exactly
+    ``capacity``, so the pass skips it), and the entries left out (0-d int64).
+    """
+    m, nt = row_tile_nnz.shape
+    excess = xp.maximum(row_tile_nnz.astype(xp.int64) - capacity, 0).reshape(-1)
+    ends = xp.cumsum(excess)
+    fits = ends <= spill_capacity
+    indptr = xp.zeros(m + 1, dtype=xp.int32)
+    indptr[1:] = xp.cumsum(xp.where(fits, excess, 0).reshape(m, nt).sum(axis=1))
+    pass_counts = xp.where(fits.reshape(m, nt), row_tile_nnz, capacity).astype(xp.int32)
+    total = ends[-1] if excess.size else xp.zeros((), dtype=xp.int64)
+    return ends - excess, indptr, pass_counts, total - indptr[-1]
+
+
 def overflow_excess(row_tile_nnz, capacity: int, overflow: str, xp=np) -> int:
     """Apply the overflow policy to the per-row-tile counts; return the number of excess entries.
 
