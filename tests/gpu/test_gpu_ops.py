@@ -240,3 +240,23 @@ def test_transposed_products_share_one_sort(cp, rng):
     got = transposed_products(a, [(a, b1), (other, b2)])
     for g, want in zip(got, (ts.matmul(a.T, b1), ts.matmul(other.T, b2)), strict=True):
         np.testing.assert_array_equal(cp.asnumpy(g).view(np.uint16), cp.asnumpy(want).view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", [ts.bfloat16, np.float16, np.float32, np.float64])
+def test_product_values_fused_equals_the_float32_route(cp, rng, dtype):
+    """The backward's value products in one fused pass give the bits of cast-multiply-round."""
+    from twellsparse._ops import product_values, values_op, with_values
+
+    h = sparse_activations(200, 500, 0.05, "skewed", dtype, rng)
+    a = ts.twell_array(cp.asarray(h), tile_n=64, capacity=2)
+    b = with_values(
+        a, values_op(lambda v: v * 1.7 - 0.3, a.parts.data), values_op(lambda v: v * 0.5 + 1, a.parts.spill_data)
+    )
+    got = product_values(a, b)
+    width = np.dtype(dtype).itemsize
+    for g, p, q in (
+        (got.parts.data, a.parts.data, b.parts.data),
+        (got.parts.spill_data, a.parts.spill_data, b.parts.spill_data),
+    ):
+        want = values_op(lambda u, v: u * v, p, q)
+        np.testing.assert_array_equal(cp.asnumpy(g).view(f"u{width}"), cp.asnumpy(want).view(f"u{width}"))
