@@ -50,11 +50,8 @@ def _apply_overflow(
     if excess == 0 or overflow == "drop":
         empty = cp.empty(0, dtype=dtype), cp.empty(0, dtype=cp.int32), cp.zeros(m + 1, dtype=cp.int32)
         return (*empty, excess)
-    per_tile = cp.maximum(row_tile_nnz.astype(cp.int64) - capacity, 0)
-    flat = per_tile.reshape(-1)
-    offsets = cp.cumsum(flat) - flat
-    indptr = cp.zeros(m + 1, dtype=cp.int32)
-    indptr[1:] = cp.cumsum(per_tile.sum(axis=1))
+    # A spill exactly as long as the excess: every row-tile fits, the layout is the plain one.
+    offsets, indptr, _, _ = fixed_spill_layout(row_tile_nnz, capacity, excess, xp=cp)
     spill_data = cp.empty(excess, dtype=dtype)
     spill_indices = cp.empty(excess, dtype=cp.int32)
     spill_pass(offsets, spill_indices, spill_data)

@@ -284,18 +284,12 @@ def with_values(pattern: twell_array, data: Any, spill: Any) -> twell_array:
 
 def product_values(a: twell_array, b: twell_array) -> twell_array:
     """``a * b`` for two TwELL matrices of one structure, each product rounded to a's dtype."""
+    mul: Callable[[Any, Any], Any] = lambda p, q: values_op(lambda u, v: u * v, p, q)  # noqa: E731
     if is_cupy_array(a.data) and a.dtype == b.dtype:
         from . import _gpu_ops
 
         # One fused pass (fp32 product, rounded once), the same numbers as values_op's four.
-        def mul(p: Any, q: Any) -> Any:
-            return _gpu_ops.act_mul(p, q, "identity", None)
-
-    else:
-
-        def mul(p: Any, q: Any) -> Any:
-            return values_op(lambda u, v: u * v, p, q)
-
+        mul = functools.partial(_gpu_ops.act_mul, activation="identity", threshold=None)
     return with_values(a, mul(a.data, b.data), mul(a.spill_data, b.spill_data))
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import _reference as ref
-from ._backend import array_module, is_cupy_array, result_dtype, value_dtype
+from ._backend import array_module, cupy_module, is_cupy_array, result_dtype, value_dtype
 from ._errors import TwELLFallbackWarning, TwELLSpillCapacityError
 from ._ops import (
     _dense,
@@ -41,6 +41,14 @@ DENSE_BREAKEVEN = {"ffn": 0.006, "gated_ffn": 0.008}
 DENSITY_SAMPLE_ROWS = 256
 
 DISPATCH = ("auto", "sparse", "dense")
+
+
+def _capturing() -> bool:
+    """Whether CuPy's current stream is capturing a CUDA graph (no host reads then)."""
+    cp = cupy_module()
+    if cp is None or not cp.cuda.is_available():
+        return False
+    return bool(cp.cuda.get_current_stream().is_capturing())
 
 
 class _PostedScalar:
@@ -69,11 +77,10 @@ class _PostedScalar:
         if self._host is None:
             self._host = cupyx.zeros_pinned((1,), dtype=np.float64)
         scalar.astype(cp.float64).reshape(1).get(out=self._host, blocking=False)
-        stream = cp.cuda.get_current_stream()
-        if stream.is_capturing():
+        if _capturing():
             self._in_graph, self._event = True, None
         else:
-            self._event = stream.record()
+            self._event = cp.cuda.get_current_stream().record()
 
     def value(self) -> float | None:
         """The last recorded value (None before the first)."""
@@ -280,16 +287,6 @@ class _FFNPlanBase:
         rows = rows.astype(z.dtype if z.dtype == np.float64 else np.float32)
         kept = ref.keep_mask(ref.activation(rows, self.activation).astype(self.dtype), self.threshold)
         return kept.mean()
-
-
-def _capturing() -> bool:
-    """Whether CuPy's current stream is capturing a CUDA graph (no host reads then)."""
-    from ._backend import cupy_module
-
-    cp = cupy_module()
-    if cp is None or not cp.cuda.is_available():
-        return False
-    return bool(cp.cuda.get_current_stream().is_capturing())
 
 
 def _gather_tail(parts: Any, tile_n: int, x: Any, w_lin: Any, w_down_t: Any, dt: Any) -> Any:

@@ -79,7 +79,8 @@ def from_jax(a: twell_array) -> twell_array:
 
 
 def _array(x: Any) -> Any:
-    """NumPy or CuPy view of a JAX array or buffer (DLPack; CPU buffers through __array__)."""
+    """NumPy or CuPy view of a JAX array (DLPack; CPU arrays through __array__); buffers handed
+    to a callback go through :func:`_callback_view`."""
     if int(x.__dlpack_device__()[0]) == _KDL_CPU:
         return np.asarray(x)
     import cupy as cp

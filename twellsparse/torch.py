@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from ._backend import array_module, as_array, bfloat16
 from ._ffn_autodiff import backward_arrays, forward_arrays, with_values
 from ._parts import TwELLParts
-from ._plans import DENSE_BREAKEVEN, DENSITY_SAMPLE_ROWS, DISPATCH
+from ._plans import DENSE_BREAKEVEN, DENSITY_SAMPLE_ROWS, DISPATCH, _PostedScalar
 from ._twell import twell_array
 from ._validation import check_activation, check_capacity, check_threshold, check_tile_n
 
@@ -341,33 +341,6 @@ def _dense_run(
     return h @ w_down.T, h_act
 
 
-class _DensityProbe:
-    """A 0-d density tensor copied to pinned host memory without waiting, read at the next
-    forward (by then the copy has long finished): ``dispatch="auto"`` costs no host sync."""
-
-    def __init__(self) -> None:
-        self._host: Tensor | None = None
-        self._event: Any = None
-        self._value: float | None = None
-
-    def post(self, fraction: Tensor) -> None:
-        if not fraction.is_cuda:
-            self._value, self._event = float(fraction), None
-            return
-        if self._host is None:
-            self._host = torch.empty((), dtype=torch.float64, pin_memory=True)
-        self._host.copy_(fraction.detach().to(torch.float64), non_blocking=True)
-        self._event = torch.cuda.Event()
-        self._event.record()
-
-    def value(self) -> float | None:
-        if self._event is not None:
-            self._event.synchronize()
-            assert self._host is not None
-            self._value, self._event = float(self._host), None
-        return self._value
-
-
 # ----------------------------------------------------------------------------- modules
 
 
@@ -405,7 +378,7 @@ class _TwELLMLPBase(nn.Module):
         self.breakeven = DENSE_BREAKEVEN[kind] if breakeven is None else float(breakeven)
         self._hidden: list[Tensor] | None = None  # the last sparse forward's TwELL parts
         self._dense_hidden: Tensor | None = None  # the last dense forward's activations
-        self._density = _DensityProbe()
+        self._density = _PostedScalar()
 
     def _forward(self, x: Tensor, w_act: Tensor, w_lin: Tensor | None, w_down: Tensor) -> Tensor:
         if self._path() == "dense":
@@ -414,14 +387,19 @@ class _TwELLMLPBase(nn.Module):
             if self.dispatch == "auto":
                 rows = h.reshape(-1, h.shape[-1])
                 rows = rows[:: max(1, rows.shape[0] // DENSITY_SAMPLE_ROWS)].detach()
-                self._density.post(torch.count_nonzero(rows) / max(rows.numel(), 1))
+                self._post_density(torch.count_nonzero(rows) / max(rows.numel(), 1))
             return out
         out, hidden = _run(x, w_act, w_lin, w_down, self.activation, self.tile_n, self.capacity, self.threshold)
         self._hidden, self._dense_hidden = hidden, None
         if self.dispatch == "auto":
             counts, spill = hidden[2], hidden[3]
-            self._density.post((counts.sum() + spill.numel()) / max(counts.shape[0] * self.intermediate_size, 1))
+            self._post_density((counts.sum() + spill.numel()) / max(counts.shape[0] * self.intermediate_size, 1))
         return out
+
+    def _post_density(self, fraction: Tensor) -> None:
+        """Hand the 0-d density to the plans' posted scalar (copied on torch's stream, no sync)."""
+        with _on_device(fraction):
+            self._density.post(_to_array(fraction.to(torch.float64)))
 
     def _path(self) -> str:
         """``"sparse"`` or ``"dense"``: under ``dispatch="auto"`` the previous forward's density
