@@ -76,11 +76,17 @@ class _PostedScalar:
 
         if self._host is None:
             self._host = cupyx.zeros_pinned((1,), dtype=np.float64)
-        scalar.astype(cp.float64).reshape(1).get(out=self._host, blocking=False)
-        if _capturing():
+        staged = cp.ascontiguousarray(scalar.astype(cp.float64).reshape(1))
+        stream = cp.cuda.get_current_stream()
+        # A raw asynchronous copy into pinned memory: CuPy's ``get`` refuses device-to-host copies
+        # while capturing, but the runtime records this one as a memcpy node of the graph.
+        cp.cuda.runtime.memcpyAsync(
+            self._host.ctypes.data, staged.data.ptr, 8, cp.cuda.runtime.memcpyDeviceToHost, stream.ptr
+        )
+        if stream.is_capturing():
             self._in_graph, self._event = True, None
         else:
-            self._event = cp.cuda.get_current_stream().record()
+            self._event = stream.record()
 
     def value(self) -> float | None:
         """The last recorded value (None before the first)."""

@@ -68,9 +68,14 @@ def _torch_allocator() -> Any:
             return 0
         return int(torch.cuda.caching_allocator_alloc(size, device, torch.cuda.current_stream(device)))
 
+    delete = torch.cuda.caching_allocator_delete  # bound now: at interpreter exit `torch` is None
+
     def free(ptr: int, device: int) -> None:
         if ptr:
-            torch.cuda.caching_allocator_delete(ptr)
+            try:
+                delete(ptr)
+            except Exception:  # torch torn down first at interpreter exit: the process frees all
+                pass
 
     return cupy.cuda.PythonFunctionAllocator(malloc, free)
 
