@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -333,6 +334,22 @@ _CUDA_R = {np.dtype(np.float16): 2, bfloat16: 14, np.dtype(np.float32): 0, np.dt
 _COMPUTE_32F, _COMPUTE_64F, _OP_N, _OP_T, _GEMM_DEFAULT = 68, 70, 0, 1, -1
 
 
+@functools.lru_cache(maxsize=128)  # each plan holds its workspace
+def lt_gemm(kind: str, m: int, f: int, k: int, dtype_name: str, device: int) -> Any:
+    """The cuBLASLt plan (``"Gemm"`` or ``"ReluMaskGemm"``) of one shape, capturable in a CUDA
+    graph; None for float64, or where the library does not load or offers no algorithm (the
+    callers then take CuPy's cuBLAS or the dense-scan producer)."""
+    if dtype_name == "float64":
+        return None
+    try:
+        from .bindings import cublaslt
+
+        cublaslt.library()
+        return getattr(cublaslt, kind)(m, f, k, bfloat16 if dtype_name == "bfloat16" else np.dtype(dtype_name))
+    except (ImportError, RuntimeError):  # CuBlasLtError is a RuntimeError
+        return None
+
+
 def gemm_nt(x: Any, w: Any) -> Any:
     """``x @ w.T`` through cuBLAS ``gemmEx`` (fp32 accumulation; fp64 for float64), on the current
     stream. ``x`` (M x K) and ``w`` (F x K) share a dtype; works for bfloat16 as well."""
@@ -349,6 +366,15 @@ def gemm_nt(x: Any, w: Any) -> Any:
     if k == 0:
         out.fill(0)
         return out
+    lt = lt_gemm("Gemm", m, f, k, np.dtype(x.dtype).name, cp.cuda.Device().id)
+    if lt is not None:
+        lt(x, w, out)
+        return out
+    if cp.cuda.get_current_stream().is_capturing():
+        raise RuntimeError(
+            "gemm_nt: capturing a CUDA graph needs cuBLASLt (CuPy's cuBLAS wrapper refuses captures), "
+            "which did not load; install nvidia-cublas or set TWELL_CUBLASLT"
+        )
     dt = _CUDA_R[x.dtype]
     wide = x.dtype == np.float64
     alpha = np.ones(1, dtype=np.float64 if wide else np.float32)

@@ -13,7 +13,6 @@ beside it as ``producer_dense_scan``). Where cuBLASLt does not load, the dense s
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -42,17 +41,12 @@ def applies(x: Any, w: Any, activation: str, threshold: float | None) -> bool:
     return _plan(*shape) is not None
 
 
-@functools.cache
 def _plan(m: int, f: int, k: int, dtype_name: str, device: int) -> Any:
-    """The cuBLASLt GEMM for one shape, or None where the library does not load or offers no
-    algorithm for it (the call then takes the dense-scan producer)."""
-    try:
-        from .bindings import cublaslt
+    """The cuBLASLt ReLU-mask GEMM for one shape, or None where the library does not load or
+    offers no algorithm for it (the call then takes the dense-scan producer)."""
+    from ._gpu_ops import lt_gemm
 
-        cublaslt.library()
-        return cublaslt.ReluMaskGemm(m, f, k, bfloat16 if dtype_name == "bfloat16" else np.dtype(dtype_name))
-    except (ImportError, RuntimeError):  # CuBlasLtError is a RuntimeError
-        return None
+    return lt_gemm("ReluMaskGemm", m, f, k, dtype_name, device)
 
 
 def relu_linear(x: Any, w: Any) -> tuple[Any, Any, int]:

@@ -1,5 +1,7 @@
-"""cffi bindings (ABI mode) to cuBLASLt for one job: ``relu(x @ w.T)`` with the ReLU bit-mask
-epilogue (``CUBLASLT_EPILOGUE_RELU_AUX``).
+"""cffi bindings (ABI mode) to cuBLASLt for two jobs: the plain product ``x @ w.T`` (one plan
+per shape, so that the library's dense GEMMs can be captured in CUDA graphs: CuPy's cuBLAS
+wrapper refuses calls during a capture) and ``relu(x @ w.T)`` with the ReLU bit-mask epilogue
+(``CUBLASLT_EPILOGUE_RELU_AUX``).
 
 The bit-mask (one bit per output element, set where the GEMM result was positive) lets the
 TwELL producer read 1/16 of the bytes a dense bf16 scan reads to find the nonzeros: the pack
@@ -113,13 +115,14 @@ def _handle(device: int) -> Any:
     return h[0]
 
 
-class ReluMaskGemm:
-    """``out = relu(x @ w.T)`` (row-major, M x F) and its ReLU bit-mask, planned for one shape.
-
-    The mask holds ``mask_ld(F)`` bits per token row (uint32 words, row ``m`` at word
-    ``m * mask_ld(F) // 32``); bit ``f`` of a row is set where the GEMM result was positive.
-    fp32 accumulation; on CuPy's current stream.
+class Gemm:
+    """``out = x @ w.T`` (row-major, M x F), planned once for one shape: fp32 accumulation, on
+    CuPy's current stream, capturable in a CUDA graph (no host synchronisation, a workspace
+    owned by the plan). Subclasses add an epilogue.
     """
+
+    #: cuBLASLt epilogue (CUBLASLT_EPILOGUE_DEFAULT).
+    EPILOGUE = 1
 
     def __init__(self, m: int, f: int, k: int, dtype: Any) -> None:
         import cupy as cp
@@ -136,8 +139,8 @@ class ReluMaskGemm:
         self._desc = desc[0]
         self._set(DESC_TRANSA, "int32_t", OP_T)
         self._set(DESC_TRANSB, "int32_t", OP_N)
-        self._set(DESC_EPILOGUE, "uint32_t", EPILOGUE_RELU_AUX)
-        self._set(DESC_EPILOGUE_AUX_LD, "int64_t", mask_ld(f))
+        self._set(DESC_EPILOGUE, "uint32_t", self.EPILOGUE)
+        self._configure_epilogue()
         # Column-major view: D (F x M, ld F) = op(A) op(B), A = w (K x F col-major, ld K), B = x (K x M).
         self._layouts = [self._layout(dt, k, f, k), self._layout(dt, k, m, k), self._layout(dt, f, m, f)]
         pref = ffi.new("cublasLtMatmulPreference_t*")
@@ -156,10 +159,13 @@ class ReluMaskGemm:
         )
         lib.cublasLtMatmulPreferenceDestroy(pref[0])
         if returned[0] < 1:
-            raise CuBlasLtError(f"cuBLASLt: no algorithm for the ReLU-mask GEMM of shape {self.shape} in {name}")
+            raise CuBlasLtError(f"cuBLASLt: no algorithm for the {type(self).__name__} of shape {self.shape} in {name}")
         self._algo = ffi.new("cublasLtMatmulAlgo_t*", result[0].algo)
         self._workspace = cp.empty(max(int(result[0].workspaceSize), 1), dtype=cp.uint8)
         self._alpha, self._beta = np.ones(1, np.float32), np.zeros(1, np.float32)
+
+    def _configure_epilogue(self) -> None:
+        """Set the epilogue's attributes (none for the plain product)."""
 
     def _set(self, attr: int, ctype: str, value: int) -> None:
         buf = _ffi().new(f"{ctype}*", value)
@@ -174,22 +180,16 @@ class ReluMaskGemm:
         _check(library().cublasLtMatrixLayoutCreate(layout, dt, rows, cols, ld), "cublasLtMatrixLayoutCreate")
         return layout[0]
 
-    def __call__(self, x: Any, w: Any, out: Any, mask: Any) -> None:
-        """Fill ``out`` (M x F, C-contiguous) and ``mask`` (uint32, M * mask_ld(F) / 32 words)."""
-        import cupy as cp
-
-        ffi, lib = _ffi(), library()
+    def _check_operands(self, x: Any, w: Any, out: Any) -> None:
         m, f, k = self.shape
         for name, arr, shape in (("x", x, (m, k)), ("w", w, (f, k)), ("out", out, (m, f))):
             if tuple(arr.shape) != shape or not arr.flags.c_contiguous or arr.dtype != self.dtype:
                 raise ValueError(f"{name}: expected a C-contiguous {self.dtype} array of shape {shape}")
-        if mask.dtype != np.uint32 or mask.size != m * mask_ld(f) // 32:
-            raise ValueError(f"mask: expected {m * mask_ld(f) // 32} uint32 words, got {mask.size} {mask.dtype}")
-        aux = ffi.new("void**", ffi.cast("void*", int(mask.data.ptr)))
-        _check(
-            lib.cublasLtMatmulDescSetAttribute(self._desc, DESC_EPILOGUE_AUX_POINTER, aux, ffi.sizeof("void*")),
-            "cublasLtMatmulDescSetAttribute",
-        )
+
+    def _launch(self, x: Any, w: Any, out: Any) -> None:
+        import cupy as cp
+
+        ffi, lib = _ffi(), library()
         a, b, d = self._layouts
         ptr = lambda arr: ffi.cast("void*", int(arr.data.ptr))  # noqa: E731
         _check(
@@ -200,3 +200,37 @@ class ReluMaskGemm:
             ),
             "cublasLtMatmul",
         )  # fmt: skip
+
+    def __call__(self, x: Any, w: Any, out: Any) -> None:
+        """Fill ``out`` (M x F, C-contiguous) with ``x @ w.T``."""
+        self._check_operands(x, w, out)
+        self._launch(x, w, out)
+
+
+class ReluMaskGemm(Gemm):
+    """``out = relu(x @ w.T)`` (row-major, M x F) and its ReLU bit-mask, planned for one shape.
+
+    The mask holds ``mask_ld(F)`` bits per token row (uint32 words, row ``m`` at word
+    ``m * mask_ld(F) // 32``); bit ``f`` of a row is set where the GEMM result was positive.
+    fp32 accumulation; on CuPy's current stream.
+    """
+
+    EPILOGUE = EPILOGUE_RELU_AUX
+
+    def _configure_epilogue(self) -> None:
+        self._set(DESC_EPILOGUE_AUX_LD, "int64_t", mask_ld(self.shape[1]))
+
+    def __call__(self, x: Any, w: Any, out: Any, mask: Any = None) -> None:
+        """Fill ``out`` (M x F, C-contiguous) and ``mask`` (uint32, M * mask_ld(F) / 32 words)."""
+        m, f, _ = self.shape
+        self._check_operands(x, w, out)
+        if mask is None or mask.dtype != np.uint32 or mask.size != m * mask_ld(f) // 32:
+            got = "None" if mask is None else f"{mask.size} {mask.dtype}"
+            raise ValueError(f"mask: expected {m * mask_ld(f) // 32} uint32 words, got {got}")
+        ffi = _ffi()
+        aux = ffi.new("void**", ffi.cast("void*", int(mask.data.ptr)))
+        _check(
+            library().cublasLtMatmulDescSetAttribute(self._desc, DESC_EPILOGUE_AUX_POINTER, aux, ffi.sizeof("void*")),
+            "cublasLtMatmulDescSetAttribute",
+        )
+        self._launch(x, w, out)
