@@ -77,8 +77,9 @@ def dense_scan_producer(x: Any, w: Any) -> Any:
         _gpu_producer.ENABLED = enabled
 
 
-def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Timer) -> dict[str, Any]:
-    """Check, then time, every op for one activation pattern and density."""
+def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Timer, hidden: Timer) -> dict[str, Any]:
+    """Check, then time, every op for one activation pattern and density; the main rows also
+    with the host hidden (``hidden``: the GPU's work alone, as a CUDA graph replays it)."""
 
     def ms(fn: Callable[[], Any]) -> dict[str, float]:
         return timer(fn)[1]
@@ -120,6 +121,15 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
         "gated_ffn_auto": ms(lambda: gated_auto(x)),
         "ffn_auto": ms(lambda: plain_auto(x)),
     }
+    main_rows = {
+        "dense_gemm": lambda: nt(x, wg),
+        "producer": lambda: ts.linear_to_twell(x, wg),
+        "dense_ffn": dense_plain,
+        "ffn": lambda: plain_plan(x),
+        "dense_gated_ffn": dense_gated,
+        "gated_ffn": lambda: gated_plan(x),
+    }
+    gpu_only = {name: hidden(fn)[1] for name, fn in main_rows.items()}
     # Kernel variants under development: checked against the default path first, and a failure
     # is recorded instead of stopping the benchmark.
     ref_down = ts.matmul(h, wd_t)
@@ -172,6 +182,12 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
             "gated_ffn_auto": rows["dense_gated_ffn"]["median"] / rows["gated_ffn_auto"]["median"],
             "ffn_auto": rows["dense_ffn"]["median"] / rows["ffn_auto"]["median"],
         },
+        "ms_gpu_only": gpu_only,
+        "speedup_gpu_only": {
+            "producer_vs_gemm": gpu_only["dense_gemm"]["median"] / gpu_only["producer"]["median"],
+            "ffn": gpu_only["dense_ffn"]["median"] / gpu_only["ffn"]["median"],
+            "gated_ffn": gpu_only["dense_gated_ffn"]["median"] / gpu_only["gated_ffn"]["median"],
+        },
         "auto_path": gated_auto.last_stats.get("path"),
         "ffn_auto_path": plain_auto.last_stats.get("path"),
         "rel_error_vs_dense": errors,
@@ -180,11 +196,12 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     timer = Timer(args.reps, on_gpu=True, flush_l2=True)
+    hidden = Timer(args.reps, on_gpu=True, flush_l2=True, hide_host=True)
     env = environment()
     records = []
     for pattern in args.patterns:
         for density in args.densities:
-            rec = {**bench_case(args, pattern, density, timer), **env}
+            rec = {**bench_case(args, pattern, density, timer, hidden), **env}
             records.append(rec)
             append_records(args.out, [rec])  # case by case: a run stopped midway keeps its cases
             print(summary_line(rec), flush=True)
@@ -203,6 +220,14 @@ def summary_line(rec: dict[str, Any]) -> str:
             f"ffn dense {ms['dense_ffn']:.3f} twell {ms['ffn']:.3f} ({sp['ffn']:.2f}x)",
             f"gated dense {ms['dense_gated_ffn']:.3f} twell {ms['gated_ffn']:.3f} ({sp['gated_ffn']:.2f}x)",
         ]
+        + ([gpu_only_summary(rec["speedup_gpu_only"])] if "speedup_gpu_only" in rec else [])
+    )
+
+
+def gpu_only_summary(sp: dict[str, float]) -> str:
+    """The speed-ups with the host hidden (GPU work alone)."""
+    return (
+        f"gpu only: producer {1 / sp['producer_vs_gemm']:.2f}x time, ffn {sp['ffn']:.2f}x, gated {sp['gated_ffn']:.2f}x"
     )
 
 

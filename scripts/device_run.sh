@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|widths|jax|micro|benchquick|profile|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|widths|jax|micro|stages|benchquick|profile|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -53,6 +53,12 @@ for step in $what; do
     micro|all)
       python3 -m twellsparse bench --out "$OUT/micro" 2>&1 | tee "$OUT/micro.log" | tail -60
       status=$((status | ${PIPESTATUS[0]}))
+      ;;&
+    stages)
+      for d in 0.005 0.01; do
+        python3 bench/stage_times.py --density $d --out "$OUT/stages.jsonl" 2>&1 | tee -a "$OUT/stages.log"
+        status=$((status | ${PIPESTATUS[0]}))
+      done
       ;;&
     benchquick)
       python3 bench/ffn_bench.py --quick --densities 0.01 --patterns uniform 2>&1 | tee "$OUT/ffn_bench_quick.log"

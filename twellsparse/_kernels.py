@@ -91,6 +91,7 @@ def _instantiations() -> dict[str, list[str]]:
         for kind, scale in (("spmm", False), ("csr_spmm", False), ("gated", False), ("sddmm", False), ("sddmm", True))
     ]
     elementwise = [f"ffn_act_mul<{t}, {a}>" for t, a in itertools.product(types, ACTIVATION_ID.values())]
+    elementwise.append("twell_spin")
     return {
         "twell_convert.cu": convert,
         "twell_spmm.cu": spmm,

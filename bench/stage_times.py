@@ -1,0 +1,95 @@
+"""Where the sparse paths' time goes: each stage of the standard problem timed twice, with the
+usual CUDA events (host launch gaps included, as an eager call sees them) and with the host
+hidden (``Timer(hide_host=True)``: a spin kernel ahead of the start event lets the host queue
+the whole stage first, so the events see the GPU's work alone, as a CUDA graph would).
+
+    python bench/stage_times.py [--density 0.01] [--m 16384] [--out FILE.jsonl]
+
+Stages: the plain cuBLASLt GEMM, the ReLU-mask GEMM, the mask pack (pass 1 and its overflow
+read-back), linear_to_twell, gated and non-gated plan calls (also with a fixed spill capacity:
+no read-back), the gated consumer, and the training backward's pieces (SDDMM, value
+products, the transposed pattern, the three transposed products, dX).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from twellsparse._environment import append_records, environment
+from twellsparse._timing import Timer
+from twellsparse.testing import ffn_problem
+
+
+def stages(density: float, m: int, pattern: str) -> dict[str, Any]:
+    import cupy as cp
+
+    import twellsparse as ts
+    from twellsparse import _gpu_convert, _gpu_ops, _gpu_producer
+    from twellsparse._ops import gated_product, matmul, product_values, sddmm, transposed_products
+
+    p = ffn_problem(m, 2048, 5632, density, pattern, ts.bfloat16, 0, cp)
+    x, wg, wu, wd = (p[k] for k in ("x", "w_gate", "w_up", "w_down"))
+    wd_t = cp.ascontiguousarray(wd.T)
+    go = cp.random.default_rng(1).standard_normal((m, 2048), dtype=cp.float32).astype(x.dtype)
+    plans = {
+        "gated": ts.GatedFFN(wg, wu, wd, dispatch="sparse"),
+        "plain": ts.FFN(wg, wd, dispatch="sparse"),
+        "gated_fixed_spill": ts.GatedFFN(wg, wu, wd, dispatch="sparse", spill_capacity=m * 64),
+        "plain_fixed_spill": ts.FFN(wg, wd, dispatch="sparse", spill_capacity=m * 64),
+    }
+    h_relu, mask, words = _gpu_producer.relu_linear(x, wg)
+    g = ts.linear_to_twell(x, wg)
+    _, u = gated_product(x, wu, wd_t, g, keep_up=True)
+    d_h = sddmm(go, wd_t, g)
+    h, d_z, d_u = product_values(g, u), product_values(d_h, u), product_values(d_h, g)
+    return {
+        "gemm (cuBLASLt)": lambda: _gpu_ops.gemm_nt(x, wg),
+        "relu-mask gemm": lambda: _gpu_producer.relu_linear(x, wg),
+        "mask pack, exact finish": lambda: _gpu_convert.relu_mask_to_parts_deferred(h_relu, mask, words, 256, 32)[1](
+            "spill"
+        ),
+        "linear_to_twell": lambda: ts.linear_to_twell(x, wg),
+        "gated consumer": lambda: _gpu_ops.gated_consumer(g.parts, g.tile_n, x, wu, wd_t),
+        "down spmm": lambda: matmul(g, wd_t),
+        **{f"plan {name}": (lambda plan=plan: plan(x)) for name, plan in plans.items()},
+        "bwd sddmm": lambda: sddmm(go, wd_t, g),
+        "bwd value products": lambda: (product_values(g, u), product_values(d_h, u), product_values(d_h, g)),
+        "bwd transposed pattern": lambda: _gpu_ops.transposed_pattern(g.parts, g.tile_n, g.shape[1]),
+        "bwd 3 transposed products": lambda: transposed_products(g, [(h, go), (d_z, x), (d_u, x)]),
+        "bwd dX": lambda: (matmul(d_z, wg), matmul(d_u, wu)),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--pattern", default="uniform")
+    ap.add_argument("--m", type=int, default=16384)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", help="append JSON lines here")
+    args = ap.parse_args(argv)
+    eager = Timer(args.reps, on_gpu=True, flush_l2=True)
+    hidden = Timer(args.reps, on_gpu=True, flush_l2=True, hide_host=True)
+    rows = {}
+    for name, fn in stages(args.density, args.m, args.pattern).items():
+        e, g = eager(fn)[1]["median"], hidden(fn)[1]["median"]
+        rows[name] = {"eager_ms": e, "gpu_ms": g}
+        print(f"{name:32s} eager {e:7.3f} ms   gpu only {g:7.3f} ms", flush=True)
+    rec = {
+        "kind": "stages",
+        "shape": [args.m, 2048, 5632],
+        "dtype": "bfloat16",
+        "pattern": args.pattern,
+        "density_target": args.density,
+        "stages": rows,
+        **environment(),
+    }
+    if args.out:
+        append_records(args.out, [rec])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
