@@ -78,39 +78,23 @@ def case(args: argparse.Namespace, density: float, device: str, dtype: torch.dty
     return rec
 
 
-def stage_times(args: argparse.Namespace, density: float) -> dict[str, float]:
-    """Median ms of each stage of the sparse forward and backward (the steps of
-    ``twellsparse._ffn_autodiff`` for relu, on CuPy arrays, each timed alone with CUDA events):
-    where a training step's time goes."""
-    import cupy as cp
-
-    import twellsparse as ts
-    from twellsparse._ops import gated_product, matmul, product_values, sddmm, transposed_products, values_op
-
-    p = ffn_problem(args.m, args.d_model, args.d_ff, density, "uniform", ts.bfloat16, 0, cp)
-    x, wg, wu, wd = (p[k] for k in ("x", "w_gate", "w_up", "w_down"))
-    wd_t = cp.ascontiguousarray(wd.T)
-    go = cp.random.default_rng(1).standard_normal((args.m, args.d_model), dtype=cp.float32).astype(x.dtype)
-    timer = Timer(args.reps, on_gpu=True)
-    add = lambda a, b: a + b  # noqa: E731
-    g = ts.linear_to_twell(x, wg)
-    _, u = gated_product(x, wu, wd_t, g, keep_up=True)
-    d_h = sddmm(go, wd_t, g)
-    h, d_z, d_u = product_values(g, u), product_values(d_h, u), product_values(d_h, g)
-    dw_down_t = matmul(h.T, go)
-    stages = {
-        "fwd producer": lambda: ts.linear_to_twell(x, wg),
-        "fwd gated consumer (keeps u)": lambda: gated_product(x, wu, wd_t, g, keep_up=True),
-        "bwd dH = SDDMM(dY, W_down)": lambda: sddmm(go, wd_t, g),
-        "bwd 3 value products": lambda: (product_values(g, u), product_values(d_h, u), product_values(d_h, g)),
-        "bwd dW_down = (h.T @ dY).T": lambda: matmul(h.T, go),
-        "bwd dW_down transpose copy": lambda: cp.ascontiguousarray(dw_down_t.T),
-        "bwd dW_gate = dZ.T @ x": lambda: matmul(d_z.T, x),
-        "bwd dW_up = dU.T @ x": lambda: matmul(d_u.T, x),
-        "bwd the 3 transposed, one sort": lambda: transposed_products(g, [(h, go), (d_z, x), (d_u, x)]),
-        "bwd dX = dZ @ W_gate + dU @ W_up": lambda: values_op(add, matmul(d_z, wg), matmul(d_u, wu)),
-    }
-    return {name: timer(fn)[1]["median"] for name, fn in stages.items()}
+def profile(args: argparse.Namespace, density: float) -> str:
+    """torch.profiler's table of a few sparse training steps: every kernel and op by GPU time,
+    so the step's time beyond its kernels (bench/stage_times.py) shows where it goes."""
+    p = ffn_problem(args.m, args.d_model, args.d_ff, density, "uniform", np.float32, 0)
+    x, wg, wu, wd = (
+        torch.from_numpy(p[k]).to("cuda", torch.bfloat16).requires_grad_() for k in ("x", "w_gate", "w_up", "w_down")
+    )
+    grad = torch.randn(args.m, args.d_model, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):
+        torch.autograd.grad(tt.gated_ffn(x, wg, wu, wd), [x, wg, wu, wd], grad)
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(3):
+            torch.autograd.grad(tt.gated_ffn(x, wg, wu, wd), [x, wg, wu, wd], grad)
+        torch.cuda.synchronize()
+    return str(prof.key_averages().table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--densities", default="0.005,0.01,0.02")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--stages", action="store_true", help="also time each sparse stage alone (GPU)")
+    ap.add_argument("--profile", action="store_true", help="also print torch.profiler's table of sparse steps (GPU)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
@@ -139,8 +123,6 @@ def main(argv: list[str] | None = None) -> int:
             "device_path": device,
             **case(args, density, device, dtype),
         }
-        if args.stages and device == "cuda":
-            rec["stage_ms"] = stage_times(args, density)
         records.append(rec)
         print(
             f"density {density:6.2%}: dense {rec['dense_ms']:.3f} ms, twell {rec['twell_ms']:.3f} ms "
@@ -148,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{rec['dense_saved_bytes']:,} bytes ({rec['saved_ratio']:.2f}x)",
             flush=True,
         )
-        for name, ms in rec.get("stage_ms", {}).items():
-            print(f"    {name:36s} {ms:.3f} ms", flush=True)
+        if args.profile and device == "cuda":
+            print(profile(args, density), flush=True)
     append_records(args.out, records)
     return 0
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|widths|jax|micro|stages|benchquick|profile|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|widths|jax|micro|stages|trainprofile|benchquick|profile|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -23,7 +23,7 @@ python3 -m pip install --no-deps --no-build-isolation -q -e . 2>&1 | tail -3
 for step in $what; do
   case $step in
     tests|all)
-      python3 -m pytest -m gpu -q --maxfail=40 --durations=10 -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+      python3 -m pytest -m gpu -q --maxfail=40 --durations=10 -p no:cacheprovider ${TWELL_TESTS:-} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
       status=$((status | ${PIPESTATUS[0]}))
       ;;&
     demo|all)
@@ -33,7 +33,7 @@ for step in $what; do
     bench|all)
       python3 bench/ffn_bench.py --out "$OUT/ffn_bench.jsonl" 2>&1 | tee "$OUT/ffn_bench.log"
       status=$((status | ${PIPESTATUS[0]}))
-      python3 bench/train_step.py --stages --out "$OUT/train_step.jsonl" 2>&1 | tee "$OUT/train_step.log"
+      python3 bench/train_step.py --out "$OUT/train_step.jsonl" 2>&1 | tee "$OUT/train_step.log"
       status=$((status | ${PIPESTATUS[0]}))
       python3 bench/model_bench.py --out "$OUT/model_bench.jsonl" 2>&1 | tee "$OUT/model_bench.log"
       status=$((status | ${PIPESTATUS[0]}))
@@ -54,6 +54,9 @@ for step in $what; do
       python3 -m twellsparse bench --out "$OUT/micro" 2>&1 | tee "$OUT/micro.log" | tail -60
       status=$((status | ${PIPESTATUS[0]}))
       ;;&
+    trainprofile)
+      python3 bench/train_step.py --densities 0.01 --reps 5 --profile 2>&1 | tee "$OUT/train_profile.log" | tail -60
+      ;;&
     stages)
       for d in 0.005 0.01; do
         python3 bench/stage_times.py --density $d --out "$OUT/stages.jsonl" 2>&1 | tee -a "$OUT/stages.log"
@@ -65,10 +68,11 @@ for step in $what; do
       status=$((status | ${PIPESTATUS[0]}))
       ;;&
     profile)
+      # Each kernel's duration in one gated plan call (1%, uniform): where the producer's time goes.
       python3 bench/ffn_bench.py --densities 0.01 --patterns uniform --profile >/dev/null 2>&1  # warm the cache
-      ncu --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy \
-        --section MemoryWorkloadAnalysis --section LaunchStats \
-        python3 bench/ffn_bench.py --densities 0.01 --patterns uniform --profile 2>&1 | tee "$OUT/ncu.log" | tail -5
+      ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum \
+        python3 bench/ffn_bench.py --densities 0.01 --patterns uniform --profile 2>&1 | tee "$OUT/ncu.log" \
+        | grep -E "^  [a-zA-Z_].*\(|gpu__time_duration" | paste - - | awk '{print $NF, $1}' | tail -40
       ;;&
     sanitize|all)
       bash scripts/sanitize.sh 2>&1 | tee "$OUT/sanitize.log" | tail -30
