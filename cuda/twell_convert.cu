@@ -287,7 +287,7 @@ template <typename T>
 __global__ void __launch_bounds__(256) twell_slots_to_csr(
     const T* __restrict__ data, const short* __restrict__ indices, const int* __restrict__ counts,
     const long long* __restrict__ offsets, int M, int n_tiles, int tile_n, int capacity,
-    int* __restrict__ out_cols, T* __restrict__ out_vals) {
+    int* __restrict__ out_cols, T* __restrict__ out_vals, long long* __restrict__ out_src) {
   const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
   if (i >= (long long)M * n_tiles * capacity) return;
   const long long rt = i / capacity;
@@ -295,7 +295,8 @@ __global__ void __launch_bounds__(256) twell_slots_to_csr(
   if (s >= counts[rt]) return;
   const int tile = (int)(rt % n_tiles);
   out_cols[offsets[rt] + s] = tile * tile_n + indices[i];
-  out_vals[offsets[rt] + s] = data[i];
+  if (out_vals != nullptr) out_vals[offsets[rt] + s] = data[i];
+  if (out_src != nullptr) out_src[offsets[rt] + s] = i;  // the entry's slot, for twell_take_slots
 }
 
 // Spill entries to CSR, after their row-tile's slot entries; one thread per spill entry.
@@ -304,7 +305,8 @@ __global__ void __launch_bounds__(256) twell_spill_to_csr(
     const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
     const T* __restrict__ spill_vals, const int* __restrict__ counts,
     const int* __restrict__ spill_start, const long long* __restrict__ offsets, int M,
-    int n_tiles, int tile_n, int* __restrict__ out_cols, T* __restrict__ out_vals) {
+    int n_tiles, int tile_n, int* __restrict__ out_cols, T* __restrict__ out_vals, long long n_slots,
+    long long* __restrict__ out_src) {
   const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
   if (i >= spill_indptr[M]) return;
   const int row = last_le(spill_indptr, M + 1, i);
@@ -312,5 +314,19 @@ __global__ void __launch_bounds__(256) twell_spill_to_csr(
   const long long rt = (long long)row * n_tiles + c / tile_n;
   const long long dst = offsets[rt] + counts[rt] + (i - spill_start[rt]);
   out_cols[dst] = c;
-  out_vals[dst] = spill_vals[i];
+  if (out_vals != nullptr) out_vals[dst] = spill_vals[i];
+  if (out_src != nullptr) out_src[dst] = n_slots + i;  // spill entries follow the slots
+}
+
+// out[e] = the value at position src[e] of the slots (data, n_slots of them) followed by the
+// spill: the values of a matrix in another order of its entries (the CSR of its transpose)
+// without building its CSR first. One thread per entry.
+template <typename T>
+__global__ void __launch_bounds__(256) twell_take_slots(
+    const T* __restrict__ data, long long n_slots, const T* __restrict__ spill_vals,
+    const long long* __restrict__ src, long long n, T* __restrict__ out) {
+  const long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (e >= n) return;
+  const long long p = src[e];
+  out[e] = p < n_slots ? data[p] : spill_vals[p - n_slots];
 }

@@ -19,7 +19,16 @@ import math
 from typing import Any
 
 from ._backend import array_module
-from ._ops import gated_product, linear_to_twell, matmul, product_values, sddmm, transposed_products, with_values
+from ._ops import (
+    gated_product,
+    linear_to_twell,
+    matmul,
+    matmul_sum,
+    product_values,
+    sddmm,
+    transposed_products,
+    with_values,
+)
 from ._ops import values_op as _values_op
 
 
@@ -73,9 +82,6 @@ def backward_arrays(grad_out, grad_act, x, w_act, w_lin, w_down, g, u, activatio
     # The three transposed products share g's pattern: its transpose is sorted once.
     pairs = [(h, grad_out), (d_z, x)] + ([(d_u, x)] if d_u is not None else [])
     dw_down_t, dw_act, *dw_lin_or_none = transposed_products(g, pairs)
-    dx = matmul(d_z, w_act)
-    dw_lin = None
-    if d_u is not None:
-        dw_lin = dw_lin_or_none[0]
-        dx = _values_op(lambda a, b: a + b, dx, matmul(d_u, w_lin))
-    return dx, dw_act, dw_lin, dw_down_t.T
+    if d_u is None:
+        return matmul(d_z, w_act), dw_act, None, dw_down_t.T
+    return matmul_sum(d_z, w_act, d_u, w_lin), dw_act, dw_lin_or_none[0], dw_down_t.T

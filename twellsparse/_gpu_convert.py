@@ -211,8 +211,12 @@ def parts_to_dense(parts: TwELLParts, shape: tuple[int, int], tile_n: int, out: 
     return out
 
 
-def parts_to_csr(parts: TwELLParts, shape: tuple[int, int], tile_n: int) -> tuple[Any, Any, Any]:
-    """CSR arrays (data, int32 indices, int32 indptr); columns sorted when the parts are canonical."""
+def parts_to_csr(parts: TwELLParts, shape: tuple[int, int], tile_n: int, sources: bool = False) -> tuple[Any, Any, Any]:
+    """CSR arrays (data, int32 indices, int32 indptr); columns sorted when the parts are canonical.
+
+    With ``sources`` the first array holds, instead of the values, each entry's position in the
+    slots followed by the spill (int64; :func:`take_slots` reads any values of this structure
+    through it)."""
     cp = _cp()
     m = shape[0]
     nt, cap = parts.data.shape[1], parts.data.shape[2]
@@ -236,29 +240,20 @@ def parts_to_csr(parts: TwELLParts, shape: tuple[int, int], tile_n: int) -> tupl
     flat = totals.reshape(-1).astype(cp.int64)
     ends = cp.cumsum(flat)
     offsets = ends - flat
-    nnz = int(ends[-1]) if ends.size else 0
+    nnz = int(ends[-1]) if ends.size else 0  # the one host read: the CSR arrays' length
     indptr = cp.zeros(m + 1, dtype=cp.int32)
     if m and nt:
         indptr[1:] = ends.reshape(m, nt)[:, -1]
     cols = cp.empty(nnz, dtype=cp.int32)
-    vals = cp.empty(nnz, dtype=parts.data.dtype)
+    first = cp.empty(nnz, dtype=cp.int64 if sources else parts.data.dtype)
+    vals, src = (K.null_pointer(), first) if sources else (first, K.null_pointer())
     t = K.CXX_TYPE[parts.data.dtype]
+    geometry = (np.int32(m), np.int32(nt), np.int32(tile_n))
     K.launch(
         f"twell_slots_to_csr<{t}>",
         m * nt * cap,
         _BLOCK,
-        (
-            parts.data,
-            parts.indices,
-            parts.counts,
-            offsets,
-            np.int32(m),
-            np.int32(nt),
-            np.int32(tile_n),
-            np.int32(cap),
-            cols,
-            vals,
-        ),
+        (parts.data, parts.indices, parts.counts, offsets, *geometry, np.int32(cap), cols, vals, src),
     )
     if parts.spill_data.size:
         K.launch(
@@ -272,11 +267,26 @@ def parts_to_csr(parts: TwELLParts, shape: tuple[int, int], tile_n: int) -> tupl
                 parts.counts,
                 spill_start,
                 offsets,
-                np.int32(m),
-                np.int32(nt),
-                np.int32(tile_n),
+                *geometry,
                 cols,
                 vals,
+                np.int64(m * nt * cap),
+                src,
             ),
         )
-    return vals, cols, indptr
+    return first, cols, indptr
+
+
+def take_slots(parts: TwELLParts, sources: Any) -> Any:
+    """The values of ``parts`` at ``sources`` (positions in the slots followed by the spill, as
+    ``parts_to_csr(..., sources=True)`` gives them for a matrix of this structure)."""
+    cp = _cp()
+    data = cp.ascontiguousarray(parts.data)
+    out = cp.empty(sources.size, dtype=data.dtype)
+    K.launch(
+        f"twell_take_slots<{K.CXX_TYPE[data.dtype]}>",
+        int(sources.size),
+        _BLOCK,
+        (data, np.int64(data.size), cp.ascontiguousarray(parts.spill_data), sources, np.int64(sources.size), out),
+    )
+    return out

@@ -12,7 +12,7 @@ import numpy as np
 from . import _kernels as K
 from ._backend import bfloat16, cupy_module
 from ._errors import TwELLFallbackWarning
-from ._gpu_convert import parts_to_csr, row_stride
+from ._gpu_convert import parts_to_csr, row_stride, take_slots
 from ._parts import TwELLParts
 
 
@@ -85,25 +85,51 @@ def _gather_grid(m: int) -> tuple[tuple[int], tuple[int]]:
 
 
 def spmm(
-    parts: TwELLParts, tile_n: int, b: Any, out: Any, path: str = "auto", variant: tuple[int, int] | None = None
+    parts: TwELLParts,
+    tile_n: int,
+    b: Any,
+    out: Any,
+    path: str = "auto",
+    variant: tuple[int, int] | None = None,
+    second: tuple[TwELLParts, Any] | None = None,
 ) -> Any:
     """``out = A @ b``; ``b`` (N x K) and ``out`` (M x K) share A's dtype, out has unit column stride.
 
     ``path``: one of :data:`PATHS`. ``variant``: the gather kernel's (KV, U) instantiation
-    (one of ``_kernels.GATHER_VARIANTS``; default ``GATHER_DEFAULT["spmm"]``).
+    (one of ``_kernels.GATHER_VARIANTS``; default ``GATHER_DEFAULT["spmm"]``). ``second``:
+    ``(parts2, b2)``, a matrix of A's structure (other values) and its dense operand:
+    ``out = A @ b + A2 @ b2``, summed in the same fp32 accumulators on the gather path.
     """
     m = parts.data.shape[0]
     b, ldb = row_stride(b)
     k = b.shape[1]
     ldo = np.int64(max(out.strides[0] // out.itemsize, k, 1))
-    gather_ok = rows_aligned((b, ldb), (out, int(ldo)))
+    b2, ldb2 = row_stride(second[1]) if second is not None else (None, 0)
+    gather_ok = rows_aligned((b, ldb), (out, int(ldo)), *([(b2, ldb2)] if second is not None else []))
     path = _choose_path(path, gather_ok, "matmul")
     if path == "gather":
         kv, u = variant or K.GATHER_DEFAULT["spmm"]
         nt, cap = parts.data.shape[1:]
         geometry = (np.int32(m), np.int32(nt), np.int32(tile_n), np.int32(cap))
-        args = (*_matrix_args(parts), *geometry, b, np.int64(ldb), np.int32(k), out, ldo)
-        K.launch_grid(K.gather_expression("spmm", b.dtype, kv, u), *_gather_grid(m), args)
+        null = K.null_pointer()
+        extra: tuple[Any, ...] = (null, null, null, np.int64(0))
+        if second is not None:
+            cp = _cp()  # the second values are read at the first's slot positions: same layout
+            extra = (
+                cp.ascontiguousarray(second[0].data),
+                cp.ascontiguousarray(second[0].spill_data),
+                b2,
+                np.int64(ldb2),
+            )
+        args = (*_matrix_args(parts), *geometry, b, np.int64(ldb), np.int32(k), out, ldo, *extra)
+        kind = "spmm" if second is None else "spmm_sum"
+        K.launch_grid(K.gather_expression(kind, b.dtype, kv, u), *_gather_grid(m), args)
+        return out
+    if second is not None:  # the portable kernel takes one operand: a second launch and a sum
+        spmm(parts, tile_n, b, out, path)
+        out2 = spmm(second[0], tile_n, second[1], _cp().empty_like(out), path)
+        wide = np.float64 if out.dtype == np.float64 else np.float32
+        out[...] = (out.astype(wide) + out2.astype(wide)).astype(out.dtype)
         return out
     expr = f"twell_spmm<{K.CXX_TYPE[b.dtype]}, {K.SPMM_VPT}>"
     K.launch_grid(
@@ -112,43 +138,38 @@ def spmm(
     return out
 
 
-def _take(values: Any, order: Any) -> Any:
-    """``values[order]`` through an unsigned view of the same width (any value dtype)."""
-    return values.view(f"u{values.itemsize}")[order].view(values.dtype)
-
-
 class TransposedPattern(NamedTuple):
     """The structure of ``A.T`` in CSR for a TwELL pattern, whatever its values: row pointers,
-    the token of each entry, and the permutation from A's CSR order to A.T's."""
+    the token of each entry, and each entry's position in A's slots followed by its spill (so
+    the values of any matrix of this structure are one gather, :func:`take_slots`, away)."""
 
     indptr: Any
     rows: Any
-    order: Any
+    sources: Any
 
 
 def transposed_pattern(parts: TwELLParts, tile_n: int, n_cols: int) -> TransposedPattern:
     """Columns of A become rows, each row's entries in increasing token order (one radix sort
-    of the composite keys). Matrices sharing A's structure (other values) share it."""
+    of the composite keys, 32-bit where they fit). Matrices sharing A's structure (other
+    values) share it. One host read (the number of entries)."""
     cp = _cp()
     m = parts.data.shape[0]
-    _, cols, indptr = parts_to_csr(parts, (m, n_cols), tile_n)
+    sources, cols, indptr = parts_to_csr(parts, (m, n_cols), tile_n, sources=True)
     rows = cp.searchsorted(indptr[1:], cp.arange(cols.size, dtype=cp.int32), side="right").astype(cp.int32)
-    order = cp.argsort(cols.astype(cp.int64) * max(m, 1) + rows)
-    indptr_t = cp.zeros(n_cols + 1, dtype=cp.int32)
-    if cols.size:
-        indptr_t[1:] = cp.cumsum(cp.bincount(cols, minlength=n_cols)[:n_cols])
-    return TransposedPattern(indptr_t, rows[order], order)
+    key_type = cp.int32 if n_cols * max(m, 1) < 2**31 else cp.int64
+    order = cp.argsort(cols.astype(key_type) * max(m, 1) + rows)
+    # Row pointers of A.T from its sorted columns: no histogram, no host read.
+    indptr_t = cp.searchsorted(cols[order], cp.arange(n_cols + 1, dtype=cp.int32), side="left").astype(cp.int32)
+    return TransposedPattern(indptr_t, rows[order], sources[order])
 
 
 def transposed_csr(
     parts: TwELLParts, tile_n: int, n_cols: int, pattern: TransposedPattern | None = None
 ) -> tuple[Any, Any, Any]:
     """CSR arrays ``(indptr, cols, vals)`` of ``A.T`` (N x M); ``pattern``, when given, is
-    :func:`transposed_pattern` of a matrix with A's structure (no sort then)."""
-    m = parts.data.shape[0]
+    :func:`transposed_pattern` of a matrix with A's structure (no sort, no host read then)."""
     pattern = pattern or transposed_pattern(parts, tile_n, n_cols)
-    vals = parts_to_csr(parts, (m, n_cols), tile_n)[0]
-    return pattern.indptr, pattern.rows, _take(vals, pattern.order)
+    return pattern.indptr, pattern.rows, take_slots(parts, pattern.sources)
 
 
 def spmm_transposed(

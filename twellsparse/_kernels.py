@@ -49,17 +49,20 @@ GATHER_WARPS = 4  # rows (warps) per block
 
 
 def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = False) -> str:
-    """Name expression of a row-gather kernel: kind "spmm", "sddmm", "gated" or "csr_spmm"."""
+    """Name expression of a row-gather kernel: kind "spmm", "spmm_sum" (two products of one
+    structure summed), "sddmm", "gated" or "csr_spmm"."""
     t = CXX_TYPE[np.dtype(dtype)]
     if kind == "spmm":
         return f"twell_gather_spmm<{t}, {kv}, {u}>"
+    if kind == "spmm_sum":
+        return f"twell_gather_spmm<{t}, {kv}, {u}, true>"
     if kind == "sddmm":
         return f"twell_gather_sddmm<{t}, {'true' if scale else 'false'}, {kv}, {u}>"
     if kind == "gated":
         return f"twell_gather_gated<{t}, {kv}, {u}>"
     if kind == "csr_spmm":
         return f"twell_gather_csr_spmm<{t}, {kv}, {u}>"
-    raise ValueError(f"kind: expected 'spmm', 'sddmm', 'gated' or 'csr_spmm', got {kind!r}")
+    raise ValueError(f"kind: expected 'spmm', 'spmm_sum', 'sddmm', 'gated' or 'csr_spmm', got {kind!r}")
 
 
 def _instantiations() -> dict[str, list[str]]:
@@ -73,6 +76,7 @@ def _instantiations() -> dict[str, list[str]]:
             f"spill_scatter_dense<{t}>",
             f"twell_slots_to_csr<{t}>",
             f"twell_spill_to_csr<{t}>",
+            f"twell_take_slots<{t}>",
         ]
     convert += [f"relu_mask_to_twell<{CXX_TYPE[d]}>" for d in VALUE_DTYPES if d.itemsize <= 4]
     convert.append("twell_tile_totals")
@@ -88,7 +92,14 @@ def _instantiations() -> dict[str, list[str]]:
         gather_expression(kind, dt, kv, u, scale)
         for dt in VALUE_DTYPES
         for kv, u in GATHER_VARIANTS
-        for kind, scale in (("spmm", False), ("csr_spmm", False), ("gated", False), ("sddmm", False), ("sddmm", True))
+        for kind, scale in (
+            ("spmm", False),
+            ("spmm_sum", False),
+            ("csr_spmm", False),
+            ("gated", False),
+            ("sddmm", False),
+            ("sddmm", True),
+        )
     ]
     elementwise = [f"ffn_act_mul<{t}, {a}>" for t, a in itertools.product(types, ACTIVATION_ID.values())]
     elementwise.append("twell_spin")

@@ -134,6 +134,22 @@ def transposed_products(pattern: twell_array, pairs: list[tuple[twell_array, Any
     return results
 
 
+def matmul_sum(a: twell_array, b: Any, a2: twell_array, b2: Any) -> Any:
+    """``a @ b + a2 @ b2`` for TwELL ``a`` and ``a2`` of one structure (other values, as the
+    backward pass makes them) and dense ``b``, ``b2``: on the GPU one pass of the row-gather
+    kernel summing both in its fp32 accumulators (one rounding). Internal: the operands are
+    trusted (shapes and devices already checked)."""
+    same = a.dtype == a2.dtype == b.dtype == b2.dtype
+    if not is_cupy_array(a.data) or not same:
+        return values_op(lambda p, q: p + q, matmul(a, b), matmul(a2, b2))
+    import cupy as cp
+
+    from . import _gpu_ops
+
+    out = cp.empty((a.shape[0], b.shape[1]), dtype=a.dtype)
+    return _gpu_ops.spmm(a.parts, a.tile_n, b, out, second=(a2.parts, b2))
+
+
 def rmatmul(a: Any, other: Any) -> Any:
     """``other @ a`` for dense ``other`` and a TwELL matrix (or its ``.T``): ``(a.T @ other.T).T``."""
     x = as_array(other, "other")

@@ -260,3 +260,26 @@ def test_product_values_fused_equals_the_float32_route(cp, rng, dtype):
     ):
         want = values_op(lambda u, v: u * v, p, q)
         np.testing.assert_array_equal(cp.asnumpy(g).view(f"u{width}"), cp.asnumpy(want).view(f"u{width}"))
+
+
+@pytest.mark.parametrize("dtype", [ts.bfloat16, np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("k", [64, 19])  # 16-byte rows: the gather kernel; 19: the portable route
+def test_matmul_sum_against_float64(cp, rng, dtype, k):
+    """``a @ b + a2 @ b2`` for two matrices of one structure (spill included) against the float64
+    reference, within the error of the same-precision dense computation, on fresh random values."""
+    from twellsparse._ops import matmul_sum, values_op, with_values
+
+    h = sparse_activations(300, 700, 0.03, "skewed", dtype, rng)
+    a = ts.twell_array(cp.asarray(h), tile_n=64, capacity=2)
+    assert a.n_spilled > 0
+    a2 = with_values(
+        a, values_op(lambda v: v * -1.3 + 0.25, a.parts.data), values_op(lambda v: v * -1.3 + 0.25, a.parts.spill_data)
+    )
+    b = rng.standard_normal((700, k)).astype(dtype)
+    b2 = rng.standard_normal((700, k)).astype(dtype)
+    with np.errstate(all="ignore"):
+        got = cp.asnumpy(matmul_sum(a, cp.asarray(b), a2, cp.asarray(b2))).astype(np.float64)
+    d, d2 = (cp.asnumpy(x.toarray()).astype(np.float64) for x in (a, a2))
+    want = d @ b.astype(np.float64) + d2 @ b2.astype(np.float64)
+    dense = _round(_round(d @ b.astype(np.float64), dtype) + _round(d2 @ b2.astype(np.float64), dtype), dtype)
+    assert rel_error(got, want) <= _bound(dtype, rel_error(dense, want))

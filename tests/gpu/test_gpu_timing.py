@@ -19,15 +19,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def test_hide_host_removes_host_time(cp):
     a = cp.ones(1 << 20, dtype=cp.float32)
 
-    def slow_host():  # 3 ms of host time between two tiny kernels
+    def slow_host():  # 1 ms of host time between two tiny kernels (the spin covers 2 ms)
         a.fill(1)
-        time.sleep(3e-3)
+        time.sleep(1e-3)
         a.fill(2)
 
     eager = Timer(5, on_gpu=True)(slow_host)[1]["median"]
     hidden = Timer(5, on_gpu=True, hide_host=True)(slow_host)[1]["median"]
-    assert eager > 2.5, eager  # the events saw the host's sleep
-    assert hidden < 1.0, hidden  # the GPU's two fills alone
+    assert eager > 0.9, eager  # the events saw the host's sleep
+    assert hidden < 0.3, hidden  # the GPU's two fills alone
 
 
 def test_stage_times_runs(cp, tmp_path):
