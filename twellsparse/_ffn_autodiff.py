@@ -21,7 +21,7 @@ from typing import Any
 from ._backend import array_module
 from ._ops import (
     gated_product,
-    linear_to_twell,
+    linear_to_parts_deferred,
     matmul,
     matmul_sum,
     product_values,
@@ -30,6 +30,8 @@ from ._ops import (
     with_values,
 )
 from ._ops import values_op as _values_op
+from ._twell import twell_array
+from ._validation import check_activation, check_layout, check_threshold
 
 
 def _activation_grad(activation: str, z: Any) -> Any:
@@ -51,12 +53,29 @@ def _activation_grad(activation: str, z: Any) -> Any:
 
 
 def forward_arrays(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold):
-    """(out, act TwELL, linear values on its pattern or None)."""
-    g = linear_to_twell(x, w_act, activation=activation, tile_n=tile_n, capacity=capacity, threshold=threshold)
-    if w_lin is None:
-        return matmul(g, w_down.T), g, None
-    out, u = gated_product(x, w_lin, w_down.T, g, keep_up=True)
-    return out, g, u
+    """(out, act TwELL, linear values on its pattern or None).
+
+    As in the plans, the tail is queued on the row-tiles' first ``capacity`` entries before the
+    host reads the overflow count back (the GPU stays busy meanwhile), and runs again on the
+    complete parts only when entries spilled."""
+    act = check_activation(activation)
+    tile_n, capacity, _ = check_layout(tile_n, capacity, "spill")
+    thr = check_threshold(threshold)
+    shape = (x.shape[0], w_act.shape[0])
+
+    def tail(parts):
+        g = twell_array._from_parts(parts, shape, tile_n)
+        if w_lin is None:
+            return matmul(g, w_down.T), g, None
+        out, u = gated_product(x, w_lin, w_down.T, g, keep_up=True)
+        return out, g, u
+
+    first, finish = linear_to_parts_deferred(x, w_act, act, tile_n, capacity, thr)
+    result = tail(first)
+    parts, _ = finish("spill")
+    if parts.spill_data.size != first.spill_data.size:
+        return tail(parts)
+    return result[0], twell_array._from_parts(parts, shape, tile_n), result[2]
 
 
 def backward_arrays(grad_out, grad_act, x, w_act, w_lin, w_down, g, u, activation):

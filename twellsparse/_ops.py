@@ -233,16 +233,25 @@ def linear_to_twell(
     _same_device("x", xx, weight=ww)
     if ww.shape[1] != xx.shape[1]:
         raise ValueError(f"weight: expected {xx.shape[1]} columns (x's features), got shape {tuple(ww.shape)}")
-    if is_cupy_array(xx):
+    _, finish = linear_to_parts_deferred(xx, ww, act, tile_n, capacity, thr)
+    parts, dropped = finish(overflow)
+    return twell_array._from_parts(parts, (xx.shape[0], ww.shape[0]), tile_n, int(dropped))
+
+
+def linear_to_parts_deferred(
+    x: Any, w: Any, act: str, tile_n: int, capacity: int, threshold: float | None
+) -> tuple[TwELLParts, Callable[..., tuple[TwELLParts, Any]]]:
+    """The producer with its overflow policy applied later, as :func:`pack_preactivation_deferred`
+    gives it: ``(first, finish)``, so that a caller can queue work on ``first`` before
+    ``finish`` reads the overflow count back. Internal: the operands are trusted."""
+    if is_cupy_array(x):
         from . import _gpu_producer
 
-        if _gpu_producer.applies(xx, ww, act, thr):
-            _, _, finish = _gpu_producer.relu_linear_to_parts_deferred(xx, ww, tile_n, capacity)
-            parts, dropped = finish(overflow)
-            return twell_array._from_parts(parts, (xx.shape[0], ww.shape[0]), tile_n, dropped)
-    z = preactivation(xx, ww)
-    parts, dropped = pack_preactivation(z, result_dtype(xx.dtype, ww.dtype), act, tile_n, capacity, thr, overflow)
-    return twell_array._from_parts(parts, (xx.shape[0], ww.shape[0]), tile_n, dropped)
+        if _gpu_producer.applies(x, w, act, threshold):
+            _, first, finish = _gpu_producer.relu_linear_to_parts_deferred(x, w, tile_n, capacity)
+            return first, finish
+    z = preactivation(x, w)
+    return pack_preactivation_deferred(z, result_dtype(x.dtype, w.dtype), act, tile_n, capacity, threshold)
 
 
 def preactivation(x: Any, w: Any) -> Any:
