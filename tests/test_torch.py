@@ -14,6 +14,7 @@ else:
     torch = pytest.importorskip("torch")
 
 import twellsparse.torch as tt
+from twellsparse import TwELLSpillCapacityError
 
 ACTS = {
     "relu": torch.relu,
@@ -243,3 +244,47 @@ def test_auto_dispatch_follows_the_previous_density():
         assert not never_dense.stats()["dense_fallback"]
     with pytest.raises(ValueError, match="dispatch: expected one of auto, sparse, dense, got 'fast'"):
         tt.TwELLMLP(16, 64, dispatch="fast")
+
+
+def test_opcheck_with_a_fixed_spill_capacity():
+    """With spill_capacity the spill outputs have that static length on real and fake tensors."""
+    x, wg, wu, wd = _problem(9)
+    torch.library.opcheck(
+        torch.ops.twellsparse.ffn_fwd.default,
+        (x, wg, wu, wd, "relu", 32, 4, None, 4000),
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
+    outs = torch.ops.twellsparse.ffn_fwd(x, wg, wu, wd, "relu", 32, 4, None, 4000)
+    assert outs[4].shape == (4000,) and outs[8].shape == (4000,) and int(outs[9]) == 0
+    assert 0 < int(outs[6][-1]) < 4000  # the case spills, and the arrays are padded past it
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_module_with_spill_capacity_matches_the_exact_one(gated):
+    """A fixed spill_capacity (CPU: the exact path with padded spill arrays) gives the exact
+    module's output, gradients, stats and L1 penalty; too small a capacity raises at once."""
+    cls = tt.TwELLGatedMLP if gated else tt.TwELLMLP
+    exact = cls(16, 300, tile_n=32, capacity=4, dtype=torch.float64)
+    fixed = cls(16, 300, tile_n=32, capacity=4, spill_capacity=5000, dtype=torch.float64)
+    fixed.load_state_dict(exact.state_dict())
+    x = _problem(3)[0].detach().requires_grad_()
+    outs = [m(x) for m in (exact, fixed)]
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    assert exact.stats() == fixed.stats() and exact.stats()["n_spilled"] > 0
+    torch.testing.assert_close(fixed.l1_penalty(), exact.l1_penalty(), rtol=0, atol=0)
+    grads = [
+        torch.autograd.grad((o * 1.5).sum() + m.l1_penalty(), [x, *m.parameters()])
+        for o, m in zip(outs, (exact, fixed), strict=True)
+    ]
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+    fixed.check_spill()
+    small = cls(16, 300, tile_n=32, capacity=4, spill_capacity=3, dtype=torch.float64)
+    small.load_state_dict(exact.state_dict())
+    with pytest.raises(TwELLSpillCapacityError, match="no output was returned"):
+        small(x)
+
+
+def test_spill_capacity_is_validated():
+    with pytest.raises(ValueError, match="spill_capacity"):
+        tt.TwELLMLP(16, 64, spill_capacity=-1)

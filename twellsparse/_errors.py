@@ -43,7 +43,9 @@ class TwELLCapacityError(ValueError):
 class TwELLSpillCapacityError(ValueError):
     """A plan with a fixed ``spill_capacity`` met more spilled entries than it holds: the output
     of the call named was computed without them (raised at the plan's next call or check, since
-    the fixed capacity exists to avoid reading the count back during the call).
+    the fixed capacity exists to avoid reading the count back during the call). A call on the
+    exact path (the CPU, or operands the gather kernels do not take) raises it at once instead,
+    returning nothing.
 
     Attributes
     ----------
@@ -53,12 +55,12 @@ class TwELLSpillCapacityError(ValueError):
         The plan's fixed spill length.
     """
 
-    def __init__(self, n_left_out: int, spill_capacity: int, call: str):
+    def __init__(self, n_left_out: int, spill_capacity: int, call: str, computed: bool = True):
         self.n_left_out, self.spill_capacity = n_left_out, spill_capacity
+        consequence = f", so its output left {n_left_out} out" if computed else " (no output was returned)"
         super().__init__(
             f"spill_capacity: expected at most {spill_capacity} spilled entries, {call} had "
-            f"{spill_capacity + n_left_out}, so its output left {n_left_out} out; raise spill_capacity "
-            "or capacity"
+            f"{spill_capacity + n_left_out}{consequence}; raise spill_capacity or capacity"
         )
 
 

@@ -19,7 +19,9 @@ import math
 from typing import Any
 
 from ._backend import array_module
+from ._errors import TwELLSpillCapacityError
 from ._ops import (
+    fixed_spill_eligible,
     gated_product,
     linear_to_parts_deferred,
     matmul,
@@ -52,30 +54,70 @@ def _activation_grad(activation: str, z: Any) -> Any:
     raise ValueError(f"activation: unknown {activation!r}")
 
 
-def forward_arrays(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold):
-    """(out, act TwELL, linear values on its pattern or None).
+def forward_arrays(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold, spill_capacity=None):
+    """(out, act TwELL, linear values on its pattern or None, entries left out).
 
     As in the plans, the tail is queued on the row-tiles' first ``capacity`` entries before the
     host reads the overflow count back (the GPU stays busy meanwhile), and runs again on the
-    complete parts only when entries spilled."""
+    complete parts only when entries spilled; the entries left out are then 0.
+
+    With ``spill_capacity`` (and operands the row-gather kernels take, see
+    :func:`fixed_spill_eligible`) nothing is read back, so the call can be captured in a CUDA
+    graph: the spill fills arrays of that fixed length (zero past the row pointers' end), the
+    tail runs once on the gather kernels, and the entries that did not fit are returned as a
+    0-d device array for the caller to check later. Elsewhere ``spill_capacity`` is ignored (the
+    exact path, nothing left out)."""
     act = check_activation(activation)
     tile_n, capacity, _ = check_layout(tile_n, capacity, "spill")
     thr = check_threshold(threshold)
     shape = (x.shape[0], w_act.shape[0])
+    w_down_t = w_down.T
 
     def tail(parts):
         g = twell_array._from_parts(parts, shape, tile_n)
         if w_lin is None:
-            return matmul(g, w_down.T), g, None
-        out, u = gated_product(x, w_lin, w_down.T, g, keep_up=True)
+            return matmul(g, w_down_t), g, None
+        out, u = gated_product(x, w_lin, w_down_t, g, keep_up=True)
         return out, g, u
 
     first, finish = linear_to_parts_deferred(x, w_act, act, tile_n, capacity, thr)
+    if spill_capacity is not None and fixed_spill_eligible(x, w_lin, w_down_t, x.dtype):
+        parts, left_out = finish("spill", spill_capacity=spill_capacity)
+        return (*tail(parts), left_out)  # the gather kernels: they read the spill by row pointers
     result = tail(first)
     parts, _ = finish("spill")
     if parts.spill_data.size != first.spill_data.size:
-        return tail(parts)
-    return result[0], twell_array._from_parts(parts, shape, tile_n), result[2]
+        result = tail(parts)
+    out, g, u = result[0], twell_array._from_parts(parts, shape, tile_n), result[2]
+    if spill_capacity is not None:  # the exact path, with the fixed path's array lengths
+        g, u = _padded_spill(g, spill_capacity), (_padded_spill(u, spill_capacity) if u is not None else None)
+    return out, g, u, 0
+
+
+def _padded_spill(a: Any, spill_capacity: int) -> Any:
+    """``a`` with its spill arrays zero-padded to ``spill_capacity`` (the layout of the fixed
+    spill, whose shapes a caller may rely on); :class:`TwELLSpillCapacityError` at once when
+    its entries do not fit."""
+    parts = a.parts
+    n = parts.spill_data.shape[0]
+    if n > spill_capacity:
+        raise TwELLSpillCapacityError(n - spill_capacity, spill_capacity, "this call", computed=False)
+    xp = array_module(parts.spill_data)
+    pad = spill_capacity - n
+    data = xp.concatenate([parts.spill_data, xp.zeros(pad, dtype=parts.spill_data.dtype)])
+    indices = xp.concatenate([parts.spill_indices, xp.zeros(pad, dtype=parts.spill_indices.dtype)])
+    return twell_array._from_parts(parts._replace(spill_data=data, spill_indices=indices), a.shape, a.tile_n)
+
+
+def trimmed_spill(g: Any) -> Any:
+    """``g`` with spill arrays holding exactly its entries (one read-back of their count):
+    parts from a fixed ``spill_capacity`` are longer, which only the gather kernels accept."""
+    parts = g.parts
+    n = int(parts.spill_indptr[-1])
+    if n == parts.spill_data.shape[0]:
+        return g
+    trimmed = parts._replace(spill_data=parts.spill_data[:n], spill_indices=parts.spill_indices[:n])
+    return twell_array._from_parts(trimmed, g.shape, g.tile_n)
 
 
 def backward_arrays(grad_out, grad_act, x, w_act, w_lin, w_down, g, u, activation):

@@ -343,6 +343,22 @@ def gated_product(
     return matmul(h, w_down_t), (u if keep_up else None)
 
 
+def fixed_spill_eligible(x: Any, w_lin: Any, w_down_t: Any, dtype: Any) -> bool:
+    """Whether an FFN block's tail can run on parts with a fixed-length spill: on the GPU, one
+    dtype, and operands the row-gather kernels take (they read the spill through its row
+    pointers; the other kernels take its length from the arrays). Gated: the fused consumer's
+    operands; non-gated: W_down's rows."""
+    if not is_cupy_array(x):
+        return False
+    from . import _gpu_ops
+    from ._gpu_convert import row_stride
+
+    same = x.dtype == dtype == w_down_t.dtype
+    if w_lin is not None:
+        return same and _gpu_ops.gated_consumer_eligible(x, w_lin, w_down_t)
+    return same and _gpu_ops.rows_aligned(row_stride(w_down_t))
+
+
 def dense_ffn_tail(
     x: Any, z: Any, w_lin: Any, w_down: Any, dtype: Any, act: str, threshold: float | None, activated: bool = False
 ) -> Any:

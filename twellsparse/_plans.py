@@ -21,13 +21,14 @@ from ._ops import (
     _dense,
     _same_device,
     dense_ffn_tail,
+    fixed_spill_eligible,
     gated_product,
     matmul,
     pack_preactivation_deferred,
     preactivation,
 )
 from ._twell import twell_array
-from ._validation import check_activation, check_capacity, check_threshold, check_tile_n
+from ._validation import check_activation, check_capacity, check_spill_capacity, check_threshold, check_tile_n
 
 #: Density above which ``dispatch="auto"`` runs the dense remainder of the block instead of the
 #: sparse kernels: where the measured sparse/dense ratio of bench/ffn_bench.py on the H200
@@ -122,11 +123,7 @@ class _FFNPlanBase:
         spill_capacity: int | None = None,
     ) -> None:
         self.activation = check_activation(activation)
-        if spill_capacity is not None and (
-            isinstance(spill_capacity, bool) or not isinstance(spill_capacity, int) or spill_capacity < 0
-        ):
-            raise ValueError(f"spill_capacity: expected None or a non-negative int, got {spill_capacity!r}")
-        self.spill_capacity = spill_capacity
+        self.spill_capacity = check_spill_capacity(spill_capacity)
         self._warned_static = False
         self.tile_n = check_tile_n(tile_n)
         self.capacity = check_capacity(capacity, self.tile_n)
@@ -246,15 +243,7 @@ class _FFNPlanBase:
         its overflow on the host, exactly, and says so once."""
         if self.spill_capacity is None or not is_cupy_array(x):
             return False
-        from . import _gpu_ops
-        from ._gpu_convert import row_stride
-
-        w_down_t = self._w_down_t
-        same = x.dtype == dt == w_down_t.dtype
-        if w_lin is not None:
-            ok = same and _gpu_ops.gated_consumer_eligible(x, w_lin, w_down_t)
-        else:
-            ok = same and _gpu_ops.rows_aligned(row_stride(w_down_t))
+        ok = fixed_spill_eligible(x, w_lin, self._w_down_t, dt)
         if not ok and not self._warned_static:
             self._warned_static = True
             warnings.warn(

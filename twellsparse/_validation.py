@@ -55,6 +55,14 @@ def check_activation(activation: Any) -> str:
     return str(activation)
 
 
+def check_spill_capacity(spill_capacity: Any) -> int | None:
+    if spill_capacity is not None and (
+        isinstance(spill_capacity, bool) or not isinstance(spill_capacity, int) or spill_capacity < 0
+    ):
+        raise ValueError(f"spill_capacity: expected None or a non-negative int, got {spill_capacity!r}")
+    return spill_capacity
+
+
 def check_threshold(threshold: Any) -> float | None:
     if threshold is None:
         return None

@@ -441,7 +441,7 @@ def _ffn_bwd(activation, tile_n, capacity, threshold, res, g):
     def run(outs: list, gg: Any, xx: Any, wa: Any, wl: Any, wd_t: Any) -> None:
         # The pattern and the up values are recomputed (jit residuals need static shapes).
         wd = wd_t.T  # a view whose transpose, the kernels' layout, is contiguous
-        _, pattern, up = forward_arrays(xx, wa, wl, wd, activation, tile_n, capacity, threshold)
+        _, pattern, up, _ = forward_arrays(xx, wa, wl, wd, activation, tile_n, capacity, threshold)
         dx, dwa, dwl, dwd = backward_arrays(gg, None, xx, wa, wl, wd, pattern, up, activation)
         outs[0][...], outs[1][...], outs[2][...] = dx, dwa, dwd.T
         if wl is not None:

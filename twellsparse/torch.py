@@ -22,11 +22,12 @@ import torch
 from torch import Tensor, nn
 
 from ._backend import array_module, as_array, bfloat16
-from ._ffn_autodiff import backward_arrays, forward_arrays, with_values
+from ._errors import TwELLSpillCapacityError
+from ._ffn_autodiff import backward_arrays, forward_arrays, trimmed_spill, with_values
 from ._parts import TwELLParts
 from ._plans import DENSE_BREAKEVEN, DENSITY_SAMPLE_ROWS, DISPATCH, _PostedScalar
 from ._twell import twell_array
-from ._validation import check_activation, check_capacity, check_threshold, check_tile_n
+from ._validation import check_activation, check_capacity, check_spill_capacity, check_threshold, check_tile_n
 
 __all__ = [
     "TwELLGatedMLP",
@@ -80,6 +81,11 @@ def _torch_allocator() -> Any:
     return cupy.cuda.PythonFunctionAllocator(malloc, free)
 
 
+def _capturing(t: Tensor) -> bool:
+    """Whether torch's current stream is capturing a CUDA graph (no host reads then)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class _on_device:
     """Run CuPy work on the tensor's device and torch's current stream, allocating through
     torch's caching allocator (no-op on the CPU)."""
@@ -131,29 +137,43 @@ def _ffn_fwd(
     tile_n: int,
     capacity: int,
     threshold: float | None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    spill_capacity: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """out, act TwELL parts (data, indices, counts, spill_data, spill_indices, spill_indptr),
-    linear values on the pattern (data, spill_data; empty when non-gated)."""
+    linear values on the pattern (data, spill_data; empty when non-gated), and the spilled
+    entries left out (int64, one element; nonzero only with a ``spill_capacity`` too small).
+
+    With ``spill_capacity`` the spill arrays have that fixed length (zero past
+    ``spill_indptr[-1]``) and nothing is read back: capturable in a CUDA graph."""
     with _on_device(x):
         w_lin_a = _to_array(w_lin) if w_lin is not None else None
-        out, g, u = forward_arrays(
-            _to_array(x), _to_array(w_act), w_lin_a, _down_weight(w_down), activation, tile_n, capacity, threshold
+        out, g, u, left_out = forward_arrays(
+            _to_array(x),
+            _to_array(w_act),
+            w_lin_a,
+            _down_weight(w_down),
+            activation,
+            tile_n,
+            capacity,
+            threshold,
+            spill_capacity,
         )
         p = g.parts
+        xp = array_module(p.data)
         if u is None:
-            xp = array_module(p.data)
             u_data, u_spill = xp.empty(_EMPTY, dtype=p.data.dtype), xp.empty(_EMPTY, dtype=p.data.dtype)
         else:
             u_data, u_spill = u.data, u.spill_data
+        left = (left_out if hasattr(left_out, "shape") else xp.zeros((), dtype=np.int64)).astype(np.int64)
         results = (out, p.data, p.indices, p.counts, p.spill_data, p.spill_indices, p.spill_indptr, u_data, u_spill)
-        return tuple(_to_tensor(a) for a in results)  # type: ignore[return-value]
+        return (*(_to_tensor(a) for a in results), _to_tensor(left.reshape(1)))  # type: ignore[return-value]
 
 
 @_ffn_fwd.register_fake
-def _ffn_fwd_fake(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold):
+def _ffn_fwd_fake(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold, spill_capacity=None):
     m = x.shape[0]
     nt = _n_tiles(w_act.shape[0], tile_n)
-    n_spill = torch.library.get_ctx().new_dynamic_size()
+    n_spill = torch.library.get_ctx().new_dynamic_size() if spill_capacity is None else spill_capacity
     n_u, n_u_spill = ((m, nt, capacity), (n_spill,)) if w_lin is not None else (_EMPTY, _EMPTY)
     return (
         x.new_empty((m, w_down.shape[0])),
@@ -165,6 +185,7 @@ def _ffn_fwd_fake(x, w_act, w_lin, w_down, activation, tile_n, capacity, thresho
         x.new_empty((m + 1,), dtype=torch.int32),
         x.new_empty(n_u),
         x.new_empty(n_u_spill),
+        x.new_empty((1,), dtype=torch.int64),
     )
 
 
@@ -187,8 +208,11 @@ def _ffn_bwd(
     u_spill: Tensor,
     activation: str,
     tile_n: int,
+    fixed_spill: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dx, dw_act, dw_lin (empty when non-gated), dw_down); empty grad_act means none."""
+    """(dx, dw_act, dw_lin (empty when non-gated), dw_down); empty grad_act means none.
+    ``fixed_spill``: the forward ran with a ``spill_capacity`` (spill arrays longer than their
+    entries), so the parts are trimmed first (one read-back) for kernels that need exact ones."""
     with _on_device(x):
         a = {
             k: _to_array(t)
@@ -211,6 +235,11 @@ def _ffn_bwd(
         d_act = None
         if grad_act.numel() or grad_act_spill.numel():
             d_act = with_values(g, _to_array(grad_act), _to_array(grad_act_spill))
+        if fixed_spill:
+            g = trimmed_spill(g)
+            n = g.parts.spill_data.shape[0]
+            u = with_values(g, u.data, u.spill_data[:n]) if u is not None else None
+            d_act = with_values(g, d_act.data, d_act.spill_data[:n]) if d_act is not None else None
         w_lin_a = _to_array(w_lin) if w_lin is not None else None
         dx, dw_act, dw_lin, dw_down = backward_arrays(
             a["go"], d_act, a["x"], a["wa"], w_lin_a, a["wd"], g, u, activation
@@ -240,14 +269,15 @@ def _ffn_bwd_fake(grad_out, grad_act, grad_act_spill, x, w_act, w_lin, w_down, *
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    x, w_act, w_lin, w_down, activation, tile_n, _capacity, _threshold = inputs
+    x, w_act, w_lin, w_down, activation, tile_n, _capacity, _threshold, *spill_capacity = inputs
     ctx.activation, ctx.tile_n, ctx.gated = activation, tile_n, w_lin is not None
-    saved = output[1:]
+    ctx.fixed_spill = bool(spill_capacity) and spill_capacity[0] is not None
+    saved = output[1:9]
     ctx.save_for_backward(x, w_act, w_lin if w_lin is not None else x.new_empty(_EMPTY), w_down, *saved)
-    ctx.mark_non_differentiable(*(output[i] for i in (2, 3, 5, 6, 7, 8)))
+    ctx.mark_non_differentiable(*(output[i] for i in (2, 3, 5, 6, 7, 8, 9)))
 
 
-def _backward(ctx: Any, grad_out, grad_act, _gi, _gc, grad_act_spill, _gsi, _gsp, _gu, _gus):
+def _backward(ctx: Any, grad_out, grad_act, _gi, _gc, grad_act_spill, _gsi, _gsp, _gu, _gus, _glo):
     x, w_act, w_lin, w_down, *saved = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros((x.shape[0], w_down.shape[0]), dtype=x.dtype, device=x.device)
@@ -263,8 +293,9 @@ def _backward(ctx: Any, grad_out, grad_act, _gi, _gc, grad_act_spill, _gsi, _gsp
         *saved,
         ctx.activation,
         ctx.tile_n,
+        ctx.fixed_spill,
     )
-    return dx, dw_act, dw_lin if ctx.gated else None, dw_down, None, None, None, None
+    return dx, dw_act, dw_lin if ctx.gated else None, dw_down, None, None, None, None, None
 
 
 _ffn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -273,7 +304,7 @@ _ffn_fwd.register_autograd(_backward, setup_context=_setup_context)
 # ----------------------------------------------------------------------------- functions
 
 
-def _run(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold):
+def _run(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold, spill_capacity=None):
     act = check_activation(activation)
     tile_n = check_tile_n(tile_n)
     capacity = check_capacity(capacity, tile_n)
@@ -283,7 +314,7 @@ def _run(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold):
             raise TypeError(f"{name}: expected dtype {x.dtype} like x, got {t.dtype}")
     lead = x.shape[:-1]
     out, *hidden = torch.ops.twellsparse.ffn_fwd(
-        x.reshape(-1, x.shape[-1]).contiguous(), w_act, w_lin, w_down, act, tile_n, capacity, thr
+        x.reshape(-1, x.shape[-1]).contiguous(), w_act, w_lin, w_down, act, tile_n, capacity, thr, spill_capacity
     )
     return out.reshape(*lead, w_down.shape[0]), hidden
 
@@ -364,6 +395,7 @@ class _TwELLMLPBase(nn.Module):
         threshold: float | None,
         dispatch: str,
         breakeven: float | None,
+        spill_capacity: int | None,
         device: Any,
         dtype: Any,
     ) -> None:
@@ -384,6 +416,8 @@ class _TwELLMLPBase(nn.Module):
         self._hidden: list[Tensor] | None = None  # the last sparse forward's TwELL parts
         self._dense_hidden: Tensor | None = None  # the last dense forward's activations
         self._density = _PostedScalar()
+        self.spill_capacity = check_spill_capacity(spill_capacity)
+        self._left_out = _PostedScalar()  # entries a fixed spill_capacity could not hold
 
     def _forward(self, x: Tensor, w_act: Tensor, w_lin: Tensor | None, w_down: Tensor) -> Tensor:
         if self._path() == "dense":
@@ -394,12 +428,28 @@ class _TwELLMLPBase(nn.Module):
                 rows = rows[:: max(1, rows.shape[0] // DENSITY_SAMPLE_ROWS)].detach()
                 self._post_density(torch.count_nonzero(rows) / max(rows.numel(), 1))
             return out
-        out, hidden = _run(x, w_act, w_lin, w_down, self.activation, self.tile_n, self.capacity, self.threshold)
+        if self.spill_capacity is not None and not _capturing(x):
+            self.check_spill()
+        settings = (self.activation, self.tile_n, self.capacity, self.threshold, self.spill_capacity)
+        out, hidden = _run(x, w_act, w_lin, w_down, *settings)
         self._hidden, self._dense_hidden = hidden, None
+        if self.spill_capacity is not None:
+            with _on_device(hidden[-1]):
+                self._left_out.post(_to_array(hidden[-1]).reshape(()))
         if self.dispatch == "auto":
-            counts, spill = hidden[2], hidden[3]
-            self._post_density((counts.sum() + spill.numel()) / max(counts.shape[0] * self.intermediate_size, 1))
+            counts, spill_indptr = hidden[2], hidden[5]
+            self._post_density((counts.sum() + spill_indptr[-1]) / max(counts.shape[0] * self.intermediate_size, 1))
         return out
+
+    def check_spill(self) -> None:
+        """Raise :class:`twellsparse.TwELLSpillCapacityError` if the last forward with a fixed
+        ``spill_capacity`` left spilled entries out (its output was computed without them).
+        Forwards check the previous one themselves; after replaying a captured graph,
+        synchronise, then call this."""
+        left_out = self._left_out.take()
+        if left_out:
+            assert self.spill_capacity is not None
+            raise TwELLSpillCapacityError(int(left_out), self.spill_capacity, "the previous forward")
 
     def _post_density(self, fraction: Tensor) -> None:
         """Hand the 0-d density to the plans' posted scalar (copied on torch's stream, no sync)."""
@@ -433,9 +483,10 @@ class _TwELLMLPBase(nn.Module):
             tokens = self._dense_hidden.numel() // max(units, 1)
             nnz, n_spilled, dense = int(torch.count_nonzero(self._dense_hidden)), 0, True
         elif self._hidden is not None:
-            _, _, counts, spill, *_ = self._hidden
+            counts, spill_indptr = self._hidden[2], self._hidden[5]
             tokens = counts.shape[0]
-            nnz, n_spilled, dense = int(counts.sum()) + spill.numel(), spill.numel(), False
+            n_spilled = int(spill_indptr[-1])  # a fixed spill_capacity's arrays are longer
+            nnz, dense = int(counts.sum()) + n_spilled, False
         else:
             return {}
         return {
@@ -464,6 +515,14 @@ class TwELLMLP(_TwELLMLPBase):
     breakeven : float, optional
         Density above which ``"auto"`` runs dense; by default the forward's measured break-even
         (``twellsparse.FFN``'s). Training's break-even is lower (see ``bench/NOTES.md``).
+    spill_capacity : int, optional
+        A fixed length for the spill of row-tiles above ``capacity`` (as for
+        :class:`twellsparse.GatedFFN`): the forward then reads nothing back to the host and can
+        be captured in a CUDA graph (``torch.cuda.graph``) when shapes are static. Entries that
+        do not fit raise :class:`twellsparse.TwELLSpillCapacityError` at the next forward or
+        :meth:`check_spill`; the backward trims the spill (one read-back). Needs operands the
+        row-gather kernels take (one dtype, rows of a multiple of 16 bytes); elsewhere the
+        forward is the exact one.
     """
 
     up_proj: nn.Linear
@@ -480,11 +539,12 @@ class TwELLMLP(_TwELLMLPBase):
         threshold: float | None = None,
         dispatch: str = "sparse",
         breakeven: float | None = None,
+        spill_capacity: int | None = None,
         device: Any = None,
         dtype: Any = None,
     ) -> None:
         projections = ("up_proj", "down_proj")
-        settings = (activation, tile_n, capacity, threshold, dispatch, breakeven)
+        settings = (activation, tile_n, capacity, threshold, dispatch, breakeven, spill_capacity)
         args = (hidden_size, intermediate_size, *settings, device, dtype)
         super().__init__(projections, *args)
 
@@ -514,11 +574,12 @@ class TwELLGatedMLP(_TwELLMLPBase):
         threshold: float | None = None,
         dispatch: str = "sparse",
         breakeven: float | None = None,
+        spill_capacity: int | None = None,
         device: Any = None,
         dtype: Any = None,
     ) -> None:
         projections = ("gate_proj", "up_proj", "down_proj")
-        settings = (activation, tile_n, capacity, threshold, dispatch, breakeven)
+        settings = (activation, tile_n, capacity, threshold, dispatch, breakeven, spill_capacity)
         args = (hidden_size, intermediate_size, *settings, device, dtype)
         super().__init__(projections, *args)
 
@@ -535,13 +596,14 @@ def from_module(
     threshold: float | None = None,
     dispatch: str = "sparse",
     breakeven: float | None = None,
+    spill_capacity: int | None = None,
 ) -> _TwELLMLPBase:
     """A TwELL MLP sharing the parameters of a Llama/Qwen-style MLP (``gate_proj``, ``up_proj``,
     ``down_proj``) or a non-gated one (``up_proj``, ``down_proj``), without biases.
 
     Use ``activation="relu"`` for ReLU-trained checkpoints, or ``"silu"`` with a ``threshold`` to
     run a SwiGLU checkpoint sparsely (entries with ``|silu(z)| <= threshold`` are dropped);
-    ``dispatch`` and ``breakeven`` as for :class:`TwELLMLP`.
+    ``dispatch``, ``breakeven`` and ``spill_capacity`` as for :class:`TwELLMLP`.
     """
     linears = {name: getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")}
     if linears["up_proj"] is None or linears["down_proj"] is None:
@@ -558,6 +620,7 @@ def from_module(
         threshold=threshold,
         dispatch=dispatch,
         breakeven=breakeven,
+        spill_capacity=spill_capacity,
     )
     cls = TwELLGatedMLP if linears["gate_proj"] is not None else TwELLMLP
     new = cls(up.in_features, up.out_features, device="meta", **kwargs)  # type: ignore[arg-type]

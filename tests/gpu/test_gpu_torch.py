@@ -8,6 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import twellsparse.torch as tt  # noqa: E402
+from twellsparse import TwELLSpillCapacityError  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -84,3 +85,74 @@ def test_auto_dispatch_on_cuda():
         paths.append(auto.stats()["dense_fallback"])
     assert paths == [False, True, True]
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+
+
+def _module_pair(gated, spill_capacity, dtype=torch.bfloat16):
+    """A module with a fixed spill_capacity and an exact twin sharing its weights; tile 64 and
+    capacity 2 make many row-tiles spill at this density."""
+    cls = tt.TwELLGatedMLP if gated else tt.TwELLMLP
+    settings = dict(tile_n=64, capacity=2, device="cuda", dtype=dtype)
+    fixed, exact = cls(64, 1024, spill_capacity=spill_capacity, **settings), cls(64, 1024, **settings)
+    _, wg, wu, wd = _problem(5, 1, 64, 1024, dtype)
+    with torch.no_grad():
+        for m in (fixed, exact):
+            (m.gate_proj if gated else m.up_proj).weight.copy_(wg)
+            if gated:
+                m.up_proj.weight.copy_(wu)
+            m.down_proj.weight.copy_(wd)
+    return fixed, exact
+
+
+def _tokens(seed, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(256, 64, generator=g, dtype=torch.float64) * 0.5).to("cuda", dtype)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_module_forward_captured_in_a_cuda_graph(gated):
+    """With a fixed spill_capacity the module's forward is captured by torch.cuda.graph and
+    replays on new tokens bit-exactly like the exact module (spill included); a too small
+    capacity is reported by check_spill after the replay."""
+    fixed, exact = _module_pair(gated, 256 * 64)
+    x = _tokens(1)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        for _ in range(2):  # warm-up: kernels compiled, cuBLASLt plans and handles made
+            fixed(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        out = fixed(x)
+    for seed in (2, 3):
+        x.copy_(_tokens(seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        with torch.no_grad():
+            want = exact(x)
+        assert exact.stats()["n_spilled"] > 0
+        assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+        fixed.check_spill()
+
+
+def test_fixed_spill_capacity_too_small_raises_at_the_next_forward():
+    fixed, _ = _module_pair(True, 5)
+    x = _tokens(4)
+    with torch.no_grad():
+        fixed(x)
+        with pytest.raises(TwELLSpillCapacityError):
+            fixed(x)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_fixed_spill_capacity_values_and_grads(gated):
+    """Training with a fixed spill_capacity (the backward trims the spill) gives the exact
+    module's output and gradients."""
+    fixed, exact = _module_pair(gated, 256 * 64, torch.float32)
+    x = _tokens(6, torch.float32).requires_grad_()
+    outs = [m(x) for m in (fixed, exact)]
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    g = torch.randn_like(outs[0])
+    grads = [torch.autograd.grad(o, [x, *m.parameters()], g) for o, m in zip(outs, (fixed, exact), strict=True)]
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
