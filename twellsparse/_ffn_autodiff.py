@@ -65,8 +65,9 @@ def forward_arrays(x, w_act, w_lin, w_down, activation, tile_n, capacity, thresh
     :func:`fixed_spill_eligible`) nothing is read back, so the call can be captured in a CUDA
     graph: the spill fills arrays of that fixed length (zero past the row pointers' end), the
     tail runs once on the gather kernels, and the entries that did not fit are returned as a
-    0-d device array for the caller to check later. Elsewhere ``spill_capacity`` is ignored (the
-    exact path, nothing left out)."""
+    0-d device array for the caller to check later. Elsewhere (the CPU, other operands) the
+    exact path runs and pads its spill arrays to that length, so the shapes agree, raising
+    :class:`TwELLSpillCapacityError` at once when its spill does not fit."""
     act = check_activation(activation)
     tile_n, capacity, _ = check_layout(tile_n, capacity, "spill")
     thr = check_threshold(threshold)
