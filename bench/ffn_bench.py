@@ -77,6 +77,20 @@ def dense_scan_producer(x: Any, w: Any) -> Any:
         _gpu_producer.ENABLED = enabled
 
 
+def with_mask_consumer(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` run with the plans' tail reading the ReLU mask (``_gpu_producer.MASK_CONSUMER``)."""
+    from twellsparse import _gpu_producer
+
+    def run() -> Any:
+        enabled, _gpu_producer.MASK_CONSUMER = _gpu_producer.MASK_CONSUMER, True
+        try:
+            return fn()
+        finally:
+            _gpu_producer.MASK_CONSUMER = enabled
+
+    return run
+
+
 def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Timer, hidden: Timer) -> dict[str, Any]:
     """Check, then time, every op for one activation pattern and density; the main rows also
     with the host hidden (``hidden``: the GPU's work alone, as a CUDA graph replays it)."""
@@ -135,6 +149,7 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
     ref_down = ts.matmul(h, wd_t)
     ref_up = _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="portable").data
     ref_gated = gated_plan(x)
+    ref_plain_plan = plain_plan(x)
     variants = {
         "spmm_down_portable": (lambda: _gpu_ops.spmm(h.parts, h.tile_n, wd_t, h_out, path="portable"), ref_down),
         "spmm_down_gather_4x4": (
@@ -153,6 +168,8 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
         ),
         "sddmm_up_portable": (lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="portable").data, None),
         "producer_dense_scan": (lambda: dense_scan_producer(x, wg), h_dense),
+        "gated_ffn_mask_consumer": (with_mask_consumer(lambda: gated_plan(x)), ref_gated),
+        "ffn_mask_consumer": (with_mask_consumer(lambda: plain_plan(x)), ref_plain_plan),
     }
     for name, (fn, expect) in variants.items():
         try:

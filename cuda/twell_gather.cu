@@ -122,6 +122,70 @@ __device__ __forceinline__ void for_each_batch(const T* data, const short* __res
   }
 }
 
+// Position of the k-th (0-based) set bit of w (k < popc(w)): a branch-free binary search.
+__device__ __forceinline__ int nth_set_bit(unsigned w, int k) {
+  int pos = 0;
+#pragma unroll
+  for (int s = 16; s > 0; s >>= 1) {
+    const int low = __popc(w & ((1u << s) - 1u));
+    if (k >= low) {
+      k -= low;
+      w >>= s;
+      pos += s;
+    }
+  }
+  return pos;
+}
+
+// Calls f(n, col, val, where) for the set bits of `row` in a ReLU bit-mask (cuBLASLt's
+// RELU_AUX layout: ld_words 32-bit words per row, bit c set where column c was positive), in
+// increasing column order, up to 32 at a time: lane l holds entry l of the batch (meaningful for
+// l < n; other lanes hold col 0, val 0). val = z[row, col], where = row * ldz + col. Columns at
+// and beyond N are ignored.
+template <typename T, typename F>
+__device__ __forceinline__ void for_each_mask_batch(const unsigned* __restrict__ mask, long long ld_words,
+                                                    const T* z, long long ldz, long long row, int N,
+                                                    int lane, F&& f) {
+  using A = typename acc_of<T>::type;
+  const int n_words = (N + 31) >> 5;
+  const unsigned* mrow = mask + row * ld_words;
+  for (int w0 = 0; w0 < n_words; w0 += 32) {
+    const int word = w0 + lane;
+    unsigned bits = word < n_words ? mrow[word] : 0u;
+    if (word == n_words - 1 && (N & 31)) bits &= (1u << (N & 31)) - 1u;
+    const int cnt = __popc(bits);
+    int incl = cnt;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(kFull, incl, o);
+      if (lane >= o) incl += y;
+    }
+    const int excl = incl - cnt;
+    const int total = __shfl_sync(kFull, incl, 31);
+    for (int e0 = 0; e0 < total; e0 += 32) {
+      const int e = e0 + lane;
+      int owner = 0;  // the lane whose word holds entry e: lanes with inclusive count <= e
+#pragma unroll
+      for (int step = 16; step > 0; step >>= 1) {
+        const int probe = __shfl_sync(kFull, incl, owner + step - 1);
+        if (probe <= e) owner += step;
+      }
+      owner = min(owner, 31);
+      const int start = __shfl_sync(kFull, excl, owner);
+      const unsigned owner_bits = __shfl_sync(kFull, bits, owner);
+      int col = 0;
+      A val = A(0);
+      long long where = 0;
+      if (e < total) {
+        col = (w0 + owner) * 32 + nth_set_bit(owner_bits, e - start);
+        where = row * ldz + col;
+        val = to_acc(z[where]);
+      }
+      f(min(32, total - e0), col, val, where);
+    }
+  }
+}
+
 // This lane's KV 16-byte pieces, in the column chunk at k0, of the rows of b that the batch's
 // pairs p .. p + U - 1 name (each pair's column broadcast from its lane); zero past n or K. All
 // U x KV loads are issued before any is used.
@@ -366,5 +430,58 @@ __global__ void __launch_bounds__(128) twell_gather_csr_spmm(
       gather_accumulate<T, KV, U>(acc, min(32, e_end - e0), col, val, b, ldb, K, k0, lane);
     }
     store_chunk<T, KV>(acc, out + row * ldo, K, k0, lane);
+  }
+}
+
+// The gated consumer driven by the producer's ReLU bit-mask instead of TwELL parts (no pack, no
+// capacity, nothing to spill): for the set bits of each row, phase 1 computes
+// h = gate * (x[row] . w_up[j]) with the TwELL path's roundings (u to T, then the fp32 product
+// to T) and overwrites the gate value z[row, j] with it (the warp owns its row); phase 2 sums
+// h * w_down_t[j, :]. Entries come in column order, the TwELL path's order when nothing spills.
+// A set bit whose gate value is zero contributes nothing, as the pack would not have kept it.
+template <typename T, int KV, int U>
+__global__ void __launch_bounds__(128) twell_mask_gated(
+    const unsigned* __restrict__ mask, long long ld_words, T* z, long long ldz, int M, int N,
+    const T* __restrict__ x, long long ldx, const T* __restrict__ w_up, long long ldu, int K_in,
+    const T* __restrict__ w_down_t, long long ldd, int K_out, T* __restrict__ out, long long ldo) {
+  using A = typename acc_of<T>::type;
+  constexpr int CHUNK = KV * 32 * Lanes<T>::N;
+  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (row >= M) return;  // warp-uniform
+  const T* x_row = x + row * ldx;
+  for_each_mask_batch(mask, ld_words, z, ldz, row, N, lane, [&](int n, int col, A g, long long where) {
+    const A u = to_acc(from_acc<T>(gather_dots<T, KV, U>(x_row, w_up, ldu, K_in, n, col, lane)));
+    if (lane < n) z[where] = g != A(0) ? from_acc<T>(g * u) : zero_value<T>();
+  });
+  __syncwarp();  // phase 2 reads the h values other lanes wrote
+  for (int k0 = 0; k0 < K_out; k0 += CHUNK) {
+    A acc[KV][Lanes<T>::N];
+    clear<T, KV>(acc);
+    for_each_mask_batch(mask, ld_words, z, ldz, row, N, lane, [&](int n, int col, A h, long long) {
+      gather_accumulate<T, KV, U>(acc, n, col, h, w_down_t, ldd, K_out, k0, lane);
+    });
+    store_chunk<T, KV>(acc, out + row * ldo, K_out, k0, lane);
+  }
+}
+
+// The non-gated down projection driven by the ReLU bit-mask: out[row, :] = sum over the row's set
+// bits j of z[row, j] * w_down_t[j, :] (z holds relu(x @ w_up.T) already).
+template <typename T, int KV, int U>
+__global__ void __launch_bounds__(128) twell_mask_spmm(
+    const unsigned* __restrict__ mask, long long ld_words, const T* __restrict__ z, long long ldz, int M, int N,
+    const T* __restrict__ w_down_t, long long ldd, int K_out, T* __restrict__ out, long long ldo) {
+  using A = typename acc_of<T>::type;
+  constexpr int CHUNK = KV * 32 * Lanes<T>::N;
+  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (row >= M) return;  // warp-uniform
+  for (int k0 = 0; k0 < K_out; k0 += CHUNK) {
+    A acc[KV][Lanes<T>::N];
+    clear<T, KV>(acc);
+    for_each_mask_batch(mask, ld_words, z, ldz, row, N, lane, [&](int n, int col, A h, long long) {
+      gather_accumulate<T, KV, U>(acc, n, col, h, w_down_t, ldd, K_out, k0, lane);
+    });
+    store_chunk<T, KV>(acc, out + row * ldo, K_out, k0, lane);
   }
 }

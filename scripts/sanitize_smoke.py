@@ -56,6 +56,10 @@ for dtype in (ts.bfloat16, np.float32):
     words = np.ascontiguousarray(np.packbits(bits, axis=-1, bitorder="little")).view("<u4").reshape(-1)
     _, finish = _gpu_convert.relu_mask_to_parts_deferred(cp.asarray(hm), cp.asarray(words), 12, 32, 3)
     finish("spill")
+    # The mask-driven consumers on the same mask (d_ff 301: a partial last word).
+    w301 = cp.asarray(rng.standard_normal((301, 24)).astype(dtype))
+    _gpu_ops.mask_consumer(cp.asarray(hm), cp.asarray(words), 12, xin, w301, w301)
+    _gpu_ops.mask_consumer(cp.asarray(hm), cp.asarray(words), 12, xin, None, w301)
 Timer(1, on_gpu=True, warmup=0, hide_host=True)(lambda: None)  # twell_spin
 cp.cuda.Device().synchronize()
 print("sanitize smoke: all kernels ran")

@@ -278,6 +278,43 @@ def sddmm(
     return parts._replace(data=data, spill_data=spill)
 
 
+def mask_consumer(
+    z: Any, mask: Any, mask_words: int, x: Any, w_lin: Any, w_down_t: Any, variant: tuple[int, int] | None = None
+) -> Any:
+    """The FFN block's tail driven by the cuBLASLt ReLU bit-mask, without a TwELL pack: the set
+    bits of ``mask`` (``mask_words`` uint32 words per row) are the active units, ``z`` (M x F)
+    holds ``relu(x @ w_act.T)``. Gated (``w_lin`` given): ``out = (z * (x @ w_lin.T)) @ w_down_t``
+    at those units, with the TwELL path's roundings; ``z``'s active entries are overwritten with
+    the products. Non-gated: ``out = z @ w_down_t`` at those units. Every operand shares z's
+    dtype with 16-byte rows (:func:`mask_consumer_eligible`)."""
+    cp = _cp()
+    z, ldz = row_stride(z)
+    w_down_t, ldd = row_stride(w_down_t)
+    m, n = z.shape
+    k_out = w_down_t.shape[1]
+    out = cp.empty((m, k_out), dtype=z.dtype)
+    head = (mask, np.int64(mask_words), z, np.int64(ldz), np.int32(m), np.int32(n))
+    tail = (w_down_t, np.int64(ldd), np.int32(k_out), out, np.int64(k_out))
+    if w_lin is None:
+        kv, u = variant or K.GATHER_DEFAULT["spmm"]
+        K.launch_grid(K.gather_expression("mask_spmm", z.dtype, kv, u), *_gather_grid(m), (*head, *tail))
+        return out
+    x, ldx = row_stride(x)
+    w_lin, ldu = row_stride(w_lin)
+    kv, u = variant or K.GATHER_DEFAULT["gated"]
+    args = (*head, x, np.int64(ldx), w_lin, np.int64(ldu), np.int32(x.shape[1]), *tail)
+    K.launch_grid(K.gather_expression("mask_gated", z.dtype, kv, u), *_gather_grid(m), args)
+    return out
+
+
+def mask_consumer_eligible(z: Any, x: Any, w_lin: Any, w_down_t: Any) -> bool:
+    """Whether :func:`mask_consumer` can run: one dtype and 16-byte rows for every operand."""
+    operands = [z, w_down_t] + ([x, w_lin] if w_lin is not None else [])
+    if any(a.dtype != z.dtype for a in operands):
+        return False
+    return rows_aligned(*(row_stride(a) for a in operands))
+
+
 def gated_consumer_eligible(x: Any, w_up: Any, w_down_t: Any) -> bool:
     """Whether :func:`gated_consumer` can run on these operands (16-byte rows, one dtype)."""
     same = x.dtype == w_up.dtype == w_down_t.dtype

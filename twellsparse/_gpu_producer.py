@@ -24,6 +24,11 @@ from ._parts import TwELLParts
 #: Whether linear_to_twell and the FFN plans use this producer where it applies.
 ENABLED = True
 
+#: Whether the FFN plans' sparse tail reads this producer's mask directly (``twell_mask_gated``
+#: / ``twell_mask_spmm``: no TwELL pack, no capacity, no overflow read-back). Opt-in until it
+#: has been measured on the H200 (written after the device budget of 2026-12-03 was spent).
+MASK_CONSUMER = False
+
 _DTYPES = (np.dtype(np.float16), bfloat16, np.dtype(np.float32))
 
 

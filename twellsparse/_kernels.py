@@ -50,7 +50,8 @@ GATHER_WARPS = 4  # rows (warps) per block
 
 def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = False) -> str:
     """Name expression of a row-gather kernel: kind "spmm", "spmm_sum" (two products of one
-    structure summed), "sddmm", "gated" or "csr_spmm"."""
+    structure summed), "sddmm", "gated", "csr_spmm", or the ReLU-mask-driven consumers
+    "mask_gated" and "mask_spmm"."""
     t = CXX_TYPE[np.dtype(dtype)]
     if kind == "spmm":
         return f"twell_gather_spmm<{t}, {kv}, {u}>"
@@ -62,7 +63,10 @@ def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = Fals
         return f"twell_gather_gated<{t}, {kv}, {u}>"
     if kind == "csr_spmm":
         return f"twell_gather_csr_spmm<{t}, {kv}, {u}>"
-    raise ValueError(f"kind: expected 'spmm', 'spmm_sum', 'sddmm', 'gated' or 'csr_spmm', got {kind!r}")
+    if kind in ("mask_gated", "mask_spmm"):
+        return f"twell_{kind}<{t}, {kv}, {u}>"
+    kinds = "'spmm', 'spmm_sum', 'sddmm', 'gated', 'csr_spmm', 'mask_gated' or 'mask_spmm'"
+    raise ValueError(f"kind: expected {kinds}, got {kind!r}")
 
 
 def _instantiations() -> dict[str, list[str]]:
@@ -100,6 +104,13 @@ def _instantiations() -> dict[str, list[str]]:
             ("sddmm", False),
             ("sddmm", True),
         )
+    ]
+    gather += [
+        gather_expression(kind, dt, kv, u)
+        for dt in VALUE_DTYPES
+        if dt.itemsize <= 4  # the cuBLASLt ReLU-mask producer's types
+        for kv, u in GATHER_VARIANTS
+        for kind in ("mask_gated", "mask_spmm")
     ]
     elementwise = [f"ffn_act_mul<{t}, {a}>" for t, a in itertools.product(types, ACTIVATION_ID.values())]
     elementwise.append("twell_spin")

@@ -10,6 +10,7 @@ would silently go stale when weights are updated in place.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -164,15 +165,15 @@ class _FFNPlanBase:
         path, sampled, hidden = self._last
         stats: dict[str, Any] = {"path": path, "sampled_density": sampled, "dense_fallback": path == "dense"}
         h = hidden() if callable(hidden) else hidden
-        if h is not None:
-            (m, n), nnz = h.shape, h.nnz
+        if h is not None:  # the hidden layer's TwELL, or (shape, nnz, n_spilled) from the mask
+            (m, n), nnz, n_spilled = h if isinstance(h, tuple) else (h.shape, h.nnz, h.n_spilled)
             stats.update(
                 tokens=m,
                 units=n,
                 nnz=nnz,
                 density=nnz / max(m * n, 1),
                 nnz_per_token=nnz / max(m, 1),
-                n_spilled=h.n_spilled,
+                n_spilled=n_spilled,
             )
         return stats
 
@@ -195,7 +196,7 @@ class _FFNPlanBase:
         if xx.shape[1] != first.shape[1]:
             raise ValueError(f"x: expected {first.shape[1]} columns (d_model), got shape {tuple(xx.shape)}")
         dt = result_dtype(xx.dtype, w[act_name].dtype)
-        z, mask_pack = self._preactivation(xx, w[act_name])
+        z, relu_mask = self._preactivation(xx, w[act_name])
         sampled = float("nan")
         if self.dispatch == "auto":
             # The previous call's density (read without waiting); the first call samples and waits.
@@ -205,16 +206,26 @@ class _FFNPlanBase:
         w_lin = w[lin_name] if lin_name else None
         if self.dispatch == "dense" or (self.dispatch == "auto" and sampled > self.breakeven):
             self._last = ("dense", sampled, None)
-            activated = mask_pack is not None  # the ReLU-mask producer's z is relu(z) already
+            activated = relu_mask is not None  # the ReLU-mask producer's z is relu(z) already
             return dense_ffn_tail(xx, z, w_lin, w["w_down"], dt, self.activation, self.threshold, activated)
         shape = (xx.shape[0], first.shape[0])
+        if relu_mask is not None and self._mask_consumer_applies(xx, z, w_lin):
+            # The tail reads the mask itself: no pack, no capacity, nothing to spill or read back.
+            from ._gpu_ops import mask_consumer
+
+            self._last = ("sparse", sampled, _mask_stats(relu_mask, shape))
+            mask, words = relu_mask
+            return mask_consumer(z, mask, words, xx, w_lin, self._w_down_t)
 
         def tail(parts: Any) -> Any:
             h = twell_array._from_parts(parts, shape, self.tile_n)
             return matmul(h, self._w_down_t) if w_lin is None else gated_product(xx, w_lin, self._w_down_t, h)[0]
 
-        if mask_pack is not None:
-            first_parts, finish = mask_pack()
+        if relu_mask is not None:
+            from ._gpu_convert import relu_mask_to_parts_deferred
+
+            mask, words = relu_mask
+            first_parts, finish = relu_mask_to_parts_deferred(z, mask, words, self.tile_n, self.capacity)
         else:
             first_parts, finish = pack_preactivation_deferred(
                 z, dt, self.activation, self.tile_n, self.capacity, self.threshold
@@ -255,18 +266,22 @@ class _FFNPlanBase:
         return ok
 
     def _preactivation(self, x: Any, w_act: Any) -> tuple[Any, Any]:
-        """``(z, mask_pack)``: the activation's GEMM output and, when the cuBLASLt ReLU-mask
-        producer serves the call (``_gpu_producer``), a function packing it from the mask (z is
-        then already relu'd, which the dense remainder's relu leaves unchanged); else None."""
+        """``(z, relu_mask)``: the activation's GEMM output and, when the cuBLASLt ReLU-mask
+        producer serves the call (``_gpu_producer``), its ``(mask, words per row)`` (z is then
+        already relu'd, which the dense remainder's relu leaves unchanged); else None."""
         if is_cupy_array(x):
             from . import _gpu_producer
 
             if _gpu_producer.applies(x, w_act, self.activation, self.threshold):
-                from ._gpu_convert import relu_mask_to_parts_deferred
-
                 z, mask, words = _gpu_producer.relu_linear(x, w_act)
-                return z, lambda: relu_mask_to_parts_deferred(z, mask, words, self.tile_n, self.capacity)
+                return z, (mask, words)
         return preactivation(x, w_act), None
+
+    def _mask_consumer_applies(self, x: Any, z: Any, w_lin: Any) -> bool:
+        """Whether the tail runs from the ReLU mask (``_gpu_producer.MASK_CONSUMER``, opt-in)."""
+        from . import _gpu_ops, _gpu_producer
+
+        return _gpu_producer.MASK_CONSUMER and _gpu_ops.mask_consumer_eligible(z, x, w_lin, self._w_down_t)
 
     def _kept_fraction(self, z: Any) -> Any:
         """Fraction of kept activations over evenly spaced rows: a 0-d array on z's device (no
@@ -292,6 +307,21 @@ def _gather_tail(parts: Any, tile_n: int, x: Any, w_lin: Any, w_down_t: Any, dt:
         return _gpu_ops.gated_consumer(parts, tile_n, x, w_lin, w_down_t)[0]
     out = array_module(x).empty((x.shape[0], w_down_t.shape[1]), dtype=dt)
     return _gpu_ops.spmm(parts, tile_n, w_down_t, out, path="gather")
+
+
+def _mask_stats(relu_mask: tuple[Any, int], shape: tuple[int, int]) -> Callable[[], tuple]:
+    """``last_stats``'s hidden-layer figures for a call whose tail ran from the ReLU mask:
+    ``(shape, nnz, n_spilled)``, the set bits counted on access (nothing spills there)."""
+
+    def count() -> tuple:
+        import cupy as cp
+
+        mask, words = relu_mask
+        m, n = shape
+        bits = cp.unpackbits(mask.view(cp.uint8).reshape(m, words * 4), axis=1, bitorder="little")
+        return shape, int(bits[:, :n].sum()), 0
+
+    return count
 
 
 def _trimmed(parts: Any) -> Any:

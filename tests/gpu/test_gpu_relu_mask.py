@@ -95,3 +95,73 @@ def test_plans_and_producer_with_the_mask_path(cp, rng, monkeypatch, gated):
     assert rel_error(dense_after, dense_before) < 2e-2
     assert abs(h_after.nnz - h_before.nnz) <= max(5, h_before.nnz // 1000) and h_after.n_spilled > 0
     assert rel_error(h_after.toarray(), h_before.toarray()) < 2e-2
+
+
+def _needs_cublaslt():
+    from twellsparse.bindings import cublaslt
+
+    try:
+        cublaslt.library()
+    except (ImportError, RuntimeError) as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize(
+    "m, d_model, d_ff, tile_n, capacity, density",
+    [
+        (300, 64, 1024, 256, 32, 0.01),  # nothing spills: the TwELL path's order, identical bits
+        (77, 128, 1000, 64, 2, 0.05),  # d_ff not a multiple of 32 (the last mask word), spills
+        (1, 64, 5632, 256, 8, 0.02),
+    ],
+)
+def test_mask_consumer_plans(cp, rng, monkeypatch, dtype, gated, m, d_model, d_ff, tile_n, capacity, density):
+    """The plans' tail driven by the ReLU mask (MASK_CONSUMER): the TwELL path's bits when no
+    row-tile spills, else within the same-precision dense error of the float64 reference; the
+    same hidden-layer statistics; the caller's inputs untouched."""
+    _needs_cublaslt()
+    p = ffn_problem(m, d_model, d_ff, density, "skewed", dtype, rng, cp)
+    x, wg, wu, wd = p["x"], p["w_gate"], p["w_up"], p["w_down"]
+    x_before = cp.asnumpy(x).copy()
+    settings = dict(tile_n=tile_n, capacity=capacity, dispatch="sparse")
+    plan = ts.GatedFFN(wg, wu, wd, **settings) if gated else ts.FFN(wg, wd, **settings)
+    want = plan(x)
+    want_stats = plan.last_stats
+    monkeypatch.setattr(_gpu_producer, "MASK_CONSUMER", True)
+    got = plan(x)
+    stats = plan.last_stats
+    np.testing.assert_array_equal(cp.asnumpy(x).view(np.uint8), x_before.view(np.uint8))
+    assert stats["nnz"] == want_stats["nnz"] and stats["n_spilled"] == 0
+    if want_stats["n_spilled"] == 0:
+        np.testing.assert_array_equal(cp.asnumpy(got).view(np.uint8), cp.asnumpy(want).view(np.uint8))
+        return
+    x64, wg64, wu64, wd64 = (cp.asnumpy(a).astype(np.float64) for a in (x, wg, wu, wd))
+    a = np.maximum(x64 @ wg64.T, 0)
+    ref = ((a * (x64 @ wu64.T)) if gated else a) @ wd64.T
+    assert rel_error(got, ref) <= 2 * rel_error(want, ref) + 1e-4
+
+
+def test_mask_consumer_plan_captured_in_a_cuda_graph(cp, rng, monkeypatch):
+    """With the mask-driven tail a plan call reads nothing back without any spill_capacity: it is
+    captured in a CuPy graph and replays on new tokens like an eager call."""
+    _needs_cublaslt()
+    monkeypatch.setattr(_gpu_producer, "MASK_CONSUMER", True)
+    p = ffn_problem(256, 64, 1024, 0.04, "skewed", ts.bfloat16, rng, cp)
+    plan = ts.GatedFFN(p["w_gate"], p["w_up"], p["w_down"], tile_n=64, capacity=2, dispatch="sparse")
+    x = cp.array(p["x"])
+    pool = cp.cuda.MemoryPool()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with cp.cuda.using_allocator(pool.malloc), stream:
+        plan(x)
+        stream.synchronize()
+        stream.begin_capture()
+        out = plan(x)
+        graph = stream.end_capture()
+    for seed in (1, 2):
+        new = ffn_problem(256, 64, 1024, 0.04, "skewed", ts.bfloat16, np.random.default_rng(seed), cp)["x"]
+        x[...] = new
+        cp.cuda.Device().synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+        np.testing.assert_array_equal(cp.asnumpy(out).view(np.uint8), cp.asnumpy(plan(new)).view(np.uint8))
