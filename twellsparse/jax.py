@@ -2,9 +2,12 @@
 
 Every op runs twellsparse's own code through :func:`jax.experimental.buffer_callback.buffer_callback`:
 on a GPU the callback receives XLA's device buffers and computation stream, views the buffers as
-CuPy arrays through DLPack (zero-copy) and launches the CUDA kernels on that stream, so no data
+CuPy arrays through DLPack (zero-copy) and launches the CUDA kernels on that stream, so no array
 goes through the host; on the CPU it runs the NumPy reference path on the host buffers. Outputs
-are written in place into XLA's result buffers.
+are written in place into XLA's result buffers. Where an exact spill's length must be known
+(the producer's overflow count, the entry count of a transposed pattern), the callback reads
+that one scalar back, which waits for XLA's stream; the mask-driven tails of the plans
+(``_gpu_producer.MASK_CONSUMER``) remove the forward's read.
 
 - :class:`twellsparse.twell_array` is a pytree of its six component arrays (data, indices,
   counts, spill data, spill indices, spill row pointers) with the shape and tile width as static
