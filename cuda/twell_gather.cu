@@ -300,8 +300,9 @@ __device__ __forceinline__ void clear(typename acc_of<T>::type (&acc)[KV][Lanes<
 // columns in passes of KV x 32 x 16 bytes. Rows of b and out: 16-byte aligned, K % (16 /
 // sizeof(T)) == 0 (the host checks). With DUAL, a second matrix of the same structure
 // (values data2 / spill_vals2) adds its product with b2 in the same fp32 accumulators:
-// out = A @ b + A2 @ b2 with one rounding (the backward's dX = dZ @ W_gate + dU @ W_up); a
-// template parameter, so that the single product keeps its registers (139 against 168, bf16).
+// out = A @ b + A2 @ b2 with one rounding (the backward's dX = dZ @ W_gate + dU @ W_up), the
+// second product in a second walk over the entries (interleaving the two per batch took 168
+// registers and spilled, bf16); a template parameter, so the single product is unchanged.
 template <typename T, int KV, int U, bool DUAL = false>
 __global__ void __launch_bounds__(128) twell_gather_spmm(
     const T* __restrict__ data, const short* __restrict__ indices, const int* __restrict__ counts,
@@ -318,14 +319,15 @@ __global__ void __launch_bounds__(128) twell_gather_spmm(
     A acc[KV][Lanes<T>::N];
     clear<T, KV>(acc);
     for_each_batch<true>(data, indices, counts, spill_indptr, spill_cols, spill_vals, row, n_tiles, tile_n,
-                         capacity, lane, [&](int n, int col, A val, long long where) {
+                         capacity, lane, [&](int n, int col, A val, long long) {
                      gather_accumulate<T, KV, U>(acc, n, col, val, b, ldb, K, k0, lane);
-                     if (DUAL) {
-                       A val2 = A(0);
-                       if (lane < n) val2 = to_acc(in_spill(where) ? spill_vals2[~where] : data2[where]);
-                       gather_accumulate<T, KV, U>(acc, n, col, val2, b2, ldb2, K, k0, lane);
-                     }
                    });
+    if (DUAL) {  // a second walk over the entries: one operand's loads in flight at a time
+      for_each_batch<true>(data2, indices, counts, spill_indptr, spill_cols, spill_vals2, row, n_tiles, tile_n,
+                           capacity, lane, [&](int n, int col, A val, long long) {
+                       gather_accumulate<T, KV, U>(acc, n, col, val, b2, ldb2, K, k0, lane);
+                     });
+    }
     store_chunk<T, KV>(acc, out + row * ldo, K, k0, lane);
   }
 }
