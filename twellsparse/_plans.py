@@ -318,8 +318,8 @@ def _mask_stats(relu_mask: tuple[Any, int], shape: tuple[int, int]) -> Callable[
 
         mask, words = relu_mask
         m, n = shape
-        bits = cp.unpackbits(mask.view(cp.uint8).reshape(m, words * 4), axis=1, bitorder="little")
-        return shape, int(bits[:, :n].sum()), 0
+        bits = cp.unpackbits(mask.view(cp.uint8), bitorder="little").reshape(m, words * 32)  # no axis in CuPy
+        return shape, int(bits[:, :n].sum(dtype=cp.int64)), 0
 
     return count
 
