@@ -65,28 +65,17 @@ def dense_ffns(x: Any, wg: Any, wu: Any, wd: Any, provider: str) -> tuple[Callab
     return torch_gated, torch_plain
 
 
-def dense_scan_producer(x: Any, w: Any) -> Any:
-    """linear_to_twell with the cuBLASLt ReLU-mask producer switched off: the GEMM, then the
-    pack scanning its whole output."""
-    from twellsparse import _gpu_producer
-
-    enabled, _gpu_producer.ENABLED = _gpu_producer.ENABLED, False
-    try:
-        return ts.linear_to_twell(x, w)
-    finally:
-        _gpu_producer.ENABLED = enabled
-
-
-def with_mask_consumer(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """``fn`` run with the plans' tail reading the ReLU mask (``_gpu_producer.MASK_CONSUMER``)."""
+def with_producer_setting(name: str, value: bool, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` run with ``twellsparse._gpu_producer.<name>`` set to ``value`` (restored after)."""
     from twellsparse import _gpu_producer
 
     def run() -> Any:
-        enabled, _gpu_producer.MASK_CONSUMER = _gpu_producer.MASK_CONSUMER, True
+        saved = getattr(_gpu_producer, name)
+        setattr(_gpu_producer, name, value)
         try:
             return fn()
         finally:
-            _gpu_producer.MASK_CONSUMER = enabled
+            setattr(_gpu_producer, name, saved)
 
     return run
 
@@ -167,9 +156,10 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
             ref_up,
         ),
         "sddmm_up_portable": (lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="portable").data, None),
-        "producer_dense_scan": (lambda: dense_scan_producer(x, wg), h_dense),
-        "gated_ffn_mask_consumer": (with_mask_consumer(lambda: gated_plan(x)), ref_gated),
-        "ffn_mask_consumer": (with_mask_consumer(lambda: plain_plan(x)), ref_plain_plan),
+        # The GEMM, then the pack scanning its whole output (the cuBLASLt ReLU-mask producer off).
+        "producer_dense_scan": (with_producer_setting("ENABLED", False, lambda: ts.linear_to_twell(x, wg)), h_dense),
+        "gated_ffn_mask_consumer": (with_producer_setting("MASK_CONSUMER", True, lambda: gated_plan(x)), ref_gated),
+        "ffn_mask_consumer": (with_producer_setting("MASK_CONSUMER", True, lambda: plain_plan(x)), ref_plain_plan),
     }
     for name, (fn, expect) in variants.items():
         try:

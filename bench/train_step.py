@@ -39,13 +39,18 @@ def saved_activation_bytes(fn: Callable[[], torch.Tensor], exclude: list[torch.T
     return sum(seen.values())
 
 
-def case(args: argparse.Namespace, density: float, device: str, dtype: torch.dtype) -> dict[str, Any]:
+def problem(
+    args: argparse.Namespace, density: float, device: str, dtype: torch.dtype
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``([x, w_gate, w_up, w_down], grad)``: the inputs (requiring grad) and an output gradient."""
     p = ffn_problem(args.m, args.d_model, args.d_ff, density, "uniform", np.float32, 0)
-    x, wg, wu, wd = (
-        torch.from_numpy(p[k]).to(device, dtype).requires_grad_() for k in ("x", "w_gate", "w_up", "w_down")
-    )
-    grad = torch.randn(args.m, args.d_model, device=device, dtype=dtype)
-    params = [x, wg, wu, wd]
+    params = [torch.from_numpy(p[k]).to(device, dtype).requires_grad_() for k in ("x", "w_gate", "w_up", "w_down")]
+    return params, torch.randn(args.m, args.d_model, device=device, dtype=dtype)
+
+
+def case(args: argparse.Namespace, density: float, device: str, dtype: torch.dtype) -> dict[str, Any]:
+    params, grad = problem(args, density, device, dtype)
+    x, wg, wu, wd = params
 
     def dense() -> torch.Tensor:
         return (torch.relu(x @ wg.T) * (x @ wu.T)) @ wd.T
@@ -81,18 +86,14 @@ def case(args: argparse.Namespace, density: float, device: str, dtype: torch.dty
 def profile(args: argparse.Namespace, density: float) -> str:
     """torch.profiler's table of a few sparse training steps: every kernel and op by GPU time,
     so the step's time beyond its kernels (bench/stage_times.py) shows where it goes."""
-    p = ffn_problem(args.m, args.d_model, args.d_ff, density, "uniform", np.float32, 0)
-    x, wg, wu, wd = (
-        torch.from_numpy(p[k]).to("cuda", torch.bfloat16).requires_grad_() for k in ("x", "w_gate", "w_up", "w_down")
-    )
-    grad = torch.randn(args.m, args.d_model, device="cuda", dtype=torch.bfloat16)
+    params, grad = problem(args, density, "cuda", torch.bfloat16)
     for _ in range(2):
-        torch.autograd.grad(tt.gated_ffn(x, wg, wu, wd), [x, wg, wu, wd], grad)
+        torch.autograd.grad(tt.gated_ffn(*params), params, grad)
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(3):
-            torch.autograd.grad(tt.gated_ffn(x, wg, wu, wd), [x, wg, wu, wd], grad)
+            torch.autograd.grad(tt.gated_ffn(*params), params, grad)
         torch.cuda.synchronize()
     return str(prof.key_averages().table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
 

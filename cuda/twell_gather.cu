@@ -64,6 +64,35 @@ template <typename A> __device__ __forceinline__ A warp_total(A v) {
 // Entry positions: a slot of the padded part (>= 0) or ~i for spill entry i (< 0).
 __device__ __forceinline__ bool in_spill(long long where) { return where < 0; }
 
+// Enumerates, 32 at a time, the entries of 32 groups held one per lane (this lane's group has
+// `cnt` entries; groups in lane order): for each batch, every lane calls g(n, valid, owner, k)
+// for batch entry `lane`, the k-th entry of lane `owner`'s group (meaningful when `valid`; the
+// batch holds n entries). g runs on all lanes, so it may shuffle.
+template <typename G>
+__device__ __forceinline__ void for_each_owned(int cnt, int lane, G&& g) {
+  int incl = cnt;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(kFull, incl, o);
+    if (lane >= o) incl += y;
+  }
+  const int excl = incl - cnt;
+  const int total = __shfl_sync(kFull, incl, 31);
+  for (int e0 = 0; e0 < total; e0 += 32) {
+    const int e = e0 + lane;
+    // Owner lane of entry e: the number of lanes whose inclusive count is <= e.
+    int owner = 0;
+#pragma unroll
+    for (int step = 16; step > 0; step >>= 1) {
+      const int probe = __shfl_sync(kFull, incl, owner + step - 1);
+      if (probe <= e) owner += step;
+    }
+    owner = min(owner, 31);
+    const int start = __shfl_sync(kFull, excl, owner);
+    g(min(32, total - e0), e < total, owner, e - start);
+  }
+}
+
 // Calls f(n, col, val, where) for the stored entries of `row`, up to 32 at a time: lane l holds
 // entry l of the batch (meaningful for l < n; other lanes hold col 0 and val 0). Tile entries
 // come first, in tile order, then the row's spill entries. Without VALUES the values are not
@@ -79,35 +108,17 @@ __device__ __forceinline__ void for_each_batch(const T* data, const short* __res
   for (int t0 = 0; t0 < n_tiles; t0 += 32) {
     const int tile = t0 + lane;
     const int cnt = tile < n_tiles ? counts[row * n_tiles + tile] : 0;
-    int incl = cnt;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(kFull, incl, o);
-      if (lane >= o) incl += y;
-    }
-    const int excl = incl - cnt;
-    const int total = __shfl_sync(kFull, incl, 31);
-    for (int e0 = 0; e0 < total; e0 += 32) {
-      const int e = e0 + lane;
-      // Owner lane of entry e: the number of lanes whose inclusive count is <= e.
-      int owner = 0;
-#pragma unroll
-      for (int step = 16; step > 0; step >>= 1) {
-        const int probe = __shfl_sync(kFull, incl, owner + step - 1);
-        if (probe <= e) owner += step;
-      }
-      owner = min(owner, 31);
-      const int start = __shfl_sync(kFull, excl, owner);
+    for_each_owned(cnt, lane, [&](int n, bool valid, int owner, int k) {
       int col = 0;
       A val = A(0);
       long long where = 0;
-      if (e < total) {
-        where = (row * n_tiles + t0 + owner) * capacity + (e - start);
+      if (valid) {
+        where = (row * n_tiles + t0 + owner) * capacity + k;
         col = (t0 + owner) * tile_n + indices[where];
         if (VALUES) val = to_acc(data[where]);
       }
-      f(min(32, total - e0), col, val, where);
-    }
+      f(n, col, val, where);
+    });
   }
   const int s0 = spill_indptr[row], s1 = spill_indptr[row + 1];
   for (int e0 = s0; e0 < s1; e0 += 32) {
@@ -153,36 +164,18 @@ __device__ __forceinline__ void for_each_mask_batch(const unsigned* __restrict__
     const int word = w0 + lane;
     unsigned bits = word < n_words ? mrow[word] : 0u;
     if (word == n_words - 1 && (N & 31)) bits &= (1u << (N & 31)) - 1u;
-    const int cnt = __popc(bits);
-    int incl = cnt;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(kFull, incl, o);
-      if (lane >= o) incl += y;
-    }
-    const int excl = incl - cnt;
-    const int total = __shfl_sync(kFull, incl, 31);
-    for (int e0 = 0; e0 < total; e0 += 32) {
-      const int e = e0 + lane;
-      int owner = 0;  // the lane whose word holds entry e: lanes with inclusive count <= e
-#pragma unroll
-      for (int step = 16; step > 0; step >>= 1) {
-        const int probe = __shfl_sync(kFull, incl, owner + step - 1);
-        if (probe <= e) owner += step;
-      }
-      owner = min(owner, 31);
-      const int start = __shfl_sync(kFull, excl, owner);
+    for_each_owned(__popc(bits), lane, [&](int n, bool valid, int owner, int k) {
       const unsigned owner_bits = __shfl_sync(kFull, bits, owner);
       int col = 0;
       A val = A(0);
       long long where = 0;
-      if (e < total) {
-        col = (w0 + owner) * 32 + nth_set_bit(owner_bits, e - start);
+      if (valid) {
+        col = (w0 + owner) * 32 + nth_set_bit(owner_bits, k);
         where = row * ldz + col;
         val = to_acc(z[where]);
       }
-      f(min(32, total - e0), col, val, where);
-    }
+      f(n, col, val, where);
+    });
   }
 }
 

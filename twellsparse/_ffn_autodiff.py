@@ -21,8 +21,8 @@ from typing import Any
 from ._backend import array_module
 from ._errors import TwELLSpillCapacityError
 from ._ops import (
-    fixed_spill_eligible,
     gated_product,
+    gather_tail_eligible,
     linear_to_parts_deferred,
     matmul,
     matmul_sum,
@@ -62,7 +62,7 @@ def forward_arrays(x, w_act, w_lin, w_down, activation, tile_n, capacity, thresh
     complete parts only when entries spilled; the entries left out are then 0.
 
     With ``spill_capacity`` (and operands the row-gather kernels take, see
-    :func:`fixed_spill_eligible`) nothing is read back, so the call can be captured in a CUDA
+    :func:`gather_tail_eligible`) nothing is read back, so the call can be captured in a CUDA
     graph: the spill fills arrays of that fixed length (zero past the row pointers' end), the
     tail runs once on the gather kernels, and the entries that did not fit are returned as a
     0-d device array for the caller to check later. Elsewhere (the CPU, other operands) the
@@ -82,7 +82,7 @@ def forward_arrays(x, w_act, w_lin, w_down, activation, tile_n, capacity, thresh
         return out, g, u
 
     first, finish = linear_to_parts_deferred(x, w_act, act, tile_n, capacity, thr)
-    if spill_capacity is not None and fixed_spill_eligible(x, w_lin, w_down_t, x.dtype):
+    if spill_capacity is not None and gather_tail_eligible(x, w_lin, w_down_t, x.dtype):
         parts, left_out = finish("spill", spill_capacity=spill_capacity)
         return (*tail(parts), left_out)  # the gather kernels: they read the spill by row pointers
     result = tail(first)
@@ -108,17 +108,6 @@ def _padded_spill(a: Any, spill_capacity: int) -> Any:
     data = xp.concatenate([parts.spill_data, xp.zeros(pad, dtype=parts.spill_data.dtype)])
     indices = xp.concatenate([parts.spill_indices, xp.zeros(pad, dtype=parts.spill_indices.dtype)])
     return twell_array._from_parts(parts._replace(spill_data=data, spill_indices=indices), a.shape, a.tile_n)
-
-
-def trimmed_spill(g: Any) -> Any:
-    """``g`` with spill arrays holding exactly its entries (one read-back of their count):
-    parts from a fixed ``spill_capacity`` are longer, which only the gather kernels accept."""
-    parts = g.parts
-    n = int(parts.spill_indptr[-1])
-    if n == parts.spill_data.shape[0]:
-        return g
-    trimmed = parts._replace(spill_data=parts.spill_data[:n], spill_indices=parts.spill_indices[:n])
-    return twell_array._from_parts(trimmed, g.shape, g.tile_n)
 
 
 def backward_arrays(grad_out, grad_act, x, w_act, w_lin, w_down, g, u, activation):

@@ -286,7 +286,7 @@ def mask_consumer(
     holds ``relu(x @ w_act.T)``. Gated (``w_lin`` given): ``out = (z * (x @ w_lin.T)) @ w_down_t``
     at those units, with the TwELL path's roundings; ``z``'s active entries are overwritten with
     the products. Non-gated: ``out = z @ w_down_t`` at those units. Every operand shares z's
-    dtype with 16-byte rows (:func:`mask_consumer_eligible`)."""
+    dtype with 16-byte rows (``_ops.gather_tail_eligible``)."""
     cp = _cp()
     z, ldz = row_stride(z)
     w_down_t, ldd = row_stride(w_down_t)
@@ -305,14 +305,6 @@ def mask_consumer(
     args = (*head, x, np.int64(ldx), w_lin, np.int64(ldu), np.int32(x.shape[1]), *tail)
     K.launch_grid(K.gather_expression("mask_gated", z.dtype, kv, u), *_gather_grid(m), args)
     return out
-
-
-def mask_consumer_eligible(z: Any, x: Any, w_lin: Any, w_down_t: Any) -> bool:
-    """Whether :func:`mask_consumer` can run: one dtype and 16-byte rows for every operand."""
-    operands = [z, w_down_t] + ([x, w_lin] if w_lin is not None else [])
-    if any(a.dtype != z.dtype for a in operands):
-        return False
-    return rows_aligned(*(row_stride(a) for a in operands))
 
 
 def gated_consumer_eligible(x: Any, w_up: Any, w_down_t: Any) -> bool:
@@ -409,8 +401,9 @@ def lt_gemm(kind: str, m: int, f: int, k: int, dtype_name: str, device: int) -> 
 
 
 def gemm_nt(x: Any, w: Any) -> Any:
-    """``x @ w.T`` through cuBLAS ``gemmEx`` (fp32 accumulation; fp64 for float64), on the current
-    stream. ``x`` (M x K) and ``w`` (F x K) share a dtype; works for bfloat16 as well."""
+    """``x @ w.T`` (fp32 accumulation; fp64 for float64) on the current stream: a cuBLASLt plan
+    per shape (capturable in a CUDA graph), else CuPy's cuBLAS ``gemmEx`` (float64, or no
+    cuBLASLt). ``x`` (M x K) and ``w`` (F x K) share a dtype; works for bfloat16 as well."""
     cp = _cp()
     from cupy_backends.cuda.libs import cublas
 

@@ -343,11 +343,11 @@ def gated_product(
     return matmul(h, w_down_t), (u if keep_up else None)
 
 
-def fixed_spill_eligible(x: Any, w_lin: Any, w_down_t: Any, dtype: Any) -> bool:
-    """Whether an FFN block's tail can run on parts with a fixed-length spill: on the GPU, one
-    dtype, and operands the row-gather kernels take (they read the spill through its row
-    pointers; the other kernels take its length from the arrays). Gated: the fused consumer's
-    operands; non-gated: W_down's rows."""
+def gather_tail_eligible(x: Any, w_lin: Any, w_down_t: Any, dtype: Any) -> bool:
+    """Whether an FFN block's tail can run on the row-gather kernels alone: on the GPU, one
+    dtype, 16-byte rows (gated: the fused consumer's operands; non-gated: W_down's rows). Those
+    tails take parts with a fixed-length spill (read through its row pointers; the other
+    kernels take its length from the arrays) and the ReLU-mask-driven tails."""
     if not is_cupy_array(x):
         return False
     from . import _gpu_ops

@@ -19,3 +19,12 @@ class TwELLParts(NamedTuple):
     spill_data: Any
     spill_indices: Any
     spill_indptr: Any
+
+
+def trimmed_spill(parts: TwELLParts) -> TwELLParts:
+    """``parts`` with spill arrays holding exactly their entries (one read-back of the count):
+    a fixed ``spill_capacity`` makes them longer, which only the gather kernels accept."""
+    n = int(parts.spill_indptr[-1])
+    if n == parts.spill_data.shape[0]:
+        return parts
+    return parts._replace(spill_data=parts.spill_data[:n], spill_indices=parts.spill_indices[:n])

@@ -22,12 +22,13 @@ from ._ops import (
     _dense,
     _same_device,
     dense_ffn_tail,
-    fixed_spill_eligible,
     gated_product,
+    gather_tail_eligible,
     matmul,
     pack_preactivation_deferred,
     preactivation,
 )
+from ._parts import trimmed_spill
 from ._twell import twell_array
 from ._validation import check_activation, check_capacity, check_spill_capacity, check_threshold, check_tile_n
 
@@ -78,7 +79,7 @@ class _PostedScalar:
 
         if self._host is None:
             self._host = cupyx.zeros_pinned((1,), dtype=np.float64)
-        staged = cp.ascontiguousarray(scalar.astype(cp.float64).reshape(1))
+        staged = scalar.astype(cp.float64).reshape(1)  # a fresh contiguous copy
         stream = cp.cuda.get_current_stream()
         # A raw asynchronous copy into pinned memory: CuPy's ``get`` refuses device-to-host copies
         # while capturing, but the runtime records this one as a memcpy node of the graph.
@@ -236,7 +237,7 @@ class _FFNPlanBase:
             parts, left_out = finish("spill", spill_capacity=self.spill_capacity)
             out = _gather_tail(parts, self.tile_n, xx, w_lin, self._w_down_t, dt)
             self._left_out.post(left_out)
-            self._last = ("sparse", sampled, lambda: twell_array._from_parts(_trimmed(parts), shape, self.tile_n))
+            self._last = ("sparse", sampled, lambda: twell_array._from_parts(trimmed_spill(parts), shape, self.tile_n))
             return out
         # The tail runs on the row-tiles' first `capacity` entries while the host reads the
         # overflow count; only if entries spilled does it run again on the complete parts.
@@ -254,7 +255,7 @@ class _FFNPlanBase:
         its overflow on the host, exactly, and says so once."""
         if self.spill_capacity is None or not is_cupy_array(x):
             return False
-        ok = fixed_spill_eligible(x, w_lin, self._w_down_t, dt)
+        ok = gather_tail_eligible(x, w_lin, self._w_down_t, dt)
         if not ok and not self._warned_static:
             self._warned_static = True
             warnings.warn(
@@ -278,10 +279,11 @@ class _FFNPlanBase:
         return preactivation(x, w_act), None
 
     def _mask_consumer_applies(self, x: Any, z: Any, w_lin: Any) -> bool:
-        """Whether the tail runs from the ReLU mask (``_gpu_producer.MASK_CONSUMER``, opt-in)."""
-        from . import _gpu_ops, _gpu_producer
+        """Whether the tail runs from the ReLU mask (``_gpu_producer.MASK_CONSUMER``, opt-in): on
+        the operands of the other gather tails (z itself is read an element at a time)."""
+        from . import _gpu_producer
 
-        return _gpu_producer.MASK_CONSUMER and _gpu_ops.mask_consumer_eligible(z, x, w_lin, self._w_down_t)
+        return _gpu_producer.MASK_CONSUMER and gather_tail_eligible(x, w_lin, self._w_down_t, z.dtype)
 
     def _kept_fraction(self, z: Any) -> Any:
         """Fraction of kept activations over evenly spaced rows: a 0-d array on z's device (no
@@ -322,12 +324,6 @@ def _mask_stats(relu_mask: tuple[Any, int], shape: tuple[int, int]) -> Callable[
         return shape, int(bits[:, :n].sum(dtype=cp.int64)), 0
 
     return count
-
-
-def _trimmed(parts: Any) -> Any:
-    """Parts whose spill arrays hold exactly their entries (one read-back)."""
-    n = int(parts.spill_indptr[-1])
-    return parts._replace(spill_data=parts.spill_data[:n], spill_indices=parts.spill_indices[:n])
 
 
 def _check_weight_shapes(arrays: dict[str, Any], d_model: int | None) -> None:

@@ -23,8 +23,8 @@ from torch import Tensor, nn
 
 from ._backend import array_module, as_array, bfloat16
 from ._errors import TwELLSpillCapacityError
-from ._ffn_autodiff import backward_arrays, forward_arrays, trimmed_spill, with_values
-from ._parts import TwELLParts
+from ._ffn_autodiff import backward_arrays, forward_arrays, with_values
+from ._parts import TwELLParts, trimmed_spill
 from ._plans import DENSE_BREAKEVEN, DENSITY_SAMPLE_ROWS, DISPATCH, _PostedScalar
 from ._twell import twell_array
 from ._validation import check_activation, check_capacity, check_spill_capacity, check_threshold, check_tile_n
@@ -164,9 +164,9 @@ def _ffn_fwd(
             u_data, u_spill = xp.empty(_EMPTY, dtype=p.data.dtype), xp.empty(_EMPTY, dtype=p.data.dtype)
         else:
             u_data, u_spill = u.data, u.spill_data
-        left = (left_out if hasattr(left_out, "shape") else xp.zeros((), dtype=np.int64)).astype(np.int64)
+        left = xp.asarray(left_out, dtype=np.int64).reshape(1)  # a device scalar, or 0 on the exact path
         results = (out, p.data, p.indices, p.counts, p.spill_data, p.spill_indices, p.spill_indptr, u_data, u_spill)
-        return (*(_to_tensor(a) for a in results), _to_tensor(left.reshape(1)))  # type: ignore[return-value]
+        return tuple(_to_tensor(a) for a in (*results, left))  # type: ignore[return-value]
 
 
 @_ffn_fwd.register_fake
@@ -230,16 +230,15 @@ def _ffn_bwd(
         }
         a["wd"] = _down_weight(w_down)
         shape = (x.shape[0], w_act.shape[0])
-        g = twell_array._from_parts(TwELLParts(a["d"], a["i"], a["c"], a["sd"], a["si"], a["sp"]), shape, tile_n)
-        u = with_values(g, _to_array(u_data), _to_array(u_spill)) if w_lin is not None else None
+        parts = TwELLParts(a["d"], a["i"], a["c"], a["sd"], a["si"], a["sp"])
+        if fixed_spill:
+            parts = trimmed_spill(parts)
+        n = parts.spill_data.shape[0]  # the values' spill arrays share the forward's length
+        g = twell_array._from_parts(parts, shape, tile_n)
+        u = with_values(g, _to_array(u_data), _to_array(u_spill)[:n]) if w_lin is not None else None
         d_act = None
         if grad_act.numel() or grad_act_spill.numel():
-            d_act = with_values(g, _to_array(grad_act), _to_array(grad_act_spill))
-        if fixed_spill:
-            g = trimmed_spill(g)
-            n = g.parts.spill_data.shape[0]
-            u = with_values(g, u.data, u.spill_data[:n]) if u is not None else None
-            d_act = with_values(g, d_act.data, d_act.spill_data[:n]) if d_act is not None else None
+            d_act = with_values(g, _to_array(grad_act), _to_array(grad_act_spill)[:n])
         w_lin_a = _to_array(w_lin) if w_lin is not None else None
         dx, dw_act, dw_lin, dw_down = backward_arrays(
             a["go"], d_act, a["x"], a["wa"], w_lin_a, a["wd"], g, u, activation
