@@ -287,7 +287,7 @@ template <typename T>
 __global__ void __launch_bounds__(256) twell_slots_to_csr(
     const T* __restrict__ data, const short* __restrict__ indices, const int* __restrict__ counts,
     const long long* __restrict__ offsets, int M, int n_tiles, int tile_n, int capacity,
-    int* __restrict__ out_cols, T* __restrict__ out_vals, long long* __restrict__ out_src) {
+    int* __restrict__ out_cols, T* __restrict__ out_vals) {
   const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
   if (i >= (long long)M * n_tiles * capacity) return;
   const long long rt = i / capacity;
@@ -295,8 +295,7 @@ __global__ void __launch_bounds__(256) twell_slots_to_csr(
   if (s >= counts[rt]) return;
   const int tile = (int)(rt % n_tiles);
   out_cols[offsets[rt] + s] = tile * tile_n + indices[i];
-  if (out_vals != nullptr) out_vals[offsets[rt] + s] = data[i];
-  if (out_src != nullptr) out_src[offsets[rt] + s] = i;  // the entry's slot, for twell_take_slots
+  out_vals[offsets[rt] + s] = data[i];
 }
 
 // Spill entries to CSR, after their row-tile's slot entries; one thread per spill entry.
@@ -305,8 +304,7 @@ __global__ void __launch_bounds__(256) twell_spill_to_csr(
     const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
     const T* __restrict__ spill_vals, const int* __restrict__ counts,
     const int* __restrict__ spill_start, const long long* __restrict__ offsets, int M,
-    int n_tiles, int tile_n, int* __restrict__ out_cols, T* __restrict__ out_vals, long long n_slots,
-    long long* __restrict__ out_src) {
+    int n_tiles, int tile_n, int* __restrict__ out_cols, T* __restrict__ out_vals) {
   const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
   if (i >= spill_indptr[M]) return;
   const int row = last_le(spill_indptr, M + 1, i);
@@ -314,19 +312,67 @@ __global__ void __launch_bounds__(256) twell_spill_to_csr(
   const long long rt = (long long)row * n_tiles + c / tile_n;
   const long long dst = offsets[rt] + counts[rt] + (i - spill_start[rt]);
   out_cols[dst] = c;
-  if (out_vals != nullptr) out_vals[dst] = spill_vals[i];
-  if (out_src != nullptr) out_src[dst] = n_slots + i;  // spill entries follow the slots
+  out_vals[dst] = spill_vals[i];
 }
 
-// out[e] = the value at position src[e] of the slots (data, n_slots of them) followed by the
-// spill: the values of a matrix in another order of its entries (the CSR of its transpose)
-// without building its CSR first. One thread per entry.
-template <typename T>
-__global__ void __launch_bounds__(256) twell_take_slots(
-    const T* __restrict__ data, long long n_slots, const T* __restrict__ spill_vals,
-    const long long* __restrict__ src, long long n, T* __restrict__ out) {
-  const long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-  if (e >= n) return;
-  const long long p = src[e];
-  out[e] = p < n_slots ? data[p] : spill_vals[p - n_slots];
+// ---------------------------------------------------------------------------------------------
+// The structure of A.T by a stable counting sort, with no host read (so a backward pass that
+// uses it can be captured in a CUDA graph). Rows are cut into blocks of `rows_per_block`, one CTA
+// each. twell_transpose_count counts each block's entries per column into
+// counts[col * n_blocks + block]; an exclusive scan of that column-major array (CuPy's cumsum)
+// gives every (column, block) pair the position of its first entry, and the row pointers of A.T
+// are its first column. twell_transpose_place then walks each block's rows in increasing order
+// and puts each entry at its (column, block) cursor. A row's columns are distinct, so no two of
+// its entries share a cursor and the row's entries go in parallel; a block's rows go one at a
+// time, so every column's entries come out in increasing row order: the order a sort by (column,
+// row) gives, which keeps the transposed products' fp32 sums deterministic. Each entry's source
+// is its position in the slots followed by the spill; the products read values through it.
+
+// f(column, source) for every stored entry of `row`, spread over the CTA's threads.
+template <typename F>
+__device__ __forceinline__ void for_each_row_entry(
+    const short* __restrict__ indices, const int* __restrict__ counts,
+    const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols, int row, int n_tiles,
+    int tile_n, int capacity, F f) {
+  const long long rt0 = (long long)row * n_tiles;
+  const long long n_slots_row = (long long)n_tiles * capacity;
+  for (int i = threadIdx.x; i < n_slots_row; i += blockDim.x) {
+    const int tile = i / capacity;
+    if (i - tile * capacity < counts[rt0 + tile]) f(tile * tile_n + indices[rt0 * capacity + i], rt0 * capacity + i);
+  }
+  for (int i = spill_indptr[row] + threadIdx.x; i < spill_indptr[row + 1]; i += blockDim.x) f(spill_cols[i], -1LL - i);
+}
+
+__global__ void __launch_bounds__(256) twell_transpose_count(
+    const short* __restrict__ indices, const int* __restrict__ counts,
+    const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols, int M, int n_tiles,
+    int tile_n, int capacity, int rows_per_block, int n_blocks, int* __restrict__ col_block_counts) {
+  const int block = blockIdx.x;
+  const int r1 = min(M, (block + 1) * rows_per_block);
+  for (int row = block * rows_per_block; row < r1; ++row)  // no order needed: no barrier
+    for_each_row_entry(indices, counts, spill_indptr, spill_cols, row, n_tiles, tile_n, capacity,
+                       [&](int col, long long) { atomicAdd(col_block_counts + (long long)col * n_blocks + block, 1); });
+}
+
+// `cursor` holds the scan's first positions and is consumed. Spill sources are stored as
+// n_slots + i (the callback's -1 - i).
+__global__ void __launch_bounds__(256) twell_transpose_place(
+    const short* __restrict__ indices, const int* __restrict__ counts,
+    const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols, int M, int n_tiles,
+    int tile_n, int capacity, int rows_per_block, int n_blocks, int* cursor,
+    int* __restrict__ rows_t, int* __restrict__ sources_t) {
+  const int block = blockIdx.x;
+  const long long n_slots = (long long)M * n_tiles * capacity;
+  const int r1 = min(M, (block + 1) * rows_per_block);
+  for (int row = block * rows_per_block; row < r1; ++row) {
+    for_each_row_entry(indices, counts, spill_indptr, spill_cols, row, n_tiles, tile_n, capacity,
+                       [&](int col, long long src) {
+                         int* c = cursor + (long long)col * n_blocks + block;
+                         const int pos = *c;  // this row's only entry in `col`
+                         *c = pos + 1;
+                         rows_t[pos] = row;
+                         sources_t[pos] = (int)(src >= 0 ? src : n_slots + (-1LL - src));
+                       });
+    __syncthreads();  // the next row's entries may share this row's cursors
+  }
 }

@@ -401,13 +401,16 @@ __global__ void __launch_bounds__(128) twell_gather_gated(
   }
 }
 
-// out[r, :] = sum over CSR row r's entries (c, v) of v * b[c, :]: the row-gather SpMM for a
-// matrix in CSR form. The transposed products A.T @ g of the backward pass run it on the CSR of
-// A.T (the pattern's columns sorted once), so each output row is one warp's sum over its list,
-// in fp32, with no atomics.
+// out[r, :] = sum over row r's entries e of value(sources[e]) * b[cols[e], :], for a matrix in
+// CSR form whose values stay where another layout keeps them: value(p) is data[p] for the first
+// n_slots positions and spill_vals[p - n_slots] after them. The transposed products A.T @ g of
+// the backward pass run it on A.T's structure (twell_transpose_place) with A's own TwELL values,
+// so each output row is one warp's fp32 sum over its list, with no atomics and no gathered copy
+// of the values.
 template <typename T, int KV, int U>
 __global__ void __launch_bounds__(128) twell_gather_csr_spmm(
-    const int* __restrict__ indptr, const int* __restrict__ cols, const T* __restrict__ vals, int M,
+    const int* __restrict__ indptr, const int* __restrict__ cols, const int* __restrict__ sources,
+    const T* __restrict__ data, long long n_slots, const T* __restrict__ spill_vals, int M,
     const T* __restrict__ b, long long ldb, int K, T* __restrict__ out, long long ldo) {
   using A = typename acc_of<T>::type;
   constexpr int CHUNK = KV * 32 * Lanes<T>::N;
@@ -420,8 +423,13 @@ __global__ void __launch_bounds__(128) twell_gather_csr_spmm(
     clear<T, KV>(acc);
     for (int e0 = e_begin; e0 < e_end; e0 += 32) {
       const int e = e0 + lane;
-      const int col = e < e_end ? cols[e] : 0;
-      const A val = e < e_end ? to_acc(vals[e]) : A(0);
+      int col = 0;
+      A val = A(0);
+      if (e < e_end) {
+        const long long p = sources[e];
+        col = cols[e];
+        val = to_acc(p < n_slots ? data[p] : spill_vals[p - n_slots]);
+      }
       gather_accumulate<T, KV, U>(acc, min(32, e_end - e0), col, val, b, ldb, K, k0, lane);
     }
     store_chunk<T, KV>(acc, out + row * ldo, K, k0, lane);

@@ -8,7 +8,7 @@ pass 2 runs only when entries must spill, writing them at prefix-sum offsets.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -211,12 +211,8 @@ def parts_to_dense(parts: TwELLParts, shape: tuple[int, int], tile_n: int, out: 
     return out
 
 
-def parts_to_csr(parts: TwELLParts, shape: tuple[int, int], tile_n: int, sources: bool = False) -> tuple[Any, Any, Any]:
-    """CSR arrays (data, int32 indices, int32 indptr); columns sorted when the parts are canonical.
-
-    With ``sources`` the first array holds, instead of the values, each entry's position in the
-    slots followed by the spill (int64; :func:`take_slots` reads any values of this structure
-    through it)."""
+def parts_to_csr(parts: TwELLParts, shape: tuple[int, int], tile_n: int) -> tuple[Any, Any, Any]:
+    """CSR arrays (data, int32 indices, int32 indptr); columns sorted when the parts are canonical."""
     cp = _cp()
     m = shape[0]
     nt, cap = parts.data.shape[1], parts.data.shape[2]
@@ -245,15 +241,14 @@ def parts_to_csr(parts: TwELLParts, shape: tuple[int, int], tile_n: int, sources
     if m and nt:
         indptr[1:] = ends.reshape(m, nt)[:, -1]
     cols = cp.empty(nnz, dtype=cp.int32)
-    first = cp.empty(nnz, dtype=cp.int64 if sources else parts.data.dtype)
-    vals, src = (K.null_pointer(), first) if sources else (first, K.null_pointer())
+    vals = cp.empty(nnz, dtype=parts.data.dtype)
     t = K.CXX_TYPE[parts.data.dtype]
     geometry = (np.int32(m), np.int32(nt), np.int32(tile_n))
     K.launch(
         f"twell_slots_to_csr<{t}>",
         m * nt * cap,
         _BLOCK,
-        (parts.data, parts.indices, parts.counts, offsets, *geometry, np.int32(cap), cols, vals, src),
+        (parts.data, parts.indices, parts.counts, offsets, *geometry, np.int32(cap), cols, vals),
     )
     if parts.spill_data.size:
         K.launch(
@@ -270,23 +265,66 @@ def parts_to_csr(parts: TwELLParts, shape: tuple[int, int], tile_n: int, sources
                 *geometry,
                 cols,
                 vals,
-                np.int64(m * nt * cap),
-                src,
             ),
         )
-    return first, cols, indptr
+    return vals, cols, indptr
 
 
-def take_slots(parts: TwELLParts, sources: Any) -> Any:
-    """The values of ``parts`` at ``sources`` (positions in the slots followed by the spill, as
-    ``parts_to_csr(..., sources=True)`` gives them for a matrix of this structure)."""
+class TransposedPattern(NamedTuple):
+    """The structure of ``A.T`` in CSR for a TwELL pattern, whatever its values: int32 row
+    pointers, the token of each entry, and each entry's source, its position in A's slots
+    followed by its spill (``n_slots`` of them), through which the products read the values of
+    any matrix of this structure. ``rows`` and ``sources`` have room for every slot and spill
+    entry; the first ``indptr[-1]`` are used (the count stays on the device)."""
+
+    indptr: Any
+    rows: Any
+    sources: Any
+    n_slots: int
+
+
+#: Row blocks of the transposed pattern's counting sort: enough CTAs to fill the GPU, few enough
+#: that the (column, block) count array stays small.
+_TRANSPOSE_BLOCKS = 512
+
+
+def transposed_pattern(parts: TwELLParts, tile_n: int, n_cols: int) -> TransposedPattern:
+    """The CSR structure of ``A.T`` (N x M) by the counting sort of ``cuda/twell_convert.cu``:
+    each column's tokens increasing, no host read, so it can run inside a CUDA-graph capture.
+
+    The arrays are sized for the most entries the parts can hold (every slot plus the spill's
+    length), 8 bytes each: no count is read back to size them."""
     cp = _cp()
-    data = cp.ascontiguousarray(parts.data)
-    out = cp.empty(sources.size, dtype=data.dtype)
-    K.launch(
-        f"twell_take_slots<{K.CXX_TYPE[data.dtype]}>",
-        int(sources.size),
-        _BLOCK,
-        (data, np.int64(data.size), cp.ascontiguousarray(parts.spill_data), sources, np.int64(sources.size), out),
+    m, nt, cap = parts.data.shape
+    n_slots = m * nt * cap
+    room = n_slots + int(parts.spill_data.shape[0])
+    if room >= 2**31:
+        raise ValueError(
+            f"A: expected fewer than 2**31 slots and spill entries for a transposed product, got {room} "
+            f"({m} rows x {nt} tiles x capacity {cap}); split the rows into several calls"
+        )
+    rows_per_block = max(16, -(-m // _TRANSPOSE_BLOCKS))
+    n_blocks = max(1, -(-m // rows_per_block))
+    structure = (
+        parts.indices,
+        parts.counts,
+        parts.spill_indptr,
+        parts.spill_indices,
+        np.int32(m),
+        np.int32(nt),
+        np.int32(tile_n),
+        np.int32(cap),
+        np.int32(rows_per_block),
+        np.int32(n_blocks),
     )
-    return out
+    counts = cp.zeros(n_cols * n_blocks, dtype=cp.int32)
+    K.launch_grid("twell_transpose_count", (n_blocks if m else 0,), (_BLOCK,), (*structure, counts))
+    ends = cp.cumsum(counts, dtype=cp.int32)
+    cursor = ends - counts  # the exclusive scan: each (column, block)'s first position
+    indptr = cp.empty(n_cols + 1, dtype=cp.int32)
+    indptr[:n_cols] = cursor[::n_blocks]
+    indptr[n_cols:] = ends[-1:] if n_cols else 0
+    rows = cp.empty(room, dtype=cp.int32)
+    sources = cp.empty(room, dtype=cp.int32)
+    K.launch_grid("twell_transpose_place", (n_blocks if m else 0,), (_BLOCK,), (*structure, cursor, rows, sources))
+    return TransposedPattern(indptr, rows, sources, n_slots)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from . import _kernels as K
 from ._backend import bfloat16, cupy_module
 from ._errors import TwELLFallbackWarning
-from ._gpu_convert import parts_to_csr, row_stride, take_slots
+from ._gpu_convert import TransposedPattern, row_stride, transposed_pattern
 from ._parts import TwELLParts
 
 
@@ -138,40 +138,6 @@ def spmm(
     return out
 
 
-class TransposedPattern(NamedTuple):
-    """The structure of ``A.T`` in CSR for a TwELL pattern, whatever its values: row pointers,
-    the token of each entry, and each entry's position in A's slots followed by its spill (so
-    the values of any matrix of this structure are one gather, :func:`take_slots`, away)."""
-
-    indptr: Any
-    rows: Any
-    sources: Any
-
-
-def transposed_pattern(parts: TwELLParts, tile_n: int, n_cols: int) -> TransposedPattern:
-    """Columns of A become rows, each row's entries in increasing token order (one radix sort
-    of the composite keys, 32-bit where they fit). Matrices sharing A's structure (other
-    values) share it. One host read (the number of entries)."""
-    cp = _cp()
-    m = parts.data.shape[0]
-    sources, cols, indptr = parts_to_csr(parts, (m, n_cols), tile_n, sources=True)
-    rows = cp.searchsorted(indptr[1:], cp.arange(cols.size, dtype=cp.int32), side="right").astype(cp.int32)
-    key_type = cp.int32 if n_cols * max(m, 1) < 2**31 else cp.int64
-    order = cp.argsort(cols.astype(key_type) * max(m, 1) + rows)
-    # Row pointers of A.T from its sorted columns: no histogram, no host read.
-    indptr_t = cp.searchsorted(cols[order], cp.arange(n_cols + 1, dtype=cp.int32), side="left").astype(cp.int32)
-    return TransposedPattern(indptr_t, rows[order], sources[order])
-
-
-def transposed_csr(
-    parts: TwELLParts, tile_n: int, n_cols: int, pattern: TransposedPattern | None = None
-) -> tuple[Any, Any, Any]:
-    """CSR arrays ``(indptr, cols, vals)`` of ``A.T`` (N x M); ``pattern``, when given, is
-    :func:`transposed_pattern` of a matrix with A's structure (no sort, no host read then)."""
-    pattern = pattern or transposed_pattern(parts, tile_n, n_cols)
-    return pattern.indptr, pattern.rows, take_slots(parts, pattern.sources)
-
-
 def spmm_transposed(
     parts: TwELLParts,
     tile_n: int,
@@ -182,8 +148,9 @@ def spmm_transposed(
 ) -> Any:
     """``out = A.T @ g``; ``g`` (M x K), ``out`` (N x K).
 
-    With 16-byte rows (``rows_aligned``) the entries are sorted into the CSR of ``A.T`` and a
-    row-gather kernel sums each output row in one warp; other layouts scatter with fp32 atomics
+    With 16-byte rows (``rows_aligned``) the entries are placed in the CSR structure of ``A.T``
+    (:func:`transposed_pattern`, a counting sort with no host read) and a row-gather kernel sums
+    each output row in one warp, reading A's values where they are; other layouts scatter with fp32 atomics
     into a workspace (the summation order, and so the last bits, can then vary between runs).
     ``pattern`` returns the shared :class:`TransposedPattern` of A's structure (built on first
     use by the caller's products), so products on one pattern sort once.
@@ -194,9 +161,10 @@ def spmm_transposed(
     k = g.shape[1]
     ldo_out = max(out.strides[0] // out.itemsize, k, 1)
     if rows_aligned((g, ldg), (out, ldo_out)) and parts.data.dtype == g.dtype:
-        indptr_t, cols_t, vals_t = transposed_csr(parts, tile_n, n_cols, pattern() if pattern else None)
+        tp = pattern() if pattern else transposed_pattern(parts, tile_n, n_cols)
         kv, u = K.GATHER_DEFAULT["csr_spmm"]
-        args = (indptr_t, cols_t, vals_t, np.int32(n_cols), g, np.int64(ldg), np.int32(k), out, np.int64(ldo_out))
+        values = (tp.sources, cp.ascontiguousarray(parts.data), np.int64(tp.n_slots), parts.spill_data)
+        args = (tp.indptr, tp.rows, *values, np.int32(n_cols), g, np.int64(ldg), np.int32(k), out, np.int64(ldo_out))
         K.launch_grid(K.gather_expression("csr_spmm", g.dtype, kv, u), *_gather_grid(n_cols), args)
         return out
     warn_portable("matmul (transposed)")

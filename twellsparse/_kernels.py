@@ -80,10 +80,9 @@ def _instantiations() -> dict[str, list[str]]:
             f"spill_scatter_dense<{t}>",
             f"twell_slots_to_csr<{t}>",
             f"twell_spill_to_csr<{t}>",
-            f"twell_take_slots<{t}>",
         ]
     convert += [f"relu_mask_to_twell<{CXX_TYPE[d]}>" for d in VALUE_DTYPES if d.itemsize <= 4]
-    convert.append("twell_tile_totals")
+    convert += ["twell_tile_totals", "twell_transpose_count", "twell_transpose_place"]
     spmm = []
     for t in types:
         spmm += [

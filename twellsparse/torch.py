@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ._backend import array_module, as_array, bfloat16
+from ._backend import array_module, as_array, bfloat16, is_cupy_array
 from ._errors import TwELLSpillCapacityError
 from ._ffn_autodiff import backward_arrays, forward_arrays, with_values
 from ._parts import TwELLParts, trimmed_spill
@@ -212,7 +212,9 @@ def _ffn_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, dw_act, dw_lin (empty when non-gated), dw_down); empty grad_act means none.
     ``fixed_spill``: the forward ran with a ``spill_capacity`` (spill arrays longer than their
-    entries), so the parts are trimmed first (one read-back) for kernels that need exact ones."""
+    entries). The GPU kernels read the spill by its row pointers, so nothing is read back and
+    the backward can be captured in a CUDA graph; the CPU reference wants exact arrays, which
+    it trims to for free."""
     with _on_device(x):
         a = {
             k: _to_array(t)
@@ -231,7 +233,7 @@ def _ffn_bwd(
         a["wd"] = _down_weight(w_down)
         shape = (x.shape[0], w_act.shape[0])
         parts = TwELLParts(a["d"], a["i"], a["c"], a["sd"], a["si"], a["sp"])
-        if fixed_spill:
+        if fixed_spill and not is_cupy_array(parts.data):
             parts = trimmed_spill(parts)
         n = parts.spill_data.shape[0]  # the values' spill arrays share the forward's length
         g = twell_array._from_parts(parts, shape, tile_n)

@@ -159,14 +159,61 @@ def test_transposed_product_through_csr(cp, rng, dtype, m, n, k, tile_n, capacit
     out = cp.empty((n, k), dtype=dtype)
     _gpu_ops.spmm_transposed(a.parts, tile_n, n, cp.asarray(g), out)
     assert rel_error(out, expected) <= _bound(dtype, expected)
-    indptr, cols, vals = _gpu_ops.transposed_csr(a.parts, tile_n, n)
+    _check_transposed_pattern(_gpu_ops.transposed_pattern(a.parts, tile_n, n), a, h)
+
+
+def _check_transposed_pattern(t, a, h):
+    """The counting sort's structure of A.T, read through its sources, is exactly h.T, with each
+    column's tokens increasing."""
+    n, m = h.shape[1], h.shape[0]
+    ip = t.indptr.get()
+    nnz = int(ip[-1])
+    assert ip[0] == 0 and np.all(np.diff(ip) >= 0) and t.rows.size >= nnz
+    rows, src = t.rows[:nnz].get(), t.sources[:nnz].get()
+    values = np.concatenate([a.parts.data.get().reshape(-1), a.parts.spill_data.get()]).astype(np.float64)
+    assert t.n_slots == a.parts.data.size and np.all((src >= 0) & (src < values.size))
     t_csr = np.zeros((n, m))
-    ip, cc, vv = indptr.get(), cols.get(), vals.get().astype(np.float64)
     for r in range(n):
         seg = slice(ip[r], ip[r + 1])
-        assert np.all(np.diff(cc[seg]) > 0)  # tokens increasing within each row
-        t_csr[r, cc[seg]] = vv[seg]
+        assert np.all(np.diff(rows[seg]) > 0)  # tokens increasing within each row
+        t_csr[r, rows[seg]] = values[src[seg]]
     np.testing.assert_array_equal(t_csr, h.astype(np.float64).T)
+    assert nnz == np.count_nonzero(h)
+
+
+def test_transposed_pattern_of_a_fixed_spill_captured_in_a_cuda_graph(cp, rng):
+    """The transposed pattern reads nothing back: it is captured in a CUDA graph with the
+    producer's fixed spill (zero-padded past the row pointers' end), and each replay on new
+    tokens gives the transpose of their exact pattern."""
+    from twellsparse import _ops
+    from twellsparse._twell import twell_array
+
+    m, n, k, tile_n, cap = 300, 1000, 48, 64, 2
+    w = cp.asarray(rng.standard_normal((n, k)).astype(np.float32))
+    xs = [rng.standard_normal((m, k)).astype(np.float32) * s for s in (1.0, 1.3)]
+    x = cp.asarray(xs[0])
+
+    def pattern():
+        _, finish = _ops.linear_to_parts_deferred(x, w, "relu", tile_n, cap, None)
+        parts, _ = finish("spill", spill_capacity=m * n // 2)
+        return parts, _gpu_ops.transposed_pattern(parts, tile_n, n)
+
+    pool = cp.cuda.MemoryPool()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with cp.cuda.using_allocator(pool.malloc), stream:
+        pattern()  # compiles the kernels and makes the library handles before the capture
+        stream.synchronize()
+        stream.begin_capture()
+        parts, t = pattern()
+        graph = stream.end_capture()
+    for xi in xs:
+        x[...] = cp.asarray(xi)
+        cp.cuda.Device().synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+        exact = ts.linear_to_twell(cp.asarray(xi), w, activation="relu", tile_n=tile_n, capacity=cap)
+        assert exact.parts.spill_data.size > 0  # the replays spill
+        _check_transposed_pattern(t, twell_array._from_parts(parts, (m, n), tile_n), exact.toarray().get())
 
 
 def test_auto_path_warns_when_it_takes_the_portable_kernels(cp, rng):
