@@ -317,62 +317,67 @@ __global__ void __launch_bounds__(256) twell_spill_to_csr(
 
 // ---------------------------------------------------------------------------------------------
 // The structure of A.T by a stable counting sort, with no host read (so a backward pass that
-// uses it can be captured in a CUDA graph). Rows are cut into blocks of `rows_per_block`, one CTA
-// each. twell_transpose_count counts each block's entries per column into
-// counts[col * n_blocks + block]; an exclusive scan of that column-major array (CuPy's cumsum)
-// gives every (column, block) pair the position of its first entry, and the row pointers of A.T
-// are its first column. twell_transpose_place then walks each block's rows in increasing order
-// and puts each entry at its (column, block) cursor. A row's columns are distinct, so no two of
-// its entries share a cursor and the row's entries go in parallel; a block's rows go one at a
-// time, so every column's entries come out in increasing row order: the order a sort by (column,
-// row) gives, which keeps the transposed products' fp32 sums deterministic. Each entry's source
-// is its position in the slots followed by the spill; the products read values through it.
+// uses it can be captured in a CUDA graph) and no ordering between threads. Rows are grouped in
+// blocks of 32. twell_transpose_mark sets bit (row % 32) of word bits[col * n_blocks + row / 32]
+// for every stored entry; the word's popcount is the (column, block) pair's entry count, an
+// exclusive scan of those counts in that column-major order (CuPy's cumsum) gives each pair its
+// first position, and A.T's row pointers are the scan at each column's first block. Then
+// twell_transpose_place puts every entry at its pair's first position plus the number of earlier
+// rows of its block in the word: each column's tokens come out increasing, as a sort by (column,
+// row) orders them, which keeps the transposed products' fp32 sums deterministic. An entry's
+// source is its position in the slots followed by the spill, through which the products read
+// the values of any matrix of this structure. Both passes take one thread per slot, then one per
+// allocated spill entry (those past spill_indptr[M], a fixed spill's padding, do nothing).
 
-// f(column, source) for every stored entry of `row`, spread over the CTA's threads.
-template <typename F>
-__device__ __forceinline__ void for_each_row_entry(
-    const short* __restrict__ indices, const int* __restrict__ counts,
-    const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols, int row, int n_tiles,
-    int tile_n, int capacity, F f) {
-  const long long rt0 = (long long)row * n_tiles;
-  const long long n_slots_row = (long long)n_tiles * capacity;
-  for (int i = threadIdx.x; i < n_slots_row; i += blockDim.x) {
-    const int tile = i / capacity;
-    if (i - tile * capacity < counts[rt0 + tile]) f(tile * tile_n + indices[rt0 * capacity + i], rt0 * capacity + i);
+// Row and column of entry i (a slot, or spill entry i - n_slots), or false for an empty slot.
+__device__ __forceinline__ bool transpose_entry(
+    long long i, const short* __restrict__ indices, const int* __restrict__ counts,
+    const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols, int M, int n_tiles,
+    int tile_n, int capacity, int& row, int& col) {
+  const long long n_slots = (long long)M * n_tiles * capacity;
+  if (i < n_slots) {
+    const long long rt = i / capacity;
+    if ((int)(i - rt * capacity) >= counts[rt]) return false;
+    row = (int)(rt / n_tiles);
+    col = (int)(rt % n_tiles) * tile_n + indices[i];
+    return true;
   }
-  for (int i = spill_indptr[row] + threadIdx.x; i < spill_indptr[row + 1]; i += blockDim.x) f(spill_cols[i], -1LL - i);
+  const long long s = i - n_slots;
+  if (s >= spill_indptr[M]) return false;
+  row = last_le(spill_indptr, M + 1, s);
+  col = spill_cols[s];
+  return true;
 }
 
-__global__ void __launch_bounds__(256) twell_transpose_count(
+__global__ void __launch_bounds__(256) twell_transpose_mark(
     const short* __restrict__ indices, const int* __restrict__ counts,
     const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols, int M, int n_tiles,
-    int tile_n, int capacity, int rows_per_block, int n_blocks, int* __restrict__ col_block_counts) {
-  const int block = blockIdx.x;
-  const int r1 = min(M, (block + 1) * rows_per_block);
-  for (int row = block * rows_per_block; row < r1; ++row)  // no order needed: no barrier
-    for_each_row_entry(indices, counts, spill_indptr, spill_cols, row, n_tiles, tile_n, capacity,
-                       [&](int col, long long) { atomicAdd(col_block_counts + (long long)col * n_blocks + block, 1); });
+    int tile_n, int capacity, long long n_entries, int n_blocks, unsigned* __restrict__ bits) {
+  const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  int row, col;
+  if (i >= n_entries || !transpose_entry(i, indices, counts, spill_indptr, spill_cols, M, n_tiles, tile_n, capacity, row, col))
+    return;
+  atomicOr(bits + (long long)col * n_blocks + (row >> 5), 1u << (row & 31));
 }
 
-// `cursor` holds the scan's first positions and is consumed. Spill sources are stored as
-// n_slots + i (the callback's -1 - i).
+// counts[w] = popcount(bits[w]): each (column, block) pair's entry count, for the scan.
+__global__ void __launch_bounds__(256) twell_popcount(
+    const unsigned* __restrict__ bits, long long n, int* __restrict__ counts) {
+  const long long w = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (w < n) counts[w] = __popc(bits[w]);
+}
+
 __global__ void __launch_bounds__(256) twell_transpose_place(
     const short* __restrict__ indices, const int* __restrict__ counts,
     const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols, int M, int n_tiles,
-    int tile_n, int capacity, int rows_per_block, int n_blocks, int* cursor,
-    int* __restrict__ rows_t, int* __restrict__ sources_t) {
-  const int block = blockIdx.x;
-  const long long n_slots = (long long)M * n_tiles * capacity;
-  const int r1 = min(M, (block + 1) * rows_per_block);
-  for (int row = block * rows_per_block; row < r1; ++row) {
-    for_each_row_entry(indices, counts, spill_indptr, spill_cols, row, n_tiles, tile_n, capacity,
-                       [&](int col, long long src) {
-                         int* c = cursor + (long long)col * n_blocks + block;
-                         const int pos = *c;  // this row's only entry in `col`
-                         *c = pos + 1;
-                         rows_t[pos] = row;
-                         sources_t[pos] = (int)(src >= 0 ? src : n_slots + (-1LL - src));
-                       });
-    __syncthreads();  // the next row's entries may share this row's cursors
-  }
+    int tile_n, int capacity, long long n_entries, int n_blocks, const unsigned* __restrict__ bits,
+    const int* __restrict__ first, int* __restrict__ rows_t, int* __restrict__ sources_t) {
+  const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  int row, col;
+  if (i >= n_entries || !transpose_entry(i, indices, counts, spill_indptr, spill_cols, M, n_tiles, tile_n, capacity, row, col))
+    return;
+  const long long w = (long long)col * n_blocks + (row >> 5);
+  const int pos = first[w] + __popc(bits[w] & ((1u << (row & 31)) - 1u));
+  rows_t[pos] = row;
+  sources_t[pos] = (int)i;  // slots first, then the spill: the products' value positions
 }

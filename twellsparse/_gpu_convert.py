@@ -283,17 +283,13 @@ class TransposedPattern(NamedTuple):
     n_slots: int
 
 
-#: Row blocks of the transposed pattern's counting sort: enough CTAs to fill the GPU, few enough
-#: that the (column, block) count array stays small.
-_TRANSPOSE_BLOCKS = 512
-
-
 def transposed_pattern(parts: TwELLParts, tile_n: int, n_cols: int) -> TransposedPattern:
     """The CSR structure of ``A.T`` (N x M) by the counting sort of ``cuda/twell_convert.cu``:
     each column's tokens increasing, no host read, so it can run inside a CUDA-graph capture.
 
     The arrays are sized for the most entries the parts can hold (every slot plus the spill's
-    length), 8 bytes each: no count is read back to size them."""
+    length), 8 bytes each, and the sort's work arrays take 1 bit and 4 bytes per (column,
+    32-row block): no count is read back to size them."""
     cp = _cp()
     m, nt, cap = parts.data.shape
     n_slots = m * nt * cap
@@ -303,8 +299,7 @@ def transposed_pattern(parts: TwELLParts, tile_n: int, n_cols: int) -> Transpose
             f"A: expected fewer than 2**31 slots and spill entries for a transposed product, got {room} "
             f"({m} rows x {nt} tiles x capacity {cap}); split the rows into several calls"
         )
-    rows_per_block = max(16, -(-m // _TRANSPOSE_BLOCKS))
-    n_blocks = max(1, -(-m // rows_per_block))
+    n_blocks = -(-m // 32)
     structure = (
         parts.indices,
         parts.counts,
@@ -314,17 +309,20 @@ def transposed_pattern(parts: TwELLParts, tile_n: int, n_cols: int) -> Transpose
         np.int32(nt),
         np.int32(tile_n),
         np.int32(cap),
-        np.int32(rows_per_block),
+        np.int64(room),
         np.int32(n_blocks),
     )
-    counts = cp.zeros(n_cols * n_blocks, dtype=cp.int32)
-    K.launch_grid("twell_transpose_count", (n_blocks if m else 0,), (_BLOCK,), (*structure, counts))
+    bits = cp.zeros(n_cols * n_blocks, dtype=cp.uint32)
+    K.launch("twell_transpose_mark", room, _BLOCK, (*structure, bits))
+    counts = cp.empty(bits.size, dtype=cp.int32)
+    K.launch("twell_popcount", bits.size, _BLOCK, (bits, np.int64(bits.size), counts))
     ends = cp.cumsum(counts, dtype=cp.int32)
-    cursor = ends - counts  # the exclusive scan: each (column, block)'s first position
-    indptr = cp.empty(n_cols + 1, dtype=cp.int32)
-    indptr[:n_cols] = cursor[::n_blocks]
-    indptr[n_cols:] = ends[-1:] if n_cols else 0
+    first = ends - counts  # the exclusive scan: each (column, block)'s first position
+    indptr = cp.zeros(n_cols + 1, dtype=cp.int32)
+    if first.size:
+        indptr[:n_cols] = first[::n_blocks]
+        indptr[n_cols:] = ends[-1:]
     rows = cp.empty(room, dtype=cp.int32)
     sources = cp.empty(room, dtype=cp.int32)
-    K.launch_grid("twell_transpose_place", (n_blocks if m else 0,), (_BLOCK,), (*structure, cursor, rows, sources))
+    K.launch("twell_transpose_place", room, _BLOCK, (*structure, bits, first, rows, sources))
     return TransposedPattern(indptr, rows, sources, n_slots)

@@ -82,7 +82,7 @@ def _instantiations() -> dict[str, list[str]]:
             f"twell_spill_to_csr<{t}>",
         ]
     convert += [f"relu_mask_to_twell<{CXX_TYPE[d]}>" for d in VALUE_DTYPES if d.itemsize <= 4]
-    convert += ["twell_tile_totals", "twell_transpose_count", "twell_transpose_place"]
+    convert += ["twell_tile_totals", "twell_transpose_mark", "twell_popcount", "twell_transpose_place"]
     spmm = []
     for t in types:
         spmm += [
