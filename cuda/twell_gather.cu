@@ -199,33 +199,52 @@ __device__ __forceinline__ void load_pair_rows(Raw16 (&w)[U][KV], int p, int n, 
   }
 }
 
-// acc (this lane's KV vectors of the column chunk starting at k0) += sum over the batch's n
-// pairs of val * b[col, chunk]. U pairs' rows are requested before any is used.
+// acc[s] (this lane's KV vectors of the column chunk starting at k0) += sum over the batch's n
+// pairs of val[s] * b[col, chunk], for NV value sets that share each pair's gathered row (the
+// backward's dW_gate and dW_up both gather rows of x). U pairs' rows are requested before any is
+// used; each row piece is widened once for all NV sets.
+template <typename T, int KV, int U, int NV>
+__device__ __forceinline__ void gather_accumulate_sets(typename acc_of<T>::type (&acc)[NV][KV][Lanes<T>::N], int n,
+                                                       int col, const typename acc_of<T>::type (&val)[NV],
+                                                       const T* __restrict__ b, long long ldb, int K, int k0,
+                                                       int lane) {
+  using A = typename acc_of<T>::type;
+  constexpr int V = Lanes<T>::N;
+  for (int p = 0; p < n; p += U) {
+    A v[NV][U];
+#pragma unroll
+    for (int s = 0; s < NV; ++s)
+#pragma unroll
+      for (int u = 0; u < U; ++u) v[s][u] = __shfl_sync(kFull, val[s], (p + u) & 31);
+    Raw16 w[U][KV];
+    load_pair_rows<T, KV, U>(w, p, n, col, b, ldb, K, k0, lane);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int kv = 0; kv < KV; ++kv) {
+        A e[V];
+        Lanes<T>::widen(w[u][kv], e);
+#pragma unroll
+        for (int s = 0; s < NV; ++s) {
+          const A vu = p + u < n ? v[s][u] : A(0);
+#pragma unroll
+          for (int i = 0; i < V; ++i) acc[s][kv][i] += vu * e[i];
+        }
+      }
+    }
+  }
+}
+
+// The one-set case: acc += sum over the batch's n pairs of val * b[col, chunk].
 template <typename T, int KV, int U>
 __device__ __forceinline__ void gather_accumulate(typename acc_of<T>::type (&acc)[KV][Lanes<T>::N], int n,
                                                   int col, typename acc_of<T>::type val,
                                                   const T* __restrict__ b, long long ldb, int K, int k0,
                                                   int lane) {
   using A = typename acc_of<T>::type;
-  constexpr int V = Lanes<T>::N;
-  for (int p = 0; p < n; p += U) {
-    A v[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) v[u] = __shfl_sync(kFull, val, (p + u) & 31);
-    Raw16 w[U][KV];
-    load_pair_rows<T, KV, U>(w, p, n, col, b, ldb, K, k0, lane);
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const A vu = p + u < n ? v[u] : A(0);
-#pragma unroll
-      for (int kv = 0; kv < KV; ++kv) {
-        A e[V];
-        Lanes<T>::widen(w[u][kv], e);
-#pragma unroll
-        for (int i = 0; i < V; ++i) acc[kv][i] += vu * e[i];
-      }
-    }
-  }
+  const A vals[1] = {val};
+  gather_accumulate_sets<T, KV, U, 1>(reinterpret_cast<A(&)[1][KV][Lanes<T>::N]>(acc), n, col, vals, b, ldb, K,
+                                      k0, lane);
 }
 
 // Dot products x_row . y[col] for the batch's n pairs; lane l returns pair l's (0 for l >= n).
@@ -406,33 +425,42 @@ __global__ void __launch_bounds__(128) twell_gather_gated(
 // n_slots positions and spill_vals[p - n_slots] after them. The transposed products A.T @ g of
 // the backward pass run it on A.T's structure (twell_transpose_place) with A's own TwELL values,
 // so each output row is one warp's fp32 sum over its list, with no atomics and no gathered copy
-// of the values.
-template <typename T, int KV, int U>
+// of the values. With PAIR, a second matrix of the same structure (values data2 / spill_vals2)
+// is multiplied by the same b into out2 in the same pass: each b row is gathered once for both
+// (dW_gate = dZ.T @ x and dW_up = dU.T @ x).
+template <typename T, int KV, int U, bool PAIR = false>
 __global__ void __launch_bounds__(128) twell_gather_csr_spmm(
     const int* __restrict__ indptr, const int* __restrict__ cols, const int* __restrict__ sources,
-    const T* __restrict__ data, long long n_slots, const T* __restrict__ spill_vals, int M,
-    const T* __restrict__ b, long long ldb, int K, T* __restrict__ out, long long ldo) {
+    const T* __restrict__ data, long long n_slots, const T* __restrict__ spill_vals,
+    const T* __restrict__ data2, const T* __restrict__ spill_vals2, int M, const T* __restrict__ b,
+    long long ldb, int K, T* __restrict__ out, T* __restrict__ out2, long long ldo) {
   using A = typename acc_of<T>::type;
   constexpr int CHUNK = KV * 32 * Lanes<T>::N;
+  constexpr int NV = PAIR ? 2 : 1;
   const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (row >= M) return;  // warp-uniform
   const int e_begin = indptr[row], e_end = indptr[row + 1];
   for (int k0 = 0; k0 < K; k0 += CHUNK) {
-    A acc[KV][Lanes<T>::N];
-    clear<T, KV>(acc);
+    A acc[NV][KV][Lanes<T>::N];
+#pragma unroll
+    for (int s = 0; s < NV; ++s) clear<T, KV>(acc[s]);
     for (int e0 = e_begin; e0 < e_end; e0 += 32) {
       const int e = e0 + lane;
       int col = 0;
-      A val = A(0);
+      A val[NV];
+#pragma unroll
+      for (int s = 0; s < NV; ++s) val[s] = A(0);
       if (e < e_end) {
         const long long p = sources[e];
         col = cols[e];
-        val = to_acc(p < n_slots ? data[p] : spill_vals[p - n_slots]);
+        val[0] = to_acc(p < n_slots ? data[p] : spill_vals[p - n_slots]);
+        if constexpr (PAIR) val[NV - 1] = to_acc(p < n_slots ? data2[p] : spill_vals2[p - n_slots]);
       }
-      gather_accumulate<T, KV, U>(acc, min(32, e_end - e0), col, val, b, ldb, K, k0, lane);
+      gather_accumulate_sets<T, KV, U, NV>(acc, min(32, e_end - e0), col, val, b, ldb, K, k0, lane);
     }
-    store_chunk<T, KV>(acc, out + row * ldo, K, k0, lane);
+    store_chunk<T, KV>(acc[0], out + row * ldo, K, k0, lane);
+    if constexpr (PAIR) store_chunk<T, KV>(acc[NV - 1], out2 + row * ldo, K, k0, lane);
   }
 }
 

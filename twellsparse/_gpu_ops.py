@@ -145,28 +145,44 @@ def spmm_transposed(
     g: Any,
     out: Any,
     pattern: Callable[[], TransposedPattern] | None = None,
+    second: tuple[TwELLParts, Any] | None = None,
 ) -> Any:
     """``out = A.T @ g``; ``g`` (M x K), ``out`` (N x K).
 
     With 16-byte rows (``rows_aligned``) the entries are placed in the CSR structure of ``A.T``
     (:func:`transposed_pattern`, a counting sort with no host read) and a row-gather kernel sums
-    each output row in one warp, reading A's values where they are; other layouts scatter with fp32 atomics
-    into a workspace (the summation order, and so the last bits, can then vary between runs).
-    ``pattern`` returns the shared :class:`TransposedPattern` of A's structure (built on first
-    use by the caller's products), so products on one pattern sort once.
+    each output row in one warp, reading A's values where they are; other layouts scatter with
+    fp32 atomics into a workspace (the summation order, and so the last bits, can then vary
+    between runs). ``pattern`` returns the shared :class:`TransposedPattern` of A's structure
+    (built on first use by the caller's products), so products on one pattern sort once.
+    ``second = (parts2, out2)``: also ``out2 = A2.T @ g`` for A2 of A's structure, in the same
+    pass on the gather path (each row of g read once for both).
     """
     cp = _cp()
     m = parts.data.shape[0]
     g, ldg = row_stride(g)
     k = g.shape[1]
     ldo_out = max(out.strides[0] // out.itemsize, k, 1)
-    if rows_aligned((g, ldg), (out, ldo_out)) and parts.data.dtype == g.dtype:
+    operands, outs = ([parts], [out]) if second is None else ([parts, second[0]], [out, second[1]])
+    if (
+        rows_aligned((g, ldg), *((o, ldo_out) for o in outs))
+        and all(o.strides == out.strides for o in outs)
+        and all(p.data.dtype == g.dtype for p in operands)
+    ):
         tp = pattern() if pattern else transposed_pattern(parts, tile_n, n_cols)
-        kv, u = K.GATHER_DEFAULT["csr_spmm"]
-        values = (tp.sources, cp.ascontiguousarray(parts.data), np.int64(tp.n_slots), parts.spill_data)
-        args = (tp.indptr, tp.rows, *values, np.int32(n_cols), g, np.int64(ldg), np.int32(k), out, np.int64(ldo_out))
-        K.launch_grid(K.gather_expression("csr_spmm", g.dtype, kv, u), *_gather_grid(n_cols), args)
+        values = [cp.ascontiguousarray(parts.data), np.int64(tp.n_slots), parts.spill_data]
+        if second is None:
+            kind, values2, out2 = "csr_spmm", [K.null_pointer()] * 2, K.null_pointer()
+        else:
+            kind, out2 = "csr_spmm_pair", second[1]
+            values2 = [cp.ascontiguousarray(second[0].data), second[0].spill_data]
+        args = (tp.indptr, tp.rows, tp.sources, *values, *values2, np.int32(n_cols), g, np.int64(ldg), np.int32(k))
+        kv, u = K.GATHER_DEFAULT[kind]
+        expr = K.gather_expression(kind, g.dtype, kv, u)
+        K.launch_grid(expr, *_gather_grid(n_cols), (*args, out, out2, np.int64(ldo_out)))
         return out
+    if second is not None:  # the portable path: one product at a time
+        spmm_transposed(second[0], tile_n, n_cols, g, second[1], pattern)
     warn_portable("matmul (transposed)")
     acc = cp.float64 if g.dtype == cp.float64 else cp.float32
     ws = cp.zeros((n_cols, k), dtype=acc)

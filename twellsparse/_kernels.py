@@ -44,13 +44,14 @@ SPMM_THREADS = 128
 #: bench/results/2026-12-02-ffn.jsonl, commit 72f5ef8: (4, 4) took the SDDMM from 0.387 to
 #: 0.360 ms at 0.5% and from 0.679 to 0.619 ms at 1%; the benchmark times the others beside it).
 GATHER_VARIANTS = ((8, 2), (4, 4))
-GATHER_DEFAULT = {"spmm": (8, 2), "sddmm": (4, 4), "gated": (4, 4), "csr_spmm": (8, 2)}
+GATHER_DEFAULT = {"spmm": (8, 2), "sddmm": (4, 4), "gated": (4, 4), "csr_spmm": (8, 2), "csr_spmm_pair": (4, 4)}
 GATHER_WARPS = 4  # rows (warps) per block
 
 
 def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = False) -> str:
     """Name expression of a row-gather kernel: kind "spmm", "spmm_sum" (two products of one
-    structure summed), "sddmm", "gated", "csr_spmm", or the ReLU-mask-driven consumers
+    structure summed), "sddmm", "gated", "csr_spmm", "csr_spmm_pair" (two matrices of one
+    structure times the same dense one, in one pass), or the ReLU-mask-driven consumers
     "mask_gated" and "mask_spmm"."""
     t = CXX_TYPE[np.dtype(dtype)]
     if kind == "spmm":
@@ -63,9 +64,11 @@ def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = Fals
         return f"twell_gather_gated<{t}, {kv}, {u}>"
     if kind == "csr_spmm":
         return f"twell_gather_csr_spmm<{t}, {kv}, {u}>"
+    if kind == "csr_spmm_pair":
+        return f"twell_gather_csr_spmm<{t}, {kv}, {u}, true>"
     if kind in ("mask_gated", "mask_spmm"):
         return f"twell_{kind}<{t}, {kv}, {u}>"
-    kinds = "'spmm', 'spmm_sum', 'sddmm', 'gated', 'csr_spmm', 'mask_gated' or 'mask_spmm'"
+    kinds = "'spmm', 'spmm_sum', 'sddmm', 'gated', 'csr_spmm', 'csr_spmm_pair', 'mask_gated' or 'mask_spmm'"
     raise ValueError(f"kind: expected {kinds}, got {kind!r}")
 
 
@@ -99,6 +102,7 @@ def _instantiations() -> dict[str, list[str]]:
             ("spmm", False),
             ("spmm_sum", False),
             ("csr_spmm", False),
+            ("csr_spmm_pair", False),
             ("gated", False),
             ("sddmm", False),
             ("sddmm", True),

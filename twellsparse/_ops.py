@@ -115,8 +115,9 @@ def _matmul_gpu(
 
 def transposed_products(pattern: twell_array, pairs: list[tuple[twell_array, Any]]) -> list[Any]:
     """``a.T @ b`` for each ``(a, b)``, every ``a`` with ``pattern``'s structure (other values,
-    as the backward pass makes them): on the GPU the structure of the transpose is sorted once
-    for all of them. Internal: the operands are trusted (shapes and devices already checked)."""
+    as the backward pass makes them): on the GPU the structure of the transpose is built once
+    for all of them, and two consecutive pairs with the same ``b`` run in one pass (each row of
+    ``b`` read once). Internal: the operands are trusted (shapes and devices already checked)."""
     if not is_cupy_array(pattern.data):
         return [matmul(a.T, b) for a, b in pairs]
     import cupy as cp
@@ -125,12 +126,23 @@ def transposed_products(pattern: twell_array, pairs: list[tuple[twell_array, Any
 
     n_cols = pattern.shape[1]
     shared = functools.cache(lambda: _gpu_ops.transposed_pattern(pattern.parts, pattern.tile_n, n_cols))
-    results = []
-    for a, b in pairs:
+    results: list[Any] = []
+    i = 0
+    while i < len(pairs):
+        a, b = pairs[i]
         dt = result_dtype(a.dtype, b.dtype)
+        bb = b.astype(dt, copy=False)
         out = cp.empty((n_cols, b.shape[1]), dtype=dt)
-        parts = _cast_parts(a.parts, dt)
-        results.append(_gpu_ops.spmm_transposed(parts, a.tile_n, n_cols, b.astype(dt, copy=False), out, shared))
+        twin = pairs[i + 1] if i + 1 < len(pairs) and pairs[i + 1][1] is b else None
+        if twin is not None and result_dtype(twin[0].dtype, b.dtype) == dt:
+            out2 = cp.empty_like(out)
+            second = (_cast_parts(twin[0].parts, dt), out2)
+            _gpu_ops.spmm_transposed(_cast_parts(a.parts, dt), a.tile_n, n_cols, bb, out, shared, second)
+            results += [out, out2]
+            i += 2
+            continue
+        results.append(_gpu_ops.spmm_transposed(_cast_parts(a.parts, dt), a.tile_n, n_cols, bb, out, shared))
+        i += 1
     return results
 
 

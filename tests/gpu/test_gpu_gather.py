@@ -160,6 +160,17 @@ def test_transposed_product_through_csr(cp, rng, dtype, m, n, k, tile_n, capacit
     _gpu_ops.spmm_transposed(a.parts, tile_n, n, cp.asarray(g), out)
     assert rel_error(out, expected) <= _bound(dtype, expected)
     _check_transposed_pattern(_gpu_ops.transposed_pattern(a.parts, tile_n, n), a, h)
+    # A second matrix of the same structure times the same g, in the same pass (the pair kernel).
+    from twellsparse._ops import with_values
+
+    a2 = with_values(a, *(cp.asarray(rng.standard_normal(v.shape).astype(dtype)) for v in (a.data, a.spill_data)))
+    out1, out2 = cp.empty((n, k), dtype=dtype), cp.empty((n, k), dtype=dtype)
+    for o in (out1, out2):
+        o.view(cp.uint8).fill(0xFF)  # NaN in every dtype: rows the kernel misses would show
+    _gpu_ops.spmm_transposed(a.parts, tile_n, n, cp.asarray(g), out1, second=(a2.parts, out2))
+    expected2 = a2.toarray().get().astype(np.float64).T @ g.astype(np.float64)
+    assert rel_error(out1, expected) <= _bound(dtype, expected)
+    assert rel_error(out2, expected2) <= _bound(dtype, expected2)
 
 
 def _check_transposed_pattern(t, a, h):
