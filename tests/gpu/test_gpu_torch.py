@@ -113,7 +113,7 @@ def test_module_forward_captured_in_a_cuda_graph(gated):
     """With a fixed spill_capacity the module's forward is captured by torch.cuda.graph and
     replays on new tokens bit-exactly like the exact module (spill included); a too small
     capacity is reported by check_spill after the replay."""
-    fixed, exact = _module_pair(gated, 256 * 64)
+    fixed, exact = _module_pair(gated, 256 * 1024)
     x = _tokens(1)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -148,7 +148,7 @@ def test_fixed_spill_capacity_too_small_raises_at_the_next_forward():
 def test_fixed_spill_capacity_values_and_grads(gated):
     """Training with a fixed spill_capacity (the backward trims the spill) gives the exact
     module's output and gradients."""
-    fixed, exact = _module_pair(gated, 256 * 64, torch.float32)
+    fixed, exact = _module_pair(gated, 256 * 1024, torch.float32)
     x = _tokens(6, torch.float32).requires_grad_()
     outs = [m(x) for m in (fixed, exact)]
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
@@ -163,7 +163,7 @@ def test_training_step_captured_in_a_cuda_graph(gated):
     """With a fixed spill_capacity nothing in the forward or the sparse backward reads back, so
     a whole training step (forward, backward, gradients) is captured by torch.cuda.graph; its
     replays on new tokens give the exact module's output and gradients (spill included)."""
-    fixed, exact = _module_pair(gated, 256 * 64, torch.float32)
+    fixed, exact = _module_pair(gated, 256 * 1024, torch.float32)
     x = _tokens(7, torch.float32).requires_grad_()
     g = torch.randn(256, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(8))
 
