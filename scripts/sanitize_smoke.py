@@ -45,9 +45,10 @@ for dtype in (ts.bfloat16, np.float32):
         _gpu_ops.spmm(a4.parts, 32, b8, cp.empty((37, 24), dtype=dtype), path="gather", variant=variant)
         _gpu_ops.sddmm(a4.parts, 32, xin, b8, True, path="gather", variant=variant)
         _gpu_ops.gated_consumer(a4.parts, 32, xin, b8, b8, keep_up=True, variant=variant)
-    # The backward's pieces: one transposed pattern (the counting sort) for two products that
-    # read their values through it, and the dual row-gather SpMM.
-    transposed_products(a4, [(a4, xin), (a4, b8[:37])])
+    # The backward's pieces: one transposed pattern (the counting sort) for three products that
+    # read their values through it (two of them paired on one dense operand), and the dual row-gather SpMM.
+    g37 = b8[:37]
+    transposed_products(a4, [(a4, xin), (a4, g37), (a4, g37)])  # the last two: one paired pass
     _gpu_ops.spmm(a4.parts, 32, b8, cp.empty((37, 24), dtype=dtype), path="gather", second=(a4.parts, b8))
     # The ReLU-mask pack with a hand-made cuBLASLt-layout mask (4 words per 128 columns).
     hm = np.maximum(x.astype(np.float32), 0).astype(dtype)
