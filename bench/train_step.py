@@ -91,6 +91,8 @@ def captured_steps(args: argparse.Namespace, params: list[torch.Tensor], grad: t
     """Both steps captured whole in a CUDA graph (host launch costs gone): the dense one as it
     is, the sparse one through ``TwELLGatedMLP`` with a fixed ``spill_capacity`` (nothing read
     back; the entries it left out are checked after the replays)."""
+    # New leaves: the eager steps' gradient-accumulator nodes live on the default stream.
+    params = [p.detach().clone().requires_grad_() for p in params]
     x, wg, wu, wd = params
     mlp = tt.TwELLGatedMLP(args.d_model, args.d_ff, spill_capacity=args.m * 64, device=x.device, dtype=x.dtype)
     with torch.no_grad():

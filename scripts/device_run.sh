@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|widths|jax|micro|stages|trainprofile|benchquick|profile|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|trainprofile|benchquick|profile|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -33,6 +33,13 @@ for step in $what; do
     bench|all)
       python3 bench/ffn_bench.py --out "$OUT/ffn_bench.jsonl" 2>&1 | tee "$OUT/ffn_bench.log"
       status=$((status | ${PIPESTATUS[0]}))
+      python3 bench/train_step.py --out "$OUT/train_step.jsonl" 2>&1 | tee "$OUT/train_step.log"
+      status=$((status | ${PIPESTATUS[0]}))
+      python3 bench/model_bench.py --out "$OUT/model_bench.jsonl" 2>&1 | tee "$OUT/model_bench.log"
+      status=$((status | ${PIPESTATUS[0]}))
+      ;;&
+    training)
+      # The training step and the model alone (eager and captured in CUDA graphs).
       python3 bench/train_step.py --out "$OUT/train_step.jsonl" 2>&1 | tee "$OUT/train_step.log"
       status=$((status | ${PIPESTATUS[0]}))
       python3 bench/model_bench.py --out "$OUT/model_bench.jsonl" 2>&1 | tee "$OUT/model_bench.log"
