@@ -25,8 +25,10 @@ from ._parts import TwELLParts
 ENABLED = True
 
 #: Whether the FFN plans' sparse tail reads this producer's mask directly (``twell_mask_gated``
-#: / ``twell_mask_spmm``: no TwELL pack, no capacity, no overflow read-back). Opt-in until it
-#: has been measured on the H200 (written after the device budget of 2026-12-03 was spent).
+#: / ``twell_mask_spmm``: no TwELL pack, no capacity, no overflow read-back). Off: on the H200
+#: the plans' calls are slower with it at 0.5-1% density (gated 1.30 against 1.24 ms, non-gated
+#: 1.10 against 0.89 at 0.5%, bench/results/2026-12-03-ffn.jsonl, commit 98e75d0): walking the
+#: mask words costs more than the pack it saves.
 MASK_CONSUMER = False
 
 _DTYPES = (np.dtype(np.float16), bfloat16, np.dtype(np.float32))
