@@ -6,8 +6,8 @@ CuPy arrays through DLPack (zero-copy) and launches the CUDA kernels on that str
 goes through the host; on the CPU it runs the NumPy reference path on the host buffers. Outputs
 are written in place into XLA's result buffers. Where an exact spill's length must be known
 (the producer's overflow count), the callback reads that one scalar back, which waits for XLA's
-stream; the mask-driven tails of the plans (``_gpu_producer.MASK_CONSUMER``) remove the FFN
-forward's read, and the transposed products of the backward read nothing.
+stream (the opt-in mask-driven tails of the plans, ``_gpu_producer.MASK_CONSUMER``, remove the
+FFN forward's read but are slower on the H200); the backward's transposed products read nothing.
 
 - :class:`twellsparse.twell_array` is a pytree of its six component arrays (data, indices,
   counts, spill data, spill indices, spill row pointers) with the shape and tile width as static
