@@ -8,7 +8,7 @@ the whole stage first, so the events see the GPU's work alone, as a CUDA graph w
 Stages: the plain cuBLASLt GEMM, the ReLU-mask GEMM, the mask pack (pass 1 and its overflow
 read-back), linear_to_twell, gated and non-gated plan calls (also with a fixed spill capacity:
 no read-back), the gated consumer, and the training backward's pieces (SDDMM, value
-products, the transposed pattern, the three transposed products, dX).
+products, the transposed pattern, the three transposed products, dX as the dual pass).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def stages(density: float, m: int, pattern: str) -> dict[str, Any]:
 
     import twellsparse as ts
     from twellsparse import _gpu_convert, _gpu_ops, _gpu_producer
-    from twellsparse._ops import gated_product, matmul, product_values, sddmm, transposed_products
+    from twellsparse._ops import gated_product, matmul, matmul_sum, product_values, sddmm, transposed_products
 
     p = ffn_problem(m, 2048, 5632, density, pattern, ts.bfloat16, 0, cp)
     x, wg, wu, wd = (p[k] for k in ("x", "w_gate", "w_up", "w_down"))
@@ -58,7 +58,7 @@ def stages(density: float, m: int, pattern: str) -> dict[str, Any]:
         "bwd value products": lambda: (product_values(g, u), product_values(d_h, u), product_values(d_h, g)),
         "bwd transposed pattern": lambda: _gpu_ops.transposed_pattern(g.parts, g.tile_n, g.shape[1]),
         "bwd 3 transposed products": lambda: transposed_products(g, [(h, go), (d_z, x), (d_u, x)]),
-        "bwd dX": lambda: (matmul(d_z, wg), matmul(d_u, wu)),
+        "bwd dX": lambda: matmul_sum(d_z, wg, d_u, wu),  # the backward's one dual pass
     }
 
 

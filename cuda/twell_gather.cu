@@ -306,6 +306,27 @@ __device__ __forceinline__ void clear(typename acc_of<T>::type (&acc)[KV][Lanes<
     for (int i = 0; i < Lanes<T>::N; ++i) acc[kv][i] = 0;
 }
 
+// out_row[0, K) = the sum that walk(acc, k0) accumulates, one column chunk of KV x 32 x 16 bytes at
+// a time: the chunk's fp32 accumulators cleared, filled by the walk, rounded once by the store.
+template <typename T, int KV, typename W>
+__device__ __forceinline__ void sum_by_chunks(T* out_row, int K, int lane, W&& walk) {
+  constexpr int CHUNK = KV * 32 * Lanes<T>::N;
+  for (int k0 = 0; k0 < K; k0 += CHUNK) {
+    typename acc_of<T>::type acc[KV][Lanes<T>::N];
+    clear<T, KV>(acc);
+    walk(acc, k0);
+    store_chunk<T, KV>(acc, out_row, K, k0, lane);
+  }
+}
+
+// The value at source position p of a matrix whose entries are its n_slots TwELL slots
+// followed by its spill.
+template <typename T>
+__device__ __forceinline__ typename acc_of<T>::type value_at(long long p, const T* __restrict__ data,
+                                                             long long n_slots, const T* __restrict__ spill_vals) {
+  return to_acc(p < n_slots ? data[p] : spill_vals[p - n_slots]);
+}
+
 }  // namespace
 
 // out[row, :] = sum over the row's entries (j, v) of v * b[j, :]. One warp per row, the K
@@ -327,21 +348,18 @@ __global__ void __launch_bounds__(128) twell_gather_spmm(
   const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (row >= M) return;  // warp-uniform
-  for (int k0 = 0; k0 < K; k0 += CHUNK) {
-    A acc[KV][Lanes<T>::N];
-    clear<T, KV>(acc);
+  sum_by_chunks<T, KV>(out + row * ldo, K, lane, [&](A(&acc)[KV][Lanes<T>::N], int k0) {
     for_each_batch<true>(data, indices, counts, spill_indptr, spill_cols, spill_vals, row, n_tiles, tile_n,
                          capacity, lane, [&](int n, int col, A val, long long) {
-                     gather_accumulate<T, KV, U>(acc, n, col, val, b, ldb, K, k0, lane);
-                   });
+                           gather_accumulate<T, KV, U>(acc, n, col, val, b, ldb, K, k0, lane);
+                         });
     if (DUAL) {  // a second walk over the entries: one operand's loads in flight at a time
       for_each_batch<true>(data2, indices, counts, spill_indptr, spill_cols, spill_vals2, row, n_tiles, tile_n,
                            capacity, lane, [&](int n, int col, A val, long long) {
-                       gather_accumulate<T, KV, U>(acc, n, col, val, b2, ldb2, K, k0, lane);
-                     });
+                             gather_accumulate<T, KV, U>(acc, n, col, val, b2, ldb2, K, k0, lane);
+                           });
     }
-    store_chunk<T, KV>(acc, out + row * ldo, K, k0, lane);
-  }
+  });
 }
 
 // Sampled products at the pattern: out = x[row] . y[j] for every stored entry (j, v), times v
@@ -404,9 +422,7 @@ __global__ void __launch_bounds__(128) twell_gather_gated(
                           }
                         });
   __syncwarp();  // phase 2 reads the u values other lanes wrote
-  for (int k0 = 0; k0 < K_out; k0 += CHUNK) {
-    A acc[KV][Lanes<T>::N];
-    clear<T, KV>(acc);
+  sum_by_chunks<T, KV>(out + row * ldo, K_out, lane, [&](A(&acc)[KV][Lanes<T>::N], int k0) {
     for_each_batch<true>(gate, indices, counts, spill_indptr, spill_cols, gate_spill, row, n_tiles, tile_n,
                          capacity, lane, [&](int n, int col, A g, long long where) {
                            A h = A(0);
@@ -416,8 +432,7 @@ __global__ void __launch_bounds__(128) twell_gather_gated(
                            }
                            gather_accumulate<T, KV, U>(acc, n, col, h, w_down_t, ldd, K_out, k0, lane);
                          });
-    store_chunk<T, KV>(acc, out + row * ldo, K_out, k0, lane);
-  }
+  });
 }
 
 // out[r, :] = sum over row r's entries e of value(sources[e]) * b[cols[e], :], for a matrix in
@@ -454,14 +469,29 @@ __global__ void __launch_bounds__(128) twell_gather_csr_spmm(
       if (e < e_end) {
         const long long p = sources[e];
         col = cols[e];
-        val[0] = to_acc(p < n_slots ? data[p] : spill_vals[p - n_slots]);
-        if constexpr (PAIR) val[NV - 1] = to_acc(p < n_slots ? data2[p] : spill_vals2[p - n_slots]);
+        val[0] = value_at(p, data, n_slots, spill_vals);
+        if constexpr (PAIR) val[NV - 1] = value_at(p, data2, n_slots, spill_vals2);
       }
       gather_accumulate_sets<T, KV, U, NV>(acc, min(32, e_end - e0), col, val, b, ldb, K, k0, lane);
     }
     store_chunk<T, KV>(acc[0], out + row * ldo, K, k0, lane);
     if constexpr (PAIR) store_chunk<T, KV>(acc[NV - 1], out2 + row * ldo, K, k0, lane);
   }
+}
+
+// out_row = sum over the set bits j of `row` in the ReLU bit-mask of z[row, j] * w_down_t[j, :]:
+// the down projection of both mask-driven tails.
+template <typename T, int KV, int U>
+__device__ __forceinline__ void mask_down_row(const unsigned* __restrict__ mask, long long ld_words, const T* z,
+                                              long long ldz, long long row, int N, int lane,
+                                              const T* __restrict__ w_down_t, long long ldd, int K_out,
+                                              T* __restrict__ out_row) {
+  using A = typename acc_of<T>::type;
+  sum_by_chunks<T, KV>(out_row, K_out, lane, [&](A(&acc)[KV][Lanes<T>::N], int k0) {
+    for_each_mask_batch(mask, ld_words, z, ldz, row, N, lane, [&](int n, int col, A h, long long) {
+      gather_accumulate<T, KV, U>(acc, n, col, h, w_down_t, ldd, K_out, k0, lane);
+    });
+  });
 }
 
 // The gated consumer driven by the producer's ReLU bit-mask instead of TwELL parts (no pack, no
@@ -486,14 +516,7 @@ __global__ void __launch_bounds__(128) twell_mask_gated(
     if (lane < n) z[where] = g != A(0) ? from_acc<T>(g * u) : zero_value<T>();
   });
   __syncwarp();  // phase 2 reads the h values other lanes wrote
-  for (int k0 = 0; k0 < K_out; k0 += CHUNK) {
-    A acc[KV][Lanes<T>::N];
-    clear<T, KV>(acc);
-    for_each_mask_batch(mask, ld_words, z, ldz, row, N, lane, [&](int n, int col, A h, long long) {
-      gather_accumulate<T, KV, U>(acc, n, col, h, w_down_t, ldd, K_out, k0, lane);
-    });
-    store_chunk<T, KV>(acc, out + row * ldo, K_out, k0, lane);
-  }
+  mask_down_row<T, KV, U>(mask, ld_words, z, ldz, row, N, lane, w_down_t, ldd, K_out, out + row * ldo);
 }
 
 // The non-gated down projection driven by the ReLU bit-mask: out[row, :] = sum over the row's set
@@ -507,12 +530,5 @@ __global__ void __launch_bounds__(128) twell_mask_spmm(
   const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (row >= M) return;  // warp-uniform
-  for (int k0 = 0; k0 < K_out; k0 += CHUNK) {
-    A acc[KV][Lanes<T>::N];
-    clear<T, KV>(acc);
-    for_each_mask_batch(mask, ld_words, z, ldz, row, N, lane, [&](int n, int col, A h, long long) {
-      gather_accumulate<T, KV, U>(acc, n, col, h, w_down_t, ldd, K_out, k0, lane);
-    });
-    store_chunk<T, KV>(acc, out + row * ldo, K_out, k0, lane);
-  }
+  mask_down_row<T, KV, U>(mask, ld_words, z, ldz, row, N, lane, w_down_t, ldd, K_out, out + row * ldo);
 }

@@ -33,13 +33,10 @@ for step in $what; do
     bench|all)
       python3 bench/ffn_bench.py --out "$OUT/ffn_bench.jsonl" 2>&1 | tee "$OUT/ffn_bench.log"
       status=$((status | ${PIPESTATUS[0]}))
-      python3 bench/train_step.py --out "$OUT/train_step.jsonl" 2>&1 | tee "$OUT/train_step.log"
-      status=$((status | ${PIPESTATUS[0]}))
-      python3 bench/model_bench.py --out "$OUT/model_bench.jsonl" 2>&1 | tee "$OUT/model_bench.log"
-      status=$((status | ${PIPESTATUS[0]}))
       ;;&
-    training)
-      # The training step and the model alone (eager and captured in CUDA graphs).
+    training|bench|all)
+      # The training step and the model (eager and captured in CUDA graphs); `training` alone
+      # skips the FFN benchmark.
       python3 bench/train_step.py --out "$OUT/train_step.jsonl" 2>&1 | tee "$OUT/train_step.log"
       status=$((status | ${PIPESTATUS[0]}))
       python3 bench/model_bench.py --out "$OUT/model_bench.jsonl" 2>&1 | tee "$OUT/model_bench.log"

@@ -126,10 +126,11 @@ def spmm(
         K.launch_grid(K.gather_expression(kind, b.dtype, kv, u), *_gather_grid(m), args)
         return out
     if second is not None:  # the portable kernel takes one operand: a second launch and a sum
+        from ._ops import values_op
+
         spmm(parts, tile_n, b, out, path)
         out2 = spmm(second[0], tile_n, second[1], _cp().empty_like(out), path)
-        wide = np.float64 if out.dtype == np.float64 else np.float32
-        out[...] = (out.astype(wide) + out2.astype(wide)).astype(out.dtype)
+        out[...] = values_op(lambda p, q: p + q, out, out2)
         return out
     expr = f"twell_spmm<{K.CXX_TYPE[b.dtype]}, {K.SPMM_VPT}>"
     K.launch_grid(

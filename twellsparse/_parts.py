@@ -23,7 +23,9 @@ class TwELLParts(NamedTuple):
 
 def trimmed_spill(parts: TwELLParts) -> TwELLParts:
     """``parts`` with spill arrays holding exactly their entries (one read-back of the count):
-    a fixed ``spill_capacity`` makes them longer, which only the gather kernels accept."""
+    a fixed ``spill_capacity`` makes them longer, which the GPU kernels read through the row
+    pointers, but the CPU reference and a user-facing ``twell_array`` (its ``nnz`` counts the
+    arrays) need exact."""
     n = int(parts.spill_indptr[-1])
     if n == parts.spill_data.shape[0]:
         return parts

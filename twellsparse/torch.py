@@ -521,9 +521,9 @@ class TwELLMLP(_TwELLMLPBase):
         :class:`twellsparse.GatedFFN`): the forward then reads nothing back to the host and can
         be captured in a CUDA graph (``torch.cuda.graph``) when shapes are static. Entries that
         do not fit raise :class:`twellsparse.TwELLSpillCapacityError` at the next forward or
-        :meth:`check_spill`; the backward trims the spill (one read-back). Needs operands the
-        row-gather kernels take (one dtype, rows of a multiple of 16 bytes); elsewhere the
-        forward is the exact one.
+        :meth:`check_spill`; the GPU backward reads nothing back either, so a whole training step
+        can be captured. Needs operands the row-gather kernels take (one dtype, rows of a
+        multiple of 16 bytes); elsewhere the forward is the exact one.
     """
 
     up_proj: nn.Linear
