@@ -65,25 +65,19 @@ def dense_ffns(x: Any, wg: Any, wu: Any, wd: Any, provider: str) -> tuple[Callab
     return torch_gated, torch_plain
 
 
-def with_setting(module: Any, name: str, value: bool, fn: Callable[[], Any]) -> Callable[[], Any]:
-    """``fn`` run with ``module.<name>`` set to ``value`` (restored after)."""
-
-    def run() -> Any:
-        saved = getattr(module, name)
-        setattr(module, name, value)
-        try:
-            return fn()
-        finally:
-            setattr(module, name, saved)
-
-    return run
-
-
 def with_producer_setting(name: str, value: bool, fn: Callable[[], Any]) -> Callable[[], Any]:
     """``fn`` run with ``twellsparse._gpu_producer.<name>`` set to ``value`` (restored after)."""
     from twellsparse import _gpu_producer
 
-    return with_setting(_gpu_producer, name, value, fn)
+    def run() -> Any:
+        saved = getattr(_gpu_producer, name)
+        setattr(_gpu_producer, name, value)
+        try:
+            return fn()
+        finally:
+            setattr(_gpu_producer, name, saved)
+
+    return run
 
 
 def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Timer, hidden: Timer) -> dict[str, Any]:
@@ -145,24 +139,13 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
     ref_up = _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="portable").data
     ref_gated = gated_plan(x)
     ref_plain_plan = plain_plan(x)
-
-    def consumer() -> Any:
-        return _gpu_ops.gated_consumer(h.parts, h.tile_n, x, wu, wd_t)
-
     variants = {
         "spmm_down_portable": (lambda: _gpu_ops.spmm(h.parts, h.tile_n, wd_t, h_out, path="portable"), ref_down),
-        "spmm_down_gather": (lambda: _gpu_ops.spmm(h.parts, h.tile_n, wd_t, h_out, path="gather"), ref_down),
-        "spmm_down_stream": (lambda: _gpu_ops.spmm(h.parts, h.tile_n, wd_t, h_out, path="stream"), ref_down),
-        # The plans with the row-gather down projection and the fused gated consumer (the
-        # defaults before the stream SpMM).
-        "ffn_gather_down": (with_setting(_gpu_ops, "STREAM_SPMM", False, lambda: plain_plan(x)), ref_plain_plan),
-        "gated_ffn_fused_consumer": (with_setting(_gpu_ops, "SPLIT_GATED", False, lambda: gated_plan(x)), ref_gated),
-        "gated_consumer_fused": (with_setting(_gpu_ops, "SPLIT_GATED", False, lambda: consumer()[0]), ref_gated),
         "spmm_down_gather_4x4": (
             lambda: _gpu_ops.spmm(h.parts, h.tile_n, wd_t, h_out, path="gather", variant=(4, 4)),
             ref_down,
         ),
-        "gated_consumer": (lambda: consumer()[0], ref_gated),
+        "gated_consumer": (lambda: _gpu_ops.gated_consumer(h.parts, h.tile_n, x, wu, wd_t)[0], ref_gated),
         "gated_consumer_8x2": (
             lambda: _gpu_ops.gated_consumer(h.parts, h.tile_n, x, wu, wd_t, variant=(8, 2))[0],
             ref_gated,

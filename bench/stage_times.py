@@ -7,8 +7,7 @@ the whole stage first, so the events see the GPU's work alone, as a CUDA graph w
 
 Stages: the plain cuBLASLt GEMM, the ReLU-mask GEMM, the mask pack (pass 1 and its overflow
 read-back), linear_to_twell, gated and non-gated plan calls (also with a fixed spill capacity:
-no read-back), the gated consumer (split and fused), the up SDDMM, the down SpMM (stream and
-gather), and the training backward's pieces (SDDMM, value
+no read-back), the gated consumer, and the training backward's pieces (SDDMM, value
 products, the transposed pattern, the three transposed products, dX as the dual pass).
 """
 
@@ -40,15 +39,6 @@ def stages(density: float, m: int, pattern: str) -> dict[str, Any]:
         "gated_fixed_spill": ts.GatedFFN(wg, wu, wd, dispatch="sparse", spill_capacity=m * 64),
         "plain_fixed_spill": ts.FFN(wg, wd, dispatch="sparse", spill_capacity=m * 64),
     }
-    out = cp.empty((m, 2048), dtype=x.dtype)
-
-    def fused(fn: Any) -> Any:  # the gated consumer as one row-gather kernel (before the stream SpMM)
-        saved, _gpu_ops.SPLIT_GATED = _gpu_ops.SPLIT_GATED, False
-        try:
-            return fn()
-        finally:
-            _gpu_ops.SPLIT_GATED = saved
-
     h_relu, mask, words = _gpu_producer.relu_linear(x, wg)
     g = ts.linear_to_twell(x, wg)
     _, u = gated_product(x, wu, wd_t, g, keep_up=True)
@@ -62,10 +52,7 @@ def stages(density: float, m: int, pattern: str) -> dict[str, Any]:
         ),
         "linear_to_twell": lambda: ts.linear_to_twell(x, wg),
         "gated consumer": lambda: _gpu_ops.gated_consumer(g.parts, g.tile_n, x, wu, wd_t),
-        "gated consumer (fused gather)": lambda: fused(lambda: _gpu_ops.gated_consumer(g.parts, g.tile_n, x, wu, wd_t)),
-        "up sddmm (gather)": lambda: _gpu_ops.sddmm(g.parts, g.tile_n, x, wu, True, path="gather"),
         "down spmm": lambda: matmul(g, wd_t),
-        "down spmm (gather)": lambda: _gpu_ops.spmm(g.parts, g.tile_n, wd_t, out, path="gather"),
         **{f"plan {name}": (lambda plan=plan: plan(x)) for name, plan in plans.items()},
         "bwd sddmm": lambda: sddmm(go, wd_t, g),
         "bwd value products": lambda: (product_values(g, u), product_values(d_h, u), product_values(d_h, g)),

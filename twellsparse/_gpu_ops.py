@@ -46,17 +46,14 @@ def rows_aligned(*operands: tuple[Any, int]) -> bool:
 
 
 #: The paths of the product kernels: "gather" (twell_gather.cu, one warp per row, 16-byte row
-#: gathers; needs rows_aligned operands), "stream" (SpMM only: twell_stream.cu, the dense operand
-#: streamed through shared memory once per 256 tokens; needs stream_eligible operands) and
-#: "portable" (any layout). "auto" takes gather when the operands allow it, else portable.
-PATHS = ("auto", "gather", "stream", "portable")
+#: gathers; needs rows_aligned operands) and "portable" (any layout). "auto" takes gather when the
+#: operands allow it, else portable.
+PATHS = ("auto", "gather", "portable")
 
 
 def _choose_path(path: str, gather_ok: bool, op: str) -> str:
     if path not in PATHS:
         raise ValueError(f"path: expected one of {', '.join(map(repr, PATHS))}, got {path!r}")
-    if path == "stream":
-        raise ValueError(f"path: 'stream' serves the SpMM only, not {op}")
     if path == "gather" and not gather_ok:
         raise ValueError("path: 'gather' needs 16-byte-aligned operand rows whose length is a multiple of 16 bytes")
     if path == "auto":
@@ -87,57 +84,6 @@ def _gather_grid(m: int) -> tuple[tuple[int], tuple[int]]:
     return (-(-m // K.GATHER_WARPS),), (32 * K.GATHER_WARPS,)
 
 
-#: Whether ``path="auto"`` runs eligible SpMMs (:func:`stream_eligible`, at least
-#: STREAM_MIN_ROWS rows, one operand) on twell_stream_spmm instead of the row-gather kernel.
-STREAM_SPMM = True
-#: Below this many rows the stream kernel's grid (a block per 256 rows and 128 columns) leaves
-#: most multiprocessors idle while each block streams all of b: the row-gather kernel wins.
-STREAM_MIN_ROWS = 1024
-#: Geometry of twell_stream_spmm (constants of twell_stream.cu).
-STREAM_BLOCK_TOKENS = 256
-STREAM_CHUNK_COLS = 128
-STREAM_THREADS = 512
-STREAM_MAX_TILE = 256
-STREAM_STAGED_SLOTS = 16
-STREAM_STAGES = 2
-#: Shared memory per multiprocessor a block may take on sm_80 and later (227 KB on sm_90).
-MAX_BLOCK_SHARED = 232448
-
-
-def stream_shared_bytes(n_tiles: int) -> int:
-    """Dynamic shared memory of twell_stream_spmm: its stages plus the block's 16-bit counts."""
-    stage = STREAM_MAX_TILE * STREAM_CHUNK_COLS * 2 + 2 * STREAM_BLOCK_TOKENS * STREAM_STAGED_SLOTS * 2
-    return STREAM_STAGES * stage + -(-STREAM_BLOCK_TOKENS * n_tiles * 2 // 16) * 16
-
-
-def stream_eligible(parts: TwELLParts, tile_n: int, b: Any, ldb: int, out: Any, ldo: int) -> bool:
-    """Whether twell_stream_spmm can compute ``out = A @ b``: 16-bit values, ``tile_n`` at most
-    256, an even capacity (its slots are copied 4 bytes at a time), rows of b and out as the gather
-    kernels need them, and the block's counts fitting in shared memory beside the stages."""
-    nt, cap = parts.data.shape[1:]
-    return (
-        b.itemsize == 2
-        and parts.data.dtype == b.dtype
-        and tile_n <= STREAM_MAX_TILE
-        and cap % 2 == 0
-        and parts.data.data.ptr % 4 == 0
-        and parts.indices.data.ptr % 4 == 0
-        and parts.data.flags.c_contiguous
-        and stream_shared_bytes(nt) <= MAX_BLOCK_SHARED
-        and rows_aligned((b, ldb), (out, ldo))
-    )
-
-
-def _stream_spmm(parts: TwELLParts, tile_n: int, b: Any, ldb: int, out: Any, ldo: Any) -> None:
-    m, nt, cap = parts.data.shape
-    k = b.shape[1]
-    grid = (-(-k // STREAM_CHUNK_COLS), -(-m // STREAM_BLOCK_TOKENS))
-    geometry = (np.int32(m), np.int32(nt), np.int32(tile_n), np.int32(cap))
-    args = (*_matrix_args(parts), *geometry, b, np.int64(ldb), np.int32(b.shape[0]), np.int32(k), out, ldo)
-    expr = f"twell_stream_spmm<{K.CXX_TYPE[b.dtype]}>"
-    K.launch_grid(expr, grid, (STREAM_THREADS,), args, shared_mem=stream_shared_bytes(nt))
-
-
 def spmm(
     parts: TwELLParts,
     tile_n: int,
@@ -160,15 +106,6 @@ def spmm(
     ldo = np.int64(max(out.strides[0] // out.itemsize, k, 1))
     b2, ldb2 = row_stride(second[1]) if second is not None else (None, 0)
     gather_ok = rows_aligned((b, ldb), (out, int(ldo)), *([(b2, ldb2)] if second is not None else []))
-    if path == "auto" and STREAM_SPMM and second is None and variant is None and m >= STREAM_MIN_ROWS:
-        path = "stream" if stream_eligible(parts, tile_n, b, ldb, out, int(ldo)) else path
-    if path == "stream":
-        if second is not None or not stream_eligible(parts, tile_n, b, ldb, out, int(ldo)):
-            raise ValueError(
-                "path: 'stream' needs one bf16/fp16 operand with 16-byte rows, tile_n <= 256 and an even capacity"
-            )
-        _stream_spmm(parts, tile_n, b, ldb, out, ldo)
-        return out
     path = _choose_path(path, gather_ok, "matmul")
     if path == "gather":
         kv, u = variant or K.GATHER_DEFAULT["spmm"]
@@ -361,19 +298,6 @@ def gated_consumer_eligible(x: Any, w_up: Any, w_down_t: Any) -> bool:
     return same and rows_aligned(row_stride(x), row_stride(w_up), row_stride(w_down_t))
 
 
-#: Whether the gated consumer runs as the row-gather SDDMM followed by the stream SpMM (where the
-#: SpMM is stream-eligible and has at least STREAM_MIN_ROWS rows) rather than as one fused
-#: row-gather kernel.
-SPLIT_GATED = True
-
-
-def _split_gated(gate: TwELLParts, tile_n: int, w_down_t: Any, ldd: int, out: Any) -> bool:
-    m = gate.data.shape[0]
-    return (
-        SPLIT_GATED and m >= STREAM_MIN_ROWS and stream_eligible(gate, tile_n, w_down_t, ldd, out, max(out.shape[1], 1))
-    )
-
-
 def gated_consumer(
     gate: TwELLParts,
     tile_n: int,
@@ -397,16 +321,6 @@ def gated_consumer(
     k_out = w_down_t.shape[1]
     kv, u = _variant(variant, "gated")
     out = cp.empty((m, k_out), dtype=x.dtype)
-    if variant is None and _split_gated(gate, tile_n, w_down_t, ldd, out):
-        # The up products by the row-gather SDDMM, the down projection streamed (twell_stream.cu).
-        if keep_up:
-            up = sddmm(gate, tile_n, x, w_up, False, path="gather")
-            product = functools.partial(act_mul, activation="identity", threshold=None)  # fp32, rounded once
-            hidden = gate._replace(data=product(gate.data, up.data), spill_data=product(gate.spill_data, up.spill_data))
-        else:
-            up, hidden = None, sddmm(gate, tile_n, x, w_up, True, path="gather")
-        _stream_spmm(hidden, tile_n, w_down_t, ldd, out, np.int64(k_out))
-        return out, up
     # Phase 1 of the kernel writes u at the stored slots only: zero the padding for callers.
     u_data = (cp.zeros if keep_up else cp.empty)(gate.data.shape, dtype=x.dtype)
     u_spill = cp.empty(gate.spill_data.shape, dtype=x.dtype)

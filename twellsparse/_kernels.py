@@ -122,7 +122,6 @@ def _instantiations() -> dict[str, list[str]]:
         "twell_spmm.cu": spmm,
         "twell_sddmm.cu": sddmm,
         "twell_gather.cu": gather,
-        "twell_stream.cu": [f"twell_stream_spmm<{CXX_TYPE[d]}>" for d in VALUE_DTYPES if d.itemsize == 2],
         "twell_elementwise.cu": elementwise,
     }
 

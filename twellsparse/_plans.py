@@ -308,7 +308,7 @@ def _gather_tail(parts: Any, tile_n: int, x: Any, w_lin: Any, w_down_t: Any, dt:
     if w_lin is not None:
         return _gpu_ops.gated_consumer(parts, tile_n, x, w_lin, w_down_t)[0]
     out = array_module(x).empty((x.shape[0], w_down_t.shape[1]), dtype=dt)
-    return _gpu_ops.spmm(parts, tile_n, w_down_t, out)  # gather-eligible operands: never the portable path
+    return _gpu_ops.spmm(parts, tile_n, w_down_t, out, path="gather")
 
 
 def _mask_stats(relu_mask: tuple[Any, int], shape: tuple[int, int]) -> Callable[[], tuple]:
