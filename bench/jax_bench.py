@@ -75,13 +75,18 @@ def bench_density(args: argparse.Namespace, density: float) -> dict[str, Any]:
     p = ffn_problem(args.m, args.d_model, args.d_ff, density, "uniform", ts.bfloat16, 0, cp)
     weights = (p["w_gate"], p["w_up"], p["w_down"])
     plan = ts.GatedFFN(*weights, dispatch="sparse")
+    spill = args.m * 64  # room for 64 spilled entries per token: nothing is left out here
+    plan_fixed = ts.GatedFFN(*weights, dispatch="sparse", spill_capacity=spill)
     jargs = tuple(jnp.from_dlpack(a) for a in (p["x"], *weights))  # zero-copy, stays on the GPU
     sparse_jax = jax.jit(lambda *a: tsj.gated_ffn(*a))
+    sparse_jax_fixed = jax.jit(lambda *a: tsj.gated_ffn(*a, spill_capacity=spill))
     dense_jit = jax.jit(lambda x, g, u, d: (jax.nn.relu(x @ g.T) * (x @ u.T)) @ d.T)
     ref = np.asarray(dense_jit(*jargs).astype(jnp.float32))
     errors = {
         "jax": rel_error(np.asarray(sparse_jax(*jargs).astype(jnp.float32)), ref),
         "cupy": rel_error(plan(p["x"]).astype(cp.float32), ref),
+        "jax_fixed_spill": rel_error(np.asarray(sparse_jax_fixed(*jargs).astype(jnp.float32)), ref),
+        "cupy_fixed_spill": rel_error(plan_fixed(p["x"]).astype(cp.float32), ref),
     }
     if not max(errors.values()) < 2e-2:
         raise SystemExit(f"relative errors {errors} against dense at density {density}; not timing")
@@ -89,14 +94,20 @@ def bench_density(args: argparse.Namespace, density: float) -> dict[str, Any]:
         "cupy_sparse": wall_ms(lambda: plan(p["x"]), _cupy_wait, args.reps),
         "jax_sparse": wall_ms(lambda: sparse_jax(*jargs), jax.block_until_ready, args.reps),
         "jax_dense": wall_ms(lambda: dense_jit(*jargs), jax.block_until_ready, args.reps),
+        # With a fixed spill_capacity neither path reads anything back, so calls queue ahead.
+        "cupy_sparse_fixed_spill": wall_ms(lambda: plan_fixed(p["x"]), _cupy_wait, args.reps),
+        "jax_sparse_fixed_spill": wall_ms(lambda: sparse_jax_fixed(*jargs), jax.block_until_ready, args.reps),
         **_overhead_rows(args, plan, jargs),
     }
+    plan_fixed.check_spill()
+    tsj.check_spill()
     return {
         "kind": "jax",
         "shape": [args.m, args.d_model, args.d_ff],
         "density_target": density,
         "ms": rows,
         "jax_vs_cupy": rows["jax_sparse"]["median"] / rows["cupy_sparse"]["median"],
+        "jax_vs_cupy_fixed_spill": rows["jax_sparse_fixed_spill"]["median"] / rows["cupy_sparse_fixed_spill"]["median"],
         "rel_error_vs_dense": errors,
     }
 
@@ -117,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         ms = {k: v["median"] for k, v in rec["ms"].items()}
         print(
             f"density {density:.2%}: cupy {ms['cupy_sparse']:.3f} ms, jax {ms['jax_sparse']:.3f} ms "
-            f"({rec['jax_vs_cupy']:.2f}x the CuPy time), jax dense {ms['jax_dense']:.3f} ms; callback with a "
+            f"({rec['jax_vs_cupy']:.2f}x the CuPy time); fixed spill: cupy {ms['cupy_sparse_fixed_spill']:.3f} ms, "
+            f"jax {ms['jax_sparse_fixed_spill']:.3f} ms ({rec['jax_vs_cupy_fixed_spill']:.2f}x); "
+            f"jax dense {ms['jax_dense']:.3f} ms; callback with a "
             f"prebuilt plan {ms['jax_callback_prebuilt_plan']:.3f} ms, copy-only callback "
             f"{ms['jax_callback_copy_only']:.3f} ms",
             flush=True,

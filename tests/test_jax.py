@@ -108,11 +108,12 @@ def test_linear_to_twell_values_overflow_and_gradient(rng):
         np.testing.assert_allclose(g, e, **TOL)
 
 
+@pytest.mark.parametrize("spill_capacity", [None, 4096])  # the CPU path stays exact with either
 @pytest.mark.parametrize("gated", [False, True])
-def test_ffn_blocks_under_jit_with_gradients(rng, gated):
+def test_ffn_blocks_under_jit_with_gradients(rng, gated, spill_capacity):
     p = ffn_problem(48, 32, 256, 0.05, "skewed", np.float32, rng)
     x, wg, wu, wd = (jnp.asarray(p[k]) for k in ("x", "w_gate", "w_up", "w_down"))
-    kw = dict(tile_n=64, capacity=2)  # forces spill
+    kw = dict(tile_n=64, capacity=2, spill_capacity=spill_capacity)  # forces spill
     if gated:
         sparse = jax.jit(lambda *a: tsj.gated_ffn(*a, **kw))
         args = (x, wg, wu, wd)
@@ -152,3 +153,11 @@ def test_bfloat16_and_dtype_mismatch(rng):
     assert np.linalg.norm(np.asarray(out, np.float64) - exact) / np.linalg.norm(exact) < 1e-2
     with pytest.raises(TypeError, match="b: expected dtype float32"):
         tsj.matmul(a, b)
+
+
+def test_ffn_spill_capacity_is_validated(rng):
+    p = ffn_problem(8, 16, 64, 0.1, "uniform", np.float32, rng)
+    x, wg, wd = (jnp.asarray(p[k]) for k in ("x", "w_gate", "w_down"))
+    with pytest.raises(ValueError, match="spill_capacity: expected None or a non-negative int, got -1"):
+        tsj.ffn(x, wg, wd, spill_capacity=-1)
+    tsj.check_spill()  # no jitted call with a fixed spill on a GPU: nothing to report

@@ -68,6 +68,10 @@ class _PostedScalar:
         self._event: Any = None
         self._value: float | None = None
         self._in_graph = False
+        # Two pinned buffers, posted to in turn: a value taken out with pop() keeps its buffer
+        # until it is read, while the next call posts into the other one.
+        self._buffers: list[Any] = [None, None]
+        self._turn = 0
 
     def post(self, scalar: Any) -> None:
         """Record a 0-d device array (copied asynchronously) or a host number."""
@@ -77,8 +81,10 @@ class _PostedScalar:
         import cupy as cp
         import cupyx
 
-        if self._host is None:
-            self._host = cupyx.zeros_pinned((1,), dtype=np.float64)
+        if self._buffers[self._turn] is None:
+            self._buffers[self._turn] = cupyx.zeros_pinned((1,), dtype=np.float64)
+        self._host = self._buffers[self._turn]
+        self._turn ^= 1
         staged = scalar.astype(cp.float64).reshape(1)  # a fresh contiguous copy
         stream = cp.cuda.get_current_stream()
         # A raw asynchronous copy into pinned memory: CuPy's ``get`` refuses device-to-host copies
@@ -107,6 +113,29 @@ class _PostedScalar:
         if self._host is not None:
             self._host[0] = 0.0
         return v
+
+    def pop(self) -> _PostedScalar:
+        """The last posted value, still unread, as its own object (read it with :meth:`take`);
+        this one starts empty. A call pops its predecessor's value first and reads it after
+        queuing its own work, so the host never waits for the GPU with nothing queued."""
+        popped = _PostedScalar()
+        popped._host, popped._event, popped._value, popped._in_graph = (
+            self._host,
+            self._event,
+            self._value,
+            self._in_graph,
+        )
+        self._event, self._value = None, None
+        return popped
+
+
+def raise_left_out(posted: _PostedScalar, spill_capacity: int | None, call: str) -> None:
+    """Raise :class:`TwELLSpillCapacityError` if ``posted`` (a call's entries that its fixed
+    ``spill_capacity`` could not hold) is nonzero; reading it forgets it."""
+    left_out = posted.take()
+    if left_out:
+        assert spill_capacity is not None
+        raise TwELLSpillCapacityError(int(left_out), spill_capacity, call)
 
 
 class _FFNPlanBase:
@@ -181,15 +210,21 @@ class _FFNPlanBase:
     def check_spill(self) -> None:
         """Raise :class:`TwELLSpillCapacityError` if the last call with a fixed ``spill_capacity``
         left spilled entries out (after replaying a captured call: synchronise first)."""
-        left_out = self._left_out.take()
-        if left_out:
-            assert self.spill_capacity is not None
-            raise TwELLSpillCapacityError(int(left_out), self.spill_capacity, "the previous call")
+        raise_left_out(self._left_out, self.spill_capacity, "the previous call")
 
     def _run(self, x: Any, act_name: str, lin_name: str | None) -> Any:
+        """One call; with a fixed ``spill_capacity``, the previous call's entries left out are
+        checked after this call's work is queued (its wait then overlaps this call's kernels)."""
+        previous = self._left_out.pop() if self.spill_capacity is not None and not _capturing() else None
+        try:
+            return self._run_call(x, act_name, lin_name)
+        finally:
+            if previous is not None and previous.value():
+                self._left_out.take()  # this call's output is not returned: nothing of it to report
+                raise_left_out(previous, self.spill_capacity, "the previous call")
+
+    def _run_call(self, x: Any, act_name: str, lin_name: str | None) -> Any:
         """Validate x, compute the activation's pre-activations, choose the path, finish it."""
-        if self.spill_capacity is not None and not _capturing():
-            self.check_spill()
         xx = _dense(x, "x")
         w = self._weights
         first = next(iter(w.values()))

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -42,11 +43,11 @@ from jax.experimental.buffer_callback import buffer_callback
 from . import _ops
 from ._ffn_autodiff import backward_arrays, forward_arrays
 from ._parts import TwELLParts
-from ._plans import FFN, GatedFFN
+from ._plans import FFN, GatedFFN, _PostedScalar, raise_left_out
 from ._twell import twell_array
-from ._validation import check_capacity, check_tile_n
+from ._validation import check_capacity, check_spill_capacity, check_tile_n
 
-__all__ = ["ffn", "from_jax", "gated_ffn", "linear_to_twell", "matmul", "sddmm", "to_jax"]
+__all__ = ["check_spill", "ffn", "from_jax", "gated_ffn", "linear_to_twell", "matmul", "sddmm", "to_jax"]
 
 _KDL_CPU = 1
 
@@ -411,30 +412,68 @@ def _units_major(w_down: jax.Array) -> jax.Array:
     return jnp.swapaxes(w_down, 0, 1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _ffn(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold):
+class _LeftOut:
+    """The entries a jitted FFN's fixed ``spill_capacity`` could not hold, call after call: each
+    call's count is posted without a host wait and read by the next call of the same compiled
+    function after it has queued its own kernels (or by :func:`check_spill`)."""
+
+    live: ClassVar[weakref.WeakSet[_LeftOut]] = weakref.WeakSet()
+
+    def __init__(self, spill_capacity: int) -> None:
+        self.spill_capacity = spill_capacity
+        self.posted: _PostedScalar | None = None
+        _LeftOut.live.add(self)
+
+    def record(self, plan: Any) -> None:
+        """Keep ``plan``'s count (its call just ran); raise for the previous call's, if any."""
+        previous, self.posted = self.posted, plan._left_out
+        if previous is not None and previous.value():
+            plan._left_out.take()  # this call's output is not returned: nothing of it to report
+            raise_left_out(previous, self.spill_capacity, "the previous call")
+
+    def check(self) -> None:
+        if self.posted is not None:
+            raise_left_out(self.posted, self.spill_capacity, "the last call")
+
+
+def check_spill() -> None:
+    """Raise :class:`twellsparse.TwELLSpillCapacityError` if the last call of any jitted
+    :func:`ffn` / :func:`gated_ffn` with a ``spill_capacity`` left spilled entries out (each call
+    also checks its predecessor). Waits for those calls to finish."""
+    for tracker in list(_LeftOut.live):
+        tracker.check()
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _ffn(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold, spill_capacity):
     dt = _same_dtype(x=x, w_act=w_act, w_down=w_down, **({} if w_lin is None else {"w_lin": w_lin}))
+    left_out = None if spill_capacity is None else _LeftOut(spill_capacity)  # one per traced call site
 
     def run(out: Any, xx: Any, wa: Any, wl: Any, wd_t: Any) -> None:
-        # The plans' path (overflow read-back deferred behind the tail, no up values kept: the
-        # backward recomputes them), always sparse: a plan per call, as the buffers may change.
-        # w_down arrives transposed (by XLA), so the plan's layout needs no copy.
+        # The plans' path (no up values kept: the backward recomputes them), always sparse: a
+        # plan per call, as the buffers may change. Without spill_capacity the overflow count is
+        # read back (deferred behind the tail); with it nothing is. w_down arrives transposed (by
+        # XLA), so the plan's layout needs no copy.
         settings = {"activation": activation, "tile_n": tile_n, "capacity": capacity, "threshold": threshold}
+        settings["spill_capacity"] = spill_capacity
         plan = (
             FFN(wa, wd_t.T, **settings, dispatch="sparse")
             if wl is None
             else GatedFFN(wa, wl, wd_t.T, **settings, dispatch="sparse")
         )
         out[...] = plan(xx)
+        if left_out is not None:
+            left_out.record(plan)
 
     return _call(run, _struct((x.shape[0], w_down.shape[0]), dt), x, w_act, w_lin, _units_major(w_down))
 
 
-def _ffn_fwd(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold):
-    return _ffn(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold), (x, w_act, w_lin, w_down)
+def _ffn_fwd(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold, spill_capacity):
+    out = _ffn(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold, spill_capacity)
+    return out, (x, w_act, w_lin, w_down)
 
 
-def _ffn_bwd(activation, tile_n, capacity, threshold, res, g):
+def _ffn_bwd(activation, tile_n, capacity, threshold, spill_capacity, res, g):
     x, w_act, w_lin, w_down = res
     # dW_down leaves the callback units-major (as the kernels make it) and XLA transposes it.
     types = [_struct(x.shape, x.dtype), _struct(w_act.shape, w_act.dtype), _struct(w_down.shape[::-1], w_down.dtype)]
@@ -467,11 +506,20 @@ def ffn(
     tile_n: int = 256,
     capacity: int | None = None,
     threshold: float | None = None,
+    spill_capacity: int | None = None,
 ) -> jax.Array:
     """Non-gated sparse FFN ``act(x @ w_up.T) @ w_down.T``; see :func:`twellsparse.ffn`.
-    Differentiable in ``x`` and every weight (sparse backward, pattern recomputed)."""
+    Differentiable in ``x`` and every weight (sparse backward, pattern recomputed).
+
+    ``spill_capacity`` (static): as for :class:`twellsparse.FFN` plans, a fixed length for the
+    spill of overflowing row-tiles, so that a GPU call reads nothing back to the host and XLA's
+    stream never waits for it; entries beyond it are left out of that call's output and
+    :class:`twellsparse.TwELLSpillCapacityError` is raised by the next call of the same jitted
+    function (inside an XLA runtime error) or by :func:`check_spill`. Default None: exact, one
+    read-back per call. The backward pass always recomputes the pattern exactly."""
     tile_n = check_tile_n(tile_n)
-    return _ffn(x, w_up, None, w_down, activation, tile_n, check_capacity(capacity, tile_n), threshold)
+    capacity = check_capacity(capacity, tile_n)
+    return _ffn(x, w_up, None, w_down, activation, tile_n, capacity, threshold, check_spill_capacity(spill_capacity))
 
 
 def gated_ffn(
@@ -484,8 +532,11 @@ def gated_ffn(
     tile_n: int = 256,
     capacity: int | None = None,
     threshold: float | None = None,
+    spill_capacity: int | None = None,
 ) -> jax.Array:
     """Gated sparse FFN ``(act(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T``; see
-    :func:`twellsparse.gated_ffn`. Differentiable in ``x`` and every weight."""
+    :func:`twellsparse.gated_ffn`. Differentiable in ``x`` and every weight. ``spill_capacity``
+    as for :func:`ffn`."""
     tile_n = check_tile_n(tile_n)
-    return _ffn(x, w_gate, w_up, w_down, activation, tile_n, check_capacity(capacity, tile_n), threshold)
+    capacity = check_capacity(capacity, tile_n)
+    return _ffn(x, w_gate, w_up, w_down, activation, tile_n, capacity, threshold, check_spill_capacity(spill_capacity))

@@ -22,10 +22,9 @@ import torch
 from torch import Tensor, nn
 
 from ._backend import array_module, as_array, bfloat16, is_cupy_array
-from ._errors import TwELLSpillCapacityError
 from ._ffn_autodiff import backward_arrays, forward_arrays, with_values
 from ._parts import TwELLParts, trimmed_spill
-from ._plans import DENSE_BREAKEVEN, DENSITY_SAMPLE_ROWS, DISPATCH, _PostedScalar
+from ._plans import DENSE_BREAKEVEN, DENSITY_SAMPLE_ROWS, DISPATCH, _PostedScalar, raise_left_out
 from ._twell import twell_array
 from ._validation import check_activation, check_capacity, check_spill_capacity, check_threshold, check_tile_n
 
@@ -429,14 +428,18 @@ class _TwELLMLPBase(nn.Module):
                 rows = rows[:: max(1, rows.shape[0] // DENSITY_SAMPLE_ROWS)].detach()
                 self._post_density(torch.count_nonzero(rows) / max(rows.numel(), 1))
             return out
-        if self.spill_capacity is not None and not _capturing(x):
-            self.check_spill()
+        # The previous forward's entries left out are read after this forward is queued, so the
+        # wait overlaps this forward's kernels.
+        previous = self._left_out.pop() if self.spill_capacity is not None and not _capturing(x) else None
         settings = (self.activation, self.tile_n, self.capacity, self.threshold, self.spill_capacity)
         out, hidden = _run(x, w_act, w_lin, w_down, *settings)
         self._hidden, self._dense_hidden = hidden, None
         if self.spill_capacity is not None:
             with _on_device(hidden[-1]):
                 self._left_out.post(_to_array(hidden[-1]).reshape(()))
+        if previous is not None and previous.value():
+            self._left_out.take()  # this forward's output is not returned: nothing of it to report
+            raise_left_out(previous, self.spill_capacity, "the previous forward")
         if self.dispatch == "auto":
             counts, spill_indptr = hidden[2], hidden[5]
             self._post_density((counts.sum() + spill_indptr[-1]) / max(counts.shape[0] * self.intermediate_size, 1))
@@ -447,10 +450,7 @@ class _TwELLMLPBase(nn.Module):
         ``spill_capacity`` left spilled entries out (its output was computed without them).
         Forwards check the previous one themselves; after replaying a captured graph,
         synchronise, then call this."""
-        left_out = self._left_out.take()
-        if left_out:
-            assert self.spill_capacity is not None
-            raise TwELLSpillCapacityError(int(left_out), self.spill_capacity, "the previous forward")
+        raise_left_out(self._left_out, self.spill_capacity, "the previous forward")
 
     def _post_density(self, fraction: Tensor) -> None:
         """Hand the 0-d density to the plans' posted scalar (copied on torch's stream, no sync)."""

@@ -57,3 +57,22 @@ def test_matmul_and_linear_to_twell_on_gpu(rng):
     np.testing.assert_allclose(tsj.from_jax(h).toarray().get(), dense_h, rtol=1e-5, atol=1e-4)
     b = jax.device_put(jnp.asarray(rng.standard_normal((700, 32)).astype(np.float32)), dev)
     np.testing.assert_allclose(jax.jit(tsj.matmul)(h, b), dense_h @ np.asarray(b), rtol=1e-4, atol=1e-3)
+
+
+def test_gated_ffn_with_a_fixed_spill_reads_nothing_back_and_reports_overflow(rng):
+    dev = _gpu()
+    p = ffn_problem(300, 64, 1000, 0.05, "skewed", ts.bfloat16, rng)
+    args = tuple(jax.device_put(jnp.asarray(p[k]), dev) for k in ("x", "w_gate", "w_up", "w_down"))
+    kw = dict(tile_n=64, capacity=2)  # most entries spill
+    exact = jax.jit(lambda *a: tsj.gated_ffn(*a, **kw))(*args)
+    roomy = jax.jit(lambda *a: tsj.gated_ffn(*a, **kw, spill_capacity=300 * 1000))
+    np.testing.assert_array_equal(np.asarray(roomy(*args)).view(np.uint16), np.asarray(exact).view(np.uint16))
+    tsj.check_spill()  # nothing was left out
+    tight = jax.jit(lambda *a: tsj.gated_ffn(*a, **kw, spill_capacity=10))
+    jax.block_until_ready(tight(*args))  # leaves entries out; the next call says so
+    with pytest.raises(Exception, match="spill_capacity"):
+        jax.block_until_ready(tight(*args))
+    jax.block_until_ready(tight(*args))
+    with pytest.raises(ts.TwELLSpillCapacityError):
+        tsj.check_spill()
+    tsj.check_spill()  # reported once
