@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|trainprofile|benchquick|profile|probe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|trainprofile|benchquick|profile|hostprofile|probe|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -77,6 +77,9 @@ for step in $what; do
       ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum \
         python3 bench/ffn_bench.py --densities 0.01 --patterns uniform --profile 2>&1 | tee "$OUT/ncu.log" \
         | grep -E "^  [a-zA-Z_].*\(|gpu__time_duration" | paste - - | awk '{print $NF, $1}' | tail -40
+      ;;&
+    hostprofile)
+      python3 bench/host_profile.py 2>&1 | tee "$OUT/host_profile.log" | head -80
       ;;&
     probe)
       # Nsight Compute on one SpMM call (1%, TWELL_PROBE_PATH: gather or portable): throughput sections, then the SASS lines

@@ -1,0 +1,59 @@
+"""Where a sparse FFN call spends its host time: ``cProfile`` over repeated calls of a gated
+plan with a fixed spill (no read-back, so the host runs ahead of the GPU and its own cost shows),
+on the standard problem. Prints the functions with the most own time and the host time per call.
+
+    python bench/host_profile.py [--density 0.005] [--calls 200] [--top 35]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    import cupy as cp
+
+    import twellsparse as ts
+    from twellsparse.testing import ffn_problem
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--density", type=float, default=0.005)
+    ap.add_argument("--m", type=int, default=16384)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--top", type=int, default=35)
+    args = ap.parse_args(argv)
+    p = ffn_problem(args.m, 2048, 5632, args.density, "uniform", ts.bfloat16, 0, cp)
+    weights = (p["w_gate"], p["w_up"], p["w_down"])
+    plan = ts.GatedFFN(*weights, dispatch="sparse", spill_capacity=args.m * 64)
+    x = p["x"]
+    for _ in range(5):
+        plan(x)
+    cp.cuda.Device().synchronize()
+    for label, make in (("prebuilt plan", lambda: plan), ("plan built per call", None)):
+
+        def call(make=make):
+            return (make() if make else ts.GatedFFN(*weights, dispatch="sparse", spill_capacity=args.m * 64))(x)
+
+        t0 = time.perf_counter()
+        for _ in range(args.calls):
+            call()
+        host = (time.perf_counter() - t0) * 1e3 / args.calls
+        cp.cuda.Device().synchronize()
+        wall = (time.perf_counter() - t0) * 1e3 / args.calls
+        print(f"{label}: host {host:.3f} ms per call (queued ahead), wall {wall:.3f} ms per call", flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.calls):
+        plan(x)
+    prof.disable()
+    cp.cuda.Device().synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
