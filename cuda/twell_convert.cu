@@ -381,3 +381,87 @@ __global__ void __launch_bounds__(256) twell_transpose_place(
   rows_t[pos] = row;
   sources_t[pos] = (int)i;  // slots first, then the spill: the products' value positions
 }
+
+// Exclusive prefix of v over the block (blockDim.x = 1024); `total` gets the block's sum.
+// `scratch` holds 32 values and is free again when this returns.
+__device__ __forceinline__ long long block_exclusive_sum(long long v, long long* scratch, long long& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  long long incl = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const long long y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  if (lane == 31) scratch[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    long long w = scratch[lane];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const long long y = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += y;
+    }
+    scratch[lane] = w;
+  }
+  __syncthreads();
+  const long long before = (warp > 0 ? scratch[warp - 1] : 0) + incl - v;
+  total = scratch[31];
+  __syncthreads();
+  return before;
+}
+
+// Where a spill of fixed length goes (twellsparse._reference.fixed_spill_layout, the contract):
+// the row-tiles' excess over `capacity`, in row-major order, fills `spill_capacity` slots, the
+// row-tiles whose excess ends past it are left out. One block of 1024 threads scans the excess
+// counts in rounds of 8 row-tiles per thread; per row-tile it writes its first spill slot and
+// the count pass 2 gets (its own where it fits, `capacity` where it is left out, so pass 2
+// skips it), per row the spill's row pointer. Replaces a chain of about fifteen array
+// operations (and their launches) with one launch: the pointers of rows past the first left-out
+// row-tile are clamped to the last fitting end at the close.
+__global__ void __launch_bounds__(1024) twell_fixed_spill_layout(
+    const int* __restrict__ row_tile_nnz, long long m, int n_tiles, int capacity, long long spill_capacity, long long* __restrict__ offsets, int* __restrict__ pass_counts,
+    int* __restrict__ indptr, long long* __restrict__ left_out) {
+  constexpr int kPer = 8;
+  __shared__ long long scratch[32];
+  const long long n_row_tiles = m * n_tiles;
+  const long long per_round = 1024LL * kPer;
+  long long carry = 0;     // excess of the rounds before this one
+  long long last_fit = 0;  // this thread's largest end that fits
+  for (long long base = 0; base < n_row_tiles; base += per_round) {
+    const long long first = base + (long long)threadIdx.x * kPer;
+    int nnz[kPer];
+    long long mine = 0;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      nnz[i] = first + i < n_row_tiles ? row_tile_nnz[first + i] : 0;
+      mine += max(nnz[i] - capacity, 0);
+    }
+    long long round_total;
+    long long run = carry + block_exclusive_sum(mine, scratch, round_total);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const long long t = first + i;
+      if (t >= n_row_tiles) break;
+      const long long end = run + max(nnz[i] - capacity, 0);
+      const bool fits = end <= spill_capacity;
+      offsets[t] = run;
+      pass_counts[t] = fits ? nnz[i] : capacity;
+      if (fits) last_fit = max(last_fit, end);
+      if ((t + 1) % n_tiles == 0) indptr[t / n_tiles + 1] = (int)min(end, spill_capacity);
+      run = end;
+    }
+    carry += round_total;
+  }
+  // The last fitting end over the block: the spill's length, which rows past it are clamped to.
+  for (int o = 16; o > 0; o >>= 1) last_fit = max(last_fit, __shfl_xor_sync(0xffffffffu, last_fit, o));
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = last_fit;
+  __syncthreads();
+  long long fitted = 0;
+  for (int w = 0; w < 32; ++w) fitted = max(fitted, scratch[w]);
+  for (long long r = threadIdx.x; r < m; r += 1024)
+    indptr[r + 1] = n_tiles > 0 ? (int)min((long long)indptr[r + 1], fitted) : 0;
+  if (threadIdx.x == 0) {
+    indptr[0] = 0;
+    *left_out = carry - fitted;
+  }
+}
