@@ -15,7 +15,7 @@ import numpy as np
 from . import _kernels as K
 from ._backend import cupy_module
 from ._parts import TwELLParts
-from ._reference import overflow_excess
+from ._reference import fixed_spill_layout, overflow_excess
 from ._validation import n_tiles
 
 _BLOCK = 256
@@ -51,26 +51,11 @@ def _apply_overflow(
         empty = cp.empty(0, dtype=dtype), cp.empty(0, dtype=cp.int32), cp.zeros(m + 1, dtype=cp.int32)
         return (*empty, excess)
     # A spill exactly as long as the excess: every row-tile fits, the layout is the plain one.
-    offsets, indptr, _, _ = fixed_spill_layout_gpu(row_tile_nnz, capacity, excess)
+    offsets, indptr, _, _ = fixed_spill_layout(row_tile_nnz, capacity, excess, xp=cp)
     spill_data = cp.empty(excess, dtype=dtype)
     spill_indices = cp.empty(excess, dtype=cp.int32)
     spill_pass(offsets, spill_indices, spill_data)
     return spill_data, spill_indices, indptr, 0
-
-
-def fixed_spill_layout_gpu(row_tile_nnz: Any, capacity: int, spill_capacity: int) -> tuple[Any, Any, Any, Any]:
-    """:func:`twellsparse._reference.fixed_spill_layout` on the GPU in one launch (one block scans
-    the counts): ``(offsets, indptr, pass_counts, left_out)``, no host read."""
-    cp = _cp()
-    row_tile_nnz = cp.ascontiguousarray(row_tile_nnz, dtype=cp.int32)
-    m, nt = row_tile_nnz.shape
-    offsets = cp.empty(m * nt, dtype=cp.int64)
-    pass_counts = cp.empty((m, nt), dtype=cp.int32)
-    indptr = cp.empty(m + 1, dtype=cp.int32)
-    left_out = cp.empty((), dtype=cp.int64)
-    args = (row_tile_nnz, np.int64(m), np.int32(nt), np.int32(capacity), np.int64(spill_capacity))
-    K.launch_grid("twell_fixed_spill_layout", (1,), (1024,), (*args, offsets, pass_counts, indptr, left_out))
-    return offsets, indptr, pass_counts, left_out
 
 
 def _static_spill(
@@ -81,7 +66,7 @@ def _static_spill(
     CSR (data and indices of length ``spill_capacity``, zero beyond ``indptr[-1]``) and the
     entries left out, a 0-d int64 array on the device."""
     cp = _cp()
-    offsets, indptr, pass_counts, left_out = fixed_spill_layout_gpu(row_tile_nnz, capacity, spill_capacity)
+    offsets, indptr, pass_counts, left_out = fixed_spill_layout(row_tile_nnz, capacity, spill_capacity, xp=cp)
     spill_data = cp.zeros(spill_capacity, dtype=dtype)
     spill_indices = cp.zeros(spill_capacity, dtype=cp.int32)
     spill_pass(offsets, spill_indices, spill_data, pass_counts)

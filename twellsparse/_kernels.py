@@ -86,7 +86,6 @@ def _instantiations() -> dict[str, list[str]]:
         ]
     convert += [f"relu_mask_to_twell<{CXX_TYPE[d]}>" for d in VALUE_DTYPES if d.itemsize <= 4]
     convert += ["twell_tile_totals", "twell_transpose_mark", "twell_popcount", "twell_transpose_place"]
-    convert.append("twell_fixed_spill_layout")
     spmm = []
     for t in types:
         spmm += [
