@@ -344,7 +344,6 @@ __global__ void __launch_bounds__(128) twell_gather_spmm(
     const T* __restrict__ b, long long ldb, int K, T* __restrict__ out, long long ldo,
     const T* __restrict__ data2, const T* __restrict__ spill_vals2, const T* __restrict__ b2, long long ldb2) {
   using A = typename acc_of<T>::type;
-  constexpr int CHUNK = KV * 32 * Lanes<T>::N;
   const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (row >= M) return;  // warp-uniform
@@ -408,7 +407,6 @@ __global__ void __launch_bounds__(128) twell_gather_gated(
     const T* __restrict__ w_down_t, long long ldd, int K_out, T* u_data, T* u_spill,
     T* __restrict__ out, long long ldo) {
   using A = typename acc_of<T>::type;
-  constexpr int CHUNK = KV * 32 * Lanes<T>::N;
   const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (row >= M) return;  // warp-uniform
@@ -506,7 +504,6 @@ __global__ void __launch_bounds__(128) twell_mask_gated(
     const T* __restrict__ x, long long ldx, const T* __restrict__ w_up, long long ldu, int K_in,
     const T* __restrict__ w_down_t, long long ldd, int K_out, T* __restrict__ out, long long ldo) {
   using A = typename acc_of<T>::type;
-  constexpr int CHUNK = KV * 32 * Lanes<T>::N;
   const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (row >= M) return;  // warp-uniform
@@ -525,8 +522,6 @@ template <typename T, int KV, int U>
 __global__ void __launch_bounds__(128) twell_mask_spmm(
     const unsigned* __restrict__ mask, long long ld_words, const T* __restrict__ z, long long ldz, int M, int N,
     const T* __restrict__ w_down_t, long long ldd, int K_out, T* __restrict__ out, long long ldo) {
-  using A = typename acc_of<T>::type;
-  constexpr int CHUNK = KV * 32 * Lanes<T>::N;
   const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (row >= M) return;  // warp-uniform

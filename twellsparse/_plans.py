@@ -138,6 +138,17 @@ def raise_left_out(posted: _PostedScalar, spill_capacity: int | None, call: str)
         raise TwELLSpillCapacityError(int(left_out), spill_capacity, call)
 
 
+def raise_for_previous(
+    previous: _PostedScalar | None, current: _PostedScalar, spill_capacity: int | None, call: str
+) -> None:
+    """After a call has queued its work: raise for ``previous`` (the call before it, popped
+    first) if it left entries out. The current call's own count is then forgotten, since the
+    error means its output is not returned."""
+    if previous is not None and previous.value():
+        current.take()
+        raise_left_out(previous, spill_capacity, call)
+
+
 class _FFNPlanBase:
     """Weights (the first one sets the hidden shape) and the producer's settings."""
 
@@ -219,9 +230,7 @@ class _FFNPlanBase:
         try:
             return self._run_call(x, act_name, lin_name)
         finally:
-            if previous is not None and previous.value():
-                self._left_out.take()  # this call's output is not returned: nothing of it to report
-                raise_left_out(previous, self.spill_capacity, "the previous call")
+            raise_for_previous(previous, self._left_out, self.spill_capacity, "the previous call")
 
     def _run_call(self, x: Any, act_name: str, lin_name: str | None) -> Any:
         """Validate x, compute the activation's pre-activations, choose the path, finish it."""

@@ -43,7 +43,7 @@ from jax.experimental.buffer_callback import buffer_callback
 from . import _ops
 from ._ffn_autodiff import backward_arrays, forward_arrays
 from ._parts import TwELLParts
-from ._plans import FFN, GatedFFN, _PostedScalar, raise_left_out
+from ._plans import FFN, GatedFFN, _PostedScalar, raise_for_previous, raise_left_out
 from ._twell import twell_array
 from ._validation import check_capacity, check_spill_capacity, check_tile_n
 
@@ -427,9 +427,7 @@ class _LeftOut:
     def record(self, plan: Any) -> None:
         """Keep ``plan``'s count (its call just ran); raise for the previous call's, if any."""
         previous, self.posted = self.posted, plan._left_out
-        if previous is not None and previous.value():
-            plan._left_out.take()  # this call's output is not returned: nothing of it to report
-            raise_left_out(previous, self.spill_capacity, "the previous call")
+        raise_for_previous(previous, plan._left_out, self.spill_capacity, "the previous call")
 
     def check(self) -> None:
         if self.posted is not None:
@@ -454,8 +452,13 @@ def _ffn(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold, spill
         # plan per call, as the buffers may change. Without spill_capacity the overflow count is
         # read back (deferred behind the tail); with it nothing is. w_down arrives transposed (by
         # XLA), so the plan's layout needs no copy.
-        settings = {"activation": activation, "tile_n": tile_n, "capacity": capacity, "threshold": threshold}
-        settings["spill_capacity"] = spill_capacity
+        settings = {
+            "activation": activation,
+            "tile_n": tile_n,
+            "capacity": capacity,
+            "threshold": threshold,
+            "spill_capacity": spill_capacity,
+        }
         plan = (
             FFN(wa, wd_t.T, **settings, dispatch="sparse")
             if wl is None

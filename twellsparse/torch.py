@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from ._backend import array_module, as_array, bfloat16, is_cupy_array
 from ._ffn_autodiff import backward_arrays, forward_arrays, with_values
 from ._parts import TwELLParts, trimmed_spill
-from ._plans import DENSE_BREAKEVEN, DENSITY_SAMPLE_ROWS, DISPATCH, _PostedScalar, raise_left_out
+from ._plans import DENSE_BREAKEVEN, DENSITY_SAMPLE_ROWS, DISPATCH, _PostedScalar, raise_for_previous, raise_left_out
 from ._twell import twell_array
 from ._validation import check_activation, check_capacity, check_spill_capacity, check_threshold, check_tile_n
 
@@ -437,9 +437,7 @@ class _TwELLMLPBase(nn.Module):
         if self.spill_capacity is not None:
             with _on_device(hidden[-1]):
                 self._left_out.post(_to_array(hidden[-1]).reshape(()))
-        if previous is not None and previous.value():
-            self._left_out.take()  # this forward's output is not returned: nothing of it to report
-            raise_left_out(previous, self.spill_capacity, "the previous forward")
+        raise_for_previous(previous, self._left_out, self.spill_capacity, "the previous forward")
         if self.dispatch == "auto":
             counts, spill_indptr = hidden[2], hidden[5]
             self._post_density((counts.sum() + spill_indptr[-1]) / max(counts.shape[0] * self.intermediate_size, 1))
