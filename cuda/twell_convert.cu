@@ -5,6 +5,7 @@
 // overflow policy and, only when some row-tile overflowed under overflow="spill", launches pass
 // 2 (spill_offsets != nullptr) which writes the excess entries to the spill CSR at offsets the
 // host computed by a prefix sum. Nothing is ever written past a row-tile's capacity.
+#include "twell_scan.cuh"
 #include "twell_types.cuh"
 
 using namespace twell;
@@ -320,8 +321,9 @@ __global__ void __launch_bounds__(256) twell_spill_to_csr(
 // uses it can be captured in a CUDA graph) and no ordering between threads. Rows are grouped in
 // blocks of 32. twell_transpose_mark sets bit (row % 32) of word bits[col * n_blocks + row / 32]
 // for every stored entry; the word's popcount is the (column, block) pair's entry count, an
-// exclusive scan of those counts in that column-major order (CuPy's cumsum) gives each pair its
-// first position, and A.T's row pointers are the scan at each column's first block. Then
+// exclusive scan of those counts in that column-major order (twell_transpose_sums, then
+// twell_transpose_first) gives each pair its first position, and A.T's row pointers are the
+// scan at each column's first block. Then
 // twell_transpose_place puts every entry at its pair's first position plus the number of earlier
 // rows of its block in the word: each column's tokens come out increasing, as a sort by (column,
 // row) orders them, which keeps the transposed products' fp32 sums deterministic. An entry's
@@ -360,11 +362,27 @@ __global__ void __launch_bounds__(256) twell_transpose_mark(
   atomicOr(bits + (long long)col * n_blocks + (row >> 5), 1u << (row & 31));
 }
 
-// counts[w] = popcount(bits[w]): each (column, block) pair's entry count, for the scan.
-__global__ void __launch_bounds__(256) twell_popcount(
-    const unsigned* __restrict__ bits, long long n, int* __restrict__ counts) {
-  const long long w = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-  if (w < n) counts[w] = __popc(bits[w]);
+// The exclusive scan of the pairs' counts (popcount of each word) in two launches
+// (twell_scan.cuh): chunk sums, then each pair's first position and, at each column's first
+// block, the column's row pointer; the last block writes the total.
+__global__ void __launch_bounds__(SCAN_THREADS) twell_transpose_sums(
+    const unsigned* __restrict__ bits, long long n, long long* __restrict__ chunk_sums) {
+  const auto count = [=](long long w) -> long long { return __popc(bits[w]); };
+  const long long s = chunk_sum(blockIdx.x, n, count);
+  if (threadIdx.x == 0) chunk_sums[blockIdx.x] = s;
+}
+
+__global__ void __launch_bounds__(SCAN_THREADS) twell_transpose_first(
+    const unsigned* __restrict__ bits, long long n, int n_blocks, int n_cols,
+    const long long* __restrict__ chunk_sums, int* __restrict__ first, int* __restrict__ indptr) {
+  const long long chunk = blockIdx.x;
+  const auto count = [=](long long w) -> long long { return __popc(bits[w]); };
+  const long long base = sum_before(chunk_sums, chunk);
+  chunk_scan(chunk, n, base, count, [&](long long w, long long c, long long end) {
+    first[w] = (int)(end - c);
+    if (w % n_blocks == 0) indptr[w / n_blocks] = (int)(end - c);
+  });
+  if (threadIdx.x == 0 && chunk == gridDim.x - 1) indptr[n_cols] = (int)(base + chunk_sums[chunk]);
 }
 
 __global__ void __launch_bounds__(256) twell_transpose_place(
@@ -380,4 +398,53 @@ __global__ void __launch_bounds__(256) twell_transpose_place(
   const int pos = first[w] + __popc(bits[w] & ((1u << (row & 31)) - 1u));
   rows_t[pos] = row;
   sources_t[pos] = (int)i;  // slots first, then the spill: the products' value positions
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device-side scans (twell_scan.cuh): two launches each, no host read.
+
+// The layout of a spill of fixed length (twellsparse._reference.fixed_spill_layout is the
+// oracle): each row-tile's excess over `capacity`, in row-major order, takes the next slots of
+// the spill while the running total stays within `spill_capacity`; from the first row-tile that
+// does not fit on, everything is left out (running totals only grow, so the kept ones are a
+// prefix). Launch 1 sums the excess per chunk.
+__global__ void __launch_bounds__(SCAN_THREADS) spill_layout_sums(
+    const int* __restrict__ row_tile_nnz, long long n, int capacity, long long* __restrict__ chunk_sums) {
+  const auto excess = [=](long long i) -> long long { return max(row_tile_nnz[i] - capacity, 0); };
+  const long long s = chunk_sum(blockIdx.x, n, excess);
+  if (threadIdx.x == 0) chunk_sums[blockIdx.x] = s;
+}
+
+// Launch 2 writes each row-tile's first spill slot (offsets), the counts for pass 2 (a left-out
+// row-tile gets `capacity`, which the pass skips), the spill's row pointers counting only what is
+// written, and, from the last block, the entries left out. A row whose end does not fit points
+// at the end of the kept prefix, which the chunk holding the boundary determines: the blocks at
+// or after the boundary rescan that chunk (only when entries are left out, an error path).
+__global__ void __launch_bounds__(SCAN_THREADS) spill_layout_place(
+    const int* __restrict__ row_tile_nnz, int M, int n_tiles, int capacity, long long spill_capacity,
+    const long long* __restrict__ chunk_sums, long long* __restrict__ offsets,
+    int* __restrict__ indptr, int* __restrict__ pass_counts, long long* __restrict__ left_out) {
+  const long long n = (long long)M * n_tiles;
+  const long long chunk = blockIdx.x;
+  const auto excess = [=](long long i) -> long long { return max(row_tile_nnz[i] - capacity, 0); };
+  const long long base = sum_before(chunk_sums, chunk);
+  const long long chunk_end = base + chunk_sums[chunk];
+  long long kept_end = chunk_end;  // the end of the kept prefix, needed only past the boundary
+  if (chunk_end > spill_capacity) {
+    long long boundary = chunk, boundary_base = base;
+    if (base > spill_capacity) first_chunk_over(chunk_sums, chunk, spill_capacity, boundary, boundary_base);
+    long long best = boundary_base;
+    chunk_scan(boundary, n, boundary_base, excess, [&](long long, long long, long long end) {
+      if (end <= spill_capacity && end > best) best = end;
+    });
+    kept_end = block_reduce(best, MaxOp());
+  }
+  chunk_scan(chunk, n, base, excess, [&](long long i, long long e, long long end) {
+    const bool fits = end <= spill_capacity;
+    offsets[i] = end - e;
+    pass_counts[i] = fits ? row_tile_nnz[i] : capacity;
+    if ((i + 1) % n_tiles == 0) indptr[(i + 1) / n_tiles] = (int)(fits ? end : kept_end);
+  });
+  if (threadIdx.x == 0 && chunk == 0) indptr[0] = 0;
+  if (threadIdx.x == 0 && chunk == gridDim.x - 1) *left_out = chunk_end - min(chunk_end, kept_end);
 }

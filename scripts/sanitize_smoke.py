@@ -61,6 +61,11 @@ for dtype in (ts.bfloat16, np.float32):
     w301 = cp.asarray(rng.standard_normal((301, 24)).astype(dtype))
     _gpu_ops.mask_consumer(cp.asarray(hm), cp.asarray(words), 12, xin, w301, w301)
     _gpu_ops.mask_consumer(cp.asarray(hm), cp.asarray(words), 12, xin, None, w301)
+# The device scans over several chunks: a fixed spill's layout with its boundary in a middle
+# chunk (so later blocks rescan it), and a plan spilling into a fixed-length buffer.
+counts = cp.asarray(rng.integers(0, 12, size=(3001, 5)).astype(np.int32))
+_gpu_convert.spill_layout(counts, 8, int(cp.maximum(counts - 8, 0).sum()) // 2)
+ts.GatedFFN(wg, wg, wd, tile_n=32, capacity=2, dispatch="sparse", spill_capacity=40)(xin)
 Timer(1, on_gpu=True, warmup=0, hide_host=True)(lambda: None)  # twell_spin
 cp.cuda.Device().synchronize()
 print("sanitize smoke: all kernels ran")

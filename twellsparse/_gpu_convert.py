@@ -15,7 +15,7 @@ import numpy as np
 from . import _kernels as K
 from ._backend import cupy_module
 from ._parts import TwELLParts
-from ._reference import fixed_spill_layout, overflow_excess
+from ._reference import overflow_excess
 from ._validation import n_tiles
 
 _BLOCK = 256
@@ -37,6 +37,37 @@ def row_stride(x: Any) -> tuple[Any, int]:
     return x, max(x.strides[0] // item, x.shape[1], 1)
 
 
+def _scan_chunks(n: int) -> int:
+    """Blocks (and chunk sums) of a two-launch device scan over ``n`` elements."""
+    return -(-n // K.SCAN_CHUNK)
+
+
+def spill_layout(row_tile_nnz: Any, capacity: int, spill_capacity: int) -> tuple[Any, Any, Any, Any]:
+    """:func:`twellsparse._reference.fixed_spill_layout` on the GPU in two launches
+    (``spill_layout_sums``, ``spill_layout_place``), with no host read-back.
+
+    ``row_tile_nnz`` is the producers' C-contiguous int32 (M, tiles) count array. Returns
+    ``(offsets, indptr, pass_counts, left_out)`` as the reference does (offsets flattened).
+    """
+    cp = _cp()
+    m, nt = row_tile_nnz.shape
+    n = m * nt
+    offsets = cp.empty(n, dtype=cp.int64)
+    pass_counts = cp.empty((m, nt), dtype=cp.int32)
+    left_out = cp.zeros((), dtype=cp.int64)
+    if n == 0:
+        return offsets, cp.zeros(m + 1, dtype=cp.int32), pass_counts, left_out
+    indptr = cp.empty(m + 1, dtype=cp.int32)
+    chunks = _scan_chunks(n)
+    chunk_sums = cp.empty(chunks, dtype=cp.int64)
+    block = (K.SCAN_THREADS,)
+    K.launch_grid("spill_layout_sums", (chunks,), block, (row_tile_nnz, np.int64(n), np.int32(capacity), chunk_sums))
+    geometry = (np.int32(m), np.int32(nt), np.int32(capacity), np.int64(spill_capacity))
+    outputs = (offsets, indptr, pass_counts, left_out)
+    K.launch_grid("spill_layout_place", (chunks,), block, (row_tile_nnz, *geometry, chunk_sums, *outputs))
+    return offsets, indptr, pass_counts, left_out
+
+
 def _apply_overflow(
     row_tile_nnz: Any, capacity: int, overflow: str, dtype: Any, spill_pass: Callable[..., None]
 ) -> tuple[Any, Any, Any, int]:
@@ -51,7 +82,7 @@ def _apply_overflow(
         empty = cp.empty(0, dtype=dtype), cp.empty(0, dtype=cp.int32), cp.zeros(m + 1, dtype=cp.int32)
         return (*empty, excess)
     # A spill exactly as long as the excess: every row-tile fits, the layout is the plain one.
-    offsets, indptr, _, _ = fixed_spill_layout(row_tile_nnz, capacity, excess, xp=cp)
+    offsets, indptr, _, _ = spill_layout(row_tile_nnz, capacity, excess)
     spill_data = cp.empty(excess, dtype=dtype)
     spill_indices = cp.empty(excess, dtype=cp.int32)
     spill_pass(offsets, spill_indices, spill_data)
@@ -62,11 +93,11 @@ def _static_spill(
     row_tile_nnz: Any, capacity: int, spill_capacity: int, dtype: Any, spill_pass: Callable[..., None]
 ) -> tuple[Any, Any, Any, Any]:
     """The spill into arrays of a fixed length, with no host read-back (CUDA-graph capturable):
-    the layout of :func:`fixed_spill_layout`, then pass 2 with its counts. Returns the spill
+    the layout of :func:`spill_layout`, then pass 2 with its counts. Returns the spill
     CSR (data and indices of length ``spill_capacity``, zero beyond ``indptr[-1]``) and the
     entries left out, a 0-d int64 array on the device."""
     cp = _cp()
-    offsets, indptr, pass_counts, left_out = fixed_spill_layout(row_tile_nnz, capacity, spill_capacity, xp=cp)
+    offsets, indptr, pass_counts, left_out = spill_layout(row_tile_nnz, capacity, spill_capacity)
     spill_data = cp.zeros(spill_capacity, dtype=dtype)
     spill_indices = cp.zeros(spill_capacity, dtype=cp.int32)
     spill_pass(offsets, spill_indices, spill_data, pass_counts)
@@ -314,14 +345,17 @@ def transposed_pattern(parts: TwELLParts, tile_n: int, n_cols: int) -> Transpose
     )
     bits = cp.zeros(n_cols * n_blocks, dtype=cp.uint32)
     K.launch("twell_transpose_mark", room, _BLOCK, (*structure, bits))
-    counts = cp.empty(bits.size, dtype=cp.int32)
-    K.launch("twell_popcount", bits.size, _BLOCK, (bits, np.int64(bits.size), counts))
-    ends = cp.cumsum(counts, dtype=cp.int32)
-    first = ends - counts  # the exclusive scan: each (column, block)'s first position
-    indptr = cp.zeros(n_cols + 1, dtype=cp.int32)
-    if first.size:
-        indptr[:n_cols] = first[::n_blocks]
-        indptr[n_cols:] = ends[-1:]
+    first = cp.empty(bits.size, dtype=cp.int32)  # each (column, block)'s first position
+    if bits.size:
+        indptr = cp.empty(n_cols + 1, dtype=cp.int32)
+        chunks = _scan_chunks(bits.size)
+        chunk_sums = cp.empty(chunks, dtype=cp.int64)
+        block = (K.SCAN_THREADS,)
+        K.launch_grid("twell_transpose_sums", (chunks,), block, (bits, np.int64(bits.size), chunk_sums))
+        scan = (bits, np.int64(bits.size), np.int32(n_blocks), np.int32(n_cols), chunk_sums, first, indptr)
+        K.launch_grid("twell_transpose_first", (chunks,), block, scan)
+    else:
+        indptr = cp.zeros(n_cols + 1, dtype=cp.int32)
     rows = cp.empty(room, dtype=cp.int32)
     sources = cp.empty(room, dtype=cp.int32)
     K.launch("twell_transpose_place", room, _BLOCK, (*structure, bits, first, rows, sources))

@@ -38,6 +38,10 @@ ACTIVATION_ID = {"relu": 0, "relu2": 1, "silu": 2, "gelu": 3, "identity": 4}
 SPMM_VPT = 4
 SPMM_THREADS = 128
 
+#: Elements per block of the two-launch device scans (SCAN_CHUNK in cuda/twell_scan.cuh).
+SCAN_CHUNK = 4096
+SCAN_THREADS = 256
+
 #: Row-gather kernels (twell_gather.cu): passes of KV 16-byte vectors per lane over the columns,
 #: U pairs' rows in flight at a time. GATHER_VARIANTS are the (KV, U) instantiations of every
 #: kernel and type; GATHER_DEFAULT the fastest of them per kernel on the H200 (standard problem,
@@ -85,7 +89,8 @@ def _instantiations() -> dict[str, list[str]]:
             f"twell_spill_to_csr<{t}>",
         ]
     convert += [f"relu_mask_to_twell<{CXX_TYPE[d]}>" for d in VALUE_DTYPES if d.itemsize <= 4]
-    convert += ["twell_tile_totals", "twell_transpose_mark", "twell_popcount", "twell_transpose_place"]
+    convert += ["twell_tile_totals", "twell_transpose_mark", "twell_transpose_sums", "twell_transpose_first"]
+    convert += ["twell_transpose_place", "spill_layout_sums", "spill_layout_place"]
     spmm = []
     for t in types:
         spmm += [

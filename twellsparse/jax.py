@@ -43,7 +43,7 @@ from jax.experimental.buffer_callback import buffer_callback
 from . import _ops
 from ._ffn_autodiff import backward_arrays, forward_arrays
 from ._parts import TwELLParts
-from ._plans import FFN, GatedFFN, _PostedScalar, raise_for_previous, raise_left_out
+from ._plans import FFN, GatedFFN, raise_for_previous, raise_left_out
 from ._twell import twell_array
 from ._validation import check_capacity, check_spill_capacity, check_tile_n
 
@@ -412,46 +412,66 @@ def _units_major(w_down: jax.Array) -> jax.Array:
     return jnp.swapaxes(w_down, 0, 1)
 
 
-class _LeftOut:
-    """The entries a jitted FFN's fixed ``spill_capacity`` could not hold, call after call: each
-    call's count is posted without a host wait and read by the next call of the same compiled
-    function after it has queued its own kernels (or by :func:`check_spill`)."""
+def _buffer_key(a: Any) -> tuple | None:
+    """Where and how a callback's buffer lies (address, shape, strides, dtype): equal keys mean a
+    plan built on views of one call's buffers reads the next call's buffers as they are."""
+    if a is None:
+        return None
+    address = a.data.ptr if hasattr(a.data, "ptr") else a.ctypes.data
+    return (type(a), address, a.shape, a.strides, a.dtype.str)
 
-    live: ClassVar[weakref.WeakSet[_LeftOut]] = weakref.WeakSet()
 
-    def __init__(self, spill_capacity: int) -> None:
+class _CallSite:
+    """One traced FFN call site: its last plan, reused while XLA hands it the same weight buffers
+    (the plan holds views of them and derives nothing from their values, so building it again
+    would only cost host time), and the entries its fixed ``spill_capacity`` left out, call after
+    call. A reused plan checks its previous call itself; when the buffers change, the old plan's
+    count is popped and checked after the new plan's call has queued its kernels."""
+
+    live: ClassVar[weakref.WeakSet[_CallSite]] = weakref.WeakSet()
+
+    def __init__(self, spill_capacity: int | None) -> None:
         self.spill_capacity = spill_capacity
-        self.posted: _PostedScalar | None = None
-        _LeftOut.live.add(self)
+        self.plan: Any = None
+        self.key: tuple | None = None
+        _CallSite.live.add(self)
 
-    def record(self, plan: Any) -> None:
-        """Keep ``plan``'s count (its call just ran); raise for the previous call's, if any."""
-        previous, self.posted = self.posted, plan._left_out
-        raise_for_previous(previous, plan._left_out, self.spill_capacity, "the previous call")
+    def run(self, make_plan: Callable[[], Any], key: tuple, x: Any) -> Any:
+        """``plan(x)`` with the cached plan, or with ``make_plan()`` when ``key`` changed."""
+        previous = None
+        if self.plan is None or key != self.key:
+            if self.plan is not None and self.spill_capacity is not None:
+                previous = self.plan._left_out.pop()
+            self.plan, self.key = make_plan(), key
+        try:
+            return self.plan(x)
+        finally:
+            self.plan._last = None  # nothing reads the stats here: let the hidden layer go
+            raise_for_previous(previous, self.plan._left_out, self.spill_capacity, "the previous call")
 
     def check(self) -> None:
-        if self.posted is not None:
-            raise_left_out(self.posted, self.spill_capacity, "the last call")
+        if self.plan is not None and self.spill_capacity is not None:
+            raise_left_out(self.plan._left_out, self.spill_capacity, "the last call")
 
 
 def check_spill() -> None:
     """Raise :class:`twellsparse.TwELLSpillCapacityError` if the last call of any jitted
     :func:`ffn` / :func:`gated_ffn` with a ``spill_capacity`` left spilled entries out (each call
     also checks its predecessor). Waits for those calls to finish."""
-    for tracker in list(_LeftOut.live):
-        tracker.check()
+    for site in list(_CallSite.live):
+        site.check()
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
 def _ffn(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold, spill_capacity):
     dt = _same_dtype(x=x, w_act=w_act, w_down=w_down, **({} if w_lin is None else {"w_lin": w_lin}))
-    left_out = None if spill_capacity is None else _LeftOut(spill_capacity)  # one per traced call site
+    site = _CallSite(spill_capacity)  # one per traced call site
 
     def run(out: Any, xx: Any, wa: Any, wl: Any, wd_t: Any) -> None:
-        # The plans' path (no up values kept: the backward recomputes them), always sparse: a
-        # plan per call, as the buffers may change. Without spill_capacity the overflow count is
-        # read back (deferred behind the tail); with it nothing is. w_down arrives transposed (by
-        # XLA), so the plan's layout needs no copy.
+        # The plans' path (no up values kept: the backward recomputes them), always sparse.
+        # Without spill_capacity the overflow count is read back (deferred behind the tail);
+        # with it nothing is. w_down arrives transposed (by XLA), so the plan's layout needs no
+        # copy.
         settings = {
             "activation": activation,
             "tile_n": tile_n,
@@ -459,14 +479,13 @@ def _ffn(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold, spill
             "threshold": threshold,
             "spill_capacity": spill_capacity,
         }
-        plan = (
-            FFN(wa, wd_t.T, **settings, dispatch="sparse")
-            if wl is None
-            else GatedFFN(wa, wl, wd_t.T, **settings, dispatch="sparse")
-        )
-        out[...] = plan(xx)
-        if left_out is not None:
-            left_out.record(plan)
+
+        def make_plan() -> Any:
+            if wl is None:
+                return FFN(wa, wd_t.T, **settings, dispatch="sparse")
+            return GatedFFN(wa, wl, wd_t.T, **settings, dispatch="sparse")
+
+        out[...] = site.run(make_plan, tuple(_buffer_key(b) for b in (wa, wl, wd_t)), xx)
 
     return _call(run, _struct((x.shape[0], w_down.shape[0]), dt), x, w_act, w_lin, _units_major(w_down))
 

@@ -76,3 +76,27 @@ def test_gated_ffn_with_a_fixed_spill_reads_nothing_back_and_reports_overflow(rn
     with pytest.raises(ts.TwELLSpillCapacityError):
         tsj.check_spill()
     tsj.check_spill()  # reported once
+    # A new w_gate buffer makes the call site build a new plan: the old plan's count still
+    # reaches the next call.
+    jax.block_until_ready(tight(*args))
+    with pytest.raises(Exception, match="spill_capacity"):
+        jax.block_until_ready(tight(args[0], args[1] + 0, *args[2:]))
+
+
+@pytest.mark.parametrize("spill_capacity", [None, 300 * 1000])
+def test_the_call_sites_plan_follows_new_weights_and_tokens(spill_capacity):
+    """The callback reuses its plan while XLA hands it the same buffers: weights replaced between
+    calls (freed first, so the allocator may hand their addresses out again) and new tokens must
+    still give the dense result every time."""
+    dev = _gpu()
+    f = jax.jit(lambda *a: tsj.gated_ffn(*a, tile_n=64, capacity=4, spill_capacity=spill_capacity))
+    args = None
+    for seed in range(4):
+        del args
+        p = ffn_problem(300, 64, 1000, 0.05, "skewed", np.float32, np.random.default_rng(seed))
+        args = tuple(jax.device_put(jnp.asarray(p[k]), dev) for k in ("x", "w_gate", "w_up", "w_down"))
+        x, g, u, d = (np.asarray(a, np.float64) for a in args)
+        want = (np.maximum(x @ g.T, 0) * (x @ u.T)) @ d.T
+        for _ in range(2):
+            assert rel_error(np.asarray(f(*args), np.float64), want) < 1e-4
+    tsj.check_spill()
