@@ -88,3 +88,33 @@ def test_spill_capacity_validation(rng, bad):
     p = ffn_problem(8, 16, 64, 0.1, "uniform", np.float32, rng)
     with pytest.raises(ValueError, match=f"spill_capacity: expected None or a non-negative int, got {bad!r}"):
         ts.FFN(p["w_gate"], p["w_down"], spill_capacity=bad)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_plan_writes_into_out(rng, gated):
+    p = ffn_problem(30, 16, 128, 0.1, "skewed", np.float32, rng)
+    weights = (p["w_gate"], p["w_up"], p["w_down"]) if gated else (p["w_gate"], p["w_down"])
+    plan = (ts.GatedFFN if gated else ts.FFN)(*weights, tile_n=32, capacity=2, dispatch="sparse")
+    want = plan(p["x"])
+    out = np.full((30, 16), np.nan, dtype=np.float32)
+    assert plan(p["x"], out=out) is out
+    np.testing.assert_array_equal(out, want)
+    wide = np.full((30, 32), np.nan, dtype=np.float32)
+    plan(p["x"], out=wide[:, ::2])  # a strided out gets the result too
+    np.testing.assert_array_equal(wide[:, ::2], want)
+    assert np.isnan(wide[:, 1::2]).all()
+
+
+def test_plan_out_validation(rng):
+    p = ffn_problem(10, 16, 64, 0.1, "uniform", np.float32, rng)
+    plan = ts.FFN(p["w_gate"], p["w_down"], tile_n=32)
+    keep = p["x"].copy()
+    for bad, match in (
+        (np.zeros((10, 15), np.float32), r"out: expected shape \(10, 16\) and dtype float32, got \(10, 15\)"),
+        (np.zeros((10, 16), np.float64), "out: expected shape .* got .* float64"),
+        (p["x"], "out: expected an array apart from x"),
+        ([[0.0] * 16] * 10, "out: expected a numpy.ndarray like x, got list"),
+    ):
+        with pytest.raises((ValueError, TypeError), match=match):
+            plan(p["x"], out=bad)
+    np.testing.assert_array_equal(p["x"], keep)

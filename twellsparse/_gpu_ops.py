@@ -306,12 +306,14 @@ def gated_consumer(
     w_down_t: Any,
     keep_up: bool = False,
     variant: tuple[int, int] | None = None,
+    out: Any = None,
 ) -> tuple[Any, TwELLParts | None]:
     """The gated FFN after its gate in one kernel (:func:`gated_consumer_eligible` operands):
     ``u = x @ w_up.T`` at the gate's pattern, ``h = gate * u``, ``out = h @ w_down_t``.
 
     Returns ``(out, u)``; ``u`` (parts with the gate's structure and zero padding, what the
-    backward pass needs) only when ``keep_up``, else None.
+    backward pass needs) only when ``keep_up``, else None. ``out``, when given, is written in
+    place: (M, d_model) in x's dtype with unit column stride (the caller checks).
     """
     cp = _cp()
     m, nt, cap = gate.data.shape
@@ -320,7 +322,9 @@ def gated_consumer(
     w_down_t, ldd = row_stride(w_down_t)
     k_out = w_down_t.shape[1]
     kv, u = _variant(variant, "gated")
-    out = cp.empty((m, k_out), dtype=x.dtype)
+    if out is None:
+        out = cp.empty((m, k_out), dtype=x.dtype)
+    ldo = max(out.strides[0] // out.itemsize, k_out)
     # Phase 1 of the kernel writes u at the stored slots only: zero the padding for callers.
     u_data = (cp.zeros if keep_up else cp.empty)(gate.data.shape, dtype=x.dtype)
     u_spill = cp.empty(gate.spill_data.shape, dtype=x.dtype)
@@ -341,7 +345,7 @@ def gated_consumer(
         u_data,
         u_spill,
         out,
-        np.int64(k_out),
+        np.int64(ldo),
     )
     K.launch_grid(K.gather_expression("gated", x.dtype, kv, u), *_gather_grid(m), args)
     up = gate._replace(data=u_data, spill_data=u_spill) if keep_up else None

@@ -331,14 +331,15 @@ def product_values(a: twell_array, b: twell_array) -> twell_array:
 
 
 def gated_product(
-    x: Any, w_lin: Any, w_down_t: Any, gate: twell_array, keep_up: bool = False
+    x: Any, w_lin: Any, w_down_t: Any, gate: twell_array, keep_up: bool = False, out: Any = None
 ) -> tuple[Any, twell_array | None]:
     """The gated FFN after its gate: ``u = x @ w_lin.T`` at the gate's pattern (rounded to the
     value type), ``h = gate * u`` (rounded), ``out = h @ w_down_t``.
 
     One fused kernel on the GPU when the operands share a dtype and have 16-byte rows
     (``_gpu_ops.gated_consumer``), else SDDMM, product and SpMM. Returns ``(out, u)``, ``u``
-    only when ``keep_up`` (the backward pass needs it), else None.
+    only when ``keep_up`` (the backward pass needs it), else None. ``out`` (optional, trusted:
+    the result's shape and dtype, unit column stride) is written in place.
     """
     if is_cupy_array(x):
         from . import _gpu_ops
@@ -347,12 +348,12 @@ def gated_product(
         # Unit column strides once (a transposed weight is copied here, not again in the kernel's launch).
         x, w_lin, w_down_t = (row_stride(a)[0] for a in (x, w_lin, w_down_t))
         if gate.dtype == x.dtype and _gpu_ops.gated_consumer_eligible(x, w_lin, w_down_t):
-            out, up = _gpu_ops.gated_consumer(gate.parts, gate.tile_n, x, w_lin, w_down_t, keep_up)
+            out, up = _gpu_ops.gated_consumer(gate.parts, gate.tile_n, x, w_lin, w_down_t, keep_up, out=out)
             return out, (twell_array._from_parts(up, gate.shape, gate.tile_n) if up is not None else None)
     u_parts, _ = _sddmm_parts(x, w_lin, gate, scale=False)
     u = twell_array._from_parts(u_parts, gate.shape, gate.tile_n)
     h = product_values(gate.astype(u.dtype), u)
-    return matmul(h, w_down_t), (u if keep_up else None)
+    return matmul(h, w_down_t, out=out), (u if keep_up else None)
 
 
 def gather_tail_eligible(x: Any, w_lin: Any, w_down_t: Any, dtype: Any) -> bool:

@@ -223,17 +223,18 @@ class _FFNPlanBase:
         left spilled entries out (after replaying a captured call: synchronise first)."""
         raise_left_out(self._left_out, self.spill_capacity, "the previous call")
 
-    def _run(self, x: Any, act_name: str, lin_name: str | None) -> Any:
+    def _run(self, x: Any, act_name: str, lin_name: str | None, out: Any) -> Any:
         """One call; with a fixed ``spill_capacity``, the previous call's entries left out are
         checked after this call's work is queued (its wait then overlaps this call's kernels)."""
         previous = self._left_out.pop() if self.spill_capacity is not None and not _capturing() else None
         try:
-            return self._run_call(x, act_name, lin_name)
+            return self._run_call(x, act_name, lin_name, out)
         finally:
             raise_for_previous(previous, self._left_out, self.spill_capacity, "the previous call")
 
-    def _run_call(self, x: Any, act_name: str, lin_name: str | None) -> Any:
-        """Validate x, compute the activation's pre-activations, choose the path, finish it."""
+    def _run_call(self, x: Any, act_name: str, lin_name: str | None, out: Any) -> Any:
+        """Validate x (and out), compute the activation's pre-activations, choose the path, finish
+        it (in ``out`` when given)."""
         xx = _dense(x, "x")
         w = self._weights
         first = next(iter(w.values()))
@@ -241,6 +242,15 @@ class _FFNPlanBase:
         if xx.shape[1] != first.shape[1]:
             raise ValueError(f"x: expected {first.shape[1]} columns (d_model), got shape {tuple(xx.shape)}")
         dt = result_dtype(xx.dtype, w[act_name].dtype)
+        if out is not None:
+            _check_out(out, (xx.shape[0], w["w_down"].shape[0]), dt, xx)
+        return _deliver(self._compute(xx, act_name, lin_name, dt, out), out)
+
+    def _compute(self, xx: Any, act_name: str, lin_name: str | None, dt: Any, out: Any) -> Any:
+        """The call after validation; the result lands in ``out`` where the kernels can write it
+        there (the gather tails), elsewhere in a new array that :func:`_deliver` copies."""
+        w = self._weights
+        first = next(iter(w.values()))
         z, relu_mask = self._preactivation(xx, w[act_name])
         sampled = float("nan")
         if self.dispatch == "auto":
@@ -262,9 +272,15 @@ class _FFNPlanBase:
             mask, words = relu_mask
             return mask_consumer(z, mask, words, xx, w_lin, self._w_down_t)
 
+        # The tails write into `out` directly when every operand has one dtype and 16-byte rows.
+        unit_columns = out is not None and (out.shape[1] <= 1 or out.strides[1] == out.itemsize)
+        target = out if unit_columns and gather_tail_eligible(xx, w_lin, self._w_down_t, dt) else None
+
         def tail(parts: Any) -> Any:
             h = twell_array._from_parts(parts, shape, self.tile_n)
-            return matmul(h, self._w_down_t) if w_lin is None else gated_product(xx, w_lin, self._w_down_t, h)[0]
+            if w_lin is None:
+                return matmul(h, self._w_down_t, out=target)
+            return gated_product(xx, w_lin, self._w_down_t, h, out=target)[0]
 
         if relu_mask is not None:
             from ._gpu_convert import relu_mask_to_parts_deferred
@@ -279,18 +295,18 @@ class _FFNPlanBase:
             # No read-back: the spill fills a fixed-length buffer, the count of entries that did
             # not fit is posted for the next call (or check_spill) to raise on.
             parts, left_out = finish("spill", spill_capacity=self.spill_capacity)
-            out = _gather_tail(parts, self.tile_n, xx, w_lin, self._w_down_t, dt)
+            result = _gather_tail(parts, self.tile_n, xx, w_lin, self._w_down_t, dt, target)
             self._left_out.post(left_out)
             self._last = ("sparse", sampled, lambda: twell_array._from_parts(trimmed_spill(parts), shape, self.tile_n))
-            return out
+            return result
         # The tail runs on the row-tiles' first `capacity` entries while the host reads the
         # overflow count; only if entries spilled does it run again on the complete parts.
-        out = tail(first_parts)
+        result = tail(first_parts)
         parts, _ = finish("spill")
         if parts.spill_data.size != first_parts.spill_data.size:
-            out = tail(parts)
+            result = tail(parts)
         self._last = ("sparse", sampled, twell_array._from_parts(parts, shape, self.tile_n))
-        return out
+        return result
 
     def _fixed_spill_applies(self, x: Any, w_lin: Any, dt: Any) -> bool:
         """Whether this call spills into the fixed-length buffer: a ``spill_capacity`` was given,
@@ -345,14 +361,35 @@ class _FFNPlanBase:
         return kept.mean()
 
 
-def _gather_tail(parts: Any, tile_n: int, x: Any, w_lin: Any, w_down_t: Any, dt: Any) -> Any:
-    """The block after its pack on the gather kernels only (parts with a fixed-length spill)."""
+def _gather_tail(parts: Any, tile_n: int, x: Any, w_lin: Any, w_down_t: Any, dt: Any, out: Any = None) -> Any:
+    """The block after its pack on the gather kernels only (parts with a fixed-length spill),
+    into ``out`` when given (checked: the result's shape and dtype, unit column stride)."""
     from . import _gpu_ops
 
     if w_lin is not None:
-        return _gpu_ops.gated_consumer(parts, tile_n, x, w_lin, w_down_t)[0]
-    out = array_module(x).empty((x.shape[0], w_down_t.shape[1]), dtype=dt)
+        return _gpu_ops.gated_consumer(parts, tile_n, x, w_lin, w_down_t, out=out)[0]
+    if out is None:
+        out = array_module(x).empty((x.shape[0], w_down_t.shape[1]), dtype=dt)
     return _gpu_ops.spmm(parts, tile_n, w_down_t, out, path="gather")
+
+
+def _check_out(out: Any, shape: tuple[int, int], dtype: Any, x: Any) -> None:
+    """A plan call's ``out``: an array of x's kind and device with the result's shape and dtype."""
+    if type(out) is not type(x):
+        raise TypeError(f"out: expected a {type(x).__module__}.{type(x).__name__} like x, got {type(out).__name__}")
+    _same_device("x", x, out=out)
+    if tuple(out.shape) != shape or out.dtype != dtype:
+        raise ValueError(f"out: expected shape {shape} and dtype {dtype.name}, got {tuple(out.shape)} {out.dtype}")
+    if array_module(x).may_share_memory(out, x):
+        raise ValueError("out: expected an array apart from x (x is read after out is written), got one overlapping x")
+
+
+def _deliver(result: Any, out: Any) -> Any:
+    """``result``, copied into ``out`` when one was given and the path computed elsewhere."""
+    if out is None or result is out:
+        return result
+    out[...] = result
+    return out
 
 
 def _mask_stats(relu_mask: tuple[Any, int], shape: tuple[int, int]) -> Callable[[], tuple]:
@@ -425,6 +462,11 @@ class FFN(_FFNPlanBase):
         :meth:`check_spill`. Default None: the overflow count is read back (exact, one sync).
         Needs operands of one dtype with 16-byte rows; otherwise calls stay exact and warn once.
 
+    Calling the plan, ``plan(x, out=None)``, returns the block's output (M x d_model) in
+    ``result_type(x, w_up)``. ``out`` (optional): an array of that shape and dtype on x's device,
+    apart from x, that receives the result; with unit column stride and operands of one dtype
+    with 16-byte rows the kernels write it directly, otherwise the result is copied into it.
+
     Attributes
     ----------
     last_stats : dict
@@ -448,8 +490,9 @@ class FFN(_FFNPlanBase):
         settings = (activation, tile_n, capacity, threshold, dispatch, breakeven)
         super().__init__(weights, *settings, "ffn", spill_capacity)
 
-    def __call__(self, x: Any) -> Any:
-        return self._run(x, "w_up", None)
+    def __call__(self, x: Any, *, out: Any = None) -> Any:
+        """The block's output for tokens ``x`` (M x d_model), in ``out`` when given."""
+        return self._run(x, "w_up", None, out)
 
 
 class GatedFFN(_FFNPlanBase):
@@ -486,8 +529,9 @@ class GatedFFN(_FFNPlanBase):
         settings = (activation, tile_n, capacity, threshold, dispatch, breakeven)
         super().__init__(weights, *settings, "gated_ffn", spill_capacity)
 
-    def __call__(self, x: Any) -> Any:
-        return self._run(x, "w_gate", "w_up")
+    def __call__(self, x: Any, *, out: Any = None) -> Any:
+        """The block's output for tokens ``x`` (M x d_model), in ``out`` when given."""
+        return self._run(x, "w_gate", "w_up", out)
 
 
 def ffn(

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
@@ -130,8 +131,21 @@ def _on_stream(ctx: Any, buffers: list) -> Iterator[None]:
         return
     import cupy as cp
 
-    with cp.cuda.Device(int(buffers[0].__dlpack_device__()[1])), cp.cuda.ExternalStream(int(ctx.stream)):
+    device = int(buffers[0].__dlpack_device__()[1])
+    with cp.cuda.Device(device), _external_stream(int(ctx.stream), device):
         yield
+
+
+@functools.cache
+def _external_stream(ptr: int, device: int) -> Any:
+    """CuPy's handle on one of XLA's streams, made once per stream (XLA keeps its streams for the
+    client's life). CuPy 14 deprecates ExternalStream in favour of Stream.from_external, which
+    wants an object with ``__cuda_stream__``; XLA hands a bare pointer."""
+    import cupy as cp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cp.cuda.ExternalStream(ptr, device)
 
 
 def _call(fn: Callable[..., Any], out_types: Any, *args: Any) -> Any:
@@ -436,15 +450,15 @@ class _CallSite:
         self.key: tuple | None = None
         _CallSite.live.add(self)
 
-    def run(self, make_plan: Callable[[], Any], key: tuple, x: Any) -> Any:
-        """``plan(x)`` with the cached plan, or with ``make_plan()`` when ``key`` changed."""
+    def run(self, make_plan: Callable[[], Any], key: tuple, x: Any, out: Any) -> None:
+        """``plan(x, out=out)`` with the cached plan, or with ``make_plan()`` when ``key`` changed."""
         previous = None
         if self.plan is None or key != self.key:
             if self.plan is not None and self.spill_capacity is not None:
                 previous = self.plan._left_out.pop()
             self.plan, self.key = make_plan(), key
         try:
-            return self.plan(x)
+            self.plan(x, out=out)  # the kernels write XLA's output buffer: no copy
         finally:
             self.plan._last = None  # nothing reads the stats here: let the hidden layer go
             raise_for_previous(previous, self.plan._left_out, self.spill_capacity, "the previous call")
@@ -485,7 +499,7 @@ def _ffn(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold, spill
                 return FFN(wa, wd_t.T, **settings, dispatch="sparse")
             return GatedFFN(wa, wl, wd_t.T, **settings, dispatch="sparse")
 
-        out[...] = site.run(make_plan, tuple(_buffer_key(b) for b in (wa, wl, wd_t)), xx)
+        site.run(make_plan, tuple(_buffer_key(b) for b in (wa, wl, wd_t)), xx, out)
 
     return _call(run, _struct((x.shape[0], w_down.shape[0]), dt), x, w_act, w_lin, _units_major(w_down))
 

@@ -90,3 +90,21 @@ def test_capture_in_a_cuda_graph_and_replay(cp, rng, gated):
         want = exact(p["x"])
         np.testing.assert_array_equal(cp.asnumpy(out).view(np.uint8), cp.asnumpy(want).view(np.uint8))
         fixed.check_spill()
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("fixed", [True, False])
+def test_calls_write_into_out(cp, rng, gated, fixed):
+    """The gather tails write a given out directly (unit column stride) or through a copy
+    (strided): bitwise the result of a call without out, on poisoned buffers."""
+    p = ffn_problem(300, 64, 1000, 0.05, "skewed", ts.bfloat16, rng, cp)
+    fixed_plan, exact_plan = _plans(cp, p, gated, spill_capacity=300 * 1000)
+    plan = fixed_plan if fixed else exact_plan
+    want = cp.asnumpy(plan(p["x"])).view(np.uint16)
+    out = cp.empty((300, 64), dtype=ts.bfloat16)
+    assert plan(p["x"], out=out) is out
+    np.testing.assert_array_equal(cp.asnumpy(out).view(np.uint16), want)
+    wide = cp.empty((300, 128), dtype=ts.bfloat16)
+    plan(p["x"], out=wide[:, 1::2])
+    np.testing.assert_array_equal(cp.asnumpy(wide[:, 1::2]).view(np.uint16), want)
+    plan.check_spill()
