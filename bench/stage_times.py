@@ -6,7 +6,8 @@ the whole stage first, so the events see the GPU's work alone, as a CUDA graph w
     python bench/stage_times.py [--density 0.01] [--m 16384] [--out FILE.jsonl]
 
 Stages: the plain cuBLASLt GEMM, the ReLU-mask GEMM, the mask pack (pass 1 and its overflow
-read-back), linear_to_twell, gated and non-gated plan calls (also with a fixed spill capacity:
+read-back; with vector stores from shared memory and with scalar stores), the fixed spill's
+layout (two launches, and the CuPy operations it replaced), linear_to_twell, gated and non-gated plan calls (also with a fixed spill capacity:
 no read-back), the gated consumer, and the training backward's pieces (SDDMM, value
 products, the transposed pattern, the three transposed products, dX as the dual pass).
 """
@@ -28,6 +29,7 @@ def stages(density: float, m: int, pattern: str) -> dict[str, Any]:
     import twellsparse as ts
     from twellsparse import _gpu_convert, _gpu_ops, _gpu_producer
     from twellsparse._ops import gated_product, matmul, matmul_sum, product_values, sddmm, transposed_products
+    from twellsparse._reference import fixed_spill_layout
 
     p = ffn_problem(m, 2048, 5632, density, pattern, ts.bfloat16, 0, cp)
     x, wg, wu, wd = (p[k] for k in ("x", "w_gate", "w_up", "w_down"))
@@ -50,6 +52,11 @@ def stages(density: float, m: int, pattern: str) -> dict[str, Any]:
         "mask pack, exact finish": lambda: _gpu_convert.relu_mask_to_parts_deferred(h_relu, mask, words, 256, 32)[1](
             "spill"
         ),
+        "mask pack, scalar stores, exact finish": lambda: _gpu_convert.relu_mask_to_parts_deferred(
+            h_relu, mask, words, 256, 32, staged=False
+        )[1]("spill"),
+        "spill layout (two launches)": lambda: _gpu_convert.spill_layout(g.parts.counts, 32, m * 64),
+        "spill layout (CuPy operations)": lambda: fixed_spill_layout(g.parts.counts, 32, m * 64, xp=cp),
         "linear_to_twell": lambda: ts.linear_to_twell(x, wg),
         "gated consumer": lambda: _gpu_ops.gated_consumer(g.parts, g.tile_n, x, wu, wd_t),
         "down spmm": lambda: matmul(g, wd_t),

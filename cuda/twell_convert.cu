@@ -132,10 +132,14 @@ __global__ void __launch_bounds__(256, 4) dense_to_twell(
 // every kept entry its slot, so the output is canonical (increasing columns). A set bit whose
 // stored value is zero is not kept (the format stores nonzeros only). Two passes as in
 // dense_to_twell: pass 1 fills the slots and counts, pass 2 (spill_offsets given) the spill.
+// With `staged` (capacity a multiple of 8, dynamic shared memory of blockDim / W row-tiles'
+// slots), pass 1 assembles each row-tile's slots in shared memory and writes them out as whole
+// 16-byte vectors: a row-tile's slots are contiguous, and two-byte stores scattered over them
+// would cost the L2 partial-sector writes.
 template <typename T>
 __global__ void __launch_bounds__(256) relu_mask_to_twell(
     const T* __restrict__ h, long long ldh, const unsigned* __restrict__ mask, long long ld_words, int M, int N,
-    int tile_n, int n_tiles, int capacity, T* __restrict__ data, short* __restrict__ indices,
+    int tile_n, int n_tiles, int capacity, int staged, T* __restrict__ data, short* __restrict__ indices,
     int* __restrict__ counts, int* __restrict__ row_tile_nnz, const long long* __restrict__ spill_offsets,
     int* __restrict__ spill_indices, T* __restrict__ spill_data) {
   const int lane = threadIdx.x & 31;
@@ -169,6 +173,39 @@ __global__ void __launch_bounds__(256) relu_mask_to_twell(
   if (!active) return;  // after the shuffles: every lane took part in them
   const long long slot0 = rt * capacity;
   int pos = incl - cnt;
+  if (staged && !spill_pass) {
+    // The segment's row-tile in shared memory: values of all the block's row-tiles first, then
+    // their indices (both 16-byte aligned, as capacity is a multiple of 8).
+    extern __shared__ __align__(16) unsigned char stage[];
+    const int seg = threadIdx.x / W, n_seg = blockDim.x / W;
+    T* s_data = reinterpret_cast<T*>(stage) + (long long)seg * capacity;
+    short* s_idx = reinterpret_cast<short*>(reinterpret_cast<T*>(stage) + (long long)n_seg * capacity) + seg * capacity;
+    for (unsigned b = kept; b; b &= b - 1, ++pos) {
+      const int j = __ffs(b) - 1;
+      if (pos < capacity) {
+        s_data[pos] = hrow[col0 + j];
+        s_idx[pos] = (short)(sub * 32 + j);
+      }
+    }
+    for (int s = total + sub; s < capacity; s += W) {
+      s_data[s] = zero_value<T>();
+      s_idx[s] = -1;
+    }
+    // Segments are live (and active) whole, so the segment's lanes meet here.
+    __syncwarp(W == 32 ? 0xffffffffu : ((1u << W) - 1u) << (lane & ~(W - 1)));
+    const int data_vectors = capacity * (int)sizeof(T) / 16, index_vectors = capacity / 8;
+    for (int v = sub; v < data_vectors + index_vectors; v += W) {
+      if (v < data_vectors)
+        reinterpret_cast<uint4*>(data + slot0)[v] = reinterpret_cast<const uint4*>(s_data)[v];
+      else
+        reinterpret_cast<uint4*>(indices + slot0)[v - data_vectors] = reinterpret_cast<const uint4*>(s_idx)[v - data_vectors];
+    }
+    if (sub == 0) {
+      counts[rt] = min(total, capacity);
+      row_tile_nnz[rt] = total;
+    }
+    return;
+  }
   for (unsigned b = kept; b; b &= b - 1, ++pos) {
     const int j = __ffs(b) - 1;
     if (!spill_pass) {

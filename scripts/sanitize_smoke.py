@@ -57,6 +57,8 @@ for dtype in (ts.bfloat16, np.float32):
     words = np.ascontiguousarray(np.packbits(bits, axis=-1, bitorder="little")).view("<u4").reshape(-1)
     _, finish = _gpu_convert.relu_mask_to_parts_deferred(cp.asarray(hm), cp.asarray(words), 12, 32, 3)
     finish("spill")
+    _, finish = _gpu_convert.relu_mask_to_parts_deferred(cp.asarray(hm), cp.asarray(words), 12, 32, 8)  # staged
+    finish("spill")
     # The mask-driven consumers on the same mask (d_ff 301: a partial last word).
     w301 = cp.asarray(rng.standard_normal((301, 24)).astype(dtype))
     _gpu_ops.mask_consumer(cp.asarray(hm), cp.asarray(words), 12, xin, w301, w301)

@@ -139,21 +139,36 @@ def dense_to_parts_deferred(
     return _two_pass(m, nt, capacity, x.dtype, launch)
 
 
+#: Largest shared-memory stage of the relu-mask pack's vector stores (bytes per block).
+_STAGE_LIMIT = 32 * 1024
+
+
 def relu_mask_to_parts_deferred(
-    h: Any, mask: Any, mask_words: int, tile_n: int, capacity: int
+    h: Any, mask: Any, mask_words: int, tile_n: int, capacity: int, staged: bool | None = None
 ) -> tuple[TwELLParts, Callable[..., tuple[TwELLParts, Any]]]:
     """:func:`dense_to_parts_deferred` for relu'd values ``h`` (M x N, 16-bit or float32) with
     cuBLASLt's ReLU bit-mask (``mask_words`` uint32 words per row): reads only the values whose
-    bit is set. The parts equal those of packing ``h`` densely."""
+    bit is set. The parts equal those of packing ``h`` densely.
+
+    ``staged``: assemble each row-tile's slots in shared memory and store them as 16-byte
+    vectors (needs a capacity that is a multiple of 8); None (default) does so where it can.
+    """
     h, ldh = row_stride(h)
     m, n = h.shape
     nt = n_tiles(n, tile_n)
-    shape_args = (np.int32(m), np.int32(n), np.int32(tile_n), np.int32(nt), np.int32(capacity))
+    words = tile_n // 32
+    stage_bytes = (_BLOCK // words) * capacity * (h.itemsize + 2)
+    can_stage = capacity % 8 == 0 and stage_bytes <= _STAGE_LIMIT
+    if staged and not can_stage:
+        raise ValueError(f"staged: expected a capacity that is a multiple of 8 (a stage <= 32 KB), got {capacity}")
+    staged = can_stage if staged is None else staged
+    shape_args = (np.int32(m), np.int32(n), np.int32(tile_n), np.int32(nt), np.int32(capacity), np.int32(staged))
     head = (h, np.int64(ldh), mask, np.int64(mask_words), *shape_args)
     expr = f"relu_mask_to_twell<{K.CXX_TYPE[h.dtype]}>"
+    blocks = -(-m * nt * words // _BLOCK)
 
     def launch(*outputs: Any) -> None:
-        K.launch(expr, m * nt * (tile_n // 32), _BLOCK, (*head, *outputs))
+        K.launch_grid(expr, (blocks,), (_BLOCK,), (*head, *outputs), shared_mem=stage_bytes if staged else 0)
 
     return _two_pass(m, nt, capacity, h.dtype, launch)
 

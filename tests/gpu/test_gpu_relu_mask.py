@@ -30,9 +30,17 @@ def _mask_of(cp, h, words):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "m, n, tile_n, capacity, density",
-    [(37, 301, 32, 3, 0.2), (64, 5632, 256, 32, 0.01), (9, 1000, 1024, 8, 0.05), (50, 700, 128, 2, 0.3)],
+    [
+        (37, 301, 32, 3, 0.2),
+        (64, 5632, 256, 32, 0.01),
+        (9, 1000, 1024, 8, 0.05),
+        (50, 700, 128, 2, 0.3),
+        (41, 333, 32, 8, 0.4),  # staged with one word per tile, overflowing
+        (70, 1100, 64, 16, 0.35),
+    ],
 )
-def test_mask_pack_equals_dense_pack(cp, rng, dtype, m, n, tile_n, capacity, density):
+@pytest.mark.parametrize("staged", [None, False])  # vector stores where the capacity allows; scalar
+def test_mask_pack_equals_dense_pack(cp, rng, dtype, m, n, tile_n, capacity, density, staged):
     h = sparse_activations(m, n, density, "skewed", dtype, rng)
     words = -(-n // 128) * 4
     mask = _mask_of(cp, h, words)
@@ -42,12 +50,18 @@ def test_mask_pack_equals_dense_pack(cp, rng, dtype, m, n, tile_n, capacity, den
     for overflow in ("spill", "drop"):
         with warnings.catch_warnings():  # "drop" warns on both sides; the counts are compared
             warnings.simplefilter("ignore", ts.TwELLDroppedEntriesWarning)
-            finish = _gpu_convert.relu_mask_to_parts_deferred(hg, mask, words, tile_n, capacity)[1]
+            finish = _gpu_convert.relu_mask_to_parts_deferred(hg, mask, words, tile_n, capacity, staged)[1]
             got, dropped = finish(overflow)
             want, want_dropped = _gpu_convert.dense_to_parts(hg, tile_n, capacity, overflow)
         assert dropped == want_dropped
         for a, b in zip(got, want, strict=True):
             np.testing.assert_array_equal(cp.asnumpy(a).view(np.uint8), cp.asnumpy(b).view(np.uint8))
+
+
+def test_staged_mask_pack_needs_a_capacity_multiple_of_8(cp):
+    h = cp.zeros((4, 64), dtype=np.float32)
+    with pytest.raises(ValueError, match="staged: expected a capacity that is a multiple of 8"):
+        _gpu_convert.relu_mask_to_parts_deferred(h, cp.zeros(8, dtype=cp.uint32), 2, 64, 6, staged=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
