@@ -7,14 +7,16 @@ the whole stage first, so the events see the GPU's work alone, as a CUDA graph w
 
 Stages: the plain cuBLASLt GEMM, the ReLU-mask GEMM, the mask pack (pass 1 and its overflow
 read-back; with vector stores from shared memory and with scalar stores), the fixed spill's
-layout (two launches, and the CuPy operations it replaced), linear_to_twell, gated and non-gated plan calls (also with a fixed spill capacity:
-no read-back), the gated consumer, and the training backward's pieces (SDDMM, value
-products, the transposed pattern, the three transposed products, dX as the dual pass).
+layout (two launches, and the CuPy operations it replaced), linear_to_twell, gated and
+non-gated plan calls (also with a fixed spill capacity: no read-back), the gated consumer, and
+the training backward's pieces (SDDMM, value products, the transposed pattern, the three
+transposed products, dX as the dual pass).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -91,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         "pattern": args.pattern,
         "density_target": args.density,
         "stages": rows,
+        "l2_hints": os.environ.get("TWELL_L2_HINTS", "default"),  # the gather kernels' build
         **environment(),
     }
     if args.out:

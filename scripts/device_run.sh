@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|trainprofile|benchquick|profile|hostprofile|probe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|probe|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -65,6 +65,17 @@ for step in $what; do
       for d in 0.005 0.01; do
         python3 bench/stage_times.py --density $d --out "$OUT/stages.jsonl" 2>&1 | tee -a "$OUT/stages.log"
         status=$((status | ${PIPESTATUS[0]}))
+      done
+      ;;&
+    hints)
+      # The gather kernels' L2 eviction hints (TWELL_L2_HINTS 0 / 1 / 2, cuda/twell_gather.cu)
+      # side by side: stage times at 0.5% and 1% for each build.
+      for h in 0 1 2; do
+        for d in 0.005 0.01; do
+          TWELL_L2_HINTS=$h python3 bench/stage_times.py --density $d --out "$OUT/hints.jsonl" 2>&1 \
+            | sed "s/^/hints=$h d=$d  /" | tee -a "$OUT/hints.log" | grep -E "consumer|spmm|sddmm|products|dX|plan gated"
+          status=$((status | ${PIPESTATUS[0]}))
+        done
       done
       ;;&
     benchquick)

@@ -16,6 +16,7 @@ import hashlib
 import importlib
 import importlib.resources
 import itertools
+import os
 import re
 from typing import Any
 
@@ -162,7 +163,12 @@ def source_hash() -> str:
 
 
 def compile_options() -> tuple[str, ...]:
-    return ("-std=c++17", f"-DTWELL_SOURCES_SHA=0x{source_hash()}")
+    """NVRTC options; ``TWELL_L2_HINTS`` (0, 1 or 2; see cuda/twell_gather.cu) overrides the gather
+    kernels' L2 eviction hints, for measuring them (read when a module is first compiled)."""
+    hints = os.environ.get("TWELL_L2_HINTS", "")
+    if hints not in ("", "0", "1", "2"):
+        raise ValueError(f"TWELL_L2_HINTS: expected 0, 1 or 2, got {hints!r}")
+    return ("-std=c++17", f"-DTWELL_SOURCES_SHA=0x{source_hash()}", *((f"-DTWELL_L2_HINTS={hints}",) if hints else ()))
 
 
 @functools.cache
