@@ -363,7 +363,7 @@ class _FFNPlanBase:
 
 def _gather_tail(parts: Any, tile_n: int, x: Any, w_lin: Any, w_down_t: Any, dt: Any, out: Any = None) -> Any:
     """The block after its pack on the gather kernels only (parts with a fixed-length spill),
-    into ``out`` when given (checked: the result's shape and dtype, unit column stride)."""
+    into ``out`` when given (the caller checked its shape, dtype and unit column stride)."""
     from . import _gpu_ops
 
     if w_lin is not None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -42,6 +43,7 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from . import _ops
+from ._backend import is_cupy_array
 from ._ffn_autodiff import backward_arrays, forward_arrays
 from ._parts import TwELLParts
 from ._plans import FFN, GatedFFN, raise_for_previous, raise_left_out
@@ -436,36 +438,52 @@ def _buffer_key(a: Any) -> tuple | None:
 
 
 class _CallSite:
-    """One traced FFN call site: its last plan, reused while XLA hands it the same weight buffers
-    (the plan holds views of them and derives nothing from their values, so building it again
-    would only cost host time), and the entries its fixed ``spill_capacity`` left out, call after
-    call. A reused plan checks its previous call itself; when the buffers change, the old plan's
-    count is popped and checked after the new plan's call has queued its kernels."""
+    """One traced FFN call site: per GPU, its last plan, reused while XLA hands it the same weight
+    buffers (the plan holds views of them and derives nothing from their values, so building it
+    again would only cost host time), and the entries its fixed ``spill_capacity`` left out, call
+    after call. A reused plan checks its previous call itself; when the buffers change, the old
+    plan's count is popped and checked after the new plan's call has queued its kernels.
+
+    Callbacks for different devices may run at once (``shard_map`` over several GPUs), so each
+    device has its own slot, taken under a lock, and a call works on its own plan reference. On
+    the CPU (the reference path) a plan is built per call: nothing to save there."""
 
     live: ClassVar[weakref.WeakSet[_CallSite]] = weakref.WeakSet()
 
     def __init__(self, spill_capacity: int | None) -> None:
         self.spill_capacity = spill_capacity
-        self.plan: Any = None
-        self.key: tuple | None = None
+        self.slots: dict[int, tuple[tuple, Any]] = {}  # device id -> (buffer key, plan)
+        self.lock = threading.Lock()
         _CallSite.live.add(self)
 
     def run(self, make_plan: Callable[[], Any], key: tuple, x: Any, out: Any) -> None:
-        """``plan(x, out=out)`` with the cached plan, or with ``make_plan()`` when ``key`` changed."""
+        """``plan(x, out=out)`` with the device's cached plan, or ``make_plan()``'s when ``key``
+        (the weight buffers) changed."""
         previous = None
-        if self.plan is None or key != self.key:
-            if self.plan is not None and self.spill_capacity is not None:
-                previous = self.plan._left_out.pop()
-            self.plan, self.key = make_plan(), key
+        device = x.device.id if is_cupy_array(x) else None
+        if device is None:
+            plan = make_plan()
+        else:
+            with self.lock:
+                cached_key, plan = self.slots.get(device, (None, None))
+                if plan is None or cached_key != key:
+                    if plan is not None and self.spill_capacity is not None:
+                        previous = plan._left_out.pop()
+                    plan = make_plan()
+                    self.slots[device] = (key, plan)
         try:
-            self.plan(x, out=out)  # the kernels write XLA's output buffer: no copy
+            plan(x, out=out)  # the kernels write XLA's output buffer: no copy
         finally:
-            self.plan._last = None  # nothing reads the stats here: let the hidden layer go
-            raise_for_previous(previous, self.plan._left_out, self.spill_capacity, "the previous call")
+            plan._last = None  # nothing reads the stats here: let the hidden layer go
+            raise_for_previous(previous, plan._left_out, self.spill_capacity, "the previous call")
 
     def check(self) -> None:
-        if self.plan is not None and self.spill_capacity is not None:
-            raise_left_out(self.plan._left_out, self.spill_capacity, "the last call")
+        if self.spill_capacity is None:
+            return
+        with self.lock:
+            plans = [plan for _, plan in self.slots.values()]
+        for plan in plans:
+            raise_left_out(plan._left_out, self.spill_capacity, "the last call")
 
 
 def check_spill() -> None:
