@@ -23,40 +23,31 @@ struct alignas(16) Raw16 {
   unsigned x, y, z, w;
 };
 
-// L2 eviction hints (TWELL_L2_HINTS, set by twellsparse._kernels.compile_options): 0 none; 1
-// the streams (each token's own x row, read once per pass, and the output rows) are marked
-// evict-first, so the L2 keeps the gathered rows (each weight row serves every token that
-// uses its unit) in preference; 2 also marks the gathered rows evict-last. Measured on the
-// H200 (bench/NOTES.md, seventh session): 1 takes 0.5-1.5% off the consumers (3.6% off dX at
-// 0.5%) and is the default; 2 adds registers for no further gain.
+// L2 eviction hint (TWELL_L2_HINTS, set by twellsparse._kernels.compile_options; 1 unless it is
+// 0): the streams, each token's own x row (read once per pass) and the output rows, are marked
+// evict-first, so the L2 keeps the gathered rows (each weight row serves every token that uses
+// its unit) in preference. Measured on the H200 (bench/NOTES.md, seventh session): 0.5-1.5%
+// off the consumers, 3.6% off dX at 0.5%; marking the gathered rows evict-last as well gained
+// nothing more and cost registers.
 #ifndef TWELL_L2_HINTS
 #define TWELL_L2_HINTS 1
 #endif
 
-enum class L2Hint { Normal, Stream, Keep };
-
-__device__ __forceinline__ unsigned long long l2_policy(L2Hint hint) {
-  unsigned long long policy = 0;
-  if (hint == L2Hint::Stream)
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  else
-    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+__device__ __forceinline__ unsigned long long evict_first_policy() {
+  unsigned long long policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   return policy;
 }
 
-__device__ __forceinline__ bool hinted(L2Hint hint) {
-  return (hint == L2Hint::Stream && TWELL_L2_HINTS >= 1) || (hint == L2Hint::Keep && TWELL_L2_HINTS >= 2);
-}
-
 // Read-only 16-byte load through the non-coherent path (weights and inputs never change while
-// a kernel runs; hot rows stay in L1), with an optional L2 eviction priority.
-template <L2Hint HINT = L2Hint::Normal>
+// a kernel runs; hot rows stay in L1); STREAM marks it evict-first in L2.
+template <bool STREAM = false>
 __device__ __forceinline__ Raw16 ldg16(const void* p) {
   Raw16 r;
-  if (hinted(HINT)) {
+  if (STREAM && TWELL_L2_HINTS) {
     asm("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
         : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-        : "l"(p), "l"(l2_policy(HINT)));
+        : "l"(p), "l"(evict_first_policy()));
   } else {
     asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   }
@@ -65,9 +56,9 @@ __device__ __forceinline__ Raw16 ldg16(const void* p) {
 
 // A 16-byte store of an output row piece (written once, not read again by the kernel).
 __device__ __forceinline__ void stg16_stream(void* p, const Raw16& v) {
-  if (hinted(L2Hint::Stream)) {
+  if (TWELL_L2_HINTS) {
     asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(p), "r"(v.x), "r"(v.y),
-                 "r"(v.z), "r"(v.w), "l"(l2_policy(L2Hint::Stream))
+                 "r"(v.z), "r"(v.w), "l"(evict_first_policy())
                  : "memory");
   } else {
     *reinterpret_cast<Raw16*>(p) = v;
@@ -237,7 +228,7 @@ __device__ __forceinline__ void load_pair_rows(Raw16 (&w)[U][KV], int p, int n, 
 #pragma unroll
     for (int kv = 0; kv < KV; ++kv) {
       const int k = k0 + (kv * 32 + lane) * V;
-      w[u][kv] = (p + u < n && k < K) ? ldg16<L2Hint::Keep>(b + (long long)c[u] * ldb + k) : zero16();
+      w[u][kv] = (p + u < n && k < K) ? ldg16(b + (long long)c[u] * ldb + k) : zero16();
     }
   }
 }
@@ -307,7 +298,7 @@ __device__ __forceinline__ typename acc_of<T>::type gather_dots(const T* __restr
 #pragma unroll
     for (int kv = 0; kv < KV; ++kv) {
       const int k = k0 + (kv * 32 + lane) * V;
-      Lanes<T>::widen(k < K ? ldg16<L2Hint::Stream>(x_row + k) : zero16(), xv[kv]);
+      Lanes<T>::widen(k < K ? ldg16<true>(x_row + k) : zero16(), xv[kv]);
     }
     for (int p = 0; p < n; p += U) {
       Raw16 w[U][KV];

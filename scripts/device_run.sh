@@ -68,9 +68,9 @@ for step in $what; do
       done
       ;;&
     hints)
-      # The gather kernels' L2 eviction hints (TWELL_L2_HINTS 0 / 1 / 2, cuda/twell_gather.cu)
-      # side by side: stage times at 0.5% and 1% for each build.
-      for h in 0 1 2; do
+      # The gather kernels' L2 eviction hint off and on (TWELL_L2_HINTS 0 / 1,
+      # cuda/twell_gather.cu) side by side: stage times at 0.5% and 1% for each build.
+      for h in 0 1; do
         for d in 0.005 0.01; do
           TWELL_L2_HINTS=$h python3 bench/stage_times.py --density $d --out "$OUT/hints.jsonl" 2>&1 \
             | sed "s/^/hints=$h d=$d  /" | tee -a "$OUT/hints.log" | grep -E "consumer|spmm|sddmm|products|dX|plan gated"

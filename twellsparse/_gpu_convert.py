@@ -37,9 +37,15 @@ def row_stride(x: Any) -> tuple[Any, int]:
     return x, max(x.strides[0] // item, x.shape[1], 1)
 
 
-def _scan_chunks(n: int) -> int:
-    """Blocks (and chunk sums) of a two-launch device scan over ``n`` elements."""
-    return -(-n // K.SCAN_CHUNK)
+def _two_launch_scan(n: int, sums: str, sums_args: tuple, place: str, place_head: tuple, place_tail: tuple) -> None:
+    """A device scan over ``n > 0`` elements (cuda/twell_scan.cuh): kernel ``sums`` gets
+    ``(*sums_args, chunk_sums)``, then kernel ``place`` gets ``(*place_head, chunk_sums,
+    *place_tail)``, one block per chunk of ``K.SCAN_CHUNK`` elements each."""
+    chunks = -(-n // K.SCAN_CHUNK)
+    chunk_sums = _cp().empty(chunks, dtype=np.int64)
+    block = (K.SCAN_THREADS,)
+    K.launch_grid(sums, (chunks,), block, (*sums_args, chunk_sums))
+    K.launch_grid(place, (chunks,), block, (*place_head, chunk_sums, *place_tail))
 
 
 def spill_layout(row_tile_nnz: Any, capacity: int, spill_capacity: int) -> tuple[Any, Any, Any, Any]:
@@ -58,13 +64,10 @@ def spill_layout(row_tile_nnz: Any, capacity: int, spill_capacity: int) -> tuple
     if n == 0:
         return offsets, cp.zeros(m + 1, dtype=cp.int32), pass_counts, left_out
     indptr = cp.empty(m + 1, dtype=cp.int32)
-    chunks = _scan_chunks(n)
-    chunk_sums = cp.empty(chunks, dtype=cp.int64)
-    block = (K.SCAN_THREADS,)
-    K.launch_grid("spill_layout_sums", (chunks,), block, (row_tile_nnz, np.int64(n), np.int32(capacity), chunk_sums))
     geometry = (np.int32(m), np.int32(nt), np.int32(capacity), np.int64(spill_capacity))
     outputs = (offsets, indptr, pass_counts, left_out)
-    K.launch_grid("spill_layout_place", (chunks,), block, (row_tile_nnz, *geometry, chunk_sums, *outputs))
+    sums_args = (row_tile_nnz, np.int64(n), np.int32(capacity))
+    _two_launch_scan(n, "spill_layout_sums", sums_args, "spill_layout_place", (row_tile_nnz, *geometry), outputs)
     return offsets, indptr, pass_counts, left_out
 
 
@@ -165,10 +168,9 @@ def relu_mask_to_parts_deferred(
     shape_args = (np.int32(m), np.int32(n), np.int32(tile_n), np.int32(nt), np.int32(capacity), np.int32(staged))
     head = (h, np.int64(ldh), mask, np.int64(mask_words), *shape_args)
     expr = f"relu_mask_to_twell<{K.CXX_TYPE[h.dtype]}>"
-    blocks = -(-m * nt * words // _BLOCK)
 
     def launch(*outputs: Any) -> None:
-        K.launch_grid(expr, (blocks,), (_BLOCK,), (*head, *outputs), shared_mem=stage_bytes if staged else 0)
+        K.launch(expr, m * nt * words, _BLOCK, (*head, *outputs), shared_mem=stage_bytes if staged else 0)
 
     return _two_pass(m, nt, capacity, h.dtype, launch)
 
@@ -363,12 +365,9 @@ def transposed_pattern(parts: TwELLParts, tile_n: int, n_cols: int) -> Transpose
     first = cp.empty(bits.size, dtype=cp.int32)  # each (column, block)'s first position
     if bits.size:
         indptr = cp.empty(n_cols + 1, dtype=cp.int32)
-        chunks = _scan_chunks(bits.size)
-        chunk_sums = cp.empty(chunks, dtype=cp.int64)
-        block = (K.SCAN_THREADS,)
-        K.launch_grid("twell_transpose_sums", (chunks,), block, (bits, np.int64(bits.size), chunk_sums))
-        scan = (bits, np.int64(bits.size), np.int32(n_blocks), np.int32(n_cols), chunk_sums, first, indptr)
-        K.launch_grid("twell_transpose_first", (chunks,), block, scan)
+        words = (bits, np.int64(bits.size))
+        head = (*words, np.int32(n_blocks), np.int32(n_cols))
+        _two_launch_scan(bits.size, "twell_transpose_sums", words, "twell_transpose_first", head, (first, indptr))
     else:
         indptr = cp.zeros(n_cols + 1, dtype=cp.int32)
     rows = cp.empty(room, dtype=cp.int32)

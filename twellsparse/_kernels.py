@@ -163,11 +163,11 @@ def source_hash() -> str:
 
 
 def compile_options() -> tuple[str, ...]:
-    """NVRTC options; ``TWELL_L2_HINTS`` (0, 1 or 2; see cuda/twell_gather.cu) overrides the gather
-    kernels' L2 eviction hints, for measuring them (read when a module is first compiled)."""
+    """NVRTC options; ``TWELL_L2_HINTS=0`` turns off the gather kernels' L2 eviction hint (see
+    cuda/twell_gather.cu), for measuring it (read when a module is first compiled)."""
     hints = os.environ.get("TWELL_L2_HINTS", "")
-    if hints not in ("", "0", "1", "2"):
-        raise ValueError(f"TWELL_L2_HINTS: expected 0, 1 or 2, got {hints!r}")
+    if hints not in ("", "0", "1"):
+        raise ValueError(f"TWELL_L2_HINTS: expected 0 or 1, got {hints!r}")
     return ("-std=c++17", f"-DTWELL_SOURCES_SHA=0x{source_hash()}", *((f"-DTWELL_L2_HINTS={hints}",) if hints else ()))
 
 
@@ -226,12 +226,11 @@ def get_kernel(expression: str) -> Any:
     return _function(expression, cp.cuda.Device().id)
 
 
-def launch(expression: str, n_threads: int, threads_per_block: int, args: tuple) -> None:
-    """Launch over a 1-D grid covering ``n_threads`` threads on CuPy's current stream."""
-    if n_threads <= 0:
-        return
+def launch(expression: str, n_threads: int, threads_per_block: int, args: tuple, shared_mem: int = 0) -> None:
+    """Launch over a 1-D grid covering ``n_threads`` threads on CuPy's current stream, with
+    ``shared_mem`` bytes of dynamic shared memory per block (as :func:`launch_grid`)."""
     blocks = -(-n_threads // threads_per_block)
-    get_kernel(expression)((blocks,), (threads_per_block,), args)
+    launch_grid(expression, (blocks,), (threads_per_block,), args, shared_mem)
 
 
 def launch_grid(

@@ -42,6 +42,14 @@ def _cast_parts(parts: TwELLParts, dtype: Any) -> TwELLParts:
     return parts._replace(data=parts.data.astype(dtype), spill_data=parts.spill_data.astype(dtype))
 
 
+def check_out_shape(out: Any, shape: tuple[int, ...], dtype: Any) -> None:
+    """An ``out`` argument must have the result's shape and dtype (one-line error otherwise)."""
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
+        raise ValueError(
+            f"out: expected shape {tuple(shape)} and dtype {dtype.name}, got {tuple(out.shape)} {out.dtype}"
+        )
+
+
 def matmul(a: Any, b: Any, *, out: Any = None) -> Any:
     """Product of a TwELL matrix (or its ``.T``) with a dense matrix or vector.
 
@@ -73,9 +81,7 @@ def matmul(a: Any, b: Any, *, out: Any = None) -> Any:
     shape = (a.shape[0], b2.shape[1])
     if out is not None:
         _same_device("a", base.data, out=out)
-        want = shape[:1] if vector else shape
-        if tuple(out.shape) != want or out.dtype != dt:
-            raise ValueError(f"out: expected shape {want} and dtype {dt.name}, got {tuple(out.shape)} {out.dtype}")
+        check_out_shape(out, shape[:1] if vector else shape, dt)
     if is_cupy_array(bb):
         result = _matmul_gpu(base, b2.astype(dt, copy=False), dt, shape, transposed, out, vector)
     else:

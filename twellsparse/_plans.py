@@ -21,6 +21,7 @@ from ._errors import TwELLFallbackWarning, TwELLSpillCapacityError
 from ._ops import (
     _dense,
     _same_device,
+    check_out_shape,
     dense_ffn_tail,
     gated_product,
     gather_tail_eligible,
@@ -378,8 +379,7 @@ def _check_out(out: Any, shape: tuple[int, int], dtype: Any, x: Any) -> None:
     if type(out) is not type(x):
         raise TypeError(f"out: expected a {type(x).__module__}.{type(x).__name__} like x, got {type(out).__name__}")
     _same_device("x", x, out=out)
-    if tuple(out.shape) != shape or out.dtype != dtype:
-        raise ValueError(f"out: expected shape {shape} and dtype {dtype.name}, got {tuple(out.shape)} {out.dtype}")
+    check_out_shape(out, shape, dtype)
     if array_module(x).may_share_memory(out, x):
         raise ValueError("out: expected an array apart from x (x is read after out is written), got one overlapping x")
 

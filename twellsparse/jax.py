@@ -429,12 +429,9 @@ def _units_major(w_down: jax.Array) -> jax.Array:
 
 
 def _buffer_key(a: Any) -> tuple | None:
-    """Where and how a callback's buffer lies (address, shape, strides, dtype): equal keys mean a
-    plan built on views of one call's buffers reads the next call's buffers as they are."""
-    if a is None:
-        return None
-    address = a.data.ptr if hasattr(a.data, "ptr") else a.ctypes.data
-    return (type(a), address, a.shape, a.strides, a.dtype.str)
+    """Where and how a callback's CuPy buffer lies (address, shape, strides, dtype): equal keys
+    mean a plan built on views of one call's buffers reads the next call's buffers as they are."""
+    return None if a is None else (a.data.ptr, a.shape, a.strides, a.dtype.str)
 
 
 class _CallSite:
@@ -456,14 +453,14 @@ class _CallSite:
         self.lock = threading.Lock()
         _CallSite.live.add(self)
 
-    def run(self, make_plan: Callable[[], Any], key: tuple, x: Any, out: Any) -> None:
-        """``plan(x, out=out)`` with the device's cached plan, or ``make_plan()``'s when ``key``
-        (the weight buffers) changed."""
+    def run(self, make_plan: Callable[[], Any], weights: tuple, x: Any, out: Any) -> None:
+        """``plan(x, out=out)`` with the device's cached plan, or ``make_plan()``'s when the
+        weight buffers changed."""
         previous = None
-        device = x.device.id if is_cupy_array(x) else None
-        if device is None:
+        if not is_cupy_array(x):
             plan = make_plan()
         else:
+            device, key = x.device.id, tuple(_buffer_key(w) for w in weights)
             with self.lock:
                 cached_key, plan = self.slots.get(device, (None, None))
                 if plan is None or cached_key != key:
@@ -517,7 +514,7 @@ def _ffn(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold, spill
                 return FFN(wa, wd_t.T, **settings, dispatch="sparse")
             return GatedFFN(wa, wl, wd_t.T, **settings, dispatch="sparse")
 
-        site.run(make_plan, tuple(_buffer_key(b) for b in (wa, wl, wd_t)), xx, out)
+        site.run(make_plan, (wa, wl, wd_t), xx, out)
 
     return _call(run, _struct((x.shape[0], w_down.shape[0]), dt), x, w_act, w_lin, _units_major(w_down))
 
