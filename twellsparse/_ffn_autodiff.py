@@ -21,6 +21,7 @@ from typing import Any
 from ._backend import array_module
 from ._errors import TwELLSpillCapacityError
 from ._ops import (
+    count_overflow_ahead,
     gated_product,
     gather_tail_eligible,
     linear_to_parts_deferred,
@@ -85,6 +86,7 @@ def forward_arrays(x, w_act, w_lin, w_down, activation, tile_n, capacity, thresh
     if spill_capacity is not None and gather_tail_eligible(x, w_lin, w_down_t, x.dtype):
         parts, left_out = finish("spill", spill_capacity=spill_capacity)
         return (*tail(parts), left_out)  # the gather kernels: they read the spill by row pointers
+    count_overflow_ahead(finish)
     result = tail(first)
     parts, _ = finish("spill")
     if parts.spill_data.size != first.spill_data.size:

@@ -72,15 +72,22 @@ def spill_layout(row_tile_nnz: Any, capacity: int, spill_capacity: int) -> tuple
 
 
 def _apply_overflow(
-    row_tile_nnz: Any, capacity: int, overflow: str, dtype: Any, spill_pass: Callable[..., None]
+    row_tile_nnz: Any,
+    capacity: int,
+    overflow: str,
+    dtype: Any,
+    spill_pass: Callable[..., None],
+    known_excess: int | None = None,
 ) -> tuple[Any, Any, Any, int]:
     """Apply the policy to the per-row-tile counts; run ``spill_pass`` where entries must spill.
+    ``known_excess``: the entries beyond capacity, when already read back (zero then needs no
+    device work at all).
 
     Returns the spill CSR (data, indices, indptr) and the number of dropped entries.
     """
     cp = _cp()
     m = row_tile_nnz.shape[0]
-    excess = overflow_excess(row_tile_nnz, capacity, overflow, xp=cp)
+    excess = 0 if known_excess == 0 else overflow_excess(row_tile_nnz, capacity, overflow, xp=cp)
     if excess == 0 or overflow == "drop":
         empty = cp.empty(0, dtype=dtype), cp.empty(0, dtype=cp.int32), cp.zeros(m + 1, dtype=cp.int32)
         return (*empty, excess)
@@ -117,7 +124,7 @@ def dense_to_parts(
 
 def dense_to_parts_deferred(
     x: Any, tile_n: int, capacity: int, threshold: float | None = None, activation: str = "identity"
-) -> tuple[TwELLParts, Callable[..., tuple[TwELLParts, Any]]]:
+) -> tuple[TwELLParts, _Finish]:
     """Pass 1 of :func:`dense_to_parts` without waiting for its overflow check.
 
     Returns ``(first, finish)``: ``first`` holds each row-tile's first ``capacity`` entries and an
@@ -148,7 +155,7 @@ _STAGE_LIMIT = 32 * 1024
 
 def relu_mask_to_parts_deferred(
     h: Any, mask: Any, mask_words: int, tile_n: int, capacity: int, staged: bool | None = None
-) -> tuple[TwELLParts, Callable[..., tuple[TwELLParts, Any]]]:
+) -> tuple[TwELLParts, _Finish]:
     """:func:`dense_to_parts_deferred` for relu'd values ``h`` (M x N, 16-bit or float32) with
     cuBLASLt's ReLU bit-mask (``mask_words`` uint32 words per row): reads only the values whose
     bit is set. The parts equal those of packing ``h`` densely.
@@ -175,14 +182,9 @@ def relu_mask_to_parts_deferred(
     return _two_pass(m, nt, capacity, h.dtype, launch)
 
 
-def _two_pass(
-    m: int, nt: int, capacity: int, dtype: Any, launch: Callable[..., None]
-) -> tuple[TwELLParts, Callable[..., tuple[TwELLParts, Any]]]:
+def _two_pass(m: int, nt: int, capacity: int, dtype: Any, launch: Callable[..., None]) -> tuple[TwELLParts, _Finish]:
     """Run a producer's pass 1 (``launch(data, indices, counts, row_tile_nnz, None, None, None)``)
-    and return ``(first, finish)``. ``finish(overflow)`` applies the overflow policy, launching
-    pass 2 with the spill offsets and arrays when entries must spill (one scalar read-back);
-    ``finish("spill", spill_capacity=S)`` spills into S-long arrays without any read-back and
-    returns the entries left out as a device scalar (:func:`_static_spill`)."""
+    and return ``(first, finish)`` (:class:`_Finish`)."""
     cp = _cp()
     data = cp.empty((m, nt, capacity), dtype=dtype)
     indices = cp.empty((m, nt, capacity), dtype=cp.int16)
@@ -195,15 +197,50 @@ def _two_pass(
     run(K.null_pointer(), K.null_pointer(), K.null_pointer())
     empty_spill = cp.empty(0, dtype=dtype), cp.empty(0, dtype=cp.int32), cp.zeros(m + 1, dtype=cp.int32)
     first = TwELLParts(data, indices, counts, *empty_spill)
+    return first, _Finish(first, row_tile_nnz, capacity, dtype, run)
 
-    def finish(overflow: str, spill_capacity: int | None = None) -> tuple[TwELLParts, Any]:
+
+class _Finish:
+    """The second half of a two-pass producer. ``finish(overflow)`` applies the overflow policy,
+    launching pass 2 with the spill offsets and arrays when entries must spill (one scalar
+    read-back); ``finish("spill", spill_capacity=S)`` spills into S-long arrays without any
+    read-back and returns the entries left out as a device scalar (:func:`_static_spill`).
+
+    :meth:`count_now`, called before the caller queues more work, sends the overflow count to
+    pinned host memory right behind pass 1: the exact finish then waits for the pack alone, not
+    for whatever was queued after it, so the call can return while the GPU still works."""
+
+    def __init__(self, first: TwELLParts, row_tile_nnz: Any, capacity: int, dtype: Any, run: Callable) -> None:
+        self.first, self.row_tile_nnz, self.capacity, self.dtype, self.run = first, row_tile_nnz, capacity, dtype, run
+        self.counted: tuple[Any, Any] | None = None  # (pinned int64[1], event)
+
+    def count_now(self) -> None:
+        cp = _cp()
+        import cupyx
+
+        excess = cp.maximum(self.row_tile_nnz - self.capacity, 0).sum(dtype=cp.int64)
+        host = cupyx.empty_pinned((1,), dtype=np.int64)
+        stream = cp.cuda.get_current_stream()
+        cp.cuda.runtime.memcpyAsync(
+            host.ctypes.data, excess.data.ptr, 8, cp.cuda.runtime.memcpyDeviceToHost, stream.ptr
+        )
+        self.counted = (host, stream.record())
+
+    def _known_excess(self) -> int | None:
+        if self.counted is None:
+            return None
+        host, event = self.counted
+        event.synchronize()
+        return int(host[0])
+
+    def __call__(self, overflow: str, spill_capacity: int | None = None) -> tuple[TwELLParts, Any]:
+        head = (self.first.data, self.first.indices, self.first.counts)
         if spill_capacity is not None:  # no read-back: (parts, entries left out on the device)
-            *spill, lost = _static_spill(row_tile_nnz, capacity, spill_capacity, dtype, run)
-            return TwELLParts(data, indices, counts, *spill), lost
-        *spill, dropped = _apply_overflow(row_tile_nnz, capacity, overflow, dtype, run)
-        return TwELLParts(data, indices, counts, *spill), dropped
-
-    return first, finish
+            *spill, lost = _static_spill(self.row_tile_nnz, self.capacity, spill_capacity, self.dtype, self.run)
+            return TwELLParts(*head, *spill), lost
+        known = self._known_excess()
+        *spill, dropped = _apply_overflow(self.row_tile_nnz, self.capacity, overflow, self.dtype, self.run, known)
+        return TwELLParts(*head, *spill), dropped
 
 
 def csr_to_parts(

@@ -312,6 +312,15 @@ def pack_preactivation_deferred(
     return spilled[0], finish
 
 
+def count_overflow_ahead(finish: Callable[..., Any]) -> None:
+    """Before queuing work on a deferred producer's ``first`` parts: have a GPU ``finish`` send
+    its overflow count to the host right behind the pack, so its exact finish waits for the pack
+    alone (``_gpu_convert._Finish.count_now``). Nothing to do on the CPU."""
+    count_now = getattr(finish, "count_now", None)
+    if count_now is not None:
+        count_now()
+
+
 def values_op(fn: Any, *arrays: Any) -> Any:
     """Elementwise ``fn`` on value arrays, computed in float32 (float64 for float64 inputs)."""
     dt = arrays[0].dtype

@@ -22,6 +22,7 @@ from ._ops import (
     _dense,
     _same_device,
     check_out_shape,
+    count_overflow_ahead,
     dense_ffn_tail,
     gated_product,
     gather_tail_eligible,
@@ -283,6 +284,7 @@ class _FFNPlanBase:
                 return matmul(h, self._w_down_t, out=target)
             return gated_product(xx, w_lin, self._w_down_t, h, out=target)[0]
 
+        finish: Callable[..., tuple[Any, Any]]
         if relu_mask is not None:
             from ._gpu_convert import relu_mask_to_parts_deferred
 
@@ -301,7 +303,9 @@ class _FFNPlanBase:
             self._last = ("sparse", sampled, lambda: twell_array._from_parts(trimmed_spill(parts), shape, self.tile_n))
             return result
         # The tail runs on the row-tiles' first `capacity` entries while the host reads the
-        # overflow count; only if entries spilled does it run again on the complete parts.
+        # overflow count (sent right behind the pack, so the wait ends before the tail does);
+        # only if entries spilled does it run again on the complete parts.
+        count_overflow_ahead(finish)
         result = tail(first_parts)
         parts, _ = finish("spill")
         if parts.spill_data.size != first_parts.spill_data.size:
