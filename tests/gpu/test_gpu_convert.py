@@ -192,3 +192,29 @@ def test_current_stream_is_used(cp, rng):
     np.testing.assert_allclose(
         out.get(), ref.matmul(ts.twell_array(x).parts, x.shape, 256, b, np.float64), rtol=1e-4, atol=1e-4
     )
+
+
+@pytest.mark.parametrize("overflowing", [False, True])
+def test_exact_finish_waits_for_the_pack_only(cp, rng, overflowing):
+    """With the overflow count sent right behind pass 1 (count_now), the exact finish returns
+    while later work is still queued (here a 300 ms spin) when nothing spilled, and the parts
+    equal the plain pack's either way."""
+    import time
+
+    from twellsparse import _gpu_convert
+    from twellsparse import _kernels as K
+
+    h = cp.asarray(sparse_activations(64, 1000, 0.3 if overflowing else 0.01, "uniform", np.float32, rng))
+    _, finish = _gpu_convert.dense_to_parts_deferred(h, 256, 32)
+    finish.count_now()
+    K.get_kernel("twell_spin")((1,), (1,), (np.int64(300_000_000),))  # 300 ms of later work
+    t0 = time.perf_counter()
+    parts, dropped = finish("spill")
+    waited = time.perf_counter() - t0
+    if not overflowing:
+        assert waited < 0.15  # the count was ready long before the spin ends
+    cp.cuda.get_current_stream().synchronize()
+    want, _ = _gpu_convert.dense_to_parts(h, 256, 32, "spill")
+    assert dropped == 0
+    for a, b in zip(parts, want, strict=True):
+        np.testing.assert_array_equal(cp.asnumpy(a), cp.asnumpy(b))
