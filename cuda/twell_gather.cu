@@ -425,6 +425,50 @@ __global__ void __launch_bounds__(128) twell_gather_sddmm(
   }
 }
 
+// The gated FFN backward's sampled product with its three value products fused in: at each
+// stored entry (j, g) of the gate pattern, d_h = dy[row] . w_down_t[j] rounded to T, then, with
+// the up value u of the same slot, d_z = d_h * u, d_u = d_h * g and h = g * u, each as the
+// unfused path computes it (ffn_act_mul with the identity: an fp32 product of the rounded
+// operands, the first zeroed unless nonzero, rounded to T). One launch instead of the SDDMM and
+// six elementwise passes. Padding slots of the three outputs get 0; spill entries past the
+// row pointers are not written.
+template <typename T, int KV, int U>
+__global__ void __launch_bounds__(128) twell_gather_sddmm_gated_bwd(
+    const T* __restrict__ gate, const short* __restrict__ indices, const int* __restrict__ counts,
+    const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
+    const T* __restrict__ gate_spill, int M, int n_tiles, int tile_n, int capacity,
+    const T* __restrict__ dy, long long lddy, const T* __restrict__ w_down_t, long long ldw, int K,
+    const T* __restrict__ u_data, const T* __restrict__ u_spill, T* __restrict__ dz_data,
+    T* __restrict__ dz_spill, T* __restrict__ du_data, T* __restrict__ du_spill, T* __restrict__ h_data,
+    T* __restrict__ h_spill) {
+  using A = typename acc_of<T>::type;
+  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (row >= M) return;  // warp-uniform
+  const T* dy_row = dy + row * lddy;
+  const auto times = [](A a, A b) { return from_acc<T>((a != A(0) ? a : A(0)) * b); };
+  for_each_batch<true>(gate, indices, counts, spill_indptr, spill_cols, gate_spill, row, n_tiles, tile_n,
+                       capacity, lane, [&](int n, int col, A g, long long where) {
+                         const A d_h = to_acc(from_acc<T>(gather_dots<T, KV, U>(dy_row, w_down_t, ldw, K, n, col, lane)));
+                         if (lane < n) {
+                           const bool spilled = in_spill(where);
+                           const long long i = spilled ? ~where : where;
+                           const A u = to_acc(spilled ? u_spill[i] : u_data[i]);
+                           (spilled ? dz_spill : dz_data)[i] = times(d_h, u);
+                           (spilled ? du_spill : du_data)[i] = times(d_h, g);
+                           (spilled ? h_spill : h_data)[i] = times(g, u);
+                         }
+                       });
+  for (int tile = 0; tile < n_tiles; ++tile) {
+    const long long rt = row * n_tiles + tile;
+    for (int s = counts[rt] + lane; s < capacity; s += 32) {
+      dz_data[rt * capacity + s] = zero_value<T>();
+      du_data[rt * capacity + s] = zero_value<T>();
+      h_data[rt * capacity + s] = zero_value<T>();
+    }
+  }
+}
+
 // The gated FFN's consumer for one row of tokens, in two phases of one warp:
 //   1. u[row, j] = x[row] . w_up[j] at the gate's stored entries, rounded to T, into u_data /
 //      u_spill (laid out like the gate's parts; padding slots are not written);

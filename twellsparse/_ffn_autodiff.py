@@ -22,6 +22,7 @@ from ._backend import array_module
 from ._errors import TwELLSpillCapacityError
 from ._ops import (
     count_overflow_ahead,
+    fused_gated_backward,
     gated_product,
     gather_tail_eligible,
     linear_to_parts_deferred,
@@ -114,6 +115,13 @@ def _padded_spill(a: Any, spill_capacity: int) -> Any:
 
 def backward_arrays(grad_out, grad_act, x, w_act, w_lin, w_down, g, u, activation):
     """(dx, dw_act, dw_lin or None, dw_down); ``grad_act`` (a TwELL of g's pattern) may be None."""
+    fused = None
+    if u is not None and grad_act is None and activation in ("relu", "identity"):
+        fused = fused_gated_backward(grad_out, w_down.T, g, u)  # d_h and its products in one pass
+    if fused is not None:
+        f_z, f_u, f_h = fused
+        dw_down_t, dw_act, dw_lin = transposed_products(g, [(f_h, grad_out), (f_z, x), (f_u, x)])
+        return matmul_sum(f_z, w_act, f_u, w_lin), dw_act, dw_lin, dw_down_t.T
     d_h = sddmm(grad_out, w_down.T, g)
     if u is None:
         h, d_act = g, d_h

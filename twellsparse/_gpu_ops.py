@@ -292,6 +292,31 @@ def mask_consumer(
     return out
 
 
+def sddmm_gated_backward(
+    gate: TwELLParts, tile_n: int, dy: Any, w_down_t: Any, up: TwELLParts, variant: tuple[int, int] | None = None
+) -> tuple[TwELLParts, TwELLParts, TwELLParts]:
+    """The gated FFN backward's ``d_h = dy @ w_down_t.T`` at the gate's pattern and its value
+    products in one kernel: returns parts of ``d_z = d_h * u``, ``d_u = d_h * g`` and
+    ``h = g * u`` (g the gate's values, u ``up``'s), rounded as the unfused SDDMM and products
+    round them. Every operand shares one dtype; ``dy`` and ``w_down_t`` have 16-byte rows
+    (:func:`rows_aligned`). Spill entries past the row pointers are zero."""
+    cp = _cp()
+    m, nt, cap = gate.data.shape
+    dy, lddy = row_stride(dy)
+    w_down_t, ldw = row_stride(w_down_t)
+    results = [
+        (cp.empty(gate.data.shape, dtype=dy.dtype), cp.zeros(gate.spill_data.shape, dtype=dy.dtype)) for _ in range(3)
+    ]
+    geometry = (np.int32(m), np.int32(nt), np.int32(tile_n), np.int32(cap))
+    dense = (dy, np.int64(lddy), w_down_t, np.int64(ldw), np.int32(dy.shape[1]))
+    outputs = tuple(a for pair in results for a in pair)
+    args = (*_matrix_args(gate), *geometry, *dense, up.data, up.spill_data, *outputs)
+    kv, u = _variant(variant, "sddmm_gated_bwd")
+    K.launch_grid(K.gather_expression("sddmm_gated_bwd", dy.dtype, kv, u), *_gather_grid(m), args)
+    d_z, d_u, h = (gate._replace(data=data, spill_data=spill) for data, spill in results)
+    return d_z, d_u, h
+
+
 def gated_consumer_eligible(x: Any, w_up: Any, w_down_t: Any) -> bool:
     """Whether :func:`gated_consumer` can run on these operands (16-byte rows, one dtype)."""
     same = x.dtype == w_up.dtype == w_down_t.dtype

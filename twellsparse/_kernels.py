@@ -49,7 +49,14 @@ SCAN_THREADS = 256
 #: bench/results/2026-12-02-ffn.jsonl, commit 72f5ef8: (4, 4) took the SDDMM from 0.387 to
 #: 0.360 ms at 0.5% and from 0.679 to 0.619 ms at 1%; the benchmark times the others beside it).
 GATHER_VARIANTS = ((8, 2), (4, 4))
-GATHER_DEFAULT = {"spmm": (8, 2), "sddmm": (4, 4), "gated": (4, 4), "csr_spmm": (8, 2), "csr_spmm_pair": (4, 4)}
+GATHER_DEFAULT = {
+    "spmm": (8, 2),
+    "sddmm": (4, 4),
+    "sddmm_gated_bwd": (4, 4),  # as the SDDMM it extends (not timed on its own yet)
+    "gated": (4, 4),
+    "csr_spmm": (8, 2),
+    "csr_spmm_pair": (4, 4),
+}
 GATHER_WARPS = 4  # rows (warps) per block
 
 
@@ -71,9 +78,14 @@ def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = Fals
         return f"twell_gather_csr_spmm<{t}, {kv}, {u}>"
     if kind == "csr_spmm_pair":
         return f"twell_gather_csr_spmm<{t}, {kv}, {u}, true>"
+    if kind == "sddmm_gated_bwd":
+        return f"twell_gather_sddmm_gated_bwd<{t}, {kv}, {u}>"
     if kind in ("mask_gated", "mask_spmm"):
         return f"twell_{kind}<{t}, {kv}, {u}>"
-    kinds = "'spmm', 'spmm_sum', 'sddmm', 'gated', 'csr_spmm', 'csr_spmm_pair', 'mask_gated' or 'mask_spmm'"
+    kinds = (
+        "'spmm', 'spmm_sum', 'sddmm', 'sddmm_gated_bwd', 'gated', 'csr_spmm', 'csr_spmm_pair', 'mask_gated' "
+        "or 'mask_spmm'"
+    )
     raise ValueError(f"kind: expected {kinds}, got {kind!r}")
 
 
@@ -112,6 +124,7 @@ def _instantiations() -> dict[str, list[str]]:
             ("gated", False),
             ("sddmm", False),
             ("sddmm", True),
+            ("sddmm_gated_bwd", False),
         )
     ]
     gather += [

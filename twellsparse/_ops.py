@@ -371,6 +371,25 @@ def gated_product(
     return matmul(h, w_down_t, out=out), (u if keep_up else None)
 
 
+def fused_gated_backward(
+    grad_out: Any, w_down_t: Any, g: twell_array, u: twell_array
+) -> tuple[twell_array, twell_array, twell_array] | None:
+    """``(d_z, d_u, h)`` of the gated backward (relu or identity activation) from one kernel,
+    ``_gpu_ops.sddmm_gated_backward``: the values that ``sddmm(grad_out, w_down_t, g)`` and the
+    three :func:`product_values` give. None where that kernel cannot run (the CPU, mixed
+    dtypes, rows that are not 16-byte multiples): the caller takes the unfused path."""
+    if not is_cupy_array(grad_out) or not grad_out.dtype == w_down_t.dtype == g.dtype == u.dtype:
+        return None
+    from . import _gpu_ops
+    from ._gpu_convert import row_stride
+
+    if not _gpu_ops.rows_aligned(row_stride(grad_out), row_stride(w_down_t)):
+        return None
+    parts = _gpu_ops.sddmm_gated_backward(g.parts, g.tile_n, grad_out, w_down_t, u.parts)
+    d_z, d_u, h = (twell_array._from_parts(p, g.shape, g.tile_n) for p in parts)
+    return d_z, d_u, h
+
+
 def gather_tail_eligible(x: Any, w_lin: Any, w_down_t: Any, dtype: Any) -> bool:
     """Whether an FFN block's tail can run on the row-gather kernels alone: on the GPU, one
     dtype, 16-byte rows (gated: the fused consumer's operands; non-gated: W_down's rows). Those

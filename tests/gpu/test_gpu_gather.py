@@ -241,3 +241,27 @@ def test_auto_path_warns_when_it_takes_the_portable_kernels(cp, rng):
     with warnings.catch_warnings():
         warnings.simplefilter("error", ts.TwELLFallbackWarning)
         ts.matmul(a, even)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, n, k, tile_n, capacity, density", SHAPES)
+def test_fused_gated_backward_matches_the_unfused_path(cp, rng, dtype, m, n, k, tile_n, capacity, density):
+    """d_h = dY @ W_down at the gate's pattern and its three value products from one kernel:
+    bitwise the SDDMM followed by product_values (the unfused backward), spill included."""
+    from twellsparse._ops import fused_gated_backward, product_values, sddmm, with_values
+
+    _, g = _problem(cp, rng, m, n, tile_n, capacity, density, dtype)
+    up = rng.standard_normal(g.data.shape).astype(dtype)
+    up[np.arange(g.data.shape[2]) >= g.counts.get()[..., None]] = 0  # zero padding, as the consumer writes
+    u = with_values(g, cp.asarray(up), cp.asarray(rng.standard_normal(g.spill_data.shape).astype(dtype)))
+    dy = cp.asarray(rng.standard_normal((m, k)).astype(dtype))
+    w_down_t = cp.asarray(rng.standard_normal((n, k)).astype(dtype))
+    fused = fused_gated_backward(dy, w_down_t, g, u)
+    assert fused is not None
+    d_h = sddmm(dy, w_down_t, g)
+    want = (product_values(d_h, u), product_values(d_h, g), product_values(g, u))
+    n_spill = int(g.spill_indptr[-1])
+    for got, exp in zip(fused, want, strict=True):
+        np.testing.assert_array_equal(got.data.get().view(np.uint8), exp.data.get().view(np.uint8))
+        spill_got, spill_exp = got.spill_data[:n_spill].get(), exp.spill_data[:n_spill].get()
+        np.testing.assert_array_equal(spill_got.view(np.uint8), spill_exp.view(np.uint8))
