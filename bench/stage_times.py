@@ -7,7 +7,8 @@ the whole stage first, so the events see the GPU's work alone, as a CUDA graph w
 
 Stages: the plain cuBLASLt GEMM, the ReLU-mask GEMM, the mask pack (pass 1 and its overflow
 read-back; with vector stores from shared memory and with scalar stores), the fixed spill's
-layout (two launches, and the CuPy operations it replaced), linear_to_twell, gated and
+layout (two launches, and the CuPy operations it replaced), the fused Hopper producer's pass 1,
+linear_to_twell (with the default producer and with the cuBLASLt one), gated and
 non-gated plan calls (also with a fixed spill capacity: no read-back), the gated consumer, and
 the training backward's pieces (SDDMM, value products, the transposed pattern, the three
 transposed products, dX as the dual pass).
@@ -29,7 +30,7 @@ def stages(density: float, m: int, pattern: str) -> dict[str, Any]:
     import cupy as cp
 
     import twellsparse as ts
-    from twellsparse import _gpu_convert, _gpu_ops, _gpu_producer
+    from twellsparse import _gpu_convert, _gpu_ops, _gpu_producer, _hopper_producer
     from twellsparse._ops import gated_product, matmul, matmul_sum, product_values, sddmm, transposed_products
     from twellsparse._reference import fixed_spill_layout
 
@@ -60,6 +61,8 @@ def stages(density: float, m: int, pattern: str) -> dict[str, Any]:
         "spill layout (two launches)": lambda: _gpu_convert.spill_layout(g.parts.counts, 32, m * 64),
         "spill layout (CuPy operations)": lambda: fixed_spill_layout(g.parts.counts, 32, m * 64, xp=cp),
         "linear_to_twell": lambda: ts.linear_to_twell(x, wg),
+        "fused producer, pass 1": lambda: _hopper_producer.linear_to_parts_deferred(x, wg, "relu", 256, 32, None),
+        "linear_to_twell, cuBLASLt producer": lambda: _without_fused_producer(lambda: ts.linear_to_twell(x, wg)),
         "gated consumer": lambda: _gpu_ops.gated_consumer(g.parts, g.tile_n, x, wu, wd_t),
         "down spmm": lambda: matmul(g, wd_t),
         **{f"plan {name}": (lambda plan=plan: plan(x)) for name, plan in plans.items()},
@@ -69,6 +72,16 @@ def stages(density: float, m: int, pattern: str) -> dict[str, Any]:
         "bwd 3 transposed products": lambda: transposed_products(g, [(h, go), (d_z, x), (d_u, x)]),
         "bwd dX": lambda: matmul_sum(d_z, wg, d_u, wu),  # the backward's one dual pass
     }
+
+
+def _without_fused_producer(fn: Any) -> Any:
+    from twellsparse import _hopper_producer
+
+    saved, _hopper_producer.ENABLED = _hopper_producer.ENABLED, False
+    try:
+        return fn()
+    finally:
+        _hopper_producer.ENABLED = saved
 
 
 def main(argv: list[str] | None = None) -> int:

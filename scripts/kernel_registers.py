@@ -20,7 +20,8 @@ def report(name_filter: str = "") -> list[tuple[str, int, int]]:
     """(kernel, registers, spill bytes) for every instantiation whose name has the filter."""
     rows = []
     options = ["-arch=compute_90a", *_kernels.compile_options()]
-    for name, expressions in _kernels.INSTANTIATIONS.items():
+    sources = {**_kernels.INSTANTIATIONS, **{n: e for n, (_, e) in _kernels.ARCH_SOURCES.items()}}
+    for name, expressions in sources.items():
         prog = nvrtc.createProgram(_kernels.read_source(name), name, [], [])
         for expr in expressions:
             nvrtc.addNameExpression(prog, expr)

@@ -124,7 +124,7 @@ def dense_to_parts(
 
 def dense_to_parts_deferred(
     x: Any, tile_n: int, capacity: int, threshold: float | None = None, activation: str = "identity"
-) -> tuple[TwELLParts, _Finish]:
+) -> tuple[TwELLParts, Finish]:
     """Pass 1 of :func:`dense_to_parts` without waiting for its overflow check.
 
     Returns ``(first, finish)``: ``first`` holds each row-tile's first ``capacity`` entries and an
@@ -146,7 +146,7 @@ def dense_to_parts_deferred(
     def launch(*outputs: Any) -> None:
         K.launch_grid(expr, (blocks,), (_BLOCK,), (*head, *outputs))
 
-    return _two_pass(m, nt, capacity, x.dtype, launch)
+    return two_pass(m, nt, capacity, x.dtype, launch)
 
 
 #: Largest shared-memory stage of the relu-mask pack's vector stores (bytes per block).
@@ -155,7 +155,7 @@ _STAGE_LIMIT = 32 * 1024
 
 def relu_mask_to_parts_deferred(
     h: Any, mask: Any, mask_words: int, tile_n: int, capacity: int, staged: bool | None = None
-) -> tuple[TwELLParts, _Finish]:
+) -> tuple[TwELLParts, Finish]:
     """:func:`dense_to_parts_deferred` for relu'd values ``h`` (M x N, 16-bit or float32) with
     cuBLASLt's ReLU bit-mask (``mask_words`` uint32 words per row): reads only the values whose
     bit is set. The parts equal those of packing ``h`` densely.
@@ -164,27 +164,44 @@ def relu_mask_to_parts_deferred(
     vectors (needs a capacity that is a multiple of 8); None (default) does so where it can.
     """
     h, ldh = row_stride(h)
-    m, n = h.shape
-    nt = n_tiles(n, tile_n)
     words = tile_n // 32
     stage_bytes = (_BLOCK // words) * capacity * (h.itemsize + 2)
     can_stage = capacity % 8 == 0 and stage_bytes <= _STAGE_LIMIT
     if staged and not can_stage:
         raise ValueError(f"staged: expected a capacity that is a multiple of 8 (a stage <= 32 KB), got {capacity}")
     staged = can_stage if staged is None else staged
-    shape_args = (np.int32(m), np.int32(n), np.int32(tile_n), np.int32(nt), np.int32(capacity), np.int32(staged))
-    head = (h, np.int64(ldh), mask, np.int64(mask_words), *shape_args)
+    launch = _relu_mask_launch(h, ldh, mask, mask_words, tile_n, capacity, stage_bytes if staged else 0)
+    return two_pass(h.shape[0], n_tiles(h.shape[1], tile_n), capacity, h.dtype, launch)
+
+
+def relu_mask_spill_pass(h: Any, mask: Any, mask_words: int, tile_n: int, capacity: int) -> Callable[..., None]:
+    """The relu-mask pack's launch for a producer that wrote only the overflowing row-tiles'
+    values and mask words (its pass 2 reads nothing else): ``launch(data, indices, counts,
+    row_tile_nnz, offsets, spill_indices, spill_data)`` with non-null spill arrays."""
+    h, ldh = row_stride(h)
+    return _relu_mask_launch(h, ldh, mask, mask_words, tile_n, capacity, 0)
+
+
+def _relu_mask_launch(
+    h: Any, ldh: int, mask: Any, mask_words: int, tile_n: int, capacity: int, stage_bytes: int
+) -> Callable[..., None]:
+    """``relu_mask_to_twell``'s launch over every (row-tile, mask word); ``stage_bytes`` > 0
+    assembles pass 1's slots in that much shared memory per block."""
+    m, n = h.shape
+    nt = n_tiles(n, tile_n)
+    shape_args = (np.int32(m), np.int32(n), np.int32(tile_n), np.int32(nt), np.int32(capacity))
+    head = (h, np.int64(ldh), mask, np.int64(mask_words), *shape_args, np.int32(stage_bytes > 0))
     expr = f"relu_mask_to_twell<{K.CXX_TYPE[h.dtype]}>"
 
     def launch(*outputs: Any) -> None:
-        K.launch(expr, m * nt * words, _BLOCK, (*head, *outputs), shared_mem=stage_bytes if staged else 0)
+        K.launch(expr, m * nt * (tile_n // 32), _BLOCK, (*head, *outputs), shared_mem=stage_bytes)
 
-    return _two_pass(m, nt, capacity, h.dtype, launch)
+    return launch
 
 
-def _two_pass(m: int, nt: int, capacity: int, dtype: Any, launch: Callable[..., None]) -> tuple[TwELLParts, _Finish]:
+def two_pass(m: int, nt: int, capacity: int, dtype: Any, launch: Callable[..., None]) -> tuple[TwELLParts, Finish]:
     """Run a producer's pass 1 (``launch(data, indices, counts, row_tile_nnz, None, None, None)``)
-    and return ``(first, finish)`` (:class:`_Finish`)."""
+    and return ``(first, finish)`` (:class:`Finish`)."""
     cp = _cp()
     data = cp.empty((m, nt, capacity), dtype=dtype)
     indices = cp.empty((m, nt, capacity), dtype=cp.int16)
@@ -197,10 +214,10 @@ def _two_pass(m: int, nt: int, capacity: int, dtype: Any, launch: Callable[..., 
     run(K.null_pointer(), K.null_pointer(), K.null_pointer())
     empty_spill = cp.empty(0, dtype=dtype), cp.empty(0, dtype=cp.int32), cp.zeros(m + 1, dtype=cp.int32)
     first = TwELLParts(data, indices, counts, *empty_spill)
-    return first, _Finish(first, row_tile_nnz, capacity, dtype, run)
+    return first, Finish(first, row_tile_nnz, capacity, dtype, run)
 
 
-class _Finish:
+class Finish:
     """The second half of a two-pass producer. ``finish(overflow)`` applies the overflow policy,
     launching pass 2 with the spill offsets and arrays when entries must spill (one scalar
     read-back); ``finish("spill", spill_capacity=S)`` spills into S-long arrays without any

@@ -147,6 +147,23 @@ def _instantiations() -> dict[str, list[str]]:
 
 INSTANTIATIONS: dict[str, list[str]] = _instantiations()
 
+#: Activations of the fused Hopper producer (cuda/twell_hopper_gemm.cu), each with or without a
+#: magnitude threshold.
+HOPPER_ACTIVATIONS = ("relu", "relu2", "silu")
+
+#: Sources built for one target only, whose instructions (wgmma, setmaxnreg) exist nowhere else:
+#: source -> (NVRTC target, instantiations). Compiled here with NVRTC and loaded as a cubin.
+ARCH_SOURCES: dict[str, tuple[str, list[str]]] = {
+    "twell_hopper_gemm.cu": (
+        "sm_90a",
+        [
+            f"twell_gemm_pack<{CXX_TYPE[d]}, {ACTIVATION_ID[a]}>"
+            for d in (np.dtype(np.float16), bfloat16)
+            for a in HOPPER_ACTIVATIONS
+        ],
+    ),
+}
+
 
 _LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)
 
@@ -220,6 +237,67 @@ def _module(name: str, value_type: str, device_id: int) -> Any:
     return mod
 
 
+def _nvrtc_cubin(name: str, expressions: list[str], arch: str) -> tuple[bytes, dict[str, str]]:
+    """Compile one source's instantiations with NVRTC for ``arch`` (no GPU needed): the cubin
+    and each expression's lowered (mangled) name.
+
+    Raises
+    ------
+    RuntimeError
+        With NVRTC's log when the source fails to compile.
+    """
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(read_source(name), name, [], [])
+    try:
+        for expr in expressions:
+            nvrtc.addNameExpression(prog, expr)
+        try:
+            nvrtc.compileProgram(prog, [f"-arch={arch}", *compile_options()])
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"{name}: NVRTC failed for {arch}:\n{nvrtc.getProgramLog(prog)}") from exc
+        lowered = {expr: nvrtc.getLoweredName(prog, expr) for expr in expressions}  # raises if one is missing
+        return nvrtc.getCUBIN(prog), lowered
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+@functools.cache
+def _arch_module(name: str, device_id: int) -> tuple[Any, dict[str, str]]:
+    """An :data:`ARCH_SOURCES` source compiled for its target and loaded on one device."""
+    cp = cupy_module()
+    assert cp is not None
+    arch, expressions = ARCH_SOURCES[name]
+    cubin, lowered = _nvrtc_cubin(name, expressions, arch)
+    with cp.cuda.Device(device_id):
+        module = cp.cuda.function.Module()
+        module.load(cubin)
+    return module, lowered
+
+
+@functools.cache
+def _arch_function(expression: str, device_id: int, shared_mem: int) -> Any:
+    name = next(n for n, (_, exprs) in ARCH_SOURCES.items() if expression in exprs)
+    module, lowered = _arch_module(name, device_id)
+    func = module.get_function(lowered[expression])
+    if shared_mem > 48 * 1024:
+        cp = cupy_module()
+        assert cp is not None
+        driver = cp.cuda.driver
+        driver.funcSetAttribute(func.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
+    return func
+
+
+def launch_arch(expression: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int) -> None:
+    """Launch an :data:`ARCH_SOURCES` kernel on CuPy's current stream (empty grids are skipped)."""
+    if min(grid) <= 0:
+        return
+    cp = cupy_module()
+    assert cp is not None
+    func = _arch_function(expression, cp.cuda.Device().id, shared_mem)
+    func(grid, block, args, shared_mem=shared_mem, stream=cp.cuda.get_current_stream())
+
+
 def _source_of(expression: str) -> str:
     for name, exprs in INSTANTIATIONS.items():
         if expression in exprs:
@@ -280,8 +358,14 @@ def null_pointer() -> np.uint64:
     return np.uint64(0)
 
 
+def is_null(arg: Any) -> bool:
+    """Whether a kernel argument is :func:`null_pointer`'s."""
+    return isinstance(arg, np.uint64) and int(arg) == 0
+
+
 def compile_all_offline(arch: str = "sm_90a") -> dict[str, int]:
-    """Compile every instantiation with NVRTC for ``arch`` without touching a GPU.
+    """Compile every instantiation with NVRTC for ``arch`` without touching a GPU, and every
+    :data:`ARCH_SOURCES` source for its own target when that is ``arch``.
 
     Uses CuPy's low-level NVRTC binding, which needs only the NVRTC library (the
     ``nvidia-cuda-nvrtc`` wheel), not a driver. Returns the cubin size of each source.
@@ -291,22 +375,8 @@ def compile_all_offline(arch: str = "sm_90a") -> dict[str, int]:
     RuntimeError
         With NVRTC's log when a source fails to compile.
     """
-    from cupy_backends.cuda.libs import nvrtc
-
-    sizes = {}
-    options = [f"-arch={arch}", *compile_options()]
-    for name, expressions in INSTANTIATIONS.items():
-        prog = nvrtc.createProgram(read_source(name), name, [], [])
-        try:
-            for expr in expressions:
-                nvrtc.addNameExpression(prog, expr)
-            try:
-                nvrtc.compileProgram(prog, options)
-            except nvrtc.NVRTCError as exc:
-                raise RuntimeError(f"{name}: NVRTC failed for {arch}:\n{nvrtc.getProgramLog(prog)}") from exc
-            for expr in expressions:
-                nvrtc.getLoweredName(prog, expr)  # raises if an instantiation is missing
-            sizes[name] = len(nvrtc.getCUBIN(prog))
-        finally:
-            nvrtc.destroyProgram(prog)
+    sizes = {name: len(_nvrtc_cubin(name, expressions, arch)[0]) for name, expressions in INSTANTIATIONS.items()}
+    for name, (target, expressions) in ARCH_SOURCES.items():
+        if target == arch:
+            sizes[name] = len(_nvrtc_cubin(name, expressions, target)[0])
     return sizes

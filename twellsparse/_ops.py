@@ -263,8 +263,10 @@ def linear_to_parts_deferred(
     gives it: ``(first, finish)``, so that a caller can queue work on ``first`` before
     ``finish`` reads the overflow count back. Internal: the operands are trusted."""
     if is_cupy_array(x):
-        from . import _gpu_producer
+        from . import _gpu_producer, _hopper_producer
 
+        if _hopper_producer.applies(x, w, act, threshold, tile_n, capacity):
+            return _hopper_producer.linear_to_parts_deferred(x, w, act, tile_n, capacity, threshold)
         if _gpu_producer.applies(x, w, act, threshold):
             _, first, finish = _gpu_producer.relu_linear_to_parts_deferred(x, w, tile_n, capacity)
             return first, finish
@@ -315,7 +317,7 @@ def pack_preactivation_deferred(
 def count_overflow_ahead(finish: Callable[..., Any]) -> None:
     """Before queuing work on a deferred producer's ``first`` parts: have a GPU ``finish`` send
     its overflow count to the host right behind the pack, so its exact finish waits for the pack
-    alone (``_gpu_convert._Finish.count_now``). Nothing to do on the CPU."""
+    alone (``_gpu_convert.Finish.count_now``). Nothing to do on the CPU."""
     count_now = getattr(finish, "count_now", None)
     if count_now is not None:
         count_now()

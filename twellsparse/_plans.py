@@ -253,6 +253,11 @@ class _FFNPlanBase:
         there (the gather tails), elsewhere in a new array that :func:`_deliver` copies."""
         w = self._weights
         first = next(iter(w.values()))
+        shape = (xx.shape[0], first.shape[0])
+        w_lin = w[lin_name] if lin_name else None
+        fused = self._fused_producer(xx, w[act_name])
+        if fused is not None:
+            return self._sparse_tail(xx, fused[0], fused[1], w_lin, dt, out, shape, fused[2])
         z, relu_mask = self._preactivation(xx, w[act_name])
         sampled = float("nan")
         if self.dispatch == "auto":
@@ -260,12 +265,10 @@ class _FFNPlanBase:
             estimate = self._density.value()
             sampled = float(self._kept_fraction(z)) if estimate is None else estimate
             self._density.post(self._kept_fraction(z))
-        w_lin = w[lin_name] if lin_name else None
         if self.dispatch == "dense" or (self.dispatch == "auto" and sampled > self.breakeven):
             self._last = ("dense", sampled, None)
             activated = relu_mask is not None  # the ReLU-mask producer's z is relu(z) already
             return dense_ffn_tail(xx, z, w_lin, w["w_down"], dt, self.activation, self.threshold, activated)
-        shape = (xx.shape[0], first.shape[0])
         if relu_mask is not None and self._mask_consumer_applies(xx, z, w_lin):
             # The tail reads the mask itself: no pack, no capacity, nothing to spill or read back.
             from ._gpu_ops import mask_consumer
@@ -273,6 +276,54 @@ class _FFNPlanBase:
             self._last = ("sparse", sampled, _mask_stats(relu_mask, shape))
             mask, words = relu_mask
             return mask_consumer(z, mask, words, xx, w_lin, self._w_down_t)
+        finish: Callable[..., tuple[Any, Any]]
+        if relu_mask is not None:
+            from ._gpu_convert import relu_mask_to_parts_deferred
+
+            mask, words = relu_mask
+            first_parts, finish = relu_mask_to_parts_deferred(z, mask, words, self.tile_n, self.capacity)
+        else:
+            first_parts, finish = pack_preactivation_deferred(
+                z, dt, self.activation, self.tile_n, self.capacity, self.threshold
+            )
+        return self._sparse_tail(xx, first_parts, finish, w_lin, dt, out, shape, sampled)
+
+    def _fused_producer(self, xx: Any, w_act: Any) -> tuple[Any, Any, float] | None:
+        """``(first parts, finish, density estimate)`` of the pack straight from the GEMM
+        (``_hopper_producer``: no dense pre-activations) when it serves the call and the sparse
+        path is already chosen: ``dispatch="sparse"``, or ``"auto"`` with the previous call's
+        density at most the break-even (this call's density is then posted from its row-tiles'
+        entry totals). None otherwise (the first ``auto`` call samples the pre-activations)."""
+        if self.dispatch == "dense" or not is_cupy_array(xx):
+            return None
+        from . import _hopper_producer
+
+        if not _hopper_producer.applies(xx, w_act, self.activation, self.threshold, self.tile_n, self.capacity):
+            return None
+        estimate = self._density.value() if self.dispatch == "auto" else float("nan")
+        if estimate is None or estimate > self.breakeven:
+            return None
+        first_parts, finish = _hopper_producer.linear_to_parts_deferred(
+            xx, w_act, self.activation, self.tile_n, self.capacity, self.threshold
+        )
+        if self.dispatch == "auto":
+            total = xx.shape[0] * w_act.shape[0]
+            self._density.post(finish.row_tile_nnz.sum(dtype=np.float64) / total)
+        return first_parts, finish, estimate
+
+    def _sparse_tail(
+        self,
+        xx: Any,
+        first_parts: Any,
+        finish: Callable[..., tuple[Any, Any]],
+        w_lin: Any,
+        dt: Any,
+        out: Any,
+        shape: tuple[int, int],
+        sampled: float = float("nan"),
+    ) -> Any:
+        """The sparse path after the producer's pass 1: the consumer on the packed activations,
+        with the overflow policy of the plan (fixed spill, or the exact read-back)."""
 
         # The tails write into `out` directly when every operand has one dtype and 16-byte rows.
         unit_columns = out is not None and (out.shape[1] <= 1 or out.strides[1] == out.itemsize)
@@ -284,16 +335,6 @@ class _FFNPlanBase:
                 return matmul(h, self._w_down_t, out=target)
             return gated_product(xx, w_lin, self._w_down_t, h, out=target)[0]
 
-        finish: Callable[..., tuple[Any, Any]]
-        if relu_mask is not None:
-            from ._gpu_convert import relu_mask_to_parts_deferred
-
-            mask, words = relu_mask
-            first_parts, finish = relu_mask_to_parts_deferred(z, mask, words, self.tile_n, self.capacity)
-        else:
-            first_parts, finish = pack_preactivation_deferred(
-                z, dt, self.activation, self.tile_n, self.capacity, self.threshold
-            )
         if self._fixed_spill_applies(xx, w_lin, dt):
             # No read-back: the spill fills a fixed-length buffer, the count of entries that did
             # not fit is posted for the next call (or check_spill) to raise on.

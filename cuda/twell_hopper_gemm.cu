@@ -1,0 +1,334 @@
+// The fused producer on Hopper (sm_90a): a tensor-core GEMM z = x @ w.T whose epilogue applies
+// the activation and packs each row-tile into canonical TwELL slots, so that the hidden
+// activations never travel through device memory as a dense M x N matrix.
+//
+// Main loop. One persistent block per SM, three warpgroups: warpgroup 0 (one thread) streams
+// 128 x 64 tiles of x and 256 x 64 tiles of w into a 4-deep ring of shared-memory stages with the
+// bulk tensor copy engine (TMA, 128-byte swizzle) and an mbarrier per stage; warpgroups 1 and 2
+// each multiply their 64 rows of the block's 128 x 256 output tile with wgmma m64n256k16
+// (accumulators in registers, fp32). Output tiles are visited in groups of GROUP_M row blocks so
+// that the x rows and w rows a wave of blocks reads stay in L2. The copy thread runs ahead into
+// the next tile while the math warpgroups run the epilogue.
+//
+// Epilogue. In the wgmma accumulator layout a row's 256 columns are spread over a quad of four
+// lanes: lane q holds columns 8j + 2q + e (j < 32, e < 2). Each lane builds a 64-bit mask of its
+// kept entries; the quad exchanges masks, and a kept entry's slot is the number of kept entries
+// of its row-tile in smaller columns (four popcounts). The slots are assembled per warp in shared
+// memory and written as whole 16-byte vectors (a row's row-tiles of one block are adjacent in
+// the TwELL arrays). Row-tiles with more entries than their capacity also write their kept
+// values into the dense buffer h and their bits into mask (both untouched elsewhere), which is
+// exactly what the relu-mask pack's spill pass (twell_convert.cu, relu_mask_to_twell) reads:
+// the overflow policy then runs as it does after the cuBLASLt producer.
+//
+// Semantics equal the GEMM-then-pack producers: z is rounded to T, the activation applied in
+// fp32, rounded to T again, and an entry kept when keep() says so.
+//
+// Requirements (checked by twellsparse._hopper_producer): T 16-bit, K a multiple of 8, x and w
+// 16-byte aligned with unit column stride; tile_n in {32, 64, 128, 256}; capacity a multiple of
+// 8 with (256 / tile_n) * capacity <= MAX_ROW_SLOTS.
+#include "twell_types.cuh"
+
+namespace twell {
+namespace hopper {
+
+constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4, GROUP_M = 16;
+constexpr int THREADS = 384;
+constexpr int A_BYTES = BM * BK * 2;
+constexpr int B_BYTES = BN * BK * 2;
+constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int MAX_ROW_SLOTS = 64;                    // slots of one row in one output tile
+constexpr int WARP_STAGE_BYTES = 8 * MAX_ROW_SLOTS * 4;  // 8 rows x slots x (value + index)
+constexpr int BARRIER_BYTES = 2 * STAGES * 8;
+// 1 KB of slack to align the ring to the 128-byte swizzle's 1024-byte pattern.
+constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + BARRIER_BYTES + 8 * WARP_STAGE_BYTES;
+
+// cuTensorMapEncodeTiled's opaque 128-byte descriptor, passed by value (__grid_constant__).
+struct alignas(64) TensorMap {
+  unsigned long long opaque[16];
+};
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  unsigned long long a;
+  asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+  return (unsigned)a;
+}
+
+__device__ __forceinline__ void barrier_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void barrier_expect_bytes(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void barrier_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void barrier_wait(unsigned bar, unsigned parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load_2d(unsigned dst, const TensorMap* map, int c0, int c1, unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+          dst),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+
+// A K-major operand tile in the 128-byte swizzle: rows of 64 16-bit values (128 bytes), 8-row
+// groups 1024 bytes apart. Advancing 16 values along K adds 32 bytes (2 in the address field).
+__device__ __forceinline__ unsigned long long sw128_descriptor(unsigned saddr) {
+  return (unsigned long long)((saddr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// d (64 x 256 fp32, this thread's 128) += A (64 x 16) * B (256 x 16)^T, both from shared memory.
+template <typename T> __device__ __forceinline__ void wgmma_m64n256k16(float* d, unsigned long long da, unsigned long long db);
+
+template <> __device__ __forceinline__ void wgmma_m64n256k16<bf16>(float* d, unsigned long long da, unsigned long long db) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, 1, 1, 1, 0, 0;"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db));
+}
+
+template <> __device__ __forceinline__ void wgmma_m64n256k16<f16>(float* d, unsigned long long da, unsigned long long db) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, 1, 1, 1, 0, 0;"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db));
+}
+
+// Output tile t -> (row block, column block), GROUP_M row blocks at a time.
+__device__ __forceinline__ void tile_coords(int t, int m_blocks, int n_blocks, int& mb, int& nb) {
+  const int per_group = GROUP_M * n_blocks;
+  const int first = (t / per_group) * GROUP_M;
+  const int rows = min(m_blocks - first, GROUP_M);
+  const int r = t % per_group;
+  mb = first + r % rows;
+  nb = r / rows;
+}
+
+__device__ __forceinline__ unsigned long long low_bits(int n) { return n >= 64 ? ~0ull : (1ull << n) - 1ull; }
+
+__device__ __forceinline__ unsigned long long shfl_u64(unsigned long long v, int src) {
+  const unsigned lo = __shfl_sync(0xffffffffu, (unsigned)v, src);
+  const unsigned hi = __shfl_sync(0xffffffffu, (unsigned)(v >> 32), src);
+  return ((unsigned long long)hi << 32) | lo;
+}
+
+template <typename T, int ACT> __device__ __forceinline__ T activated(float z) {
+  return from_acc<T>(activate<ACT>(to_acc(from_acc<T>(z))));
+}
+
+struct PackArgs {
+  int M, N, tile_n, n_tiles, capacity;
+  double threshold;
+};
+
+// One half (i) of a consumer warp's 16 rows: 8 rows, each held by a quad.
+template <typename T, int ACT, int I>
+__device__ __forceinline__ void pack_rows(const float* acc, const PackArgs& p, int row0, int nb, unsigned char* stage,
+                                          T* __restrict__ data, short* __restrict__ indices,
+                                          int* __restrict__ counts, int* __restrict__ row_tile_nnz,
+                                          T* __restrict__ h, unsigned* __restrict__ mask, long long mask_ld) {
+  const int lane = threadIdx.x & 31, q = lane & 3, r = lane >> 2;
+  const int row = row0 + I * 8 + r;
+  const int tiles_here = BN / p.tile_n;
+  const int tile0 = nb * tiles_here;
+  const int row_slots = tiles_here * p.capacity;
+  const int groups = p.tile_n >> 3;  // j values per row-tile
+  const int shift = __ffs(groups) - 1;
+  const int lane_bits = 2 * groups;  // bits of one lane's mask per row-tile
+  T* s_val = reinterpret_cast<T*>(stage);
+  short* s_idx = reinterpret_cast<short*>(stage + 8 * MAX_ROW_SLOTS * sizeof(T));
+
+  unsigned long long mine = 0;
+#pragma unroll
+  for (int j = 0; j < 32; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+      if (keep(to_acc(activated<T, ACT>(acc[4 * j + 2 * I + e])), p.threshold)) mine |= 1ull << (2 * j + e);
+  unsigned long long quad[4];
+#pragma unroll
+  for (int s = 0; s < 4; ++s) quad[s] = shfl_u64(mine, (lane & ~3) | s);
+
+  // Per row-tile: totals, unused slots, counts; which row-tiles overflow.
+  unsigned over = 0;
+  for (int st = 0; st < tiles_here; ++st) {
+    const unsigned long long sel = low_bits(lane_bits);
+    const int sh = st * lane_bits;
+    int total = 0;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) total += __popcll((quad[s] >> sh) & sel);
+    for (int k = total + q; k < p.capacity; k += 4) {
+      s_val[r * row_slots + st * p.capacity + k] = zero_value<T>();
+      s_idx[r * row_slots + st * p.capacity + k] = -1;
+    }
+    const int tile = tile0 + st;
+    if (row < p.M && tile < p.n_tiles) {
+      if (q == 0) {
+        counts[(long long)row * p.n_tiles + tile] = min(total, p.capacity);
+        row_tile_nnz[(long long)row * p.n_tiles + tile] = total;
+      }
+      if (total > p.capacity) over |= 1u << st;
+    }
+  }
+  // Kept entries to their slots (and, for overflowing row-tiles, to h).
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      if ((mine >> (2 * j + e)) & 1ull) {
+        const int st = j >> shift, jl = j & (groups - 1);
+        const int sh = st * lane_bits;
+        int rank = 0;
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          const int below = s < q ? 2 * jl + 2 : (s > q ? 2 * jl : 2 * jl + e);
+          rank += __popcll((quad[s] >> sh) & low_bits(below));
+        }
+        const T v = activated<T, ACT>(acc[4 * j + 2 * I + e]);
+        if (rank < p.capacity) {
+          s_val[r * row_slots + st * p.capacity + rank] = v;
+          s_idx[r * row_slots + st * p.capacity + rank] = (short)(8 * jl + 2 * q + e);
+        }
+        if ((over >> st) & 1u) h[(long long)row * p.N + (long long)nb * BN + 8 * j + 2 * q + e] = v;
+      }
+    }
+  }
+  // Mask words of overflowing row-tiles (the spill pass reads them): word w of the block covers
+  // columns 32w .. 32w + 31, i.e. j = 4w .. 4w + 3 of every lane of the quad.
+  if (over) {
+    const int words_per_tile = p.tile_n >> 5;
+    for (int w = q; w < 8; w += 4) {
+      const int st = w / words_per_tile;
+      if (!((over >> st) & 1u)) continue;
+      unsigned word = 0;
+#pragma unroll
+      for (int s = 0; s < 4; ++s)
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) word |= (unsigned)((quad[s] >> (2 * (4 * w + jj))) & 3ull) << (8 * jj + 2 * s);
+      mask[row * mask_ld + (long long)nb * (BN / 32) + w] = word;
+    }
+  }
+  __syncwarp();
+  // The 8 rows' slots out as 16-byte vectors (capacity is a multiple of 8).
+  const int live_tiles = min(tiles_here, p.n_tiles - tile0);
+  const int val_vectors = live_tiles * p.capacity * (int)sizeof(T) / 16;
+  const int idx_vectors = live_tiles * p.capacity / 8;
+  const int per_row = val_vectors + idx_vectors;
+  for (int v = lane; v < 8 * per_row; v += 32) {
+    const int rr = v / per_row, k = v % per_row;
+    const long long grow = row0 + I * 8 + rr;
+    if (grow >= p.M) continue;
+    const long long slot0 = (grow * p.n_tiles + tile0) * p.capacity;
+    if (k < val_vectors)
+      reinterpret_cast<uint4*>(data + slot0)[k] = reinterpret_cast<const uint4*>(s_val + rr * row_slots)[k];
+    else
+      reinterpret_cast<uint4*>(indices + slot0)[k - val_vectors] =
+          reinterpret_cast<const uint4*>(s_idx + rr * row_slots)[k - val_vectors];
+  }
+  __syncwarp();
+}
+
+}  // namespace hopper
+}  // namespace twell
+
+using namespace twell;
+
+// The fused producer: see the top of this file. Launch: persistent grid (at most one block per
+// SM), hopper::THREADS threads, hopper::SMEM_BYTES of dynamic shared memory.
+template <typename T, int ACT>
+__global__ void __launch_bounds__(hopper::THREADS, 1)
+    twell_gemm_pack(const __grid_constant__ hopper::TensorMap map_x, const __grid_constant__ hopper::TensorMap map_w,
+                    int M, int N, int K, int tile_n, int n_tiles, int capacity, double threshold,
+                    T* __restrict__ data, short* __restrict__ indices, int* __restrict__ counts,
+                    int* __restrict__ row_tile_nnz, T* __restrict__ h, unsigned* __restrict__ mask, long long mask_ld) {
+  using namespace hopper;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<unsigned long long>(smem_raw) + 1023) & ~1023ull);
+  const unsigned ring = smem_u32(smem);
+  const unsigned bars = ring + STAGES * STAGE_BYTES;  // full[s] at 8 s, empty[s] at 8 (STAGES + s)
+  unsigned char* epilogue_stage = smem + STAGES * STAGE_BYTES + BARRIER_BYTES;
+
+  const int m_blocks = (M + BM - 1) / BM, n_blocks = (N + BN - 1) / BN, k_blocks = (K + BK - 1) / BK;
+  const int tiles = m_blocks * n_blocks;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      barrier_init(bars + 8 * s, 1);                 // the copy thread's expect_tx arrival
+      barrier_init(bars + 8 * (STAGES + s), 8);      // one arrival per math warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x == 0) {
+      int it = 0;
+      for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        int mb, nb;
+        tile_coords(t, m_blocks, n_blocks, mb, nb);
+        for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+          const int s = it % STAGES;
+          barrier_wait(bars + 8 * (STAGES + s), ((it / STAGES) & 1) ^ 1);
+          barrier_expect_bytes(bars + 8 * s, STAGE_BYTES);
+          tma_load_2d(ring + s * STAGE_BYTES, &map_x, kb * BK, mb * BM, bars + 8 * s);
+          tma_load_2d(ring + s * STAGE_BYTES + A_BYTES, &map_w, kb * BK, nb * BN, bars + 8 * s);
+        }
+      }
+    }
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    const int math = wg - 1;                    // rows 64 math .. 64 math + 63 of the tile
+    const int warp = (threadIdx.x >> 5) & 3;    // rows 16 warp .. of those
+    const int lane = threadIdx.x & 31;
+    unsigned char* stage = epilogue_stage + (math * 4 + warp) * WARP_STAGE_BYTES;
+    const PackArgs args{M, N, tile_n, n_tiles, capacity, threshold};
+    float acc[128];
+    int it = 0;
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+      int mb, nb;
+      tile_coords(t, m_blocks, n_blocks, mb, nb);
+#pragma unroll
+      for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+      for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+        const int s = it % STAGES;
+        barrier_wait(bars + 8 * s, (it / STAGES) & 1);
+        const unsigned a_tile = ring + s * STAGE_BYTES + math * (64 * 128);
+        const unsigned b_tile = ring + s * STAGE_BYTES + A_BYTES;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk)
+          wgmma_m64n256k16<T>(acc, sw128_descriptor(a_tile) + 2 * kk, sw128_descriptor(b_tile) + 2 * kk);
+        wgmma_commit();
+        wgmma_wait<1>();  // the previous k block's products are done: free its stage
+        if (kb > 0 && lane == 0) barrier_arrive(bars + 8 * (STAGES + (it - 1) % STAGES));
+      }
+      wgmma_wait<0>();
+      if (k_blocks > 0 && lane == 0) barrier_arrive(bars + 8 * (STAGES + (it - 1) % STAGES));
+      const int row0 = mb * BM + math * 64 + warp * 16;
+      pack_rows<T, ACT, 0>(acc, args, row0, nb, stage, data, indices, counts, row_tile_nnz, h, mask, mask_ld);
+      pack_rows<T, ACT, 1>(acc, args, row0, nb, stage, data, indices, counts, row_tile_nnz, h, mask, mask_ld);
+    }
+  }
+}

@@ -1,0 +1,144 @@
+"""The fused Hopper producer: one wgmma + TMA GEMM whose epilogue packs TwELL (sm_90a only).
+
+``cuda/twell_hopper_gemm.cu`` computes ``x @ w.T`` on the tensor cores and, in the GEMM's
+epilogue, applies the activation and writes each row-tile's canonical slots, counts and entry
+totals: the dense hidden matrix never goes through device memory. Row-tiles that hold more
+entries than their capacity also leave their kept values in a dense buffer ``h`` and their bits
+in a mask (nothing else of either is written), so the relu-mask pack's spill pass
+(``_gpu_convert.relu_mask_to_parts_deferred``'s kernel) applies the overflow policy exactly as it
+does after the cuBLASLt producer.
+
+Serves 16-bit x and w of one dtype, the activations of :data:`_kernels.HOPPER_ACTIVATIONS` (with
+or without a threshold), ``tile_n`` in 32..256, a capacity that is a multiple of 8 with at most
+64 slots per row in each 256-column output tile, K a multiple of 8 and 16-byte aligned rows, on
+a compute-capability 9.0 GPU. Elsewhere the cuBLASLt or GEMM-then-pack producers serve.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import _kernels as K
+from ._backend import bfloat16
+from ._parts import TwELLParts
+from ._validation import n_tiles
+
+if TYPE_CHECKING:
+    from ._gpu_convert import Finish
+
+#: Whether linear_to_twell, the FFN plans and the torch/JAX forwards use this producer where it
+#: applies (``TWELL_FUSED_PRODUCER=0`` in the environment turns it off at import).
+ENABLED = os.environ.get("TWELL_FUSED_PRODUCER", "1") != "0"
+
+#: Output tile of one block (BM x BN in the kernel) and its launch shape.
+BLOCK_ROWS, BLOCK_COLS, BLOCK_K = 128, 256, 64
+THREADS = 384
+MAX_ROW_SLOTS = 64
+#: Dynamic shared memory of one block: 1 KB alignment slack, 4 stages of 48 KB, the stage
+#: barriers and 8 warps' 2 KB slot stages (SMEM_BYTES in the kernel).
+SHARED_MEM = 1024 + 4 * (BLOCK_ROWS + BLOCK_COLS) * BLOCK_K * 2 + 2 * 4 * 8 + 8 * 8 * MAX_ROW_SLOTS * 4
+
+# CUtensorMapDataType values (cuda.h) of the two dtypes served.
+_TENSOR_MAP_TYPE = {np.dtype(np.float16): 6, bfloat16: 9}
+_SWIZZLE_128B, _L2_PROMOTION_256B = 3, 3
+_TENSOR_MAP = np.dtype([("opaque", np.uint64, (16,))])
+
+
+def applies(x: Any, w: Any, activation: str, threshold: float | None, tile_n: int, capacity: int) -> bool:
+    """Whether this producer can serve the call on the current GPU."""
+    del threshold  # every threshold is served
+    if not ENABLED or activation not in K.HOPPER_ACTIVATIONS or x.dtype != w.dtype:
+        return False
+    if np.dtype(x.dtype) not in _TENSOR_MAP_TYPE or x.ndim != 2 or w.ndim != 2:
+        return False
+    (m, k), n = x.shape, w.shape[0]
+    if min(m, n, k) == 0 or k % 8 or tile_n not in (32, 64, 128, 256):
+        return False
+    if capacity % 8 or (BLOCK_COLS // tile_n) * capacity > MAX_ROW_SLOTS:
+        return False
+    if not (_tma_ready(x) and _tma_ready(w)):
+        return False
+    import cupy as cp
+
+    return str(cp.cuda.Device().compute_capability) == "90"
+
+
+def _tma_ready(a: Any) -> bool:
+    """Unit column stride, a 16-byte row stride and a 16-byte aligned start (TMA's rules)."""
+    return a.strides[1] == a.itemsize and a.strides[0] % 16 == 0 and a.strides[0] > 0 and a.data.ptr % 16 == 0
+
+
+@functools.cache
+def _encoder() -> Any:
+    fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p]
+    fn.argtypes += [ctypes.c_int] * 4
+    return fn
+
+
+def tensor_map(a: Any, box_rows: int) -> np.void:
+    """The TMA descriptor of a row-major 2-D CuPy array read in ``box_rows`` x 64 boxes with the
+    128-byte swizzle (out-of-bounds rows and columns read as zeros), as a by-value kernel
+    argument."""
+    rows, cols = a.shape
+    storage = np.zeros(32, dtype=np.uint64)  # CUtensorMap is 64-byte aligned: find such a spot
+    start = (-storage.ctypes.data % 64) // 8
+    dims = (ctypes.c_uint64 * 2)(cols, rows)
+    strides = (ctypes.c_uint64 * 1)(a.strides[0])
+    box = (ctypes.c_uint32 * 2)(BLOCK_K, box_rows)
+    unit = (ctypes.c_uint32 * 2)(1, 1)
+    code = _encoder()(
+        storage.ctypes.data + 8 * start,
+        _TENSOR_MAP_TYPE[np.dtype(a.dtype)],
+        2,
+        a.data.ptr,
+        dims,
+        strides,
+        box,
+        unit,
+        0,
+        _SWIZZLE_128B,
+        _L2_PROMOTION_256B,
+        0,
+    )
+    if code != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {code}) for an array of shape {a.shape}")
+    return np.frombuffer(storage[start : start + 16].tobytes(), dtype=_TENSOR_MAP)[0]
+
+
+def linear_to_parts_deferred(
+    x: Any, w: Any, activation: str, tile_n: int, capacity: int, threshold: float | None
+) -> tuple[TwELLParts, Finish]:
+    """``(first, finish)`` as ``_gpu_convert.dense_to_parts_deferred`` gives them, for
+    ``act(x @ w.T)``; the caller checked :func:`applies`."""
+    import cupy as cp
+
+    from . import _gpu_convert
+
+    (m, k), n = x.shape, w.shape[0]
+    nt = n_tiles(n, tile_n)
+    h = cp.empty((m, n), dtype=x.dtype)  # written only where a row-tile overflows
+    mask_words = -(-n // BLOCK_COLS) * (BLOCK_COLS // 32)
+    mask = cp.empty(m * mask_words, dtype=cp.uint32)
+    maps = (tensor_map(x, BLOCK_ROWS), tensor_map(w, BLOCK_COLS))
+    thr = np.float64(-1.0 if threshold is None else threshold)
+    geometry = (np.int32(m), np.int32(n), np.int32(k), np.int32(tile_n), np.int32(nt), np.int32(capacity), thr)
+    gemm = f"twell_gemm_pack<{K.CXX_TYPE[x.dtype]}, {K.ACTIVATION_ID[activation]}>"
+    blocks = min(-(-m // BLOCK_ROWS) * -(-n // BLOCK_COLS), K.sm_count())
+    spill_pass = _gpu_convert.relu_mask_spill_pass(h, mask, mask_words, tile_n, capacity)
+
+    def launch(data: Any, indices: Any, counts: Any, nnz: Any, offsets: Any, spill_idx: Any, spill_data: Any) -> None:
+        if K.is_null(offsets):  # pass 1: the GEMM and its packing epilogue
+            outputs = (data, indices, counts, nnz, h, mask, np.int64(mask_words))
+            K.launch_arch(gemm, (blocks,), (THREADS,), (*maps, *geometry, *outputs), SHARED_MEM)
+        else:
+            spill_pass(data, indices, counts, nnz, offsets, spill_idx, spill_data)
+
+    return _gpu_convert.two_pass(m, nt, capacity, x.dtype, launch)
