@@ -91,11 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--m", type=int, default=16384)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", help="append JSON lines here")
+    ap.add_argument("--only", default="", help="comma-separated substrings: time only the stages named so")
     args = ap.parse_args(argv)
+    wanted = [w for w in args.only.split(",") if w]
     eager = Timer(args.reps, on_gpu=True, flush_l2=True)
     hidden = Timer(args.reps, on_gpu=True, flush_l2=True, hide_host=True)
     rows = {}
     for name, fn in stages(args.density, args.m, args.pattern).items():
+        if wanted and not any(w in name for w in wanted):
+            continue
         e, g = eager(fn)[1]["median"], hidden(fn)[1]["median"]
         rows[name] = {"eager_ms": e, "gpu_ms": g}
         print(f"{name:32s} eager {e:7.3f} ms   gpu only {g:7.3f} ms", flush=True)
@@ -107,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         "density_target": args.density,
         "stages": rows,
         "l2_hints": os.environ.get("TWELL_L2_HINTS", "default"),  # the gather kernels' build
+        "hopper_pack": os.environ.get("TWELL_HOPPER_PACK", "default"),  # 0: the fused GEMM alone
         **environment(),
     }
     if args.out:

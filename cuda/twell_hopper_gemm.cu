@@ -28,6 +28,12 @@
 // 8 with (256 / tile_n) * capacity <= MAX_ROW_SLOTS.
 #include "twell_types.cuh"
 
+// TWELL_HOPPER_PACK=0 (TWELL_HOPPER_PACK=0 in the environment) leaves the epilogue out: the GEMM
+// alone, for measuring the epilogue's share. The library's results are then wrong.
+#ifndef TWELL_HOPPER_PACK
+#define TWELL_HOPPER_PACK 1
+#endif
+
 namespace twell {
 namespace hopper {
 
@@ -327,8 +333,10 @@ __global__ void __launch_bounds__(hopper::THREADS, 1)
       wgmma_wait<0>();
       if (k_blocks > 0 && lane == 0) barrier_arrive(bars + 8 * (STAGES + (it - 1) % STAGES));
       const int row0 = mb * BM + math * 64 + warp * 16;
+#if TWELL_HOPPER_PACK
       pack_rows<T, ACT, 0>(acc, args, row0, nb, stage, data, indices, counts, row_tile_nnz, h, mask, mask_ld);
       pack_rows<T, ACT, 1>(acc, args, row0, nb, stage, data, indices, counts, row_tile_nnz, h, mask, mask_ld);
+#endif
     }
   }
 }

@@ -193,12 +193,17 @@ def source_hash() -> str:
 
 
 def compile_options() -> tuple[str, ...]:
-    """NVRTC options; ``TWELL_L2_HINTS=0`` turns off the gather kernels' L2 eviction hint (see
-    cuda/twell_gather.cu), for measuring it (read when a module is first compiled)."""
-    hints = os.environ.get("TWELL_L2_HINTS", "")
-    if hints not in ("", "0", "1"):
-        raise ValueError(f"TWELL_L2_HINTS: expected 0 or 1, got {hints!r}")
-    return ("-std=c++17", f"-DTWELL_SOURCES_SHA=0x{source_hash()}", *((f"-DTWELL_L2_HINTS={hints}",) if hints else ()))
+    """NVRTC options. Two measurement switches are read from the environment when a module is
+    first compiled: ``TWELL_L2_HINTS=0`` turns off the gather kernels' L2 eviction hint
+    (cuda/twell_gather.cu), ``TWELL_HOPPER_PACK=0`` leaves the fused producer's epilogue out
+    (cuda/twell_hopper_gemm.cu: wrong results, the GEMM's time alone)."""
+    switches = []
+    for name in ("TWELL_L2_HINTS", "TWELL_HOPPER_PACK"):
+        value = os.environ.get(name, "")
+        if value not in ("", "0", "1"):
+            raise ValueError(f"{name}: expected 0 or 1, got {value!r}")
+        switches += [f"-D{name}={value}"] if value else []
+    return ("-std=c++17", f"-DTWELL_SOURCES_SHA=0x{source_hash()}", *switches)
 
 
 @functools.cache
