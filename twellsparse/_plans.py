@@ -296,7 +296,10 @@ class _FFNPlanBase:
         entry totals). None otherwise (the first ``auto`` call samples the pre-activations)."""
         if self.dispatch == "dense" or not is_cupy_array(xx):
             return None
-        from . import _hopper_producer
+        from . import _gpu_producer, _hopper_producer
+
+        if _gpu_producer.MASK_CONSUMER:  # the opt-in mask-driven tails read cuBLASLt's mask
+            return None
 
         if not _hopper_producer.applies(xx, w_act, self.activation, self.threshold, self.tile_n, self.capacity):
             return None

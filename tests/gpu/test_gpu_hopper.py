@@ -23,9 +23,10 @@ DTYPES = [np.float16, ts.bfloat16]
 
 
 @pytest.fixture(autouse=True)
-def hopper(cp):
+def hopper(cp, monkeypatch):
     if str(cp.cuda.Device().compute_capability) != "90":
         pytest.skip("the fused producer needs a compute-capability 9.0 GPU")
+    monkeypatch.setattr(_hopper_producer, "ENABLED", True)  # opt-in in the library
 
 
 def _integer_problem(cp, rng, m, n, k, dtype, density):
