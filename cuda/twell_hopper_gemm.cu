@@ -140,6 +140,10 @@ __device__ __forceinline__ unsigned long long shfl_u64(unsigned long long v, int
   return ((unsigned long long)hi << 32) | lo;
 }
 
+template <typename T> __device__ __forceinline__ unsigned positive_inf_bits();
+template <> __device__ __forceinline__ unsigned positive_inf_bits<bf16>() { return 0x7F80u; }
+template <> __device__ __forceinline__ unsigned positive_inf_bits<f16>() { return 0x7C00u; }
+
 template <typename T, int ACT> __device__ __forceinline__ T activated(float z) {
   return from_acc<T>(activate<ACT>(to_acc(from_acc<T>(z))));
 }
@@ -167,11 +171,21 @@ __device__ __forceinline__ void pack_rows(const float* acc, const PackArgs& p, i
   short* s_idx = reinterpret_cast<short*>(stage + 8 * MAX_ROW_SLOTS * sizeof(T));
 
   unsigned long long mine = 0;
+  if (ACT == ACT_RELU && p.threshold < 0.0) {
+    // relu without a threshold keeps exactly the entries whose rounded value is positive and not
+    // NaN: as 16-bit patterns, 1 .. the pattern of +inf (one compare instead of the activation).
 #pragma unroll
-  for (int j = 0; j < 32; ++j)
+    for (int j = 0; j < 32; ++j)
 #pragma unroll
-    for (int e = 0; e < 2; ++e)
-      if (keep(to_acc(activated<T, ACT>(acc[4 * j + 2 * I + e])), p.threshold)) mine |= 1ull << (2 * j + e);
+      for (int e = 0; e < 2; ++e)
+        if (from_acc<T>(acc[4 * j + 2 * I + e]).bits - 1u < positive_inf_bits<T>()) mine |= 1ull << (2 * j + e);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (keep(to_acc(activated<T, ACT>(acc[4 * j + 2 * I + e])), p.threshold)) mine |= 1ull << (2 * j + e);
+  }
   unsigned long long quad[4];
 #pragma unroll
   for (int s = 0; s < 4; ++s) quad[s] = shfl_u64(mine, (lane & ~3) | s);
