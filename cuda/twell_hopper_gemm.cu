@@ -144,6 +144,25 @@ template <typename T> __device__ __forceinline__ unsigned positive_inf_bits();
 template <> __device__ __forceinline__ unsigned positive_inf_bits<bf16>() { return 0x7F80u; }
 template <> __device__ __forceinline__ unsigned positive_inf_bits<f16>() { return 0x7C00u; }
 
+// Two fp32 values rounded to T in one instruction: lo in the low half, hi in the high half.
+template <typename T> __device__ __forceinline__ unsigned rounded_pair(float lo, float hi);
+template <> __device__ __forceinline__ unsigned rounded_pair<bf16>(float lo, float hi) {
+  unsigned d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+template <> __device__ __forceinline__ unsigned rounded_pair<f16>(float lo, float hi) {
+  unsigned d;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+template <typename T> __device__ __forceinline__ T value_of(unsigned low16) {
+  T v;
+  v.bits = (unsigned short)(low16 & 0xFFFFu);
+  return v;
+}
+
 template <typename T, int ACT> __device__ __forceinline__ T activated(float z) {
   return from_acc<T>(activate<ACT>(to_acc(from_acc<T>(z))));
 }
@@ -170,21 +189,36 @@ __device__ __forceinline__ void pack_rows(const float* acc, const PackArgs& p, i
   T* s_val = reinterpret_cast<T*>(stage);
   short* s_idx = reinterpret_cast<short*>(stage + 8 * MAX_ROW_SLOTS * sizeof(T));
 
+  // This half's 64 values, rounded and activated, two per register (e = 0 low, e = 1 high):
+  // registers indexed by constants only, and a select chain below for a run-time index, so the
+  // epilogue stays small code (an unrolled branch per entry made it large enough to miss the
+  // instruction cache on every tile).
+  const bool plain_relu = ACT == ACT_RELU && p.threshold < 0.0;
+  unsigned pair[32];
+  if (plain_relu) {  // kept values are positive: relu leaves them as they round
+#pragma unroll
+    for (int j = 0; j < 32; ++j) pair[j] = rounded_pair<T>(acc[4 * j + 2 * I], acc[4 * j + 2 * I + 1]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+      pair[j] = (unsigned)activated<T, ACT>(acc[4 * j + 2 * I]).bits |
+                ((unsigned)activated<T, ACT>(acc[4 * j + 2 * I + 1]).bits << 16);
+  }
   unsigned long long mine = 0;
-  if (ACT == ACT_RELU && p.threshold < 0.0) {
-    // relu without a threshold keeps exactly the entries whose rounded value is positive and not
-    // NaN: as 16-bit patterns, 1 .. the pattern of +inf (one compare instead of the activation).
+  if (plain_relu) {
+    // relu without a threshold keeps exactly the entries whose value is positive and not NaN:
+    // as 16-bit patterns, 1 .. the pattern of +inf (one compare instead of a conversion).
 #pragma unroll
     for (int j = 0; j < 32; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e)
-        if (from_acc<T>(acc[4 * j + 2 * I + e]).bits - 1u < positive_inf_bits<T>()) mine |= 1ull << (2 * j + e);
+        if (((pair[j] >> (16 * e)) & 0xFFFFu) - 1u < positive_inf_bits<T>()) mine |= 1ull << (2 * j + e);
   } else {
 #pragma unroll
     for (int j = 0; j < 32; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e)
-        if (keep(to_acc(activated<T, ACT>(acc[4 * j + 2 * I + e])), p.threshold)) mine |= 1ull << (2 * j + e);
+        if (keep(to_acc(value_of<T>(pair[j] >> (16 * e))), p.threshold)) mine |= 1ull << (2 * j + e);
   }
   unsigned long long quad[4];
 #pragma unroll
@@ -211,28 +245,26 @@ __device__ __forceinline__ void pack_rows(const float* acc, const PackArgs& p, i
       if (total > p.capacity) over |= 1u << st;
     }
   }
-  // Kept entries to their slots (and, for overflowing row-tiles, to h).
+  // Kept entries to their slots (and, for overflowing row-tiles, to h), one set bit at a time.
+  for (unsigned long long left = mine; left; left &= left - 1ull) {
+    const int bit = __ffsll((long long)left) - 1, j = bit >> 1, e = bit & 1;
+    const int st = j >> shift, jl = j & (groups - 1);
+    const int sh = st * lane_bits;
+    int rank = 0;
 #pragma unroll
-  for (int j = 0; j < 32; ++j) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      if ((mine >> (2 * j + e)) & 1ull) {
-        const int st = j >> shift, jl = j & (groups - 1);
-        const int sh = st * lane_bits;
-        int rank = 0;
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          const int below = s < q ? 2 * jl + 2 : (s > q ? 2 * jl : 2 * jl + e);
-          rank += __popcll((quad[s] >> sh) & low_bits(below));
-        }
-        const T v = activated<T, ACT>(acc[4 * j + 2 * I + e]);
-        if (rank < p.capacity) {
-          s_val[r * row_slots + st * p.capacity + rank] = v;
-          s_idx[r * row_slots + st * p.capacity + rank] = (short)(8 * jl + 2 * q + e);
-        }
-        if ((over >> st) & 1u) h[(long long)row * p.N + (long long)nb * BN + 8 * j + 2 * q + e] = v;
-      }
+    for (int s = 0; s < 4; ++s) {
+      const int below = s < q ? 2 * jl + 2 : (s > q ? 2 * jl : 2 * jl + e);
+      rank += __popcll((quad[s] >> sh) & low_bits(below));
     }
+    unsigned word = 0;
+#pragma unroll
+    for (int jj = 0; jj < 32; ++jj) word = jj == j ? pair[jj] : word;
+    const T v = value_of<T>(word >> (16 * e));
+    if (rank < p.capacity) {
+      s_val[r * row_slots + st * p.capacity + rank] = v;
+      s_idx[r * row_slots + st * p.capacity + rank] = (short)(8 * jl + 2 * q + e);
+    }
+    if ((over >> st) & 1u) h[(long long)row * p.N + (long long)nb * BN + 8 * j + 2 * q + e] = v;
   }
   // Mask words of overflowing row-tiles (the spill pass reads them): word w of the block covers
   // columns 32w .. 32w + 31, i.e. j = 4w .. 4w + 3 of every lane of the quad.
