@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         "stages": rows,
         "l2_hints": os.environ.get("TWELL_L2_HINTS", "default"),  # the gather kernels' build
         "hopper_pack": os.environ.get("TWELL_HOPPER_PACK", "default"),  # 0: the fused GEMM alone
+        "fused_producer": os.environ.get("TWELL_FUSED_PRODUCER", "default"),
         **environment(),
     }
     if args.out:

@@ -5,7 +5,9 @@ positive); the pack then reads the mask (1/16 of the bf16 output's bytes) and on
 whose bit is set, instead of scanning the whole output. Serves ``activation="relu"`` without a
 threshold, in float16, bfloat16 and float32, when the cuBLASLt library loads.
 
-On by default (:data:`ENABLED`): on the H200 it brought the standard problem's producer from
+On by default (:data:`ENABLED`) where the fused Hopper producer (``_hopper_producer``, which
+packs in its own GEMM's epilogue) does not serve the call: float32, tiles wider than 256
+columns, other capacities, other GPUs. On the H200 it brought the standard problem's producer from
 1.52-1.67x a plain GEMM's time to 1.30-1.41x (bench/results/2026-12-02-ffn.jsonl, the
 ``producer_relu_mask`` rows of commit 72f5ef8; bench/ffn_bench.py times the dense-scan producer
 beside it as ``producer_dense_scan``). Where cuBLASLt does not load, the dense scan serves.

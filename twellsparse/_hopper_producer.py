@@ -32,10 +32,11 @@ if TYPE_CHECKING:
     from ._gpu_convert import Finish
 
 #: Whether linear_to_twell, the FFN plans and the torch/JAX forwards use this producer where it
-#: applies. Opt-in (``TWELL_FUSED_PRODUCER=1`` in the environment at import, or set this): exact
-#: and GPU-tested, but on the H200 its pass 1 takes 1.18 ms on the standard problem against
-#: 0.65 ms for the cuBLASLt ReLU-mask GEMM and its pack (bench/results/2026-12-03-stages.jsonl).
-ENABLED = os.environ.get("TWELL_FUSED_PRODUCER", "0") == "1"
+#: applies (``TWELL_FUSED_PRODUCER=0`` in the environment at import turns it off). On the H200,
+#: standard problem at 0.5%: pass 1 takes 0.562 ms against 0.487 ms for the cuBLASLt GEMM alone
+#: (1.15x), linear_to_twell 0.632 against 0.657 ms with the cuBLASLt ReLU-mask producer, the
+#: gated plan call 1.160 ms (bench/results/2026-12-03-stages.jsonl, commit fda3e67).
+ENABLED = os.environ.get("TWELL_FUSED_PRODUCER", "1") != "0"
 
 #: Output tile of one block (BM x BN in the kernel) and its launch shape.
 BLOCK_ROWS, BLOCK_COLS, BLOCK_K = 128, 256, 64
