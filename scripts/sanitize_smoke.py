@@ -10,7 +10,7 @@ import cupy as cp
 import numpy as np
 
 import twellsparse as ts
-from twellsparse import _gpu_convert, _gpu_ops
+from twellsparse import _gpu_convert, _gpu_ops, _hopper_producer
 from twellsparse import _kernels as K
 from twellsparse._ops import transposed_products
 from twellsparse._timing import Timer
@@ -68,6 +68,14 @@ for dtype in (ts.bfloat16, np.float32):
 counts = cp.asarray(rng.integers(0, 12, size=(3001, 5)).astype(np.int32))
 _gpu_convert.spill_layout(counts, 8, int(cp.maximum(counts - 8, 0).sum()) // 2)
 ts.GatedFFN(wg, wg, wd, tile_n=32, capacity=2, dispatch="sparse", spill_capacity=40)(xin)
+# The fused Hopper producer (sm_90a): a partial row block, column block and k block, two tile
+# widths, and row-tiles over capacity (their values and mask bits feed the spill pass).
+if _hopper_producer.applies(xin, wg, "relu", None, 32, 8):
+    xh = cp.asarray(rng.standard_normal((150, 200)).astype(ts.bfloat16))
+    wh = cp.asarray(rng.standard_normal((300, 200)).astype(ts.bfloat16))
+    for tile_n, capacity in ((32, 8), (256, 32)):
+        ts.linear_to_twell(xh, wh, tile_n=tile_n, capacity=capacity)
+    ts.linear_to_twell(xh, wh, activation="silu", threshold=0.5, tile_n=64, capacity=16)
 Timer(1, on_gpu=True, warmup=0, hide_host=True)(lambda: None)  # twell_spin
 cp.cuda.Device().synchronize()
 print("sanitize smoke: all kernels ran")
