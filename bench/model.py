@@ -7,7 +7,13 @@ and block size: the union fraction, the reuse (pairs per staged row) and the wei
 design moves for the gated consumer (W_up and W_down rows, bf16), with the time those bytes take
 at an assumed L2-to-SM rate. Use it to choose block sizes before building a kernel.
 
+Second table, the hot-unit split: the H most frequent units served densely (the gated block's
+up and down products over those H columns for every token: 4 M d_model H FLOP at an assumed
+tensor rate) and the other units' pairs by per-pair gathers (8 KB each at an assumed gather rate),
+for the H that minimises the sum; the consumer time against gathers alone.
+
 Usage: python bench/model.py [--m 16384] [--d-model 2048] [--d-ff 5632] [--l2-tbs 9.0]
+       [--tflops 700] [--gather-tbs 6.4]
 """
 
 from __future__ import annotations
@@ -29,6 +35,18 @@ def block_stats(fire: np.ndarray, block: int) -> tuple[float, float]:
     return float(union.mean() / n), float(pairs.sum() / max(union.sum(), 1))
 
 
+def hot_split(fire: np.ndarray, row_bytes: int, d_model: int, tflops: float, gather_tbs: float) -> tuple[int, float]:
+    """(H, consumer ms) of the best hot-unit split: the H most frequent units dense, the rest
+    gathered pair by pair (H = 0: gathers alone)."""
+    m = fire.shape[0]
+    per_unit = np.sort(fire.sum(axis=0))[::-1]  # pairs per unit, hottest first
+    cold_pairs = per_unit.sum() - np.concatenate(([0], np.cumsum(per_unit)))  # after H hot units
+    hot = np.arange(per_unit.size + 1)
+    ms = 4.0 * m * d_model * hot / (tflops * 1e9) + 2 * cold_pairs * row_bytes / (gather_tbs * 1e9)
+    best = int(np.argmin(ms))
+    return best, float(ms[best])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", type=int, default=16384)
@@ -37,14 +55,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--l2-tbs", type=float, default=9.0, help="assumed L2-to-SM gather rate, TB/s")
     ap.add_argument("--blocks", default="64,128,256,512")
     ap.add_argument("--densities", default="0.005,0.01,0.02")
+    ap.add_argument("--tflops", type=float, default=700.0, help="assumed dense bf16 rate, TFLOP/s")
+    ap.add_argument("--gather-tbs", type=float, default=6.4, help="the gated consumer's measured gather rate, TB/s")
     args = ap.parse_args(argv)
     row_bytes = 2 * args.d_model  # one bf16 weight row
     rng = np.random.default_rng(0)
     print("pattern  density  block  union  reuse  per-pair GB (ms)  staged GB (ms)")
+    splits = []
     for pattern in ("uniform", "skewed"):
         for density in (float(d) for d in args.densities.split(",")):
             rates = firing_rates(args.d_ff, density, pattern, rng)
             fire = rng.random((args.m, args.d_ff)) < rates[None, :]
+            gathers_ms = 2 * int(fire.sum()) * row_bytes / (args.gather_tbs * 1e9)
+            hot, split_ms = hot_split(fire, row_bytes, args.d_model, args.tflops, args.gather_tbs)
+            splits.append((pattern, density, hot, split_ms, gathers_ms))
             pairs = int(fire.sum())
             per_pair = 2 * pairs * row_bytes / 1e9  # W_up and W_down rows
             for block in (int(b) for b in args.blocks.split(",")):
@@ -54,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"{pattern:>7}  {density:6.2%}  {block:5d}  {union:5.1%}  {reuse:5.2f}  "
                     f"{per_pair:6.2f} ({per_pair / args.l2_tbs:5.3f})  {staged:6.2f} ({staged / args.l2_tbs:5.3f})"
                 )
+    print("\npattern  density  hot units H  split consumer ms  gathers alone ms")
+    for pattern, density, hot, split_ms, gathers_ms in splits:
+        print(f"{pattern:>7}  {density:6.2%}  {hot:11d}  {split_ms:16.3f}  {gathers_ms:16.3f}")
     return 0
 
 

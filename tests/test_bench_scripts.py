@@ -42,6 +42,20 @@ def test_byte_model_runs(capsys):
     assert model.main(["--m", "512", "--d-ff", "512", "--blocks", "64,128", "--densities", "0.02"]) == 0
     out = capsys.readouterr().out
     assert "uniform" in out and "skewed" in out
+    assert "hot units H" in out
+
+
+def test_hot_split_picks_the_cheapest_h():
+    import numpy as np
+
+    model = _load("model")
+    fire = np.zeros((100, 4), dtype=bool)
+    fire[:, 2] = True  # one unit fires for every token, another once
+    fire[0, 1] = True
+    gathers_only = 2 * 101 * 4096 / 6.4e9
+    assert model.hot_split(fire, 4096, 2048, 1e12, 6.4) == (2, 4.0 * 100 * 2048 * 2 / 1e21)  # dense ~free
+    hot, ms = model.hot_split(fire, 4096, 2048, 1e-6, 6.4)  # dense far too slow: gathers alone
+    assert hot == 0 and abs(ms - gathers_only) < 1e-12
 
 
 def test_train_step_quick(capsys):
