@@ -15,6 +15,7 @@ import numpy as np
 from . import _kernels as K
 from ._backend import cupy_module
 from ._parts import TwELLParts
+from ._posted import PostedScalar
 from ._reference import overflow_excess
 from ._validation import n_tiles
 
@@ -229,26 +230,15 @@ class Finish:
 
     def __init__(self, first: TwELLParts, row_tile_nnz: Any, capacity: int, dtype: Any, run: Callable) -> None:
         self.first, self.row_tile_nnz, self.capacity, self.dtype, self.run = first, row_tile_nnz, capacity, dtype, run
-        self.counted: tuple[Any, Any] | None = None  # (pinned int64[1], event)
+        self.counted: PostedScalar | None = None
 
     def count_now(self) -> None:
-        cp = _cp()
-        import cupyx
-
-        excess = cp.maximum(self.row_tile_nnz - self.capacity, 0).sum(dtype=cp.int64)
-        host = cupyx.empty_pinned((1,), dtype=np.int64)
-        stream = cp.cuda.get_current_stream()
-        cp.cuda.runtime.memcpyAsync(
-            host.ctypes.data, excess.data.ptr, 8, cp.cuda.runtime.memcpyDeviceToHost, stream.ptr
-        )
-        self.counted = (host, stream.record())
+        self.counted = PostedScalar()
+        self.counted.post(_cp().maximum(self.row_tile_nnz - self.capacity, 0).sum(dtype=np.int64))
 
     def _known_excess(self) -> int | None:
-        if self.counted is None:
-            return None
-        host, event = self.counted
-        event.synchronize()
-        return int(host[0])
+        value = None if self.counted is None else self.counted.value()
+        return None if value is None else int(value)
 
     def __call__(self, overflow: str, spill_capacity: int | None = None) -> tuple[TwELLParts, Any]:
         head = (self.first.data, self.first.indices, self.first.counts)

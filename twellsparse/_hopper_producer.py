@@ -89,19 +89,24 @@ def _encoder() -> Any:
 def tensor_map(a: Any, box_rows: int) -> np.void:
     """The TMA descriptor of a row-major 2-D CuPy array read in ``box_rows`` x 64 boxes with the
     128-byte swizzle (out-of-bounds rows and columns read as zeros), as a by-value kernel
-    argument."""
-    rows, cols = a.shape
+    argument. It depends only on the array's address, shape, row stride and dtype, so plans
+    calling with the same weights (and the same x buffers) reuse it."""
+    return _encoded_map(a.data.ptr, *a.shape, a.strides[0], np.dtype(a.dtype), box_rows)
+
+
+@functools.lru_cache(maxsize=256)
+def _encoded_map(ptr: int, rows: int, cols: int, row_bytes: int, dtype: np.dtype, box_rows: int) -> np.void:
     storage = np.zeros(32, dtype=np.uint64)  # CUtensorMap is 64-byte aligned: find such a spot
     start = (-storage.ctypes.data % 64) // 8
     dims = (ctypes.c_uint64 * 2)(cols, rows)
-    strides = (ctypes.c_uint64 * 1)(a.strides[0])
+    strides = (ctypes.c_uint64 * 1)(row_bytes)
     box = (ctypes.c_uint32 * 2)(BLOCK_K, box_rows)
     unit = (ctypes.c_uint32 * 2)(1, 1)
     code = _encoder()(
         storage.ctypes.data + 8 * start,
-        _TENSOR_MAP_TYPE[np.dtype(a.dtype)],
+        _TENSOR_MAP_TYPE[dtype],
         2,
-        a.data.ptr,
+        ptr,
         dims,
         strides,
         box,
@@ -112,7 +117,7 @@ def tensor_map(a: Any, box_rows: int) -> np.void:
         0,
     )
     if code != 0:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {code}) for an array of shape {a.shape}")
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {code}) for an array of shape {(rows, cols)}")
     return np.frombuffer(storage[start : start + 16].tobytes(), dtype=_TENSOR_MAP)[0]
 
 

@@ -31,6 +31,7 @@ from ._ops import (
     preactivation,
 )
 from ._parts import trimmed_spill
+from ._posted import PostedScalar
 from ._twell import twell_array
 from ._validation import check_activation, check_capacity, check_spill_capacity, check_threshold, check_tile_n
 
@@ -56,82 +57,7 @@ def _capturing() -> bool:
     return bool(cp.cuda.get_current_stream().is_capturing())
 
 
-class _PostedScalar:
-    """A device scalar of one call (the kept fraction of its activations, the spilled entries it
-    left out), copied to pinned host memory without waiting and read at the next call (by then
-    the copy has long finished): no host synchronisation inside a call.
-
-    Posted while a CUDA graph is being captured, the copy becomes part of the graph: every
-    replay rewrites the host value, which is then read as it stands (the caller synchronises).
-    """
-
-    def __init__(self) -> None:
-        self._host: Any = None
-        self._event: Any = None
-        self._value: float | None = None
-        self._in_graph = False
-        # Two pinned buffers, posted to in turn: a value taken out with pop() keeps its buffer
-        # until it is read, while the next call posts into the other one.
-        self._buffers: list[Any] = [None, None]
-        self._turn = 0
-
-    def post(self, scalar: Any) -> None:
-        """Record a 0-d device array (copied asynchronously) or a host number."""
-        if not is_cupy_array(scalar):
-            self._value, self._event = float(scalar), None
-            return
-        import cupy as cp
-        import cupyx
-
-        if self._buffers[self._turn] is None:
-            self._buffers[self._turn] = cupyx.zeros_pinned((1,), dtype=np.float64)
-        self._host = self._buffers[self._turn]
-        self._turn ^= 1
-        staged = scalar.astype(cp.float64).reshape(1)  # a fresh contiguous copy
-        stream = cp.cuda.get_current_stream()
-        # A raw asynchronous copy into pinned memory: CuPy's ``get`` refuses device-to-host copies
-        # while capturing, but the runtime records this one as a memcpy node of the graph.
-        cp.cuda.runtime.memcpyAsync(
-            self._host.ctypes.data, staged.data.ptr, 8, cp.cuda.runtime.memcpyDeviceToHost, stream.ptr
-        )
-        if stream.is_capturing():
-            self._in_graph, self._event = True, None
-        else:
-            self._event = stream.record()
-
-    def value(self) -> float | None:
-        """The last recorded value (None before the first)."""
-        if self._event is not None:
-            self._event.synchronize()
-            self._value, self._event = float(self._host[0]), None
-        elif self._in_graph:
-            self._value = float(self._host[0])
-        return self._value
-
-    def take(self) -> float | None:
-        """:meth:`value`, then forget it (zeroing the host copy a captured graph rewrites)."""
-        v = self.value()
-        self._value = None
-        if self._host is not None:
-            self._host[0] = 0.0
-        return v
-
-    def pop(self) -> _PostedScalar:
-        """The last posted value, still unread, as its own object (read it with :meth:`take`);
-        this one starts empty. A call pops its predecessor's value first and reads it after
-        queuing its own work, so the host never waits for the GPU with nothing queued."""
-        popped = _PostedScalar()
-        popped._host, popped._event, popped._value, popped._in_graph = (
-            self._host,
-            self._event,
-            self._value,
-            self._in_graph,
-        )
-        self._event, self._value = None, None
-        return popped
-
-
-def raise_left_out(posted: _PostedScalar, spill_capacity: int | None, call: str) -> None:
+def raise_left_out(posted: PostedScalar, spill_capacity: int | None, call: str) -> None:
     """Raise :class:`TwELLSpillCapacityError` if ``posted`` (a call's entries that its fixed
     ``spill_capacity`` could not hold) is nonzero; reading it forgets it."""
     left_out = posted.take()
@@ -141,7 +67,7 @@ def raise_left_out(posted: _PostedScalar, spill_capacity: int | None, call: str)
 
 
 def raise_for_previous(
-    previous: _PostedScalar | None, current: _PostedScalar, spill_capacity: int | None, call: str
+    previous: PostedScalar | None, current: PostedScalar, spill_capacity: int | None, call: str
 ) -> None:
     """After a call has queued its work: raise for ``previous`` (the call before it, popped
     first) if it left entries out. The current call's own count is then forgotten, since the
@@ -183,8 +109,8 @@ class _FFNPlanBase:
         self._weights = arrays
         # (path, sampled density, the hidden layer or a function making it on access)
         self._last: tuple[str, float, Any] | None = None
-        self._density = _PostedScalar()
-        self._left_out = _PostedScalar()
+        self._density = PostedScalar()
+        self._left_out = PostedScalar()
         self.refresh()
 
     def refresh(self) -> None:

@@ -24,7 +24,8 @@ from torch import Tensor, nn
 from ._backend import array_module, as_array, bfloat16, is_cupy_array
 from ._ffn_autodiff import backward_arrays, forward_arrays, with_values
 from ._parts import TwELLParts, trimmed_spill
-from ._plans import DENSE_BREAKEVEN, DENSITY_SAMPLE_ROWS, DISPATCH, _PostedScalar, raise_for_previous, raise_left_out
+from ._plans import DENSE_BREAKEVEN, DENSITY_SAMPLE_ROWS, DISPATCH, raise_for_previous, raise_left_out
+from ._posted import PostedScalar
 from ._twell import twell_array
 from ._validation import check_activation, check_capacity, check_spill_capacity, check_threshold, check_tile_n
 
@@ -415,9 +416,9 @@ class _TwELLMLPBase(nn.Module):
         self.breakeven = DENSE_BREAKEVEN[kind] if breakeven is None else float(breakeven)
         self._hidden: list[Tensor] | None = None  # the last sparse forward's TwELL parts
         self._dense_hidden: Tensor | None = None  # the last dense forward's activations
-        self._density = _PostedScalar()
+        self._density = PostedScalar()
         self.spill_capacity = check_spill_capacity(spill_capacity)
-        self._left_out = _PostedScalar()  # entries a fixed spill_capacity could not hold
+        self._left_out = PostedScalar()  # entries a fixed spill_capacity could not hold
 
     def _forward(self, x: Tensor, w_act: Tensor, w_lin: Tensor | None, w_down: Tensor) -> Tensor:
         if self._path() == "dense":

@@ -1,0 +1,85 @@
+"""A device scalar read on the host later, without a synchronisation where it is posted."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._backend import is_cupy_array
+
+
+class PostedScalar:
+    """A device scalar of one call (the kept fraction of its activations, the spilled entries it
+    left out, a pack's overflow count), copied to pinned host memory without waiting and read
+    later (at the next call, or after more work is queued): no host synchronisation where it is
+    posted.
+
+    Posted while a CUDA graph is being captured, the copy becomes part of the graph: every
+    replay rewrites the host value, which is then read as it stands (the caller synchronises).
+    """
+
+    def __init__(self) -> None:
+        self._host: Any = None
+        self._event: Any = None
+        self._value: float | None = None
+        self._in_graph = False
+        # Two pinned buffers, posted to in turn: a value taken out with pop() keeps its buffer
+        # until it is read, while the next call posts into the other one.
+        self._buffers: list[Any] = [None, None]
+        self._turn = 0
+
+    def post(self, scalar: Any) -> None:
+        """Record a 0-d device array (copied asynchronously) or a host number."""
+        if not is_cupy_array(scalar):
+            self._value, self._event = float(scalar), None
+            return
+        import cupy as cp
+        import cupyx
+
+        if self._buffers[self._turn] is None:
+            self._buffers[self._turn] = cupyx.zeros_pinned((1,), dtype=np.float64)
+        self._host = self._buffers[self._turn]
+        self._turn ^= 1
+        staged = scalar.astype(cp.float64).reshape(1)  # a fresh contiguous copy
+        stream = cp.cuda.get_current_stream()
+        # A raw asynchronous copy into pinned memory: CuPy's ``get`` refuses device-to-host copies
+        # while capturing, but the runtime records this one as a memcpy node of the graph.
+        cp.cuda.runtime.memcpyAsync(
+            self._host.ctypes.data, staged.data.ptr, 8, cp.cuda.runtime.memcpyDeviceToHost, stream.ptr
+        )
+        if stream.is_capturing():
+            self._in_graph, self._event = True, None
+        else:
+            self._event = stream.record()
+
+    def value(self) -> float | None:
+        """The last recorded value (None before the first)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._value, self._event = float(self._host[0]), None
+        elif self._in_graph:
+            self._value = float(self._host[0])
+        return self._value
+
+    def take(self) -> float | None:
+        """:meth:`value`, then forget it (zeroing the host copy a captured graph rewrites)."""
+        v = self.value()
+        self._value = None
+        if self._host is not None:
+            self._host[0] = 0.0
+        return v
+
+    def pop(self) -> PostedScalar:
+        """The last posted value, still unread, as its own object (read it with :meth:`take`);
+        this one starts empty. A call pops its predecessor's value first and reads it after
+        queuing its own work, so the host never waits for the GPU with nothing queued."""
+        popped = PostedScalar()
+        popped._host, popped._event, popped._value, popped._in_graph = (
+            self._host,
+            self._event,
+            self._value,
+            self._in_graph,
+        )
+        self._event, self._value = None, None
+        return popped
