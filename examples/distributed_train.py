@@ -14,6 +14,7 @@ MLPs with the same initial weights, the throughput baseline.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 
@@ -134,7 +135,13 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0 and args.out:
         torch.save({"losses": losses, "state": state}, args.out)
     if not args.single:
-        dist.barrier()  # rank 0 may still be saving: tearing gloo down under it can abort the process
+        # Drop everything that may still hold the group's work objects (FSDP2's pending reduce and
+        # gather state, DDP's reducer) while the interpreter is fully alive, wait for rank 0 to
+        # finish saving, then tear gloo/NCCL down: freeing those objects during interpreter
+        # finalization is what aborts a rank at exit (pytorch/pytorch#179291).
+        del model, inner, opt
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
 
