@@ -30,8 +30,9 @@ def load(results: pathlib.Path) -> list[dict[str, Any]]:
 
 
 def latest(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    """Records of ``kind`` from the most recently dated commit."""
-    mine = [r for r in records if r.get("kind") == kind and r.get("commit")]
+    """Records of ``kind`` from the most recently dated commit, measured with the default settings
+    (no ``TWELL_*`` switch in the environment)."""
+    mine = [r for r in records if r.get("kind") == kind and r.get("commit") and not r.get("settings")]
     if not mine:
         return []
     newest = max(mine, key=lambda r: r["date"])["commit"]
@@ -43,7 +44,7 @@ def latest_per_case(records: list[dict[str, Any]], kind: str, case: tuple[str, .
     were measured side by side in one run, so rows of different runs can share a table)."""
     newest: dict[tuple, dict[str, Any]] = {}
     for r in records:
-        if r.get("kind") != kind or not r.get("commit"):
+        if r.get("kind") != kind or not r.get("commit") or r.get("settings"):  # defaults only
             continue
         key = tuple(json.dumps(_field(r, f)) for f in case)
         if key not in newest or r["date"] > newest[key]["date"]:

@@ -30,6 +30,21 @@ def test_report_matches_readme():
     assert section == table.strip(), "README benchmark table is stale: run python bench/report.py --update-readme"
 
 
+def test_switches_are_recorded_and_kept_out_of_the_tables(monkeypatch):
+    """A TWELL_* switch in the environment goes into every record's settings (the commit does
+    not), and the report's tables use only records measured without one."""
+    from twellsparse._environment import environment
+
+    monkeypatch.setenv("TWELL_BULK_GATHER", "1")
+    monkeypatch.setenv("TWELL_COMMIT", "abc")
+    env = environment()
+    assert env["settings"] == {"TWELL_BULK_GATHER": "1"} and env["commit"] == "abc"
+    report = _load("report")
+    base = {"kind": "ffn", "commit": "abc", "date": "2026-12-03T00:00:00+00:00"}
+    switched = {**base, "date": "2026-12-04T00:00:00+00:00", "settings": env["settings"]}
+    assert report.latest([base, switched], "ffn") == [base]
+
+
 def test_ffn_bench_summary_line():
     bench = _load("ffn_bench")
     record = next(r for r in _load("report").load(ROOT / "bench" / "results") if r["kind"] == "ffn")

@@ -42,6 +42,10 @@ def append_records(path: str | None, records: list[dict[str, Any]]) -> None:
             f.write(json.dumps(rec) + "\n")
 
 
+#: TWELL_* environment variables that say where a run came from, not how it computed.
+_NOT_SETTINGS = ("TWELL_COMMIT", "TWELL_TESTS")
+
+
 def environment() -> dict[str, Any]:
     """A JSON-ready description of where a measurement ran."""
     from . import __version__
@@ -53,6 +57,9 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "numpy": np.__version__,
     }
+    settings = {k: v for k, v in os.environ.items() if k.startswith("TWELL_") and k not in _NOT_SETTINGS}
+    if settings:  # build and dispatch switches that change what was measured
+        env["settings"] = dict(sorted(settings.items()))
     cp = cupy_module()
     if cp is not None:
         env["cupy"] = cp.__version__
