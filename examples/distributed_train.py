@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
 
     losses = []
+    loss = total = None  # the last step's (their autograd nodes can hold FSDP/DDP hook state)
     for step in range(args.steps):
         if use_cuda:
             torch.cuda.synchronize(device)
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         # gather state, DDP's reducer) while the interpreter is fully alive, wait for rank 0 to
         # finish saving, then tear gloo/NCCL down: freeing those objects during interpreter
         # finalization is what aborts a rank at exit (pytorch/pytorch#179291).
-        del model, inner, opt
+        del model, inner, opt, loss, total
         gc.collect()
         dist.barrier()
         dist.destroy_process_group()
