@@ -35,10 +35,10 @@ def test_switches_are_recorded_and_kept_out_of_the_tables(monkeypatch):
     not), and the report's tables use only records measured without one."""
     from twellsparse._environment import environment
 
-    monkeypatch.setenv("TWELL_BULK_GATHER", "1")
+    monkeypatch.setenv("TWELL_L2_HINTS", "0")
     monkeypatch.setenv("TWELL_COMMIT", "abc")
     env = environment()
-    assert env["settings"] == {"TWELL_BULK_GATHER": "1"} and env["commit"] == "abc"
+    assert env["settings"] == {"TWELL_L2_HINTS": "0"} and env["commit"] == "abc"
     report = _load("report")
     base = {"kind": "ffn", "commit": "abc", "date": "2026-12-03T00:00:00+00:00"}
     switched = {**base, "date": "2026-12-04T00:00:00+00:00", "settings": env["settings"]}
