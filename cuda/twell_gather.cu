@@ -281,6 +281,16 @@ __device__ __forceinline__ void gather_accumulate(typename acc_of<T>::type (&acc
                                       k0, lane);
 }
 
+// Zeros one row's padding slots (past each row-tile's count) in TwELL values `out`.
+template <typename T>
+__device__ __forceinline__ void zero_padding(T* __restrict__ out, const int* __restrict__ counts, long long row,
+                                             int n_tiles, int capacity, int lane) {
+  for (int tile = 0; tile < n_tiles; ++tile) {
+    const long long rt = row * n_tiles + tile;
+    for (int s = counts[rt] + lane; s < capacity; s += 32) out[rt * capacity + s] = zero_value<T>();
+  }
+}
+
 // Dot products x_row . y[col] for the batch's n pairs; lane l returns pair l's (0 for l >= n).
 // The K columns go in passes of KV x 32 x 16 bytes: the pass's x vectors stay in registers and
 // U pairs' row pieces are requested before any is used, as in gather_accumulate. (Summing a
@@ -419,10 +429,7 @@ __global__ void __launch_bounds__(128) twell_gather_sddmm(
                      else out[where] = from_acc<T>(d);
                    }
                  });
-  for (int tile = 0; tile < n_tiles; ++tile) {
-    const long long rt = row * n_tiles + tile;
-    for (int s = counts[rt] + lane; s < capacity; s += 32) out[rt * capacity + s] = zero_value<T>();
-  }
+  zero_padding(out, counts, row, n_tiles, capacity, lane);
 }
 
 // The gated FFN backward's sampled product with its three value products fused in: at each
@@ -459,14 +466,9 @@ __global__ void __launch_bounds__(128) twell_gather_sddmm_gated_bwd(
                            (spilled ? h_spill : h_data)[i] = times(g, u);
                          }
                        });
-  for (int tile = 0; tile < n_tiles; ++tile) {
-    const long long rt = row * n_tiles + tile;
-    for (int s = counts[rt] + lane; s < capacity; s += 32) {
-      dz_data[rt * capacity + s] = zero_value<T>();
-      du_data[rt * capacity + s] = zero_value<T>();
-      h_data[rt * capacity + s] = zero_value<T>();
-    }
-  }
+  zero_padding(dz_data, counts, row, n_tiles, capacity, lane);
+  zero_padding(du_data, counts, row, n_tiles, capacity, lane);
+  zero_padding(h_data, counts, row, n_tiles, capacity, lane);
 }
 
 // The gated FFN's consumer for one row of tokens, in two phases of one warp:

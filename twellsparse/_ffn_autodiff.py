@@ -21,7 +21,6 @@ from typing import Any
 from ._backend import array_module
 from ._errors import TwELLSpillCapacityError
 from ._ops import (
-    count_overflow_ahead,
     fused_gated_backward,
     gated_product,
     gather_tail_eligible,
@@ -30,6 +29,7 @@ from ._ops import (
     matmul_sum,
     product_values,
     sddmm,
+    tail_then_finish,
     transposed_products,
     with_values,
 )
@@ -87,11 +87,7 @@ def forward_arrays(x, w_act, w_lin, w_down, activation, tile_n, capacity, thresh
     if spill_capacity is not None and gather_tail_eligible(x, w_lin, w_down_t, x.dtype):
         parts, left_out = finish("spill", spill_capacity=spill_capacity)
         return (*tail(parts), left_out)  # the gather kernels: they read the spill by row pointers
-    count_overflow_ahead(finish)
-    result = tail(first)
-    parts, _ = finish("spill")
-    if parts.spill_data.size != first.spill_data.size:
-        result = tail(parts)
+    result, parts = tail_then_finish(first, finish, tail)
     out, g, u = result[0], twell_array._from_parts(parts, shape, tile_n), result[2]
     if spill_capacity is not None:  # the exact path, with the fixed path's array lengths
         g, u = _padded_spill(g, spill_capacity), (_padded_spill(u, spill_capacity) if u is not None else None)

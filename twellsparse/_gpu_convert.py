@@ -16,7 +16,7 @@ from . import _kernels as K
 from ._backend import cupy_module
 from ._parts import TwELLParts
 from ._posted import PostedScalar
-from ._reference import overflow_excess
+from ._reference import excess_entries, overflow_excess
 from ._validation import n_tiles
 
 _BLOCK = 256
@@ -234,7 +234,7 @@ class Finish:
 
     def count_now(self) -> None:
         self.counted = PostedScalar()
-        self.counted.post(_cp().maximum(self.row_tile_nnz - self.capacity, 0).sum(dtype=np.int64))
+        self.counted.post(excess_entries(self.row_tile_nnz, self.capacity, xp=_cp()))
 
     def _known_excess(self) -> int | None:
         value = None if self.counted is None else self.counted.value()

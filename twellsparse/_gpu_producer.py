@@ -15,13 +15,15 @@ beside it as ``producer_dense_scan``). Where cuBLASLt does not load, the dense s
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ._backend import bfloat16
 from ._parts import TwELLParts
+
+if TYPE_CHECKING:
+    from ._gpu_convert import Finish
 
 #: Whether linear_to_twell and the FFN plans use this producer where it applies.
 ENABLED = True
@@ -77,9 +79,7 @@ def relu_linear(x: Any, w: Any) -> tuple[Any, Any, int]:
     return out, mask, words
 
 
-def relu_linear_to_parts_deferred(
-    x: Any, w: Any, tile_n: int, capacity: int
-) -> tuple[Any, TwELLParts, Callable[..., tuple[TwELLParts, Any]]]:
+def relu_linear_to_parts_deferred(x: Any, w: Any, tile_n: int, capacity: int) -> tuple[Any, TwELLParts, Finish]:
     """``(relu(x @ w.T), first, finish)`` as ``_gpu_convert.dense_to_parts_deferred`` gives them."""
     from ._gpu_convert import relu_mask_to_parts_deferred
 

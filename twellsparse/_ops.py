@@ -15,7 +15,7 @@ import numpy as np
 from . import _convert as conv
 from . import _reference as ref
 from ._backend import as_array, device_name, is_cupy_array, result_dtype, value_dtype
-from ._parts import TwELLParts
+from ._parts import DeferredFinish, TwELLParts
 from ._transpose import twell_transpose
 from ._twell import twell_array
 from ._validation import check_activation, check_layout, check_ndim, check_threshold
@@ -258,7 +258,7 @@ def linear_to_twell(
 
 def linear_to_parts_deferred(
     x: Any, w: Any, act: str, tile_n: int, capacity: int, threshold: float | None
-) -> tuple[TwELLParts, Callable[..., tuple[TwELLParts, Any]]]:
+) -> tuple[TwELLParts, DeferredFinish]:
     """The producer with its overflow policy applied later, as :func:`pack_preactivation_deferred`
     gives it: ``(first, finish)``, so that a caller can queue work on ``first`` before
     ``finish`` reads the overflow count back. Internal: the operands are trusted."""
@@ -295,7 +295,7 @@ def pack_preactivation(
 
 def pack_preactivation_deferred(
     z: Any, dtype: Any, act: str, tile_n: int, capacity: int, threshold: float | None
-) -> tuple[TwELLParts, Callable[..., tuple[TwELLParts, Any]]]:
+) -> tuple[TwELLParts, DeferredFinish]:
     """:func:`pack_preactivation` with the overflow policy applied later: ``(first, finish)``,
     ``first`` exact unless some row-tile overflowed (then ``finish(overflow)`` returns parts
     that differ from it). On the CPU ``first`` is already complete, and ``finish`` ignores the
@@ -306,21 +306,39 @@ def pack_preactivation_deferred(
         return _gpu_convert.dense_to_parts_deferred(z, tile_n, capacity, threshold, act)
     spilled = pack_preactivation(z, dtype, act, tile_n, capacity, threshold, "spill")
 
-    def finish(overflow: str, spill_capacity: int | None = None) -> tuple[TwELLParts, int]:
-        if overflow == "spill":
-            return spilled
+    def pack(overflow: str) -> tuple[TwELLParts, int]:
         return pack_preactivation(z, dtype, act, tile_n, capacity, threshold, overflow)
 
-    return spilled[0], finish
+    return spilled[0], _CompleteFinish(spilled, pack)
 
 
-def count_overflow_ahead(finish: Callable[..., Any]) -> None:
-    """Before queuing work on a deferred producer's ``first`` parts: have a GPU ``finish`` send
-    its overflow count to the host right behind the pack, so its exact finish waits for the pack
-    alone (``_gpu_convert.Finish.count_now``). Nothing to do on the CPU."""
-    count_now = getattr(finish, "count_now", None)
-    if count_now is not None:
-        count_now()
+class _CompleteFinish:
+    """The CPU's :class:`DeferredFinish`: the parts are complete after pass 1 (``spilled``, the
+    "spill" policy's result); another policy packs again (``pack(overflow)``)."""
+
+    def __init__(self, spilled: tuple[TwELLParts, int], pack: Callable[[str], tuple[TwELLParts, int]]) -> None:
+        self.spilled, self.pack = spilled, pack
+
+    def __call__(self, overflow: str, spill_capacity: int | None = None) -> tuple[TwELLParts, int]:
+        return self.spilled if overflow == "spill" else self.pack(overflow)
+
+    def count_now(self) -> None:
+        """Nothing to read back on the CPU."""
+
+
+def tail_then_finish(
+    first: TwELLParts, finish: DeferredFinish, tail: Callable[[TwELLParts], Any]
+) -> tuple[Any, TwELLParts]:
+    """The exact sparse path after a deferred producer: ``tail(first)`` (the row-tiles' first
+    ``capacity`` entries) is queued while the host reads the overflow count, sent right behind
+    the pack so the wait ends before the tail does; only if entries spilled does ``tail`` run
+    again on the complete parts. Returns ``(tail's result, the complete parts)``."""
+    finish.count_now()
+    result = tail(first)
+    parts, _ = finish("spill")
+    if parts.spill_data.size != first.spill_data.size:
+        result = tail(parts)
+    return result, parts
 
 
 def values_op(fn: Any, *arrays: Any) -> Any:

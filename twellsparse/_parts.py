@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 
 class TwELLParts(NamedTuple):
@@ -30,3 +30,15 @@ def trimmed_spill(parts: TwELLParts) -> TwELLParts:
     if n == parts.spill_data.shape[0]:
         return parts
     return parts._replace(spill_data=parts.spill_data[:n], spill_indices=parts.spill_indices[:n])
+
+
+class DeferredFinish(Protocol):
+    """The second half of a producer whose pass 1 already ran: ``finish(overflow)`` returns the
+    complete parts and the dropped entries under that overflow policy (``spill_capacity``: a
+    fixed-length spill, and the entries left out as a device scalar); ``count_now()`` starts
+    reading the overflow count back before the caller queues more work (a no-op where the parts
+    are complete already)."""
+
+    def __call__(self, overflow: str, spill_capacity: int | None = None) -> tuple[TwELLParts, Any]: ...
+
+    def count_now(self) -> None: ...

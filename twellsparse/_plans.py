@@ -22,15 +22,15 @@ from ._ops import (
     _dense,
     _same_device,
     check_out_shape,
-    count_overflow_ahead,
     dense_ffn_tail,
     gated_product,
     gather_tail_eligible,
     matmul,
     pack_preactivation_deferred,
     preactivation,
+    tail_then_finish,
 )
-from ._parts import trimmed_spill
+from ._parts import DeferredFinish, trimmed_spill
 from ._posted import PostedScalar
 from ._twell import twell_array
 from ._validation import check_activation, check_capacity, check_spill_capacity, check_threshold, check_tile_n
@@ -202,7 +202,7 @@ class _FFNPlanBase:
             self._last = ("sparse", sampled, _mask_stats(relu_mask, shape))
             mask, words = relu_mask
             return mask_consumer(z, mask, words, xx, w_lin, self._w_down_t)
-        finish: Callable[..., tuple[Any, Any]]
+        finish: DeferredFinish
         if relu_mask is not None:
             from ._gpu_convert import relu_mask_to_parts_deferred
 
@@ -244,7 +244,7 @@ class _FFNPlanBase:
         self,
         xx: Any,
         first_parts: Any,
-        finish: Callable[..., tuple[Any, Any]],
+        finish: DeferredFinish,
         w_lin: Any,
         dt: Any,
         out: Any,
@@ -272,14 +272,7 @@ class _FFNPlanBase:
             self._left_out.post(left_out)
             self._last = ("sparse", sampled, lambda: twell_array._from_parts(trimmed_spill(parts), shape, self.tile_n))
             return result
-        # The tail runs on the row-tiles' first `capacity` entries while the host reads the
-        # overflow count (sent right behind the pack, so the wait ends before the tail does);
-        # only if entries spilled does it run again on the complete parts.
-        count_overflow_ahead(finish)
-        result = tail(first_parts)
-        parts, _ = finish("spill")
-        if parts.spill_data.size != first_parts.spill_data.size:
-            result = tail(parts)
+        result, parts = tail_then_finish(first_parts, finish, tail)
         self._last = ("sparse", sampled, twell_array._from_parts(parts, shape, self.tile_n))
         return result
 

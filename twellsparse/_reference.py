@@ -78,13 +78,18 @@ def fixed_spill_layout(row_tile_nnz, capacity: int, spill_capacity: int, xp=np):
     return ends - excess, indptr, pass_counts, total - indptr[-1]
 
 
+def excess_entries(row_tile_nnz, capacity: int, xp=np):
+    """The entries beyond ``capacity`` over all row-tiles, as a 0-d array (no read-back)."""
+    return xp.maximum(row_tile_nnz - capacity, 0).sum(dtype=np.int64)
+
+
 def overflow_excess(row_tile_nnz, capacity: int, overflow: str, xp=np) -> int:
     """Apply the overflow policy to the per-row-tile counts; return the number of excess entries.
 
     Raises TwELLCapacityError under ``"error"`` and warns under ``"drop"``. Works on NumPy and
     CuPy arrays (one scalar read-back on the GPU).
     """
-    excess = int(xp.maximum(row_tile_nnz - capacity, 0).sum())
+    excess = int(excess_entries(row_tile_nnz, capacity, xp))
     if excess == 0:
         return 0
     if overflow == "error":
