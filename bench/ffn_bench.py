@@ -19,7 +19,7 @@ from typing import Any
 import cupy as cp
 
 import twellsparse as ts
-from twellsparse import _gpu_ops
+from twellsparse import _gpu_convert, _gpu_ops, _stationary
 from twellsparse._environment import append_records, environment
 from twellsparse._gpu_ops import gemm_nt
 from twellsparse._timing import Timer
@@ -65,19 +65,25 @@ def dense_ffns(x: Any, wg: Any, wu: Any, wd: Any, provider: str) -> tuple[Callab
     return torch_gated, torch_plain
 
 
+def with_setting(module: Any, name: str, value: bool, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` run with ``module.<name>`` set to ``value`` (restored after)."""
+
+    def run() -> Any:
+        saved = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            return fn()
+        finally:
+            setattr(module, name, saved)
+
+    return run
+
+
 def with_producer_setting(name: str, value: bool, fn: Callable[[], Any]) -> Callable[[], Any]:
     """``fn`` run with ``twellsparse._gpu_producer.<name>`` set to ``value`` (restored after)."""
     from twellsparse import _gpu_producer
 
-    def run() -> Any:
-        saved = getattr(_gpu_producer, name)
-        setattr(_gpu_producer, name, value)
-        try:
-            return fn()
-        finally:
-            setattr(_gpu_producer, name, saved)
-
-    return run
+    return with_setting(_gpu_producer, name, value, fn)
 
 
 def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Timer, hidden: Timer) -> dict[str, Any]:
@@ -139,12 +145,25 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
     ref_up = _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="portable").data
     ref_gated = gated_plan(x)
     ref_plain_plan = plain_plan(x)
+    csr = _gpu_convert.parts_to_csr(h.parts, h.shape, h.tile_n, bounded=True)
     variants = {
         "spmm_down_portable": (lambda: _gpu_ops.spmm(h.parts, h.tile_n, wd_t, h_out, path="portable"), ref_down),
         "spmm_down_gather_4x4": (
             lambda: _gpu_ops.spmm(h.parts, h.tile_n, wd_t, h_out, path="gather", variant=(4, 4)),
             ref_down,
         ),
+        # The weight-stationary SpMM: with its device-side CSR, the CSR alone, the kernel alone,
+        # and the non-gated plan taking it for its down projection.
+        "spmm_down_stationary": (
+            lambda: _gpu_ops.spmm(h.parts, h.tile_n, wd_t, h_out, path="stationary"),
+            ref_down,
+        ),
+        "stationary_csr": (lambda: _gpu_convert.parts_to_csr(h.parts, h.shape, h.tile_n, bounded=True), None),
+        "spmm_down_stationary_kernel": (
+            lambda: _stationary.csr_spmm(csr[2], csr[1], csr[0], h.shape[1], wd_t, h_out),
+            ref_down,
+        ),
+        "ffn_stationary": (with_setting(_stationary, "PREFERRED", True, lambda: plain_plan(x)), ref_plain_plan),
         "gated_consumer": (lambda: _gpu_ops.gated_consumer(h.parts, h.tile_n, x, wu, wd_t)[0], ref_gated),
         "gated_consumer_8x2": (
             lambda: _gpu_ops.gated_consumer(h.parts, h.tile_n, x, wu, wd_t, variant=(8, 2))[0],

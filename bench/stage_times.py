@@ -46,6 +46,7 @@ def stages(density: float, m: int, pattern: str) -> dict[str, Any]:
     }
     h_relu, mask, words = _gpu_producer.relu_linear(x, wg)
     g = ts.linear_to_twell(x, wg)
+    down_out = cp.empty((m, wd_t.shape[1]), dtype=x.dtype)
     _, u = gated_product(x, wu, wd_t, g, keep_up=True)
     d_h = sddmm(go, wd_t, g)
     h, d_z, d_u = product_values(g, u), product_values(d_h, u), product_values(d_h, g)
@@ -65,6 +66,7 @@ def stages(density: float, m: int, pattern: str) -> dict[str, Any]:
         "linear_to_twell, cuBLASLt producer": lambda: _without_fused_producer(lambda: ts.linear_to_twell(x, wg)),
         "gated consumer": lambda: _gpu_ops.gated_consumer(g.parts, g.tile_n, x, wu, wd_t),
         "down spmm": lambda: matmul(g, wd_t),
+        "down spmm, stationary": lambda: _gpu_ops.spmm(g.parts, g.tile_n, wd_t, down_out, path="stationary"),
         **{f"plan {name}": (lambda plan=plan: plan(x)) for name, plan in plans.items()},
         "bwd sddmm": lambda: sddmm(go, wd_t, g),
         "bwd value products": lambda: (product_values(g, u), product_values(d_h, u), product_values(d_h, g)),

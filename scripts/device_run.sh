@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|probe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|probe|stationary|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -100,6 +100,28 @@ for step in $what; do
         python3 bench/kernel_probe.py --path ${TWELL_PROBE_PATH:-gather} 2>&1 | tee "$OUT/probe.log" | tail -120
       ncu --profile-from-start off --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
         python3 bench/kernel_probe.py --path ${TWELL_PROBE_PATH:-gather} > "$OUT/probe_source.csv" 2>&1
+      ;;&
+    stationary)
+      # The weight-stationary SpMM (cuda/twell_stationary.cu): its tests, the plan and training
+      # tests with it as matmul's default (TWELL_STATIONARY=1), the down projection's stage times,
+      # the FFN benchmark (its variants beside the row gathers) and the training step with it.
+      timeout 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_gpu_stationary.py 2>&1 \
+        | tee -a "$OUT/stationary.log" | tail -15
+      status=$((status | ${PIPESTATUS[0]}))
+      TWELL_STATIONARY=1 timeout 300 python3 -m pytest -m gpu -q --maxfail=10 -p no:cacheprovider \
+        tests/gpu/test_gpu_ops.py tests/gpu/test_gpu_fixed_spill.py tests/gpu/test_gpu_torch.py 2>&1 \
+        | tee -a "$OUT/stationary.log" | tail -15
+      status=$((status | ${PIPESTATUS[0]}))
+      for d in 0.005 0.01; do
+        timeout 200 python3 bench/stage_times.py --density $d --only "down spmm" --out "$OUT/stages.jsonl" 2>&1 \
+          | tee -a "$OUT/stationary.log"
+      done
+      timeout 400 python3 bench/ffn_bench.py --densities 0.005,0.01,0.02 --out "$OUT/ffn_bench.jsonl" 2>&1 \
+        | tee -a "$OUT/stationary.log"
+      for s in 0 1; do
+        TWELL_STATIONARY=$s timeout 200 python3 bench/train_step.py --densities 0.005,0.01 --out "$OUT/train_step.jsonl" 2>&1 \
+          | grep -v Warning | sed "s/^/stationary=$s  /" | tee -a "$OUT/stationary.log"
+      done
       ;;&
     sanitize|all)
       bash scripts/sanitize.sh 2>&1 | tee "$OUT/sanitize.log" | tail -30

@@ -80,6 +80,12 @@ def _variant(variant: tuple[int, int] | None, kind: str) -> tuple[int, int]:
     return kv, u
 
 
+def _stationary_preferred() -> bool:
+    from . import _stationary
+
+    return _stationary.PREFERRED
+
+
 def _gather_grid(m: int) -> tuple[tuple[int], tuple[int]]:
     return (-(-m // K.GATHER_WARPS),), (32 * K.GATHER_WARPS,)
 
@@ -95,12 +101,23 @@ def spmm(
 ) -> Any:
     """``out = A @ b``; ``b`` (N x K) and ``out`` (M x K) share A's dtype, out has unit column stride.
 
-    ``path``: one of :data:`PATHS`. ``variant``: the gather kernel's (KV, U) instantiation
+    ``path``: one of :data:`PATHS`, or "stationary" (``_stationary``, one product only; "auto"
+    takes it where it applies when ``_stationary.PREFERRED``). ``variant``: the gather kernel's (KV, U) instantiation
     (one of ``_kernels.GATHER_VARIANTS``; default ``GATHER_DEFAULT["spmm"]``). ``second``:
     ``(parts2, b2)``, a matrix of A's structure (other values) and its dense operand:
     ``out = A @ b + A2 @ b2``, summed in the same fp32 accumulators on the gather path.
     """
     m = parts.data.shape[0]
+    if second is None and (path == "stationary" or (path == "auto" and _stationary_preferred())):
+        from . import _stationary
+
+        if _stationary.applies(b.shape[0], b, out):
+            return _stationary.spmm(parts, (m, b.shape[0]), tile_n, b, out)
+        if path == "stationary":
+            raise ValueError(
+                "path: 'stationary' needs 2-byte values, 16-byte-aligned rows and a 16-column slice of b "
+                f"(b.shape[0] * 32 bytes) that fits in shared memory; got {b.dtype} b of shape {b.shape}"
+            )
     b, ldb = row_stride(b)
     k = b.shape[1]
     ldo = np.int64(max(out.strides[0] // out.itemsize, k, 1))

@@ -142,6 +142,7 @@ def _instantiations() -> dict[str, list[str]]:
         "twell_sddmm.cu": sddmm,
         "twell_gather.cu": gather,
         "twell_elementwise.cu": elementwise,
+        "twell_stationary.cu": [f"twell_stationary_spmm<{CXX_TYPE[d]}>" for d in VALUE_DTYPES if d.itemsize == 2],
     }
 
 

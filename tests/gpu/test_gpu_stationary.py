@@ -1,0 +1,75 @@
+"""The weight-stationary SpMM (cuda/twell_stationary.cu) against the float64 reference: row parts
+of every size (one row, fewer rows than warps, many rows per group), a partial last slice,
+spill entries, empty rows, a poisoned output, and Inf in a B row no entry uses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import twellsparse as ts
+from twellsparse import _gpu_ops, _stationary
+from twellsparse.testing import rel_error, sparse_activations
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [np.float16, ts.bfloat16]
+
+# (m, n, k, tile_n, capacity, density)
+SHAPES = [
+    (1, 40, 16, 32, None, 0.5),
+    (67, 5632, 2048, 256, None, 0.01),  # the standard down projection's widths
+    (300, 2000, 1048, 32, 2, 0.08),  # heavy spill; K = 65.5 slices: a partial last one
+    (2500, 700, 8, 64, 1, 0.3),  # many entries per row (several 4-entry batches), all spilling
+    (4100, 5632, 64, 256, 32, 0.005),  # more rows per group than warps, four slices: row parts
+]
+
+
+def _problem(cp, rng, m, n, tile_n, capacity, density, dtype):
+    h = sparse_activations(m, n, density, "skewed", dtype, rng)
+    h[m // 2] = 0  # an empty row
+    return h, ts.twell_array(cp.asarray(h), tile_n=tile_n, capacity=capacity)
+
+
+def _bound(dtype, expected):
+    rounded = np.asarray(expected).astype(dtype).astype(np.float64)
+    return 2.0 * rel_error(rounded, expected) + 1e-4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, n, k, tile_n, capacity, density", SHAPES)
+def test_stationary_spmm_matches_float64(cp, rng, dtype, m, n, k, tile_n, capacity, density):
+    h, a = _problem(cp, rng, m, n, tile_n, capacity, density, dtype)
+    b = rng.standard_normal((n, k)).astype(dtype)
+    unused = np.flatnonzero(~h.any(axis=0))
+    if unused.size:  # an unused B row full of Inf: 0 * Inf must never be formed
+        b[unused[0]] = np.inf
+    expected = h.astype(np.float64) @ np.where(np.isinf(b), 0, b).astype(np.float64)
+    b_gpu = cp.asarray(b)
+    assert _stationary.applies(n, b_gpu, cp.empty((m, k), dtype=dtype))
+    out = cp.full((m, k), np.nan, dtype=dtype)  # poisoned: every element must be written
+    _gpu_ops.spmm(a.parts, tile_n, b_gpu, out, path="stationary")
+    got = cp.asnumpy(out).astype(np.float64)
+    assert np.isfinite(got).all()
+    assert rel_error(got, expected) <= _bound(dtype, expected)
+    gathered = _gpu_ops.spmm(a.parts, tile_n, b_gpu, cp.empty_like(out), path="gather")
+    assert rel_error(got, cp.asnumpy(gathered).astype(np.float64)) <= 2 * _bound(dtype, expected)
+
+
+def test_stationary_spmm_writes_a_strided_output(cp, rng):
+    h, a = _problem(cp, rng, 130, 900, 64, 4, 0.05, ts.bfloat16)
+    b = rng.standard_normal((900, 96)).astype(ts.bfloat16)
+    wide = cp.full((130, 128), 7, dtype=ts.bfloat16)
+    _gpu_ops.spmm(a.parts, 64, cp.asarray(b), wide[:, :96], path="stationary")
+    expected = h.astype(np.float64) @ b.astype(np.float64)
+    assert rel_error(wide[:, :96], expected) <= _bound(ts.bfloat16, expected)
+    assert (cp.asnumpy(wide[:, 96:]).astype(np.float64) == 7).all()  # the columns past k untouched
+
+
+def test_stationary_spmm_refuses_what_it_cannot_serve(cp, rng):
+    _, a = _problem(cp, rng, 8, 64, 32, None, 0.1, np.float32)
+    b = cp.asarray(rng.standard_normal((64, 16)).astype(np.float32))
+    with pytest.raises(ValueError, match="path: 'stationary' needs 2-byte values"):
+        _gpu_ops.spmm(a.parts, 32, b, cp.empty((8, 16), dtype=np.float32), path="stationary")
+    too_tall = cp.zeros((20000, 16), dtype=ts.bfloat16)  # 640 KB slice: over any GPU's shared memory
+    assert not _stationary.applies(20000, too_tall, cp.empty((8, 16), dtype=ts.bfloat16))
