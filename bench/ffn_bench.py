@@ -19,7 +19,7 @@ from typing import Any
 import cupy as cp
 
 import twellsparse as ts
-from twellsparse import _gpu_convert, _gpu_ops, _stationary
+from twellsparse import _gpu_ops, _stationary
 from twellsparse._environment import append_records, environment
 from twellsparse._gpu_ops import gemm_nt
 from twellsparse._timing import Timer
@@ -145,22 +145,22 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
     ref_up = _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="portable").data
     ref_gated = gated_plan(x)
     ref_plain_plan = plain_plan(x)
-    csr = _gpu_convert.parts_to_csr(h.parts, h.shape, h.tile_n, bounded=True)
+    packed = _stationary.pack(h.parts, h.tile_n, h.shape[1])
     variants = {
         "spmm_down_portable": (lambda: _gpu_ops.spmm(h.parts, h.tile_n, wd_t, h_out, path="portable"), ref_down),
         "spmm_down_gather_4x4": (
             lambda: _gpu_ops.spmm(h.parts, h.tile_n, wd_t, h_out, path="gather", variant=(4, 4)),
             ref_down,
         ),
-        # The weight-stationary SpMM: with its device-side CSR, the CSR alone, the kernel alone,
-        # and the non-gated plan taking it for its down projection.
+        # The weight-stationary SpMM: with its pack, the pack alone, the kernel alone, and the
+        # non-gated plan taking it for its down projection.
         "spmm_down_stationary": (
             lambda: _gpu_ops.spmm(h.parts, h.tile_n, wd_t, h_out, path="stationary"),
             ref_down,
         ),
-        "stationary_csr": (lambda: _gpu_convert.parts_to_csr(h.parts, h.shape, h.tile_n, bounded=True), None),
+        "stationary_pack": (lambda: _stationary.pack(h.parts, h.tile_n, h.shape[1]), None),
         "spmm_down_stationary_kernel": (
-            lambda: _stationary.csr_spmm(csr[2], csr[1], csr[0], h.shape[1], wd_t, h_out),
+            lambda: _stationary.packed_spmm(*packed, h.shape[1], wd_t, h_out),
             ref_down,
         ),
         "ffn_stationary": (with_setting(_stationary, "PREFERRED", True, lambda: plain_plan(x)), ref_plain_plan),

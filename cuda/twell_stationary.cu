@@ -1,26 +1,33 @@
-// Weight-stationary SpMM: out = A @ B for a sparse A (M x N, CSR) and a dense B (N x K), in the
+// Weight-stationary SpMM: out = A @ B for a sparse A (M x N) and a dense B (N x K), in the
 // 2-byte value types, with fp32 accumulation.
 //
 // Why a second SpMM beside the row gathers of twell_gather.cu: those read one whole B row from
 // L2 for every stored entry of A, so the down projection of the 2B-class FFN (N = 5632,
 // K = 2048) moves 1.9 GB through L2 at 0.5% density to use a 23 MB matrix. Here each block
 // keeps a slice of 16 columns of all of B in shared memory (N x 32 bytes; 180 KB for N = 5632)
-// and streams A's entries past it: B leaves L2 once in total, A's compact entries (6 bytes
-// each) once per slice, and the random row reads land in shared memory.
+// and streams A's entries past it: B leaves L2 once in total, A's entries (4 bytes each) once
+// per slice, and the random row reads land in shared memory.
 //
-// Work split: block (slice, row part). 32 warps; a warp owns a contiguous run of the part's
-// rows, and its 8 groups of 4 lanes take rows g, g + 8, g + 16, ... of that run (static, so
-// the next row's bounds can be read one row ahead). In a group, lane q accumulates output
-// columns 4q .. 4q + 3 of the slice. The group reads four entries at a time (one per lane, the
-// next four already in flight), hands each entry (column << 16 | value bits) to its four
-// lanes with one shuffle, and each lane loads its 8 bytes of that B row from shared memory.
-// Lanes past a row's last entry do nothing, so an Inf or NaN in an unused B row cannot leak.
+// A is first packed (stationary_pack, after a two-launch scan of the row sizes): each row's
+// entries as 32-bit words (column << 16 | value bits), in any order, padded to a multiple of 8
+// with words that point at an extra zero row of the slice (row N) with value 0. So every load
+// is a 16-byte vector, the sums need no branch (their shuffles and shared loads overlap), and an
+// Inf or NaN in a B row no entry uses cannot leak into the output.
+//
+// Work split: block (slice, row part), 32 warps; a warp owns a contiguous run of the part's
+// rows, and its 16 groups of 2 lanes take rows g, g + 16, ... of that run (static, so a row's
+// bounds are read one row ahead). Lane h of a group accumulates output columns 8h .. 8h + 7 of
+// the slice. A group takes 8 words at a time (4 per lane, one 16-byte load, two batches more in
+// flight), hands each word to both lanes with one shuffle, and each lane loads its 16 bytes of
+// that B row from shared memory.
+#include "twell_scan.cuh"
 #include "twell_types.cuh"
 
 namespace twell {
 
 constexpr int STATIONARY_COLS = 16;   // output columns per slice: 32 bytes of each B row
 constexpr int STATIONARY_WARPS = 32;  // one block of 1024 threads per SM (the slice fills it)
+constexpr int STATIONARY_BATCH = 8;   // words per group and step; rows are padded to a multiple
 
 __device__ __forceinline__ void unpack2(unsigned w, bf16, float& lo, float& hi) {
   lo = __uint_as_float(w << 16);
@@ -35,93 +42,185 @@ template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float 
   return (unsigned)from_acc<T>(lo).bits | ((unsigned)from_acc<T>(hi).bits << 16);
 }
 
-// Entry p of A as one word (column << 16 | value bits), or 0 past the row's end (never read).
-template <typename T>
-__device__ __forceinline__ unsigned entry_word(const int* __restrict__ cols, const T* __restrict__ vals,
-                                               int p, int end) {
-  if (p >= end) return 0u;
-  return ((unsigned)__ldg(cols + p) << 16) | (unsigned)vals[p].bits;
+// A row's packed length: its entries (slots and spill), rounded up to the batch.
+struct PackedRowSize {
+  const int* counts;
+  const int* spill_indptr;
+  int n_tiles;
+  __device__ long long operator()(long long row) const {
+    int n = spill_indptr[row + 1] - spill_indptr[row];
+    for (int t = 0; t < n_tiles; ++t) n += counts[row * n_tiles + t];
+    return (n + STATIONARY_BATCH - 1) / STATIONARY_BATCH * STATIONARY_BATCH;
+  }
+};
+
+// One group's batch: lane h's four words as loaded, the row, and whether the batch ends it.
+struct Batch {
+  uint4 words;
+  int row;
+  bool last;
+};
+
+// Where a group's next batch starts: its row, the batch's first word, the row's end, and the
+// bounds of the group's following row (read one row ahead).
+struct Cursor {
+  int row, p, end, next_p, next_end;
+};
+
+__device__ __forceinline__ Batch next_batch(Cursor& c, const int* __restrict__ indptr,
+                                            const uint4* __restrict__ words, unsigned zero_word,
+                                            int h, int run_hi) {
+  Batch b;
+  // An empty row (or a group past its run) still takes one batch: all zero words.
+  b.words = c.p < c.end ? __ldg(words + (c.p >> 2) + h)
+                        : make_uint4(zero_word, zero_word, zero_word, zero_word);
+  b.row = c.row;
+  b.last = c.end - c.p <= STATIONARY_BATCH;
+  if (b.last) {
+    c.row += 16;
+    c.p = c.next_p;
+    c.end = c.next_end;
+    c.next_p = c.next_end = 0;
+    if (c.row + 16 < run_hi) {
+      c.next_p = indptr[c.row + 16];
+      c.next_end = indptr[c.row + 17];
+    }
+  } else {
+    c.p += STATIONARY_BATCH;
+  }
+  return b;
 }
 
 }  // namespace twell
 
+// Launch 1 of the row-size scan (cuda/twell_scan.cuh): each chunk's total packed length.
+__global__ void __launch_bounds__(twell::SCAN_THREADS) stationary_row_sums(
+    const int* __restrict__ counts, const int* __restrict__ spill_indptr, int n_tiles, long long M,
+    long long* __restrict__ chunk_sums) {
+  const long long s = twell::chunk_sum(blockIdx.x, M, twell::PackedRowSize{counts, spill_indptr, n_tiles});
+  if (threadIdx.x == 0) chunk_sums[blockIdx.x] = s;
+}
+
+// Launch 2: the packed rows' pointers.
+__global__ void __launch_bounds__(twell::SCAN_THREADS) stationary_row_place(
+    const int* __restrict__ counts, const int* __restrict__ spill_indptr, int n_tiles, long long M,
+    const long long* __restrict__ chunk_sums, int* __restrict__ indptr) {
+  using namespace twell;
+  const long long base = sum_before(chunk_sums, blockIdx.x);
+  chunk_scan(blockIdx.x, M, base, PackedRowSize{counts, spill_indptr, n_tiles},
+             [&](long long i, long long, long long end) { indptr[i + 1] = (int)end; });
+  if (threadIdx.x == 0 && blockIdx.x == 0) indptr[0] = 0;
+}
+
+// Pack A's rows as words at the scanned pointers; one warp per row.
+template <typename T>
+__global__ void __launch_bounds__(256) stationary_pack(
+    const T* __restrict__ data, const short* __restrict__ indices, const int* __restrict__ counts,
+    const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
+    const T* __restrict__ spill_vals, int M, int n_tiles, int tile_n, int capacity, int N,
+    const int* __restrict__ indptr, unsigned* __restrict__ words) {
+  const int row = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= M) return;
+  int pos = indptr[row];
+  for (int t0 = 0; t0 < n_tiles; t0 += 32) {
+    const int t = t0 + lane;
+    const long long rt = (long long)row * n_tiles + t;
+    const int n = t < n_tiles ? counts[rt] : 0;
+    int incl = n;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int up = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += up;
+    }
+    for (int s = 0; s < n; ++s) {
+      const long long slot = rt * capacity + s;
+      words[pos + incl - n + s] = ((unsigned)(t * tile_n + indices[slot]) << 16) | data[slot].bits;
+    }
+    pos += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  const int s0 = spill_indptr[row], s1 = spill_indptr[row + 1];
+  for (int i = s0 + lane; i < s1; i += 32) words[pos + i - s0] = ((unsigned)spill_cols[i] << 16) | spill_vals[i].bits;
+  pos += s1 - s0;
+  for (int i = pos + lane; i < indptr[row + 1]; i += 32) words[i] = (unsigned)N << 16;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(twell::STATIONARY_WARPS * 32, 1) twell_stationary_spmm(
-    const int* __restrict__ indptr, const int* __restrict__ cols, const T* __restrict__ vals, int M,
-    int N, const T* __restrict__ b, long long ldb, int K, T* __restrict__ out, long long ldo,
+    const int* __restrict__ indptr, const uint4* __restrict__ words, int M, int N,
+    const T* __restrict__ b, long long ldb, int K, T* __restrict__ out, long long ldo,
     int rows_per_part) {
   using namespace twell;
-  extern __shared__ uint4 slice[];  // B[:, c0 : c0 + 16]: row j at slice[2j], slice[2j + 1]
+  // B[:, c0 : c0 + 16]: row j at slice[2j], slice[2j + 1]; row N is zeros (padding words).
+  extern __shared__ uint4 slice[];
   const int c0 = blockIdx.x * STATIONARY_COLS;
-  for (int i = threadIdx.x; i < 2 * N; i += blockDim.x) {
+  for (int i = threadIdx.x; i < 2 * (N + 1); i += blockDim.x) {
     const int col = c0 + 8 * (i & 1);  // K is a multiple of 8: a half is all in or all out
-    slice[i] = col < K ? __ldg(reinterpret_cast<const uint4*>(b + (i >> 1) * ldb + col))
-                       : make_uint4(0u, 0u, 0u, 0u);
+    slice[i] = (col < K && (i >> 1) < N)
+                   ? __ldg(reinterpret_cast<const uint4*>(b + (i >> 1) * ldb + col))
+                   : make_uint4(0u, 0u, 0u, 0u);
   }
   __syncthreads();
 
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = lane & 3;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, h = lane & 1;
   const int part_lo = blockIdx.y * rows_per_part;
   const int part_hi = min(M, part_lo + rows_per_part);
   const int per_warp = (part_hi - part_lo + STATIONARY_WARPS - 1) / STATIONARY_WARPS;
   const int run_lo = part_lo + warp * per_warp, run_hi = min(part_hi, run_lo + per_warp);
-  const bool writes = c0 + 4 * q < K;
-  const char* lane_slice = reinterpret_cast<const char*>(slice) + 8 * q;
+  const bool writes = c0 + 8 * h < K;
+  const char* lane_slice = reinterpret_cast<const char*>(slice) + 16 * h;
+  const unsigned zero_word = (unsigned)N << 16;
 
-  int row = run_lo + (lane >> 2);
-  int p = 0, end = 0;
-  if (row < run_hi) {
-    p = indptr[row];
-    end = indptr[row + 1];
+  Cursor c{run_lo + (lane >> 1), 0, 0, 0, 0};
+  if (c.row < run_hi) {
+    c.p = indptr[c.row];
+    c.end = indptr[c.row + 1];
   }
-  int next_p = 0, next_end = 0;  // the group's next row, read one row ahead
-  if (row + 8 < run_hi) {
-    next_p = indptr[row + 8];
-    next_end = indptr[row + 9];
+  if (c.row + 16 < run_hi) {
+    c.next_p = indptr[c.row + 16];
+    c.next_end = indptr[c.row + 17];
   }
-  unsigned word = entry_word(cols, vals, p + q, end);
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  Batch b0 = next_batch(c, indptr, words, zero_word, h, run_hi);
+  Batch b1 = next_batch(c, indptr, words, zero_word, h, run_hi);
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 
-  while (__any_sync(0xffffffffu, row < run_hi)) {
-    const int here = end - p;  // entries left in this row (<= 0 once the group is done)
-    const bool row_done = here <= 4;
-    const int p2 = row_done ? next_p : p + 4;
-    const int end2 = row_done ? next_end : end;
-    const unsigned word2 = entry_word(cols, vals, p2 + q, end2);  // in flight during the sums
+  while (__any_sync(0xffffffffu, b0.row < run_hi)) {
+    const Batch b2 = next_batch(c, indptr, words, zero_word, h, run_hi);
+    const unsigned mine[4] = {b0.words.x, b0.words.y, b0.words.z, b0.words.w};
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      const unsigned w = __shfl_sync(0xffffffffu, word, (lane & ~3) | s);
-      if (s < here) {
-        const uint2 bv = *reinterpret_cast<const uint2*>(lane_slice + (w >> 16) * 32);
-        const float a = to_acc(T{(unsigned short)(w & 0xffffu)});
-        float b0, b1, b2, b3;
-        unpack2(bv.x, T{}, b0, b1);
-        unpack2(bv.y, T{}, b2, b3);
-        acc[0] = fmaf(a, b0, acc[0]);
-        acc[1] = fmaf(a, b1, acc[1]);
-        acc[2] = fmaf(a, b2, acc[2]);
-        acc[3] = fmaf(a, b3, acc[3]);
+    for (int half = 0; half < 2; ++half) {
+      unsigned w[4];
+      uint4 bv[4];
+#pragma unroll
+      for (int s = 0; s < 4; ++s) w[s] = __shfl_sync(0xffffffffu, mine[s], (lane & ~1) | half);
+#pragma unroll
+      for (int s = 0; s < 4; ++s) bv[s] = *reinterpret_cast<const uint4*>(lane_slice + (w[s] >> 16) * 32);
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const float a = to_acc(T{(unsigned short)(w[s] & 0xffffu)});
+        const unsigned parts[4] = {bv[s].x, bv[s].y, bv[s].z, bv[s].w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          float lo, hi;
+          unpack2(parts[k], T{}, lo, hi);
+          acc[2 * k] = fmaf(a, lo, acc[2 * k]);
+          acc[2 * k + 1] = fmaf(a, hi, acc[2 * k + 1]);
+        }
       }
     }
-    if (row_done) {
-      if (row < run_hi && writes) {
-        uint2 o;
+    if (b0.last) {
+      if (b0.row < run_hi && writes) {
+        uint4 o;
         o.x = pack2<T>(acc[0], acc[1]);
         o.y = pack2<T>(acc[2], acc[3]);
-        *reinterpret_cast<uint2*>(out + row * ldo + c0 + 4 * q) = o;
+        o.z = pack2<T>(acc[4], acc[5]);
+        o.w = pack2<T>(acc[6], acc[7]);
+        *reinterpret_cast<uint4*>(out + b0.row * ldo + c0 + 8 * h) = o;
       }
-      acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
-      row += 8;
-      p = next_p;
-      end = next_end;
-      next_p = next_end = 0;
-      if (row + 8 < run_hi) {
-        next_p = indptr[row + 8];
-        next_end = indptr[row + 9];
-      }
-    } else {
-      p += 4;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) acc[k] = 0.f;
     }
-    word = word2;
+    b0 = b1;
+    b1 = b2;
   }
 }

@@ -103,8 +103,8 @@ for step in $what; do
       ;;&
     stationary)
       # The weight-stationary SpMM (cuda/twell_stationary.cu): its tests, the plan and training
-      # tests with it as matmul's default (TWELL_STATIONARY=1), the down projection's stage times,
-      # the FFN benchmark (its variants beside the row gathers) and the training step with it.
+      # tests with it as matmul's default (TWELL_STATIONARY=1), the down projection's stage times
+      # and the FFN benchmark (its variants beside the row gathers).
       timeout 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_gpu_stationary.py 2>&1 \
         | tee -a "$OUT/stationary.log" | tail -15
       status=$((status | ${PIPESTATUS[0]}))
@@ -118,10 +118,6 @@ for step in $what; do
       done
       timeout 400 python3 bench/ffn_bench.py --densities 0.005,0.01,0.02 --out "$OUT/ffn_bench.jsonl" 2>&1 \
         | tee -a "$OUT/stationary.log"
-      for s in 0 1; do
-        TWELL_STATIONARY=$s timeout 200 python3 bench/train_step.py --densities 0.005,0.01 --out "$OUT/train_step.jsonl" 2>&1 \
-          | grep -v Warning | sed "s/^/stationary=$s  /" | tee -a "$OUT/stationary.log"
-      done
       ;;&
     sanitize|all)
       bash scripts/sanitize.sh 2>&1 | tee "$OUT/sanitize.log" | tail -30

@@ -38,7 +38,7 @@ def row_stride(x: Any) -> tuple[Any, int]:
     return x, max(x.strides[0] // item, x.shape[1], 1)
 
 
-def _two_launch_scan(n: int, sums: str, sums_args: tuple, place: str, place_head: tuple, place_tail: tuple) -> None:
+def two_launch_scan(n: int, sums: str, sums_args: tuple, place: str, place_head: tuple, place_tail: tuple) -> None:
     """A device scan over ``n > 0`` elements (cuda/twell_scan.cuh): kernel ``sums`` gets
     ``(*sums_args, chunk_sums)``, then kernel ``place`` gets ``(*place_head, chunk_sums,
     *place_tail)``, one block per chunk of ``K.SCAN_CHUNK`` elements each."""
@@ -68,7 +68,7 @@ def spill_layout(row_tile_nnz: Any, capacity: int, spill_capacity: int) -> tuple
     geometry = (np.int32(m), np.int32(nt), np.int32(capacity), np.int64(spill_capacity))
     outputs = (offsets, indptr, pass_counts, left_out)
     sums_args = (row_tile_nnz, np.int64(n), np.int32(capacity))
-    _two_launch_scan(n, "spill_layout_sums", sums_args, "spill_layout_place", (row_tile_nnz, *geometry), outputs)
+    two_launch_scan(n, "spill_layout_sums", sums_args, "spill_layout_place", (row_tile_nnz, *geometry), outputs)
     return offsets, indptr, pass_counts, left_out
 
 
@@ -419,7 +419,7 @@ def transposed_pattern(parts: TwELLParts, tile_n: int, n_cols: int) -> Transpose
         indptr = cp.empty(n_cols + 1, dtype=cp.int32)
         words = (bits, np.int64(bits.size))
         head = (*words, np.int32(n_blocks), np.int32(n_cols))
-        _two_launch_scan(bits.size, "twell_transpose_sums", words, "twell_transpose_first", head, (first, indptr))
+        two_launch_scan(bits.size, "twell_transpose_sums", words, "twell_transpose_first", head, (first, indptr))
     else:
         indptr = cp.zeros(n_cols + 1, dtype=cp.int32)
     rows = cp.empty(room, dtype=cp.int32)

@@ -112,7 +112,7 @@ def spmm(
         from . import _stationary
 
         if _stationary.applies(b.shape[0], b, out):
-            return _stationary.spmm(parts, (m, b.shape[0]), tile_n, b, out)
+            return _stationary.spmm(parts, tile_n, b, out)
         if path == "stationary":
             raise ValueError(
                 "path: 'stationary' needs 2-byte values, 16-byte-aligned rows and a 16-column slice of b "

@@ -142,7 +142,13 @@ def _instantiations() -> dict[str, list[str]]:
         "twell_sddmm.cu": sddmm,
         "twell_gather.cu": gather,
         "twell_elementwise.cu": elementwise,
-        "twell_stationary.cu": [f"twell_stationary_spmm<{CXX_TYPE[d]}>" for d in VALUE_DTYPES if d.itemsize == 2],
+        "twell_stationary.cu": [
+            f"{kernel}<{CXX_TYPE[d]}>"
+            for d in VALUE_DTYPES
+            if d.itemsize == 2
+            for kernel in ("stationary_pack", "twell_stationary_spmm")
+        ]
+        + ["stationary_row_sums", "stationary_row_place"],
     }
 
 

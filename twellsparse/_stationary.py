@@ -1,9 +1,11 @@
 """The weight-stationary SpMM (``cuda/twell_stationary.cu``): ``out = A @ B`` with a 16-column
 slice of all of B held in one block's shared memory while A's entries stream past it.
 
-It serves 2-byte value types when a slice of B fits in shared memory (``N * 32`` bytes) and
-every column index fits 16 bits; :func:`applies` says whether it does. A TwELL matrix is first
-compacted to CSR on the device (no host read), since every slice reads all of A's entries.
+It serves 2-byte value types when a slice of B and one zero row fit in shared memory
+(``(N + 1) * 32`` bytes) and every column index, the zero row's N included, fits 16 bits;
+:func:`applies` says whether it does. A TwELL matrix is first packed on the device (no host
+read, so it runs inside a CUDA-graph capture): each row's entries as 32-bit words, padded to a
+multiple of :data:`BATCH`.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from typing import Any
 import numpy as np
 
 from . import _kernels as K
-from ._gpu_convert import parts_to_csr, row_stride
+from ._gpu_convert import row_stride, two_launch_scan
 from ._gpu_ops import rows_aligned
 from ._parts import TwELLParts
 
-#: Output columns per block (STATIONARY_COLS in the kernel) and bytes of each B row it holds.
+#: Output columns per block (STATIONARY_COLS in the kernel).
 SLICE_COLS = 16
+#: Words per group and step (STATIONARY_BATCH): each packed row is padded to a multiple.
+BATCH = 8
 #: Threads per block (STATIONARY_WARPS warps of 32).
 THREADS = 1024
 #: Whether ``matmul`` takes this kernel where it applies (``TWELL_STATIONARY=1``); off until it
@@ -40,13 +44,14 @@ def _shared_limit(device_id: int) -> int:
 
 
 def slice_bytes(n: int, itemsize: int) -> int:
-    """Shared memory one block needs: a ``SLICE_COLS``-wide slice of every one of B's ``n`` rows."""
-    return n * SLICE_COLS * itemsize
+    """Shared memory one block needs: a ``SLICE_COLS``-wide slice of every one of B's ``n`` rows
+    and one zero row (what padding words read)."""
+    return (n + 1) * SLICE_COLS * itemsize
 
 
 def applies(n: int, b: Any, out: Any) -> bool:
     """Whether the stationary kernel serves ``(M x n) @ b -> out`` on the current device."""
-    if b.dtype.itemsize != 2 or out.dtype != b.dtype or n >= 1 << 16:
+    if b.dtype.itemsize != 2 or out.dtype != b.dtype or n >= (1 << 16) - 1:
         return False
     _, ldb = row_stride(b)
     ldo = max(out.strides[0] // out.itemsize, out.shape[1], 1)
@@ -55,9 +60,30 @@ def applies(n: int, b: Any, out: Any) -> bool:
     return slice_bytes(n, 2) <= _shared_limit(_cp().cuda.Device().id)
 
 
-def csr_spmm(indptr: Any, cols: Any, vals: Any, n: int, b: Any, out: Any) -> Any:
-    """``out = A @ b`` for a CSR ``A`` (``indptr`` int32, ``cols`` int32, ``vals`` of b's dtype;
-    ``n`` columns); the caller has checked :func:`applies`."""
+def pack(parts: TwELLParts, tile_n: int, n: int) -> tuple[Any, Any]:
+    """A's rows as packed words (column << 16 | value bits), each row padded to a multiple of
+    :data:`BATCH` with words of the zero row ``n``: (int32 row pointers, uint32 words). The
+    words array has room for every slot and spill entry and the padding; the first
+    ``indptr[-1]`` are written."""
+    cp = _cp()
+    m, nt, cap = parts.data.shape
+    indptr = cp.empty(m + 1, dtype=cp.int32)
+    words = cp.empty(m * nt * cap + int(parts.spill_data.size) + m * (BATCH - 1), dtype=cp.uint32)
+    if m == 0:
+        indptr[0] = 0
+        return indptr, words
+    head = (parts.counts, parts.spill_indptr, np.int32(nt), np.int64(m))
+    two_launch_scan(m, "stationary_row_sums", head, "stationary_row_place", head, (indptr,))
+    t = K.CXX_TYPE[parts.data.dtype]
+    args = (parts.data, parts.indices, parts.counts, parts.spill_indptr, parts.spill_indices, parts.spill_data)
+    geometry = (np.int32(m), np.int32(nt), np.int32(tile_n), np.int32(cap), np.int32(n))
+    K.launch(f"stationary_pack<{t}>", 32 * m, 256, (*args, *geometry, indptr, words))
+    return indptr, words
+
+
+def packed_spmm(indptr: Any, words: Any, n: int, b: Any, out: Any) -> Any:
+    """``out = A @ b`` for A packed by :func:`pack` (``n`` columns); the caller has checked
+    :func:`applies`."""
     m = indptr.shape[0] - 1
     b, ldb = row_stride(b)
     k = b.shape[1]
@@ -67,12 +93,14 @@ def csr_spmm(indptr: Any, cols: Any, vals: Any, n: int, b: Any, out: Any) -> Any
     parts = max(1, min(K.sm_count() // slices, -(-m // THREADS)))
     rows_per_part = -(-m // parts)
     expr = f"twell_stationary_spmm<{K.CXX_TYPE[b.dtype]}>"
-    args = (indptr, cols, vals, np.int32(m), np.int32(n), b, np.int64(ldb), np.int32(k), out, np.int64(ldo))
+    args = (indptr, words, np.int32(m), np.int32(n), b, np.int64(ldb), np.int32(k), out, np.int64(ldo))
     K.launch_grid(expr, (slices, parts), (THREADS,), (*args, np.int32(rows_per_part)), slice_bytes(n, b.itemsize))
     return out
 
 
-def spmm(parts: TwELLParts, shape: tuple[int, int], tile_n: int, b: Any, out: Any) -> Any:
-    """``out = A @ b`` for a TwELL ``A`` of ``shape``: device-side CSR, then :func:`csr_spmm`."""
-    vals, cols, indptr = parts_to_csr(parts, shape, tile_n, bounded=True)
-    return csr_spmm(indptr, cols, vals, shape[1], b, out)
+def spmm(parts: TwELLParts, tile_n: int, b: Any, out: Any) -> Any:
+    """``out = A @ b`` for a TwELL ``A`` with ``b.shape[0]`` columns: :func:`pack`, then
+    :func:`packed_spmm`."""
+    n = b.shape[0]
+    indptr, words = pack(parts, tile_n, n)
+    return packed_spmm(indptr, words, n, b, out)
