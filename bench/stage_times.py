@@ -30,7 +30,7 @@ def stages(density: float, m: int, pattern: str) -> dict[str, Any]:
     import cupy as cp
 
     import twellsparse as ts
-    from twellsparse import _gpu_convert, _gpu_ops, _gpu_producer, _hopper_producer
+    from twellsparse import _gpu_convert, _gpu_ops, _gpu_producer, _hopper_producer, _stationary
     from twellsparse._ops import gated_product, matmul, matmul_sum, product_values, sddmm, transposed_products
     from twellsparse._reference import fixed_spill_layout
 
@@ -66,7 +66,13 @@ def stages(density: float, m: int, pattern: str) -> dict[str, Any]:
         "linear_to_twell, cuBLASLt producer": lambda: _without_fused_producer(lambda: ts.linear_to_twell(x, wg)),
         "gated consumer": lambda: _gpu_ops.gated_consumer(g.parts, g.tile_n, x, wu, wd_t),
         "down spmm": lambda: matmul(g, wd_t),
-        "down spmm, stationary": lambda: _gpu_ops.spmm(g.parts, g.tile_n, wd_t, down_out, path="stationary"),
+        **{
+            f"down spmm, stationary {engine}": (
+                lambda engine=engine: _stationary.spmm(g.parts, g.tile_n, wd_t, down_out, engine)
+            )
+            for engine in _stationary.ENGINES
+        },
+        "stationary pack": lambda: _stationary.pack(g.parts, g.tile_n, g.shape[1]),
         **{f"plan {name}": (lambda plan=plan: plan(x)) for name, plan in plans.items()},
         "bwd sddmm": lambda: sddmm(go, wd_t, g),
         "bwd value products": lambda: (product_values(g, u), product_values(d_h, u), product_values(d_h, g)),

@@ -102,21 +102,17 @@ for step in $what; do
         python3 bench/kernel_probe.py --path ${TWELL_PROBE_PATH:-gather} > "$OUT/probe_source.csv" 2>&1
       ;;&
     stationary)
-      # The weight-stationary SpMM (cuda/twell_stationary.cu): its tests, the plan and training
-      # tests with it as matmul's default (TWELL_STATIONARY=1), the down projection's stage times
-      # and the FFN benchmark (its variants beside the row gathers).
+      # The weight-stationary SpMM (cuda/twell_stationary.cu): its tests (every engine), the
+      # down projection's stage times (each engine with its pack, and the pack alone), and the
+      # FFN benchmark (the kernels alone beside the row gathers, and the plan taking it).
       timeout 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_gpu_stationary.py 2>&1 \
         | tee -a "$OUT/stationary.log" | tail -15
       status=$((status | ${PIPESTATUS[0]}))
-      TWELL_STATIONARY=1 timeout 300 python3 -m pytest -m gpu -q --maxfail=10 -p no:cacheprovider \
-        tests/gpu/test_gpu_ops.py tests/gpu/test_gpu_fixed_spill.py tests/gpu/test_gpu_torch.py 2>&1 \
-        | tee -a "$OUT/stationary.log" | tail -15
-      status=$((status | ${PIPESTATUS[0]}))
       for d in 0.005 0.01; do
-        timeout 200 python3 bench/stage_times.py --density $d --only "down spmm" --out "$OUT/stages.jsonl" 2>&1 \
+        timeout 200 python3 bench/stage_times.py --density $d --only "down spmm,stationary" --out "$OUT/stages.jsonl" 2>&1 \
           | tee -a "$OUT/stationary.log"
       done
-      timeout 400 python3 bench/ffn_bench.py --densities 0.005,0.01,0.02 --out "$OUT/ffn_bench.jsonl" 2>&1 \
+      timeout 300 python3 bench/ffn_bench.py --densities 0.005,0.01,0.02 --patterns uniform --out "$OUT/ffn_bench.jsonl" 2>&1 \
         | tee -a "$OUT/stationary.log"
       ;;&
     sanitize|all)

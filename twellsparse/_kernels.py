@@ -143,12 +143,17 @@ def _instantiations() -> dict[str, list[str]]:
         "twell_gather.cu": gather,
         "twell_elementwise.cu": elementwise,
         "twell_stationary.cu": [
-            f"{kernel}<{CXX_TYPE[d]}>"
+            f"{kernel}<{CXX_TYPE[d]}{extra}>"
             for d in VALUE_DTYPES
             if d.itemsize == 2
-            for kernel in ("stationary_pack", "twell_stationary_spmm")
+            for kernel, extra in (
+                ("stationary_pack", ""),
+                ("twell_stationary_spmm", ""),
+                ("twell_stationary_spmm_mma", ", 16"),
+                ("twell_stationary_spmm_mma", ", 32"),
+            )
         ]
-        + ["stationary_row_sums", "stationary_row_place"],
+        + ["stationary_row_sizes", "stationary_row_sums", "stationary_row_place"],
     }
 
 

@@ -1,6 +1,7 @@
-"""The weight-stationary SpMM (cuda/twell_stationary.cu) against the float64 reference: row parts
-of every size (one row, fewer rows than warps, many rows per group), a partial last slice,
-spill entries, empty rows, a poisoned output, and Inf in a B row no entry uses."""
+"""The weight-stationary SpMM (cuda/twell_stationary.cu), every engine, against the float64
+reference: row parts of every size (one row, fewer rows than warps, many rows per group), a
+partial last slice, spill entries, empty rows, a poisoned output, and Inf in a B row no entry
+uses; and the packed layout against the reference's entries."""
 
 from __future__ import annotations
 
@@ -36,9 +37,10 @@ def _bound(dtype, expected):
     return 2.0 * rel_error(rounded, expected) + 1e-4
 
 
+@pytest.mark.parametrize("engine", list(_stationary.ENGINES))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m, n, k, tile_n, capacity, density", SHAPES)
-def test_stationary_spmm_matches_float64(cp, rng, dtype, m, n, k, tile_n, capacity, density):
+def test_stationary_spmm_matches_float64(cp, rng, engine, dtype, m, n, k, tile_n, capacity, density):
     h, a = _problem(cp, rng, m, n, tile_n, capacity, density, dtype)
     b = rng.standard_normal((n, k)).astype(dtype)
     unused = np.flatnonzero(~h.any(axis=0))
@@ -48,7 +50,7 @@ def test_stationary_spmm_matches_float64(cp, rng, dtype, m, n, k, tile_n, capaci
     b_gpu = cp.asarray(b)
     assert _stationary.applies(n, b_gpu, cp.empty((m, k), dtype=dtype))
     out = cp.full((m, k), np.nan, dtype=dtype)  # poisoned: every element must be written
-    _gpu_ops.spmm(a.parts, tile_n, b_gpu, out, path="stationary")
+    _stationary.spmm(a.parts, tile_n, b_gpu, out, engine)
     got = cp.asnumpy(out).astype(np.float64)
     assert np.isfinite(got).all()
     assert rel_error(got, expected) <= _bound(dtype, expected)
@@ -73,3 +75,19 @@ def test_stationary_spmm_refuses_what_it_cannot_serve(cp, rng):
         _gpu_ops.spmm(a.parts, 32, b, cp.empty((8, 16), dtype=np.float32), path="stationary")
     too_tall = cp.zeros((20000, 16), dtype=ts.bfloat16)  # 640 KB slice: over any GPU's shared memory
     assert not _stationary.applies(20000, too_tall, cp.empty((8, 16), dtype=ts.bfloat16))
+
+
+def test_pack_holds_every_entry_once_and_pads_with_the_zero_row(cp, rng):
+    h, a = _problem(cp, rng, 300, 2000, 32, 2, 0.08, ts.bfloat16)  # heavy spill
+    indptr, words = _stationary.pack(a.parts, 32, 2000)
+    indptr, words = cp.asnumpy(indptr), cp.asnumpy(words)
+    for row in (0, 1, 150, 299):
+        got = words[indptr[row] : indptr[row + 1]]
+        assert got.size % _stationary.BATCH == 0
+        cols, bits = got >> 16, (got & 0xFFFF).astype(np.uint16)
+        real = cols != 2000
+        want_cols = np.flatnonzero(h[row])
+        assert sorted(cols[real].tolist()) == want_cols.tolist()
+        assert (bits[~real] == 0).all() and got.size - real.sum() < _stationary.BATCH
+        vals = bits[real].view(ts.bfloat16)[np.argsort(cols[real])]
+        assert (vals == h[row, want_cols]).all()
