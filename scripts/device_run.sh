@@ -114,6 +114,12 @@ for step in $what; do
       done
       timeout 300 python3 bench/ffn_bench.py --densities 0.005,0.01,0.02 --patterns uniform --out "$OUT/ffn_bench.jsonl" 2>&1 \
         | tee -a "$OUT/stationary.log"
+      # memcheck and racecheck on the stationary kernels alone (the smoke's calls of them).
+      for tool in memcheck racecheck; do
+        timeout 120 compute-sanitizer --tool $tool --kernel-name-regex kns=stationary --error-exitcode 3 \
+          python3 scripts/sanitize_smoke.py 2>&1 | tail -4 | sed "s/^/$tool  /" | tee -a "$OUT/stationary.log"
+        status=$((status | ${PIPESTATUS[0]}))
+      done
       ;;&
     sanitize|all)
       bash scripts/sanitize.sh 2>&1 | tee "$OUT/sanitize.log" | tail -30
