@@ -116,7 +116,7 @@ for step in $what; do
         | tee -a "$OUT/stationary.log"
       # memcheck and racecheck on the stationary kernels alone (the smoke's calls of them).
       for tool in memcheck racecheck; do
-        timeout 120 compute-sanitizer --tool $tool --kernel-name-regex kns=stationary --error-exitcode 3 \
+        timeout 120 compute-sanitizer --tool $tool --kernel-name kns=stationary --error-exitcode 3 \
           python3 scripts/sanitize_smoke.py 2>&1 | tail -4 | sed "s/^/$tool  /" | tee -a "$OUT/stationary.log"
         status=$((status | ${PIPESTATUS[0]}))
       done
