@@ -159,13 +159,10 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
             ref_down,
         ),
         "stationary_pack": (lambda: _stationary.pack(h.parts, h.tile_n, h.shape[1]), None),
-        **{
-            f"spmm_down_stationary_kernel{'' if engine == 'fma' else '_' + engine}": (
-                lambda engine=engine: _stationary.packed_spmm(*packed, h.shape[1], wd_t, h_out, engine),
-                ref_down,
-            )
-            for engine in _stationary.ENGINES
-        },
+        "spmm_down_stationary_kernel": (
+            lambda: _stationary.packed_spmm(*packed, h.shape[1], wd_t, h_out),
+            ref_down,
+        ),
         "ffn_stationary": (with_setting(_stationary, "PREFERRED", True, lambda: plain_plan(x)), ref_plain_plan),
         "gated_consumer": (lambda: _gpu_ops.gated_consumer(h.parts, h.tile_n, x, wu, wd_t)[0], ref_gated),
         "gated_consumer_8x2": (

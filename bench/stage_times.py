@@ -66,12 +66,7 @@ def stages(density: float, m: int, pattern: str) -> dict[str, Any]:
         "linear_to_twell, cuBLASLt producer": lambda: _without_fused_producer(lambda: ts.linear_to_twell(x, wg)),
         "gated consumer": lambda: _gpu_ops.gated_consumer(g.parts, g.tile_n, x, wu, wd_t),
         "down spmm": lambda: matmul(g, wd_t),
-        **{
-            f"down spmm, stationary {engine}": (
-                lambda engine=engine: _stationary.spmm(g.parts, g.tile_n, wd_t, down_out, engine)
-            )
-            for engine in _stationary.ENGINES
-        },
+        "down spmm, stationary": lambda: _stationary.spmm(g.parts, g.tile_n, wd_t, down_out),
         "stationary pack": lambda: _stationary.pack(g.parts, g.tile_n, g.shape[1]),
         **{f"plan {name}": (lambda plan=plan: plan(x)) for name, plan in plans.items()},
         "bwd sddmm": lambda: sddmm(go, wd_t, g),

@@ -26,7 +26,7 @@
 namespace twell {
 
 constexpr int STATIONARY_COLS = 16;   // output columns per slice: 32 bytes of each B row
-constexpr int STATIONARY_WARPS = 32;  // warps of the FMA kernel: one block per SM (the slice fills it)
+constexpr int STATIONARY_WARPS = 32;  // one block of 1024 threads per SM (the slice fills it)
 constexpr int STATIONARY_BATCH = 8;   // words per group and step; rows are padded to a multiple
 
 __device__ __forceinline__ void unpack2(unsigned w, bf16, float& lo, float& hi) {
@@ -56,11 +56,10 @@ struct ReadSize {
   __device__ long long operator()(long long i) const { return sizes[i]; }
 };
 
-// One group's batch: the VECS 16-byte vectors of words this lane loaded, the row, and whether
-// the batch ends it.
-template <int VECS>
+// One group's batch: the 16-byte vector of words this lane loaded, the row, and whether the
+// batch ends it.
 struct Batch {
-  uint4 words[VECS];
+  uint4 words;
   int row;
   bool last;
 };
@@ -71,19 +70,15 @@ struct Cursor {
   int row, p, end, next_p, next_end;
 };
 
-// The group's next batch (this lane's VECS vectors from vector `first` of it), and the cursor
-// moved past it; groups step 16 rows at a time.
-template <int VECS>
-__device__ __forceinline__ Batch<VECS> next_batch(Cursor& c, const int* __restrict__ indptr,
-                                                  const uint4* __restrict__ words,
-                                                  unsigned zero_word, int first, int run_hi) {
-  Batch<VECS> b;
-#pragma unroll
-  for (int v = 0; v < VECS; ++v) {
-    // An empty row (or a group past its run) still takes one batch: all zero words.
-    b.words[v] = c.p < c.end ? __ldg(words + (c.p >> 2) + first + v)
-                             : make_uint4(zero_word, zero_word, zero_word, zero_word);
-  }
+// The group's next batch (this lane's vector, number h of the batch), and the cursor moved
+// past it; groups step 16 rows at a time.
+__device__ __forceinline__ Batch next_batch(Cursor& c, const int* __restrict__ indptr,
+                                            const uint4* __restrict__ words, unsigned zero_word,
+                                            int h, int run_hi) {
+  Batch b;
+  // An empty row (or a group past its run) still takes one batch: all zero words.
+  b.words = c.p < c.end ? __ldg(words + (c.p >> 2) + h)
+                        : make_uint4(zero_word, zero_word, zero_word, zero_word);
   b.row = c.row;
   b.last = c.end - c.p <= STATIONARY_BATCH;
   if (b.last) {
@@ -115,17 +110,15 @@ __device__ __forceinline__ Cursor first_cursor(const int* __restrict__ indptr, i
   return c;
 }
 
-// B[:, c0 : c0 + 16] into shared memory, row j's two 16-byte halves at slice[2j + (half ^ s)]
-// with s = (j >> 2) & 1 when SWIZZLE (spreads the 8-row reads of ldmatrix over all banks), row
-// N zeros. K is a multiple of 8: a half is all in or all out.
-template <bool SWIZZLE, typename T>
+// B[:, c0 : c0 + 16] into shared memory, row j's two 16-byte halves at slice[2j], slice[2j + 1],
+// row N zeros. K is a multiple of 8: a half is all in or all out.
+template <typename T>
 __device__ __forceinline__ void stage_slice(uint4* slice, const T* __restrict__ b, long long ldb,
                                             int N, int K, int c0) {
   for (int i = threadIdx.x; i < 2 * (N + 1); i += blockDim.x) {
     const int row = i >> 1, half = i & 1;
     const int col = c0 + 8 * half;
-    const int at = 2 * row + (SWIZZLE ? half ^ ((row >> 2) & 1) : half);
-    slice[at] = (col < K && row < N) ? __ldg(reinterpret_cast<const uint4*>(b + row * ldb + col))
+    slice[i] = (col < K && row < N) ? __ldg(reinterpret_cast<const uint4*>(b + row * ldb + col))
                                      : make_uint4(0u, 0u, 0u, 0u);
   }
   __syncthreads();
@@ -143,49 +136,21 @@ __device__ __forceinline__ void warp_run(int M, int rows_per_part, int& run_lo, 
 
 // Run `sum` over a warp's batches in order, three buffers deep: a buffer is refilled right after
 // its sums, so two batches' loads are always in flight, and no batch is copied between buffers.
-template <int VECS, typename Sum>
+template <typename Sum>
 __device__ __forceinline__ void for_each_batch(Cursor& c, const int* __restrict__ indptr,
                                                const uint4* __restrict__ words, unsigned zero_word,
-                                               int first, int run_hi, Sum sum) {
-  Batch<VECS> b[3];
+                                               int h, int run_hi, Sum sum) {
+  Batch b[3];
 #pragma unroll
-  for (int i = 0; i < 3; ++i) b[i] = next_batch<VECS>(c, indptr, words, zero_word, first, run_hi);
+  for (int i = 0; i < 3; ++i) b[i] = next_batch(c, indptr, words, zero_word, h, run_hi);
   for (;;) {
 #pragma unroll
     for (int i = 0; i < 3; ++i) {
       if (!__any_sync(0xffffffffu, b[i].row < run_hi)) return;
       sum(b[i]);
-      b[i] = next_batch<VECS>(c, indptr, words, zero_word, first, run_hi);
+      b[i] = next_batch(c, indptr, words, zero_word, h, run_hi);
     }
   }
-}
-
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-  unsigned long long a;
-  asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
-  return (unsigned)a;
-}
-
-__device__ __forceinline__ void ldsm_x4_trans(unsigned addr, unsigned (&r)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// d += A B for one m16n8k16 tile whose A has only a0 and a3 nonzero (the diagonal).
-__device__ __forceinline__ void mma_diag(float (&d)[4], unsigned a0, unsigned a3, unsigned b0, unsigned b1, bf16) {
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(0u), "r"(0u), "r"(a3), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void mma_diag(float (&d)[4], unsigned a0, unsigned a3, unsigned b0, unsigned b1, f16) {
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(0u), "r"(0u), "r"(a3), "r"(b0), "r"(b1));
 }
 
 }  // namespace twell
@@ -255,9 +220,9 @@ __global__ void __launch_bounds__(twell::STATIONARY_WARPS * 32, 1) twell_station
     const T* __restrict__ b, long long ldb, int K, T* __restrict__ out, long long ldo,
     int rows_per_part) {
   using namespace twell;
-  extern __shared__ uint4 slice[];  // stage_slice's layout, unswizzled
+  extern __shared__ uint4 slice[];  // stage_slice's layout
   const int c0 = blockIdx.x * STATIONARY_COLS;
-  stage_slice<false>(slice, b, ldb, N, K, c0);
+  stage_slice(slice, b, ldb, N, K, c0);
   const int lane = threadIdx.x & 31, h = lane & 1;
   int run_lo, run_hi;
   warp_run(M, rows_per_part, run_lo, run_hi);
@@ -267,8 +232,8 @@ __global__ void __launch_bounds__(twell::STATIONARY_WARPS * 32, 1) twell_station
 
   Cursor c = first_cursor(indptr, run_lo + (lane >> 1), run_hi);
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  for_each_batch<1>(c, indptr, words, zero_word, h, run_hi, [&](const Batch<1>& bt) {
-    const unsigned mine[4] = {bt.words[0].x, bt.words[0].y, bt.words[0].z, bt.words[0].w};
+  for_each_batch(c, indptr, words, zero_word, h, run_hi, [&](const Batch& bt) {
+    const unsigned mine[4] = {bt.words.x, bt.words.y, bt.words.z, bt.words.w};
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       unsigned w[4];
@@ -301,70 +266,6 @@ __global__ void __launch_bounds__(twell::STATIONARY_WARPS * 32, 1) twell_station
       }
 #pragma unroll
       for (int k = 0; k < 8; ++k) acc[k] = 0.f;
-    }
-  });
-}
-
-// The same product on the tensor cores. A warp's 16 groups become the 16 rows (slots) of an
-// m16n8k16 tile: each step takes one word of every slot, ldmatrix.trans gathers the 16 B rows
-// those words name (lane l gives slot l % 16's row, half l / 16) as the k x 16 operand, and A
-// is diagonal (slot t's value at (t, t)), so C row t gains value_t x B row j_t in two mma
-// instructions per 16 words instead of 16 x 16 fp32 FMAs. The accumulators of slot t sit in
-// the lanes of C rows t (lanes 4t .. 4t + 3 for t < 8, as rows g + 8 for the rest), which
-// store and clear them when its row ends. The zero products off the diagonal make an Inf or
-// NaN in a gathered B row spread to the step's other slots, so this variant needs a finite B
-// (the caller checks). WARPS per block: 32 caps registers at 64, 16 leaves room for the
-// fragments at half the warps.
-template <typename T, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32, 1) twell_stationary_spmm_mma(
-    const int* __restrict__ indptr, const uint4* __restrict__ words, int M, int N,
-    const T* __restrict__ b, long long ldb, int K, T* __restrict__ out, long long ldo,
-    int rows_per_part) {
-  using namespace twell;
-  extern __shared__ uint4 slice[];  // stage_slice's layout, swizzled
-  const int c0 = blockIdx.x * STATIONARY_COLS;
-  stage_slice<true>(slice, b, ldb, N, K, c0);
-  const int lane = threadIdx.x & 31, slot = lane & 15, half = lane >> 4;
-  const int g = lane >> 2, quad = lane & 3;  // the mma fragment's row group and column pair
-  int run_lo, run_hi;
-  warp_run(M, rows_per_part, run_lo, run_hi);
-  const unsigned slice_base = smem_u32(slice);
-  const unsigned zero_word = (unsigned)N << 16;
-  // A's diagonal entry (g, g) sits in a0 and (g + 8, g + 8) in a3 of the lanes with
-  // quad == g / 2, in the half g % 2 of the register.
-  const unsigned diag_shift = 16u * (g & 1);
-  const unsigned diag_mask = quad == (g >> 1) ? 0xffffu << diag_shift : 0u;
-
-  Cursor c = first_cursor(indptr, run_lo + slot, run_hi);
-  float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-  for_each_batch<2>(c, indptr, words, zero_word, 0, run_hi, [&](const Batch<2>& bt) {
-    const unsigned mine[8] = {bt.words[0].x, bt.words[0].y, bt.words[0].z, bt.words[0].w,
-                              bt.words[1].x, bt.words[1].y, bt.words[1].z, bt.words[1].w};
-#pragma unroll
-    for (int s = 0; s < STATIONARY_BATCH; ++s) {
-      const unsigned j = mine[s] >> 16;
-      unsigned bf[4];
-      ldsm_x4_trans(slice_base + 32u * j + 16u * (half ^ ((j >> 2) & 1u)), bf);
-      const unsigned a0 = (__shfl_sync(0xffffffffu, mine[s], g) << diag_shift) & diag_mask;
-      const unsigned a3 = (__shfl_sync(0xffffffffu, mine[s], g + 8) << diag_shift) & diag_mask;
-      mma_diag(acc[0], a0, a3, bf[0], bf[1], T{});
-      mma_diag(acc[1], a0, a3, bf[2], bf[3], T{});
-    }
-    // Rows g and g + 8 of the tile: the slots whose accumulators this lane holds.
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const bool last = __shfl_sync(0xffffffffu, bt.last, g + 8 * r);
-      const int row = __shfl_sync(0xffffffffu, bt.row, g + 8 * r);
-      if (last) {
-        if (row < run_hi) {
-#pragma unroll
-          for (int n = 0; n < 2; ++n) {
-            const int col = c0 + 8 * n + 2 * quad;
-            if (col < K) *reinterpret_cast<unsigned*>(out + row * ldo + col) = pack2<T>(acc[n][2 * r], acc[n][2 * r + 1]);
-          }
-        }
-        acc[0][2 * r] = acc[0][2 * r + 1] = acc[1][2 * r] = acc[1][2 * r + 1] = 0.f;
-      }
     }
   });
 }

@@ -102,9 +102,9 @@ for step in $what; do
         python3 bench/kernel_probe.py --path ${TWELL_PROBE_PATH:-gather} > "$OUT/probe_source.csv" 2>&1
       ;;&
     stationary)
-      # The weight-stationary SpMM (cuda/twell_stationary.cu): its tests (every engine), the
-      # down projection's stage times (each engine with its pack, and the pack alone), and the
-      # FFN benchmark (the kernels alone beside the row gathers, and the plan taking it).
+      # The weight-stationary SpMM (cuda/twell_stationary.cu): its tests, the down projection's
+      # stage times (with its pack, and the pack alone), the FFN benchmark (the kernel alone
+      # beside the row gathers, and the plan taking it), memcheck and racecheck.
       timeout 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_gpu_stationary.py 2>&1 \
         | tee -a "$OUT/stationary.log" | tail -15
       status=$((status | ${PIPESTATUS[0]}))

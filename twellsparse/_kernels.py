@@ -149,8 +149,6 @@ def _instantiations() -> dict[str, list[str]]:
             for kernel, extra in (
                 ("stationary_pack", ""),
                 ("twell_stationary_spmm", ""),
-                ("twell_stationary_spmm_mma", ", 16"),
-                ("twell_stationary_spmm_mma", ", 32"),
             )
         ]
         + ["stationary_row_sizes", "stationary_row_sums", "stationary_row_place"],

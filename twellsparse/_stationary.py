@@ -25,14 +25,8 @@ from ._parts import TwELLParts
 SLICE_COLS = 16
 #: Words per group and step (STATIONARY_BATCH): each packed row is padded to a multiple.
 BATCH = 8
-#: The kernels: "fma" (fp32 FMAs, 1024 threads) and the tensor-core ones "mma16" / "mma32" (16 /
-#: 32 warps; they need a finite B: an Inf or NaN in a gathered row spreads to the other rows of
-#: its step), as (name expression template, threads per block).
-ENGINES = {
-    "fma": ("twell_stationary_spmm<{t}>", 1024),
-    "mma16": ("twell_stationary_spmm_mma<{t}, 16>", 512),
-    "mma32": ("twell_stationary_spmm_mma<{t}, 32>", 1024),
-}
+#: Threads per block (STATIONARY_WARPS warps of 32).
+THREADS = 1024
 #: Whether ``matmul`` takes this kernel where it applies (``TWELL_STATIONARY=1``); off until it
 #: has been measured against the row gathers on the GPU.
 PREFERRED = os.environ.get("TWELL_STATIONARY", "0") == "1"
@@ -89,27 +83,26 @@ def pack(parts: TwELLParts, tile_n: int, n: int) -> tuple[Any, Any]:
     return indptr, words
 
 
-def packed_spmm(indptr: Any, words: Any, n: int, b: Any, out: Any, engine: str = "fma") -> Any:
-    """``out = A @ b`` for A packed by :func:`pack` (``n`` columns) on one of :data:`ENGINES`;
-    the caller has checked :func:`applies`."""
-    template, threads = ENGINES[engine]
+def packed_spmm(indptr: Any, words: Any, n: int, b: Any, out: Any) -> Any:
+    """``out = A @ b`` for A packed by :func:`pack` (``n`` columns); the caller has checked
+    :func:`applies`."""
     m = indptr.shape[0] - 1
     b, ldb = row_stride(b)
     k = b.shape[1]
     ldo = max(out.strides[0] // out.itemsize, k, 1)
     slices = -(-k // SLICE_COLS)
     # Enough row parts that slices x parts fills the machine once (one block per SM).
-    parts = max(1, min(K.sm_count() // slices, -(-m // threads)))
+    parts = max(1, min(K.sm_count() // slices, -(-m // THREADS)))
     rows_per_part = -(-m // parts)
-    expr = template.format(t=K.CXX_TYPE[b.dtype])
+    expr = f"twell_stationary_spmm<{K.CXX_TYPE[b.dtype]}>"
     args = (indptr, words, np.int32(m), np.int32(n), b, np.int64(ldb), np.int32(k), out, np.int64(ldo))
-    K.launch_grid(expr, (slices, parts), (threads,), (*args, np.int32(rows_per_part)), slice_bytes(n, b.itemsize))
+    K.launch_grid(expr, (slices, parts), (THREADS,), (*args, np.int32(rows_per_part)), slice_bytes(n, b.itemsize))
     return out
 
 
-def spmm(parts: TwELLParts, tile_n: int, b: Any, out: Any, engine: str = "fma") -> Any:
+def spmm(parts: TwELLParts, tile_n: int, b: Any, out: Any) -> Any:
     """``out = A @ b`` for a TwELL ``A`` with ``b.shape[0]`` columns: :func:`pack`, then
     :func:`packed_spmm`."""
     n = b.shape[0]
     indptr, words = pack(parts, tile_n, n)
-    return packed_spmm(indptr, words, n, b, out, engine)
+    return packed_spmm(indptr, words, n, b, out)

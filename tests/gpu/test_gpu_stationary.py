@@ -1,7 +1,7 @@
-"""The weight-stationary SpMM (cuda/twell_stationary.cu), every engine, against the float64
-reference: row parts of every size (one row, fewer rows than warps, many rows per group), a
-partial last slice, spill entries, empty rows, a poisoned output, and Inf in a B row no entry
-uses; and the packed layout against the reference's entries."""
+"""The weight-stationary SpMM (cuda/twell_stationary.cu) against the float64 reference: row parts
+of every size (one row, fewer rows than warps, many rows per group), a partial last slice,
+spill entries, empty rows, a poisoned output, and Inf in a B row no entry uses; and the packed
+layout against the reference's entries."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 import twellsparse as ts
 from twellsparse import _gpu_ops, _stationary
-from twellsparse.testing import rel_error, sparse_activations
+from twellsparse.testing import ffn_problem, rel_error, sparse_activations
 
 pytestmark = pytest.mark.gpu
 
@@ -37,10 +37,9 @@ def _bound(dtype, expected):
     return 2.0 * rel_error(rounded, expected) + 1e-4
 
 
-@pytest.mark.parametrize("engine", list(_stationary.ENGINES))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m, n, k, tile_n, capacity, density", SHAPES)
-def test_stationary_spmm_matches_float64(cp, rng, engine, dtype, m, n, k, tile_n, capacity, density):
+def test_stationary_spmm_matches_float64(cp, rng, dtype, m, n, k, tile_n, capacity, density):
     h, a = _problem(cp, rng, m, n, tile_n, capacity, density, dtype)
     b = rng.standard_normal((n, k)).astype(dtype)
     unused = np.flatnonzero(~h.any(axis=0))
@@ -50,7 +49,7 @@ def test_stationary_spmm_matches_float64(cp, rng, engine, dtype, m, n, k, tile_n
     b_gpu = cp.asarray(b)
     assert _stationary.applies(n, b_gpu, cp.empty((m, k), dtype=dtype))
     out = cp.full((m, k), np.nan, dtype=dtype)  # poisoned: every element must be written
-    _stationary.spmm(a.parts, tile_n, b_gpu, out, engine)
+    _gpu_ops.spmm(a.parts, tile_n, b_gpu, out, path="stationary")
     got = cp.asnumpy(out).astype(np.float64)
     assert np.isfinite(got).all()
     assert rel_error(got, expected) <= _bound(dtype, expected)
@@ -91,3 +90,18 @@ def test_pack_holds_every_entry_once_and_pads_with_the_zero_row(cp, rng):
         assert (bits[~real] == 0).all() and got.size - real.sum() < _stationary.BATCH
         vals = bits[real].view(ts.bfloat16)[np.argsort(cols[real])]
         assert (vals == h[row, want_cols]).all()
+
+
+@pytest.mark.parametrize("spill_capacity", [None, 20000])
+def test_ffn_plan_takes_it_when_preferred(cp, rng, monkeypatch, spill_capacity):
+    p = ffn_problem(700, 256, 1000, 0.05, "skewed", ts.bfloat16, rng, cp)
+    x, wg, wd = p["x"], p["w_gate"], p["w_down"]
+    h = np.maximum(cp.asnumpy(x).astype(np.float64) @ cp.asnumpy(wg).astype(np.float64).T, 0)
+    h = h.astype(ts.bfloat16).astype(np.float64)  # the packed activation is rounded to bf16
+    expected = h @ cp.asnumpy(wd).astype(np.float64).T
+    plan = ts.FFN(wg, wd, dispatch="sparse", capacity=16, spill_capacity=spill_capacity)
+    gathered = cp.asnumpy(plan(x)).astype(np.float64)
+    monkeypatch.setattr(_stationary, "PREFERRED", True)
+    got = cp.asnumpy(plan(x)).astype(np.float64)
+    assert rel_error(got, expected) < 2e-2
+    assert rel_error(got, gathered) < 1e-2
