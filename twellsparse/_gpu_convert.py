@@ -303,13 +303,8 @@ def parts_to_dense(parts: TwELLParts, shape: tuple[int, int], tile_n: int, out: 
     return out
 
 
-def parts_to_csr(parts: TwELLParts, shape: tuple[int, int], tile_n: int, bounded: bool = False) -> tuple[Any, Any, Any]:
-    """CSR arrays (data, int32 indices, int32 indptr); columns sorted when the parts are canonical.
-
-    ``bounded``: size data and indices for every slot and spill entry instead of reading the
-    entry count back (no host synchronisation, so it can run inside a CUDA-graph capture); only
-    the first ``indptr[-1]`` entries are written.
-    """
+def parts_to_csr(parts: TwELLParts, shape: tuple[int, int], tile_n: int) -> tuple[Any, Any, Any]:
+    """CSR arrays (data, int32 indices, int32 indptr); columns sorted when the parts are canonical."""
     cp = _cp()
     m = shape[0]
     nt, cap = parts.data.shape[1], parts.data.shape[2]
@@ -333,10 +328,7 @@ def parts_to_csr(parts: TwELLParts, shape: tuple[int, int], tile_n: int, bounded
     flat = totals.reshape(-1).astype(cp.int64)
     ends = cp.cumsum(flat)
     offsets = ends - flat
-    if bounded:
-        nnz = m * nt * cap + int(parts.spill_data.size)
-    else:
-        nnz = int(ends[-1]) if ends.size else 0  # the one host read: the CSR arrays' length
+    nnz = int(ends[-1]) if ends.size else 0  # the one host read: the CSR arrays' length
     indptr = cp.zeros(m + 1, dtype=cp.int32)
     if m and nt:
         indptr[1:] = ends.reshape(m, nt)[:, -1]

@@ -102,8 +102,9 @@ def spmm(
     """``out = A @ b``; ``b`` (N x K) and ``out`` (M x K) share A's dtype, out has unit column stride.
 
     ``path``: one of :data:`PATHS`, or "stationary" (``_stationary``, one product only; "auto"
-    takes it where it applies when ``_stationary.PREFERRED``). ``variant``: the gather kernel's (KV, U) instantiation
-    (one of ``_kernels.GATHER_VARIANTS``; default ``GATHER_DEFAULT["spmm"]``). ``second``:
+    takes it where it applies when ``_stationary.PREFERRED``). ``variant``: the gather kernel's
+    (KV, U) instantiation (one of ``_kernels.GATHER_VARIANTS``; default
+    ``GATHER_DEFAULT["spmm"]``). ``second``:
     ``(parts2, b2)``, a matrix of A's structure (other values) and its dense operand:
     ``out = A @ b + A2 @ b2``, summed in the same fp32 accumulators on the gather path.
     """

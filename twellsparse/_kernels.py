@@ -143,13 +143,10 @@ def _instantiations() -> dict[str, list[str]]:
         "twell_gather.cu": gather,
         "twell_elementwise.cu": elementwise,
         "twell_stationary.cu": [
-            f"{kernel}<{CXX_TYPE[d]}{extra}>"
+            f"{kernel}<{CXX_TYPE[d]}>"
             for d in VALUE_DTYPES
-            if d.itemsize == 2
-            for kernel, extra in (
-                ("stationary_pack", ""),
-                ("twell_stationary_spmm", ""),
-            )
+            if d.itemsize == 2  # the packed words hold 16-bit values
+            for kernel in ("stationary_pack", "twell_stationary_spmm")
         ]
         + ["stationary_row_sizes", "stationary_row_sums", "stationary_row_place"],
     }
