@@ -211,7 +211,8 @@ __global__ void __launch_bounds__(256) stationary_pack(
   const int s0 = spill_indptr[row], s1 = spill_indptr[row + 1];
   for (int i = s0 + lane; i < s1; i += 32) words[pos + i - s0] = ((unsigned)spill_cols[i] << 16) | spill_vals[i].bits;
   pos += s1 - s0;
-  for (int i = pos + lane; i < indptr[row + 1]; i += 32) words[i] = (unsigned)N << 16;
+  const int end = indptr[row + 1];
+  for (int i = pos + lane; i < end; i += 32) words[i] = (unsigned)N << 16;
 }
 
 template <typename T>

@@ -38,6 +38,16 @@ def row_stride(x: Any) -> tuple[Any, int]:
     return x, max(x.strides[0] // item, x.shape[1], 1)
 
 
+def rows_aligned(*operands: tuple[Any, int]) -> bool:
+    """Whether every (array, row stride) operand has 16-byte-aligned rows of a multiple of 16 bytes
+    (what the 16-byte vector loads of the gather and stationary kernels need)."""
+    for arr, ld in operands:
+        size = arr.itemsize
+        if (arr.shape[1] * size) % 16 or (ld * size) % 16 or arr.data.ptr % 16:
+            return False
+    return True
+
+
 def two_launch_scan(n: int, sums: str, sums_args: tuple, place: str, place_head: tuple, place_tail: tuple) -> None:
     """A device scan over ``n > 0`` elements (cuda/twell_scan.cuh): kernel ``sums`` gets
     ``(*sums_args, chunk_sums)``, then kernel ``place`` gets ``(*place_head, chunk_sums,

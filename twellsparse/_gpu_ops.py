@@ -10,9 +10,10 @@ from typing import Any
 import numpy as np
 
 from . import _kernels as K
+from . import _stationary
 from ._backend import bfloat16, cupy_module
 from ._errors import TwELLFallbackWarning
-from ._gpu_convert import TransposedPattern, row_stride, transposed_pattern
+from ._gpu_convert import TransposedPattern, row_stride, rows_aligned, transposed_pattern
 from ._parts import TwELLParts
 
 
@@ -33,16 +34,6 @@ def _geometry(parts: TwELLParts, tile_n: int) -> tuple:
 
 def _k_grid(k: int) -> int:
     return -(-k // (K.SPMM_THREADS * K.SPMM_VPT))
-
-
-def rows_aligned(*operands: tuple[Any, int]) -> bool:
-    """Whether every (array, row stride) operand has 16-byte-aligned rows of a multiple of 16 bytes
-    (what the 16-byte vector loads of the gather kernels need)."""
-    for arr, ld in operands:
-        size = arr.itemsize
-        if (arr.shape[1] * size) % 16 or (ld * size) % 16 or arr.data.ptr % 16:
-            return False
-    return True
 
 
 #: The paths of the product kernels: "gather" (twell_gather.cu, one warp per row, 16-byte row
@@ -80,12 +71,6 @@ def _variant(variant: tuple[int, int] | None, kind: str) -> tuple[int, int]:
     return kv, u
 
 
-def _stationary_preferred() -> bool:
-    from . import _stationary
-
-    return _stationary.PREFERRED
-
-
 def _gather_grid(m: int) -> tuple[tuple[int], tuple[int]]:
     return (-(-m // K.GATHER_WARPS),), (32 * K.GATHER_WARPS,)
 
@@ -109,9 +94,7 @@ def spmm(
     ``out = A @ b + A2 @ b2``, summed in the same fp32 accumulators on the gather path.
     """
     m = parts.data.shape[0]
-    if second is None and (path == "stationary" or (path == "auto" and _stationary_preferred())):
-        from . import _stationary
-
+    if second is None and (path == "stationary" or (path == "auto" and _stationary.PREFERRED)):
         if _stationary.applies(b.shape[0], b, out):
             return _stationary.spmm(parts, tile_n, b, out)
         if path == "stationary":

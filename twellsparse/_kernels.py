@@ -352,17 +352,22 @@ def launch_grid(
 
 
 @functools.cache
-def _sm_count(device_id: int) -> int:
+def _attribute(device_id: int, name: str) -> int:
     cp = cupy_module()
     assert cp is not None
-    return int(cp.cuda.Device(device_id).attributes["MultiProcessorCount"])
+    return int(cp.cuda.Device(device_id).attributes[name])
+
+
+def device_attribute(name: str) -> int:
+    """A CUDA device attribute of the current device (CuPy's name for it), read once per device."""
+    cp = cupy_module()
+    assert cp is not None
+    return _attribute(cp.cuda.Device().id, name)
 
 
 def sm_count() -> int:
     """Multiprocessors of the current device (for persistent grids)."""
-    cp = cupy_module()
-    assert cp is not None
-    return _sm_count(cp.cuda.Device().id)
+    return device_attribute("MultiProcessorCount")
 
 
 def null_pointer() -> np.uint64:

@@ -10,15 +10,13 @@ multiple of :data:`BATCH`.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any
 
 import numpy as np
 
 from . import _kernels as K
-from ._gpu_convert import row_stride, two_launch_scan
-from ._gpu_ops import rows_aligned
+from ._gpu_convert import row_stride, rows_aligned, two_launch_scan
 from ._parts import TwELLParts
 
 #: Output columns per block (STATIONARY_COLS in the kernel).
@@ -38,11 +36,6 @@ def _cp() -> Any:
     return cupy
 
 
-@functools.cache
-def _shared_limit(device_id: int) -> int:
-    return int(_cp().cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"])
-
-
 def slice_bytes(n: int, itemsize: int) -> int:
     """Shared memory one block needs: a ``SLICE_COLS``-wide slice of every one of B's ``n`` rows
     and one zero row (what padding words read)."""
@@ -57,7 +50,7 @@ def applies(n: int, b: Any, out: Any) -> bool:
     ldo = max(out.strides[0] // out.itemsize, out.shape[1], 1)
     if not rows_aligned((b, ldb), (out, ldo)):
         return False
-    return slice_bytes(n, 2) <= _shared_limit(_cp().cuda.Device().id)
+    return slice_bytes(n, 2) <= K.device_attribute("MaxSharedMemoryPerBlockOptin")
 
 
 def pack(parts: TwELLParts, tile_n: int, n: int) -> tuple[Any, Any]:
