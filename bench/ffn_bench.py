@@ -19,7 +19,7 @@ from typing import Any
 import cupy as cp
 
 import twellsparse as ts
-from twellsparse import _gpu_ops, _stationary, _tiled_sddmm
+from twellsparse import _gpu_ops, _stationary
 from twellsparse._environment import append_records, environment
 from twellsparse._gpu_ops import gemm_nt
 from twellsparse._timing import Timer
@@ -148,10 +148,6 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
     packed = _stationary.pack(h.parts, h.tile_n, h.shape[1])
     w_pair = cp.concatenate([wu, wd_t], axis=1)
     paired_rows = (w_pair[:, : args.d_model], w_pair[:, args.d_model :])
-
-    def split_consumer() -> Any:
-        return _gpu_ops.gated_consumer(h.parts, h.tile_n, x, wu, wd_t, split=True)[0]
-
     variants = {
         "spmm_down_portable": (lambda: _gpu_ops.spmm(h.parts, h.tile_n, wd_t, h_out, path="portable"), ref_down),
         "spmm_down_gather_4x4": (
@@ -185,18 +181,6 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
         "sddmm_up_gather_8x2": (
             lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="gather", variant=(8, 2)).data,
             ref_up,
-        ),
-        # The tiled SDDMM: the up projection alone, the gated consumer split into it and the
-        # down SpMM (gather, or stationary), and the gated plan taking it.
-        "sddmm_up_tiled": (lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="tiled").data, ref_up),
-        "gated_consumer_split": (split_consumer, ref_gated),
-        "gated_consumer_split_stationary": (with_setting(_stationary, "PREFERRED", True, split_consumer), ref_gated),
-        "gated_ffn_tiled": (with_setting(_tiled_sddmm, "PREFERRED", True, lambda: gated_plan(x)), ref_gated),
-        "gated_ffn_tiled_stationary": (
-            with_setting(
-                _tiled_sddmm, "PREFERRED", True, with_setting(_stationary, "PREFERRED", True, lambda: gated_plan(x))
-            ),
-            ref_gated,
         ),
         "sddmm_up_portable": (lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="portable").data, None),
         # The GEMM, then the pack scanning its whole output (the cuBLASLt ReLU-mask producer off).

@@ -30,7 +30,7 @@ def stages(density: float, m: int, pattern: str) -> dict[str, Any]:
     import cupy as cp
 
     import twellsparse as ts
-    from twellsparse import _gpu_convert, _gpu_ops, _gpu_producer, _hopper_producer, _stationary, _tiled_sddmm
+    from twellsparse import _gpu_convert, _gpu_ops, _gpu_producer, _hopper_producer, _stationary
     from twellsparse._ops import gated_product, matmul, matmul_sum, product_values, sddmm, transposed_products
     from twellsparse._reference import fixed_spill_layout
 
@@ -68,24 +68,6 @@ def stages(density: float, m: int, pattern: str) -> dict[str, Any]:
         "down spmm": lambda: matmul(g, wd_t),
         "down spmm, stationary": lambda: _stationary.spmm(g.parts, g.tile_n, wd_t, down_out),
         "stationary pack": lambda: _stationary.pack(g.parts, g.tile_n, g.shape[1]),
-        "up sddmm (gated), tiled": lambda: _tiled_sddmm.sddmm(g.parts, g.tile_n, x, wu, "gated", keep=False),
-        "up sddmm (gated), gather": lambda: _gpu_ops.sddmm(g.parts, g.tile_n, x, wu, True, path="gather"),
-        "gated consumer, split": lambda: _gpu_ops.gated_consumer(g.parts, g.tile_n, x, wu, wd_t, split=True),
-        "gated consumer, split + stationary": lambda: _with(
-            _stationary, lambda: _gpu_ops.gated_consumer(g.parts, g.tile_n, x, wu, wd_t, split=True)
-        ),
-        **{
-            f"plan {name}, tiled sddmm": (lambda plan=plan: _with(_tiled_sddmm, lambda: plan(x)))
-            for name, plan in plans.items()
-            if name in ("gated", "gated_fixed_spill")
-        },
-        "plan gated, tiled sddmm + stationary": lambda: _with(
-            _tiled_sddmm, lambda: _with(_stationary, lambda: plans["gated"](x))
-        ),
-        "bwd sddmm gated (fused), gather": lambda: _gpu_ops.sddmm_gated_backward(g.parts, g.tile_n, go, wd_t, u.parts),
-        "bwd sddmm gated (fused), tiled": lambda: _with(
-            _tiled_sddmm, lambda: _gpu_ops.sddmm_gated_backward(g.parts, g.tile_n, go, wd_t, u.parts)
-        ),
         **{f"plan {name}": (lambda plan=plan: plan(x)) for name, plan in plans.items()},
         "bwd sddmm": lambda: sddmm(go, wd_t, g),
         "bwd value products": lambda: (product_values(g, u), product_values(d_h, u), product_values(d_h, g)),
@@ -93,15 +75,6 @@ def stages(density: float, m: int, pattern: str) -> dict[str, Any]:
         "bwd 3 transposed products": lambda: transposed_products(g, [(h, go), (d_z, x), (d_u, x)]),
         "bwd dX": lambda: matmul_sum(d_z, wg, d_u, wu),  # the backward's one dual pass
     }
-
-
-def _with(module: Any, fn: Any) -> Any:
-    """``fn()`` with ``module.PREFERRED`` on (restored after)."""
-    saved, module.PREFERRED = module.PREFERRED, True
-    try:
-        return fn()
-    finally:
-        module.PREFERRED = saved
 
 
 def _without_fused_producer(fn: Any) -> Any:

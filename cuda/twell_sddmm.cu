@@ -1,10 +1,24 @@
-// Sampled dense-dense products at a TwELL pattern, portable kernels (every type, any row
-// alignment): out = (x @ y.T) at the stored entries, optionally times the pattern's own values.
-// The row-gather (twell_gather.cu) and tiled (twell_tiled_sddmm.cu) kernels are the fast paths;
-// the spill kernel here serves every path's spill part and every mode of twell_sddmm.cuh.
-#include "twell_sddmm.cuh"
+// Sampled dense-dense products at a TwELL pattern: out = (x @ y.T) at the stored entries,
+// optionally times the pattern's own values (SCALE, the gated FFN's gate * up product).
+#include "twell_types.cuh"
 
 using namespace twell;
+
+template <typename A> __device__ __forceinline__ A warp_sum(A v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+template <typename T>
+__device__ __forceinline__ typename acc_of<T>::type row_dot(const T* __restrict__ a,
+                                                            const T* __restrict__ b, int K,
+                                                            int lane) {
+  using A = typename acc_of<T>::type;
+  A s = A(0);
+  for (int k = lane; k < K; k += 32) s += to_acc(a[k]) * to_acc(b[k]);
+  return warp_sum(s);
+}
 
 // One warp per row-tile: each stored slot gets a warp-wide dot product; unused slots get 0.
 template <typename T, bool SCALE>
@@ -29,12 +43,12 @@ __global__ void __launch_bounds__(256) twell_sddmm_slots(
   for (int s = cnt + lane; s < capacity; s += 32) out[base + s] = zero_value<T>();
 }
 
-// One warp per spill entry, any mode (the operands index the spill part).
-template <typename T, int MODE>
+// One warp per spill entry.
+template <typename T, bool SCALE>
 __global__ void __launch_bounds__(256) twell_sddmm_spill(
     const T* __restrict__ x, long long ldx, const T* __restrict__ y, long long ldy, int K,
-    const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols, int M, const T* g,
-    const T* aux, T* o0, T* o1, T* o2) {
+    const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
+    const T* __restrict__ pattern, int M, T* __restrict__ out) {
   const long long i = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (i >= spill_indptr[M]) return;  // warp-uniform
@@ -43,6 +57,7 @@ __global__ void __launch_bounds__(256) twell_sddmm_spill(
     const int mid = (lo + hi + 1) >> 1;
     if (spill_indptr[mid] <= i) lo = mid; else hi = mid - 1;
   }
-  const auto d = row_dot(x + lo * ldx, y + (long long)spill_cols[i] * ldy, K, lane);
-  if (lane == 0) emit<T, MODE>(d, i, SddmmOperands<T>{g, aux, o0, o1, o2});
+  auto d = row_dot(x + lo * ldx, y + (long long)spill_cols[i] * ldy, K, lane);
+  if (SCALE) d *= to_acc(pattern[i]);
+  if (lane == 0) out[i] = from_acc<T>(d);
 }

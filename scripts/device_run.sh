@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|probe|stationary|tiled|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|probe|stationary|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -118,26 +118,6 @@ for step in $what; do
       for tool in memcheck racecheck; do
         timeout 120 compute-sanitizer --tool $tool --kernel-name kns=stationary --error-exitcode 3 \
           python3 scripts/sanitize_smoke.py 2>&1 | tail -4 | sed "s/^/$tool  /" | tee -a "$OUT/stationary.log"
-        status=$((status | ${PIPESTATUS[0]}))
-      done
-      ;;&
-    tiled)
-      # The tiled SDDMM (cuda/twell_tiled_sddmm.cu): its tests (and the stationary SpMM's, which
-      # the split consumer can take), the stage times of the up projection, the split consumer,
-      # the plans and the backward's SDDMM at 0.5 / 1 / 2%, the FFN benchmark's variants,
-      # memcheck and racecheck on its kernels.
-      timeout 240 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_gpu_tiled_sddmm.py \
-        tests/gpu/test_gpu_stationary.py 2>&1 | tee -a "$OUT/tiled.log" | tail -15
-      status=$((status | ${PIPESTATUS[0]}))
-      for d in 0.005 0.01 0.02; do
-        timeout 150 python3 bench/stage_times.py --density $d --reps 10 --only "sddmm,consumer,plan gated" \
-          --out "$OUT/stages.jsonl" 2>&1 | tee -a "$OUT/tiled.log"
-      done
-      timeout 200 python3 bench/ffn_bench.py --densities 0.005,0.01,0.02 --patterns uniform --reps 10 \
-        --out "$OUT/ffn_bench.jsonl" 2>&1 | tee -a "$OUT/tiled.log"
-      for tool in memcheck racecheck; do
-        timeout 90 compute-sanitizer --tool $tool --kernel-name kns=tiled_sddmm --error-exitcode 3 \
-          python3 scripts/sanitize_smoke.py 2>&1 | tail -4 | sed "s/^/$tool  /" | tee -a "$OUT/tiled.log"
         status=$((status | ${PIPESTATUS[0]}))
       done
       ;;&

@@ -10,7 +10,7 @@ import cupy as cp
 import numpy as np
 
 import twellsparse as ts
-from twellsparse import _gpu_convert, _gpu_ops, _hopper_producer, _stationary, _tiled_sddmm
+from twellsparse import _gpu_convert, _gpu_ops, _hopper_producer, _stationary
 from twellsparse import _kernels as K
 from twellsparse._ops import transposed_products
 from twellsparse._timing import Timer
@@ -48,9 +48,6 @@ for dtype in (ts.bfloat16, np.float32):
     # The weight-stationary SpMM (2-byte types; K = 24: a partial second slice).
     if np.dtype(dtype).itemsize == 2:
         _stationary.spmm(a4.parts, 32, b8, cp.empty((37, 24), dtype=dtype))
-        # The tiled SDDMM in every mode (K = 24: one partial piece; a4 spills).
-        for mode in _tiled_sddmm.MODES:
-            _tiled_sddmm.sddmm(a4.parts, 32, xin, b8, mode, aux=a4.parts if mode == "gated_bwd" else None)
     # The backward's pieces: one transposed pattern (the counting sort) for three products that
     # read their values through it (two of them paired on one dense operand), and the dual row-gather SpMM.
     g37 = b8[:37]

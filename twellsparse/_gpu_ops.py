@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from . import _kernels as K
-from . import _stationary, _tiled_sddmm
+from . import _stationary
 from ._backend import bfloat16, cupy_module
 from ._errors import TwELLFallbackWarning
 from ._gpu_convert import TransposedPattern, row_stride, rows_aligned, transposed_pattern
@@ -211,25 +211,13 @@ def sddmm(
 ) -> TwELLParts:
     """Parts with the pattern of ``parts`` and values ``x[i] . y[j]`` (times the pattern's when
     ``scale``); x, y (and the pattern, when ``scale``) share one dtype (without ``scale`` the
-    pattern's values are not read). ``path``: as for :func:`spmm`, or "tiled" (``_tiled_sddmm``;
-    "auto" takes it where it applies when ``_tiled_sddmm.PREFERRED``); ``variant`` as for
-    :func:`spmm`."""
+    pattern's values are not read). ``path`` and ``variant`` as for :func:`spmm`."""
     cp = _cp()
     m, nt, cap = parts.data.shape
     x, ldx = row_stride(x)
     y, ldy = row_stride(y)
     k = np.int32(x.shape[1])
     t, s = K.CXX_TYPE[x.dtype], "true" if scale else "false"
-    if path == "tiled" or (path == "auto" and _tiled_sddmm.PREFERRED):
-        if _tiled_sddmm.applies(x, y) and (not scale or parts.data.dtype == x.dtype):
-            (out,) = _tiled_sddmm.sddmm(parts, tile_n, x, y, "scale" if scale else "plain")
-            assert out is not None
-            return out
-        if path == "tiled":
-            raise ValueError(
-                "path: 'tiled' needs x and y of one 2-byte dtype with 16-byte-aligned rows (and, to scale, a pattern "
-                f"of that dtype); got {x.dtype} x, {y.dtype} y and a {parts.data.dtype} pattern"
-            )
     data = cp.empty(parts.data.shape, dtype=x.dtype)  # the pattern's dtype may differ
     path = _choose_path(path, rows_aligned((x, ldx), (y, ldy)), "sddmm")
     if path == "gather":
@@ -255,11 +243,24 @@ def sddmm(
         data,
     )
     K.launch(f"twell_sddmm_slots<{t}, {s}>", m * nt * 32, 256, args)
-    spill = cp.zeros(parts.spill_data.shape, dtype=x.dtype)
-    null = K.null_pointer()
-    spill_args = (parts.spill_indptr, parts.spill_indices, np.int32(m), parts.spill_data, null, spill, null, null)
-    mode = K.SDDMM_MODES["scale" if scale else "plain"]
-    K.launch(f"twell_sddmm_spill<{t}, {mode}>", int(spill.size) * 32, 256, (*args[:5], *spill_args))
+    spill = cp.empty(parts.spill_data.shape, dtype=x.dtype)
+    K.launch(
+        f"twell_sddmm_spill<{t}, {s}>",
+        int(spill.size) * 32,
+        256,
+        (
+            x,
+            np.int64(ldx),
+            y,
+            np.int64(ldy),
+            k,
+            parts.spill_indptr,
+            parts.spill_indices,
+            parts.spill_data,
+            np.int32(m),
+            spill,
+        ),
+    )
     return parts._replace(data=data, spill_data=spill)
 
 
@@ -304,10 +305,6 @@ def sddmm_gated_backward(
     m, nt, cap = gate.data.shape
     dy, lddy = row_stride(dy)
     w_down_t, ldw = row_stride(w_down_t)
-    if _tiled_sddmm.PREFERRED and _tiled_sddmm.applies(dy, w_down_t):
-        d_z, d_u, h = _tiled_sddmm.sddmm(gate, tile_n, dy, w_down_t, "gated_bwd", aux=up)
-        assert d_z is not None and d_u is not None and h is not None
-        return d_z, d_u, h
     results = [
         (cp.empty(gate.data.shape, dtype=dy.dtype), cp.zeros(gate.spill_data.shape, dtype=dy.dtype)) for _ in range(3)
     ]
@@ -336,17 +333,13 @@ def gated_consumer(
     keep_up: bool = False,
     variant: tuple[int, int] | None = None,
     out: Any = None,
-    split: bool | None = None,
 ) -> tuple[Any, TwELLParts | None]:
     """The gated FFN after its gate in one kernel (:func:`gated_consumer_eligible` operands):
     ``u = x @ w_up.T`` at the gate's pattern, ``h = gate * u``, ``out = h @ w_down_t``.
 
     Returns ``(out, u)``; ``u`` (parts with the gate's structure and zero padding, what the
     backward pass needs) only when ``keep_up``, else None. ``out``, when given, is written in
-    place: (M, d_model) in x's dtype with unit column stride (the caller checks). ``split``: run
-    the tiled SDDMM (``_tiled_sddmm``, which must apply to x and w_up) and then :func:`spmm`
-    instead of the one row-gather kernel; None takes it where it applies when
-    ``_tiled_sddmm.PREFERRED``.
+    place: (M, d_model) in x's dtype with unit column stride (the caller checks).
     """
     cp = _cp()
     m, nt, cap = gate.data.shape
@@ -357,11 +350,6 @@ def gated_consumer(
     kv, u = _variant(variant, "gated")
     if out is None:
         out = cp.empty((m, k_out), dtype=x.dtype)
-    if split or (split is None and _tiled_sddmm.PREFERRED and _tiled_sddmm.applies(x, w_up)):
-        # Two kernels: h = gate * u by the tiled SDDMM, then the down projection by spmm's choice.
-        h, up = _tiled_sddmm.sddmm(gate, tile_n, x, w_up, "gated", keep=keep_up)
-        assert h is not None
-        return spmm(h, tile_n, w_down_t, out), up
     ldo = max(out.strides[0] // out.itemsize, k_out)
     # Phase 1 of the kernel writes u at the stored slots only: zero the padding for callers.
     u_data = (cp.zeros if keep_up else cp.empty)(gate.data.shape, dtype=x.dtype)

@@ -35,9 +35,6 @@ CXX_TYPE: dict[np.dtype, str] = {
 #: Activation name -> template argument (twell::Activation in twell_types.cuh).
 ACTIVATION_ID = {"relu": 0, "relu2": 1, "silu": 2, "gelu": 3, "identity": 4}
 
-#: Sampled-product modes -> template argument (twell::SddmmMode in twell_sddmm.cuh).
-SDDMM_MODES = {"plain": 0, "scale": 1, "gated": 2, "gated_bwd": 3}
-
 #: Values per thread of the SpMM kernels (template argument).
 SPMM_VPT = 4
 SPMM_THREADS = 128
@@ -114,8 +111,7 @@ def _instantiations() -> dict[str, list[str]]:
             f"twell_spmm_t<{t}, {SPMM_VPT}>",
             f"twell_cast_from_acc<{t}>",
         ]
-    sddmm = [f"twell_sddmm_slots<{t}, {s}>" for t in types for s in ("false", "true")]
-    sddmm += [f"twell_sddmm_spill<{t}, {mode}>" for t in types for mode in SDDMM_MODES.values()]
+    sddmm = [f"twell_sddmm_{part}<{t}, {s}>" for part in ("slots", "spill") for t in types for s in ("false", "true")]
     gather = [
         gather_expression(kind, dt, kv, u, scale)
         for dt in VALUE_DTYPES
@@ -153,12 +149,6 @@ def _instantiations() -> dict[str, list[str]]:
             for kernel in ("stationary_pack", "twell_stationary_spmm")
         ]
         + ["stationary_row_sizes", "stationary_row_sums", "stationary_row_place"],
-        "twell_tiled_sddmm.cu": [
-            f"twell_tiled_sddmm<{CXX_TYPE[d]}, {mode}>"
-            for d in VALUE_DTYPES
-            if d.itemsize == 2  # 32 values per 64-byte piece
-            for mode in SDDMM_MODES.values()
-        ],
     }
 
 
