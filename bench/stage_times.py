@@ -26,7 +26,7 @@ from twellsparse._timing import Timer
 from twellsparse.testing import ffn_problem
 
 
-def stages(density: float, m: int, pattern: str) -> dict[str, Any]:
+def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int = 5632) -> dict[str, Any]:
     import cupy as cp
 
     import twellsparse as ts
@@ -34,10 +34,10 @@ def stages(density: float, m: int, pattern: str) -> dict[str, Any]:
     from twellsparse._ops import gated_product, matmul, matmul_sum, product_values, sddmm, transposed_products
     from twellsparse._reference import fixed_spill_layout
 
-    p = ffn_problem(m, 2048, 5632, density, pattern, ts.bfloat16, 0, cp)
+    p = ffn_problem(m, d_model, d_ff, density, pattern, ts.bfloat16, 0, cp)
     x, wg, wu, wd = (p[k] for k in ("x", "w_gate", "w_up", "w_down"))
     wd_t = cp.ascontiguousarray(wd.T)
-    go = cp.random.default_rng(1).standard_normal((m, 2048), dtype=cp.float32).astype(x.dtype)
+    go = cp.random.default_rng(1).standard_normal((m, d_model), dtype=cp.float32).astype(x.dtype)
     plans = {
         "gated": ts.GatedFFN(wg, wu, wd, dispatch="sparse"),
         "plain": ts.FFN(wg, wd, dispatch="sparse"),
@@ -66,6 +66,7 @@ def stages(density: float, m: int, pattern: str) -> dict[str, Any]:
         "linear_to_twell, cuBLASLt producer": lambda: _without_fused_producer(lambda: ts.linear_to_twell(x, wg)),
         "gated consumer": lambda: _gpu_ops.gated_consumer(g.parts, g.tile_n, x, wu, wd_t),
         "down spmm": lambda: matmul(g, wd_t),
+        "down spmm, gather": lambda: _gpu_ops.spmm(g.parts, g.tile_n, wd_t, down_out, path="gather"),
         "down spmm, stationary": lambda: _stationary.spmm(g.parts, g.tile_n, wd_t, down_out),
         "stationary pack": lambda: _stationary.pack(g.parts, g.tile_n, g.shape[1]),
         **{f"plan {name}": (lambda plan=plan: plan(x)) for name, plan in plans.items()},
@@ -92,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--pattern", default="uniform")
     ap.add_argument("--m", type=int, default=16384)
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--d-ff", type=int, default=5632)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", help="append JSON lines here")
     ap.add_argument("--only", default="", help="comma-separated substrings: time only the stages named so")
@@ -100,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     eager = Timer(args.reps, on_gpu=True, flush_l2=True)
     hidden = Timer(args.reps, on_gpu=True, flush_l2=True, hide_host=True)
     rows = {}
-    for name, fn in stages(args.density, args.m, args.pattern).items():
+    for name, fn in stages(args.density, args.m, args.pattern, args.d_model, args.d_ff).items():
         if wanted and not any(w in name for w in wanted):
             continue
         e, g = eager(fn)[1]["median"], hidden(fn)[1]["median"]
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:32s} eager {e:7.3f} ms   gpu only {g:7.3f} ms", flush=True)
     rec = {
         "kind": "stages",
-        "shape": [args.m, 2048, 5632],
+        "shape": [args.m, args.d_model, args.d_ff],
         "dtype": "bfloat16",
         "pattern": args.pattern,
         "density_target": args.density,

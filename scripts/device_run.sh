@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|probe|stationary|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|probe|stationary|downchoice|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -120,6 +120,14 @@ for step in $what; do
           python3 scripts/sanitize_smoke.py 2>&1 | tail -4 | sed "s/^/$tool  /" | tee -a "$OUT/stationary.log"
         status=$((status | ${PIPESTATUS[0]}))
       done
+      ;;&
+    downchoice)
+      # The down projection's two kernels (row gathers, stationary with its pack) over token
+      # counts and densities: the data behind _stationary.MIN_ROWS.
+      timeout 240 python3 bench/down_choice.py --out "$OUT/down_choice.jsonl" 2>&1 | tee -a "$OUT/downchoice.log"
+      status=$((status | ${PIPESTATUS[0]}))
+      timeout 120 python3 bench/down_choice.py --m 16384,65536 --d-model 4096 --out "$OUT/down_choice.jsonl" 2>&1 \
+        | tee -a "$OUT/downchoice.log"
       ;;&
     sanitize|all)
       bash scripts/sanitize.sh 2>&1 | tee "$OUT/sanitize.log" | tail -30

@@ -25,9 +25,16 @@ SLICE_COLS = 16
 BATCH = 8
 #: Threads per block (STATIONARY_WARPS warps of 32).
 THREADS = 1024
-#: Whether ``matmul`` takes this kernel where it applies (``TWELL_STATIONARY=1``); off until it
-#: has been measured against the row gathers on the GPU.
-PREFERRED = os.environ.get("TWELL_STATIONARY", "0") == "1"
+#: Fewest rows of A for which ``matmul`` takes this kernel by itself: every block stages its
+#: slice of all of B and reads all of A, a fixed cost that the row gathers do not pay, so it
+#: pays off only with many rows (measured on the H200: bench/NOTES.md, eleventh session).
+MIN_ROWS = 8192
+_SWITCH = {"": None, "1": True, "0": False}
+if os.environ.get("TWELL_STATIONARY", "") not in _SWITCH:
+    raise ValueError(f"TWELL_STATIONARY: expected 0 or 1, got {os.environ['TWELL_STATIONARY']!r}")
+#: Whether ``matmul`` takes this kernel where it applies: True (``TWELL_STATIONARY=1``: always),
+#: False (``TWELL_STATIONARY=0``: never), None (unset: from :data:`MIN_ROWS` rows on).
+PREFERRED: bool | None = _SWITCH[os.environ.get("TWELL_STATIONARY", "")]
 
 
 def _cp() -> Any:
@@ -51,6 +58,14 @@ def applies(n: int, b: Any, out: Any) -> bool:
     if not rows_aligned((b, ldb), (out, ldo)):
         return False
     return slice_bytes(n, 2) <= K.device_attribute("MaxSharedMemoryPerBlockOptin")
+
+
+def chosen(m: int, n: int, b: Any, out: Any) -> bool:
+    """Whether ``matmul``'s "auto" path takes the stationary kernel for ``(m x n) @ b -> out``
+    (:data:`PREFERRED`, :data:`MIN_ROWS`, :func:`applies`)."""
+    if PREFERRED is False or (PREFERRED is None and m < MIN_ROWS):
+        return False
+    return applies(n, b, out)
 
 
 def pack(parts: TwELLParts, tile_n: int, n: int) -> tuple[Any, Any]:

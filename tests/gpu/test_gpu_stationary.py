@@ -105,3 +105,23 @@ def test_ffn_plan_takes_it_when_preferred(cp, rng, monkeypatch, spill_capacity):
     got = cp.asnumpy(plan(x)).astype(np.float64)
     assert rel_error(got, expected) < 2e-2
     assert rel_error(got, gathered) < 1e-2
+
+
+def test_auto_takes_it_from_min_rows_unless_switched_off(cp, rng, monkeypatch):
+    h, a = _problem(cp, rng, 300, 700, 64, None, 0.05, ts.bfloat16)
+    b = rng.standard_normal((700, 48)).astype(ts.bfloat16)
+    expected = h.astype(np.float64) @ b.astype(np.float64)
+    b_gpu = cp.asarray(b)
+    calls = []
+    real = _stationary.spmm
+    monkeypatch.setattr(_stationary, "spmm", lambda *args: calls.append(args) or real(*args))
+    monkeypatch.setattr(_stationary, "PREFERRED", None)
+    taken = []
+    for min_rows, preferred in ((301, None), (300, None), (0, False), (10**9, True)):
+        monkeypatch.setattr(_stationary, "MIN_ROWS", min_rows)
+        monkeypatch.setattr(_stationary, "PREFERRED", preferred)
+        before = len(calls)
+        out = _gpu_ops.spmm(a.parts, 64, b_gpu, cp.empty((300, 48), dtype=ts.bfloat16))
+        taken.append(len(calls) > before)
+        assert rel_error(out, expected) <= _bound(ts.bfloat16, expected)
+    assert taken == [False, True, False, True]
