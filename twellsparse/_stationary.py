@@ -27,8 +27,12 @@ BATCH = 8
 THREADS = 1024
 #: Fewest rows of A for which ``matmul`` takes this kernel by itself: every block stages its
 #: slice of all of B and reads all of A, a fixed cost that the row gathers do not pay, so it
-#: pays off only with many rows (measured on the H200: bench/NOTES.md, eleventh session).
-MIN_ROWS = 8192
+#: pays off only with many rows. Measured on the H200 with the standard widths
+#: (bench/results/2026-12-03-down-choice.jsonl, bench/down_choice.py): at 16384 rows it ties
+#: the gathers at 0.5% density (0.250 / 0.252 ms), wins at 1% and 2% (0.423 / 0.463, 0.758 /
+#: 0.881) and loses at 0.25% (0.161 / 0.147); at 65536 rows it wins at every density from
+#: 0.25%; at 8192 and 4096 rows it loses below 1%.
+MIN_ROWS = 16384
 _SWITCH = {"": None, "1": True, "0": False}
 if os.environ.get("TWELL_STATIONARY", "") not in _SWITCH:
     raise ValueError(f"TWELL_STATIONARY: expected 0 or 1, got {os.environ['TWELL_STATIONARY']!r}")
