@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|probe|stationary|downchoice|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|probe|producerprobe|stationary|downchoice|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -128,6 +128,20 @@ for step in $what; do
       status=$((status | ${PIPESTATUS[0]}))
       timeout 120 python3 bench/down_choice.py --m 16384,65536 --d-model 4096 --out "$OUT/down_choice.jsonl" 2>&1 \
         | tee -a "$OUT/downchoice.log"
+      ;;&
+    producerprobe)
+      # Where the fused producer's pass 1 spends its time beyond the GEMM: the probe with and
+      # without the epilogue (TWELL_HOPPER_PACK=0), then Nsight Compute on one twell_gemm_pack
+      # launch (throughput, warp states, instruction mix) and its SASS with stall samples (CSV,
+      # parsed on the host).
+      timeout 60 python3 bench/producer_probe.py 2>&1 | tail -1 | tee -a "$OUT/producer_probe.log"
+      TWELL_HOPPER_PACK=0 timeout 60 python3 bench/producer_probe.py 2>&1 | tail -1 | tee -a "$OUT/producer_probe.log"
+      ncu --kernel-name regex:twell_gemm_pack --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+        --section WarpStateStats --section InstructionStats --section SchedulerStats --section Occupancy \
+        python3 bench/producer_probe.py 2>&1 | tail -150 | tee -a "$OUT/producer_probe.log" | grep -E "Duration|Throughput|Issued|Stall|Eligible" | head -30
+      ncu --kernel-name regex:twell_gemm_pack --launch-skip 2 --launch-count 1 --section SourceCounters \
+        --section WarpStateStats --page source --print-source sass --csv python3 bench/producer_probe.py \
+        > "$OUT/producer_source.csv" 2>&1
       ;;&
     sanitize|all)
       bash scripts/sanitize.sh 2>&1 | tee "$OUT/sanitize.log" | tail -30
