@@ -137,12 +137,9 @@ __device__ __forceinline__ unsigned long long shfl_u64(unsigned long long v, int
   return ((unsigned long long)hi << 32) | lo;
 }
 
-// The largest fp32 value that rounds (to nearest, ties to even) to zero in T: half the smallest
-// subnormal of T, 2^-134 for bf16 (an fp32 subnormal) and 2^-25 for f16. A float z rounds to a
-// positive T (+inf included) exactly when z > zero_ceiling<T>(); NaN fails the compare.
-template <typename T> __device__ __forceinline__ float zero_ceiling();
-template <> __device__ __forceinline__ float zero_ceiling<bf16>() { return __uint_as_float(0x00008000u); }
-template <> __device__ __forceinline__ float zero_ceiling<f16>() { return __uint_as_float(0x33000000u); }
+template <typename T> __device__ __forceinline__ unsigned positive_inf_bits();
+template <> __device__ __forceinline__ unsigned positive_inf_bits<bf16>() { return 0x7F80u; }
+template <> __device__ __forceinline__ unsigned positive_inf_bits<f16>() { return 0x7C00u; }
 
 // Two fp32 values rounded to T in one instruction: lo in the low half, hi in the high half.
 template <typename T> __device__ __forceinline__ unsigned rounded_pair(float lo, float hi);
@@ -206,16 +203,13 @@ __device__ __forceinline__ void pack_rows(const float* acc, const PackArgs& p, i
   }
   unsigned long long mine = 0;
   if (plain_relu) {
-    // relu without a threshold keeps exactly the entries whose rounded value is positive (NaN
-    // is not kept): one fp32 compare per entry on the accumulator, each half of the mask built
-    // in its own 32-bit register.
-    unsigned half_mask[2] = {0u, 0u};
+    // relu without a threshold keeps exactly the entries whose value is positive and not NaN:
+    // as 16-bit patterns, 1 .. the pattern of +inf (one compare instead of a conversion).
 #pragma unroll
     for (int j = 0; j < 32; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e)
-        if (acc[4 * j + 2 * I + e] > zero_ceiling<T>()) half_mask[j >> 4] |= 1u << ((2 * j + e) & 31);
-    mine = ((unsigned long long)half_mask[1] << 32) | half_mask[0];
+        if (((pair[j] >> (16 * e)) & 0xFFFFu) - 1u < positive_inf_bits<T>()) mine |= 1ull << (2 * j + e);
   } else {
 #pragma unroll
     for (int j = 0; j < 32; ++j)
@@ -259,16 +253,9 @@ __device__ __forceinline__ void pack_rows(const float* acc, const PackArgs& p, i
       const int below = s < q ? 2 * jl + 2 : (s > q ? 2 * jl : 2 * jl + e);
       rank += __popcll((quad[s] >> sh) & low_bits(below));
     }
-    // pair[j] for a run-time j: a tree of selects on j's bits (31 selects, no compares).
-    unsigned l16[16], l8[8], l4[4];
+    unsigned word = 0;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) l16[i] = (j & 16) ? pair[i + 16] : pair[i];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) l8[i] = (j & 8) ? l16[i + 8] : l16[i];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) l4[i] = (j & 4) ? l8[i + 4] : l8[i];
-    const unsigned l2a = (j & 2) ? l4[2] : l4[0], l2b = (j & 2) ? l4[3] : l4[1];
-    const unsigned word = (j & 1) ? l2b : l2a;
+    for (int jj = 0; jj < 32; ++jj) word = jj == j ? pair[jj] : word;
     const T v = value_of<T>(word >> (16 * e));
     if (rank < p.capacity) {
       s_val[r * row_slots + st * p.capacity + rank] = v;
