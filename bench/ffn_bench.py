@@ -19,7 +19,7 @@ from typing import Any
 import cupy as cp
 
 import twellsparse as ts
-from twellsparse import _gpu_ops, _stationary
+from twellsparse import _gpu_ops, _gpu_producer, _stationary
 from twellsparse._environment import append_records, environment
 from twellsparse._gpu_ops import gemm_nt
 from twellsparse._timing import Timer
@@ -77,13 +77,6 @@ def with_setting(module: Any, name: str, value: bool, fn: Callable[[], Any]) -> 
             setattr(module, name, saved)
 
     return run
-
-
-def with_producer_setting(name: str, value: bool, fn: Callable[[], Any]) -> Callable[[], Any]:
-    """``fn`` run with ``twellsparse._gpu_producer.<name>`` set to ``value`` (restored after)."""
-    from twellsparse import _gpu_producer
-
-    return with_setting(_gpu_producer, name, value, fn)
 
 
 def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Timer, hidden: Timer) -> dict[str, Any]:
@@ -184,9 +177,18 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
         ),
         "sddmm_up_portable": (lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="portable").data, None),
         # The GEMM, then the pack scanning its whole output (the cuBLASLt ReLU-mask producer off).
-        "producer_dense_scan": (with_producer_setting("ENABLED", False, lambda: ts.linear_to_twell(x, wg)), h_dense),
-        "gated_ffn_mask_consumer": (with_producer_setting("MASK_CONSUMER", True, lambda: gated_plan(x)), ref_gated),
-        "ffn_mask_consumer": (with_producer_setting("MASK_CONSUMER", True, lambda: plain_plan(x)), ref_plain_plan),
+        "producer_dense_scan": (
+            with_setting(_gpu_producer, "ENABLED", False, lambda: ts.linear_to_twell(x, wg)),
+            h_dense,
+        ),
+        "gated_ffn_mask_consumer": (
+            with_setting(_gpu_producer, "MASK_CONSUMER", True, lambda: gated_plan(x)),
+            ref_gated,
+        ),
+        "ffn_mask_consumer": (
+            with_setting(_gpu_producer, "MASK_CONSUMER", True, lambda: plain_plan(x)),
+            ref_plain_plan,
+        ),
     }
     for name, (fn, expect) in variants.items():
         try:

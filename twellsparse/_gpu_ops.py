@@ -94,16 +94,14 @@ def spmm(
     ``out = A @ b + A2 @ b2``, summed in the same fp32 accumulators on the gather path.
     """
     m = parts.data.shape[0]
-    if second is None and path == "auto" and _stationary.chosen(m, b.shape[0], b, out):
-        return _stationary.spmm(parts, tile_n, b, out)
-    if second is None and path == "stationary":
-        if _stationary.applies(b.shape[0], b, out):
-            return _stationary.spmm(parts, tile_n, b, out)
+    b, ldb = row_stride(b)  # once: the stationary check and kernel then take b as it is
+    if second is None and path == "stationary" and not _stationary.applies(b.shape[0], b, out):
         raise ValueError(
             "path: 'stationary' needs 2-byte values, 16-byte-aligned rows and a 16-column slice of b "
             f"(b.shape[0] * 32 bytes) that fits in shared memory; got {b.dtype} b of shape {b.shape}"
         )
-    b, ldb = row_stride(b)
+    if second is None and (path == "stationary" or (path == "auto" and _stationary.chosen(m, b.shape[0], b, out))):
+        return _stationary.spmm(parts, tile_n, b, out)
     k = b.shape[1]
     ldo = np.int64(max(out.strides[0] // out.itemsize, k, 1))
     b2, ldb2 = row_stride(second[1]) if second is not None else (None, 0)

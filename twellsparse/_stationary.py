@@ -34,11 +34,12 @@ THREADS = 1024
 #: 0.25%; at 8192 and 4096 rows it loses below 1%.
 MIN_ROWS = 16384
 _SWITCH = {"": None, "1": True, "0": False}
-if os.environ.get("TWELL_STATIONARY", "") not in _SWITCH:
-    raise ValueError(f"TWELL_STATIONARY: expected 0 or 1, got {os.environ['TWELL_STATIONARY']!r}")
+_switch = os.environ.get("TWELL_STATIONARY", "")
+if _switch not in _SWITCH:
+    raise ValueError(f"TWELL_STATIONARY: expected 0 or 1, got {_switch!r}")
 #: Whether ``matmul`` takes this kernel where it applies: True (``TWELL_STATIONARY=1``: always),
 #: False (``TWELL_STATIONARY=0``: never), None (unset: from :data:`MIN_ROWS` rows on).
-PREFERRED: bool | None = _SWITCH[os.environ.get("TWELL_STATIONARY", "")]
+PREFERRED: bool | None = _SWITCH[_switch]
 
 
 def _cp() -> Any:
