@@ -227,7 +227,14 @@ __device__ __forceinline__ void pack_rows(const float* acc, const PackArgs& p, i
 #pragma unroll
   for (int s = 0; s < 4; ++s) quad[s] = shfl_u64(mine, (lane & ~3) | s);
 
-  // Per row-tile: totals, unused slots, counts; which row-tiles overflow.
+  // Every slot of the 8 rows starts unused (value 0, index -1): 16-byte stores, row_slots of
+  // them per array (8 rows x row_slots x 2 bytes), before the kept entries overwrite theirs.
+  for (int v = lane; v < row_slots; v += 32) {
+    reinterpret_cast<uint4*>(s_val)[v] = make_uint4(0u, 0u, 0u, 0u);  // 0 is +0.0 in both types
+    reinterpret_cast<uint4*>(s_idx)[v] = make_uint4(~0u, ~0u, ~0u, ~0u);
+  }
+  __syncwarp();
+  // Per row-tile: totals, counts; which row-tiles overflow.
   unsigned over = 0;
   for (int st = 0; st < tiles_here; ++st) {
     const unsigned long long sel = low_bits(lane_bits);
@@ -235,10 +242,6 @@ __device__ __forceinline__ void pack_rows(const float* acc, const PackArgs& p, i
     int total = 0;
 #pragma unroll
     for (int s = 0; s < 4; ++s) total += __popcll((quad[s] >> sh) & sel);
-    for (int k = total + q; k < p.capacity; k += 4) {
-      s_val[r * row_slots + st * p.capacity + k] = zero_value<T>();
-      s_idx[r * row_slots + st * p.capacity + k] = -1;
-    }
     const int tile = tile0 + st;
     if (row < p.M && tile < p.n_tiles) {
       if (q == 0) {
@@ -296,11 +299,12 @@ __device__ __forceinline__ void pack_rows(const float* acc, const PackArgs& p, i
   const int live_tiles = min(tiles_here, p.n_tiles - tile0);
   const int val_vectors = live_tiles * p.capacity * (int)sizeof(T) / 16;
   const int idx_vectors = live_tiles * p.capacity / 8;
-  const int per_row = val_vectors + idx_vectors;
-  for (int v = lane; v < 8 * per_row; v += 32) {
-    const int rr = v / per_row, k = v % per_row;
+  static_assert(MAX_ROW_SLOTS / 4 <= 16, "a row's 16-byte vectors fit in a half-warp");
+  const int per_row = val_vectors + idx_vectors;  // at most MAX_ROW_SLOTS / 4
+  const int k = lane & 15;  // a half-warp per row, two rows per step: no division
+  for (int rr = lane >> 4; rr < 8; rr += 2) {
     const long long grow = row0 + I * 8 + rr;
-    if (grow >= p.M) continue;
+    if (grow >= p.M || k >= per_row) continue;
     const long long slot0 = (grow * p.n_tiles + tile0) * p.capacity;
     if (k < val_vectors)
       reinterpret_cast<uint4*>(data + slot0)[k] = reinterpret_cast<const uint4*>(s_val + rr * row_slots)[k];
