@@ -137,12 +137,17 @@ __device__ __forceinline__ unsigned long long shfl_u64(unsigned long long v, int
   return ((unsigned long long)hi << 32) | lo;
 }
 
-// The largest fp32 value that rounds (to nearest, ties to even) to zero in T: half the smallest
-// subnormal of T, 2^-134 for bf16 (an fp32 subnormal) and 2^-25 for f16. A float z rounds to a
-// positive T (+inf included) exactly when z > zero_ceiling<T>(); NaN fails the compare.
-template <typename T> __device__ __forceinline__ float zero_ceiling();
-template <> __device__ __forceinline__ float zero_ceiling<bf16>() { return __uint_as_float(0x00008000u); }
-template <> __device__ __forceinline__ float zero_ceiling<f16>() { return __uint_as_float(0x33000000u); }
+// Whether half e of a rounded pair is positive and not NaN (+inf included): what plain relu
+// keeps. bf16: the half as the float it widens to, one fp32 compare (subnormals compare as
+// themselves, so the mask follows the stored bits exactly); f16: its bit pattern lies in
+// 1 .. the pattern of +inf.
+template <typename T> __device__ __forceinline__ bool positive_half(unsigned pair, int e);
+template <> __device__ __forceinline__ bool positive_half<bf16>(unsigned pair, int e) {
+  return __uint_as_float(e ? pair & 0xffff0000u : pair << 16) > 0.f;
+}
+template <> __device__ __forceinline__ bool positive_half<f16>(unsigned pair, int e) {
+  return ((pair >> (16 * e)) & 0xFFFFu) - 1u < 0x7C00u;
+}
 
 // Two fp32 values rounded to T in one instruction: lo in the low half, hi in the high half.
 template <typename T> __device__ __forceinline__ unsigned rounded_pair(float lo, float hi);
@@ -206,15 +211,15 @@ __device__ __forceinline__ void pack_rows(const float* acc, const PackArgs& p, i
   }
   unsigned long long mine = 0;
   if (plain_relu) {
-    // relu without a threshold keeps exactly the entries whose rounded value is positive (NaN
-    // is not kept): one fp32 compare per entry on the accumulator, each half of the mask built
-    // in its own 32-bit register.
+    // relu without a threshold keeps exactly the entries whose rounded value is positive and
+    // not NaN; each half of the mask is built in its own 32-bit register (a compare and a
+    // predicated add per entry, no 64-bit shifts).
     unsigned half_mask[2] = {0u, 0u};
 #pragma unroll
     for (int j = 0; j < 32; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e)
-        if (acc[4 * j + 2 * I + e] > zero_ceiling<T>()) half_mask[j >> 4] |= 1u << ((2 * j + e) & 31);
+        if (positive_half<T>(pair[j], e)) half_mask[j >> 4] |= 1u << ((2 * j + e) & 31);
     mine = ((unsigned long long)half_mask[1] << 32) | half_mask[0];
   } else {
 #pragma unroll
