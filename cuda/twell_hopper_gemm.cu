@@ -137,9 +137,17 @@ __device__ __forceinline__ unsigned long long shfl_u64(unsigned long long v, int
   return ((unsigned long long)hi << 32) | lo;
 }
 
-template <typename T> __device__ __forceinline__ unsigned positive_inf_bits();
-template <> __device__ __forceinline__ unsigned positive_inf_bits<bf16>() { return 0x7F80u; }
-template <> __device__ __forceinline__ unsigned positive_inf_bits<f16>() { return 0x7C00u; }
+// Whether half e of a rounded pair is positive and not NaN (+inf included): what plain relu
+// keeps. bf16: the half as the float it widens to, one fp32 compare (subnormals compare as
+// themselves, so the mask follows the stored bits exactly); f16: its bit pattern lies in
+// 1 .. the pattern of +inf.
+template <typename T> __device__ __forceinline__ bool positive_half(unsigned pair, int e);
+template <> __device__ __forceinline__ bool positive_half<bf16>(unsigned pair, int e) {
+  return __uint_as_float(e ? pair & 0xffff0000u : pair << 16) > 0.f;
+}
+template <> __device__ __forceinline__ bool positive_half<f16>(unsigned pair, int e) {
+  return ((pair >> (16 * e)) & 0xFFFFu) - 1u < 0x7C00u;
+}
 
 // Two fp32 values rounded to T in one instruction: lo in the low half, hi in the high half.
 template <typename T> __device__ __forceinline__ unsigned rounded_pair(float lo, float hi);
@@ -203,13 +211,16 @@ __device__ __forceinline__ void pack_rows(const float* acc, const PackArgs& p, i
   }
   unsigned long long mine = 0;
   if (plain_relu) {
-    // relu without a threshold keeps exactly the entries whose value is positive and not NaN:
-    // as 16-bit patterns, 1 .. the pattern of +inf (one compare instead of a conversion).
+    // relu without a threshold keeps exactly the entries whose rounded value is positive and
+    // not NaN; each half of the mask is built in its own 32-bit register (a compare and a
+    // predicated add per entry, no 64-bit shifts).
+    unsigned half_mask[2] = {0u, 0u};
 #pragma unroll
     for (int j = 0; j < 32; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e)
-        if (((pair[j] >> (16 * e)) & 0xFFFFu) - 1u < positive_inf_bits<T>()) mine |= 1ull << (2 * j + e);
+        if (positive_half<T>(pair[j], e)) half_mask[j >> 4] |= 1u << ((2 * j + e) & 31);
+    mine = ((unsigned long long)half_mask[1] << 32) | half_mask[0];
   } else {
 #pragma unroll
     for (int j = 0; j < 32; ++j)
@@ -221,7 +232,14 @@ __device__ __forceinline__ void pack_rows(const float* acc, const PackArgs& p, i
 #pragma unroll
   for (int s = 0; s < 4; ++s) quad[s] = shfl_u64(mine, (lane & ~3) | s);
 
-  // Per row-tile: totals, unused slots, counts; which row-tiles overflow.
+  // Every slot of the 8 rows starts unused (value 0, index -1): 16-byte stores, row_slots of
+  // them per array (8 rows x row_slots x 2 bytes), before the kept entries overwrite theirs.
+  for (int v = lane; v < row_slots; v += 32) {
+    reinterpret_cast<uint4*>(s_val)[v] = make_uint4(0u, 0u, 0u, 0u);  // 0 is +0.0 in both types
+    reinterpret_cast<uint4*>(s_idx)[v] = make_uint4(~0u, ~0u, ~0u, ~0u);
+  }
+  __syncwarp();
+  // Per row-tile: totals, counts; which row-tiles overflow.
   unsigned over = 0;
   for (int st = 0; st < tiles_here; ++st) {
     const unsigned long long sel = low_bits(lane_bits);
@@ -229,10 +247,6 @@ __device__ __forceinline__ void pack_rows(const float* acc, const PackArgs& p, i
     int total = 0;
 #pragma unroll
     for (int s = 0; s < 4; ++s) total += __popcll((quad[s] >> sh) & sel);
-    for (int k = total + q; k < p.capacity; k += 4) {
-      s_val[r * row_slots + st * p.capacity + k] = zero_value<T>();
-      s_idx[r * row_slots + st * p.capacity + k] = -1;
-    }
     const int tile = tile0 + st;
     if (row < p.M && tile < p.n_tiles) {
       if (q == 0) {
@@ -253,9 +267,16 @@ __device__ __forceinline__ void pack_rows(const float* acc, const PackArgs& p, i
       const int below = s < q ? 2 * jl + 2 : (s > q ? 2 * jl : 2 * jl + e);
       rank += __popcll((quad[s] >> sh) & low_bits(below));
     }
-    unsigned word = 0;
+    // pair[j] for a run-time j: a tree of selects on j's bits (31 selects, no compares).
+    unsigned l16[16], l8[8], l4[4];
 #pragma unroll
-    for (int jj = 0; jj < 32; ++jj) word = jj == j ? pair[jj] : word;
+    for (int i = 0; i < 16; ++i) l16[i] = (j & 16) ? pair[i + 16] : pair[i];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) l8[i] = (j & 8) ? l16[i + 8] : l16[i];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) l4[i] = (j & 4) ? l8[i + 4] : l8[i];
+    const unsigned l2a = (j & 2) ? l4[2] : l4[0], l2b = (j & 2) ? l4[3] : l4[1];
+    const unsigned word = (j & 1) ? l2b : l2a;
     const T v = value_of<T>(word >> (16 * e));
     if (rank < p.capacity) {
       s_val[r * row_slots + st * p.capacity + rank] = v;
@@ -283,11 +304,12 @@ __device__ __forceinline__ void pack_rows(const float* acc, const PackArgs& p, i
   const int live_tiles = min(tiles_here, p.n_tiles - tile0);
   const int val_vectors = live_tiles * p.capacity * (int)sizeof(T) / 16;
   const int idx_vectors = live_tiles * p.capacity / 8;
-  const int per_row = val_vectors + idx_vectors;
-  for (int v = lane; v < 8 * per_row; v += 32) {
-    const int rr = v / per_row, k = v % per_row;
+  static_assert(MAX_ROW_SLOTS / 4 <= 16, "a row's 16-byte vectors fit in a half-warp");
+  const int per_row = val_vectors + idx_vectors;  // at most MAX_ROW_SLOTS / 4
+  const int k = lane & 15;  // a half-warp per row, two rows per step: no division
+  for (int rr = lane >> 4; rr < 8; rr += 2) {
     const long long grow = row0 + I * 8 + rr;
-    if (grow >= p.M) continue;
+    if (grow >= p.M || k >= per_row) continue;
     const long long slot0 = (grow * p.n_tiles + tile0) * p.capacity;
     if (k < val_vectors)
       reinterpret_cast<uint4*>(data + slot0)[k] = reinterpret_cast<const uint4*>(s_val + rr * row_slots)[k];
