@@ -132,6 +132,8 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
         "gated_ffn": lambda: gated_plan(x),
     }
     gpu_only = {name: hidden(fn)[1] for name, fn in main_rows.items()}
+    if args.no_variants:
+        return _record(args, pattern, density, h, rows, gpu_only, provider, gated_auto, plain_auto, errors)
     # Kernel variants under development: checked against the default path first, and a failure
     # is recorded instead of stopping the benchmark.
     ref_down = ts.matmul(h, wd_t)
@@ -200,6 +202,22 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
             rows[name] = ms(fn)
         except Exception as exc:  # record and go on: the default paths above are what is reported
             rows[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    return _record(args, pattern, density, h, rows, gpu_only, provider, gated_auto, plain_auto, errors)
+
+
+def _record(
+    args: argparse.Namespace,
+    pattern: str,
+    density: float,
+    h: Any,
+    rows: dict[str, Any],
+    gpu_only: dict[str, Any],
+    provider: str,
+    gated_auto: Any,
+    plain_auto: Any,
+    errors: dict[str, float],
+) -> dict[str, Any]:
+    """One case's JSON record: times, speed-ups over dense, the auto plans' paths, errors."""
     return {
         "kind": "ffn",
         "dense_provider": provider,
@@ -288,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--patterns", default="uniform,skewed")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="small problem, few reps (smoke test)")
+    ap.add_argument("--no-variants", action="store_true", help="the main and auto rows only (no kernel variants)")
     ap.add_argument("--profile", action="store_true", help="one call of each sparse op, for ncu")
     ap.add_argument("--out", help="append JSON lines here")
     args = ap.parse_args(argv)

@@ -44,9 +44,13 @@ for step in $what; do
       ;;&
     widths|all)
       # The other widths of the issue and the M sweep (uniform and skewed, 0.25-5% density).
-      for shape in "--d-model 4096 --d-ff 14336 --m 16384" "--m 4096" "--m 65536"; do
-        python3 bench/ffn_bench.py $shape --densities 0.0025,0.005,0.01,0.02,0.05 --reps 10 \
-          --out "$OUT/ffn_bench.jsonl" 2>&1 | tee -a "$OUT/ffn_widths.log"
+      # Main and auto rows only, densities around the crossings too (the break-even data).
+      # Skewed as well at 4096 tokens, where the sparse path's fixed costs weigh most.
+      for shape in "--m 4096 --patterns uniform,skewed" "--d-model 4096 --d-ff 14336 --m 4096 --patterns uniform" \
+        "--d-model 4096 --d-ff 14336 --m 16384 --patterns uniform" "--m 16384 --patterns uniform" \
+        "--m 65536 --patterns uniform"; do
+        python3 bench/ffn_bench.py $shape --densities 0.0025,0.005,0.0075,0.01,0.015,0.02,0.05 --reps 10 \
+          --no-variants --out "$OUT/ffn_bench.jsonl" 2>&1 | tee -a "$OUT/ffn_widths.log"
         status=$((status | ${PIPESTATUS[0]}))
       done
       ;;&
