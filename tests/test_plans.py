@@ -118,3 +118,13 @@ def test_plan_out_validation(rng):
         with pytest.raises((ValueError, TypeError), match=match):
             plan(p["x"], out=bad)
     np.testing.assert_array_equal(p["x"], keep)
+
+
+def test_stationary_breakeven_falls_with_rows_and_columns():
+    from twellsparse import _stationary
+
+    assert _stationary.breakeven_entries(16384, 2048) == pytest.approx(_stationary.BREAKEVEN_ENTRIES)
+    assert _stationary.breakeven_entries(4096, 2048) == pytest.approx(2 * _stationary.BREAKEVEN_ENTRIES)
+    assert _stationary.breakeven_entries(65536, 2048) == pytest.approx(_stationary.BREAKEVEN_ENTRIES / 2)
+    assert _stationary.breakeven_entries(16384, 4096) == pytest.approx(_stationary.BREAKEVEN_ENTRIES / 2)
+    assert _stationary.breakeven_entries(0, 0) > 0  # empty shapes: no division by zero

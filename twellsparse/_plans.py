@@ -261,7 +261,10 @@ class _FFNPlanBase:
         def tail(parts: Any) -> Any:
             h = twell_array._from_parts(parts, shape, self.tile_n)
             if w_lin is None:
-                return matmul(h, self._w_down_t, out=target)
+                from . import _stationary  # the density estimate picks the kernel (_stationary.chosen)
+
+                with _stationary.expected_density(sampled):
+                    return matmul(h, self._w_down_t, out=target)
             return gated_product(xx, w_lin, self._w_down_t, h, out=target)[0]
 
         if self._fixed_spill_applies(xx, w_lin, dt):

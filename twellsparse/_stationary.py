@@ -10,7 +10,11 @@ multiple of :data:`BATCH`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import math
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -25,14 +29,21 @@ SLICE_COLS = 16
 BATCH = 8
 #: Threads per block (STATIONARY_WARPS warps of 32).
 THREADS = 1024
-#: Fewest rows of A for which ``matmul`` takes this kernel by itself: every block stages its
-#: slice of all of B and reads all of A, a fixed cost that the row gathers do not pay, so it
-#: pays off only with many rows. Measured on the H200 with the standard widths
-#: (bench/results/2026-12-03-down-choice.jsonl, bench/down_choice.py): at 16384 rows it ties
-#: the gathers at 0.5% density (0.250 / 0.252 ms), wins at 1% and 2% (0.423 / 0.463, 0.758 /
-#: 0.881) and loses at 0.25% (0.161 / 0.147); at 65536 rows it wins at every density from
-#: 0.25%; at 8192 and 4096 rows it loses below 1%.
+#: Fewest rows of A for which ``matmul`` takes this kernel when nothing says how dense A is:
+#: every block stages its slice of all of B and reads all of A, a fixed cost that the row
+#: gathers do not pay, so it pays off only with many rows. Measured on the H200 with the
+#: standard widths (bench/results/2026-12-03-down-choice.jsonl, bench/down_choice.py): at 16384
+#: rows it ties the gathers at 0.5% density (0.250 / 0.252 ms), wins at 1% and 2% (0.423 /
+#: 0.463, 0.758 / 0.881) and loses at 0.25% (0.161 / 0.147); at 65536 rows it wins at every
+#: density from 0.25%; at 8192 and 4096 rows it loses below 1%.
 MIN_ROWS = 16384
+#: Entries per row of A from which the kernel beats the row gathers, at 16384 rows of A and
+#: 2048 columns of B, when the caller says how dense A is (:func:`expected_density`). The same
+#: data put the crossing near 56 entries per row at 4096 rows, 28-40 at 8192, 28 at 16384 and
+#: 14 at 65536 (it falls as the square root of the rows: the fixed cost is paid once per call),
+#: and below 14 at 16384 rows with 4096 columns (the gathers' rows are twice as long).
+BREAKEVEN_ENTRIES = 28.0
+_expected_density: contextvars.ContextVar[float | None] = contextvars.ContextVar("expected_density", default=None)
 _SWITCH = {"": None, "1": True, "0": False}
 _switch = os.environ.get("TWELL_STATIONARY", "")
 if _switch not in _SWITCH:
@@ -65,11 +76,35 @@ def applies(n: int, b: Any, out: Any) -> bool:
     return slice_bytes(n, 2) <= K.device_attribute("MaxSharedMemoryPerBlockOptin")
 
 
+@contextlib.contextmanager
+def expected_density(density: float) -> Iterator[None]:
+    """Within the block, ``matmul``'s "auto" choice takes A's density to be about ``density``
+    (a plan's estimate, see :func:`breakeven_entries`); a NaN leaves the rule by rows alone."""
+    token = _expected_density.set(density if math.isfinite(density) else None)
+    try:
+        yield
+    finally:
+        _expected_density.reset(token)
+
+
+def breakeven_entries(m: int, k: int) -> float:
+    """Entries per row of an ``m``-row A above which the kernel beats the row gathers for a B
+    of ``k`` columns (:data:`BREAKEVEN_ENTRIES` scaled by sqrt(16384 / m) and 2048 / k)."""
+    return BREAKEVEN_ENTRIES * math.sqrt(16384 / max(m, 1)) * (2048 / max(k, 1))
+
+
 def chosen(m: int, n: int, b: Any, out: Any) -> bool:
     """Whether ``matmul``'s "auto" path takes the stationary kernel for ``(m x n) @ b -> out``
-    (:data:`PREFERRED`, :data:`MIN_ROWS`, :func:`applies`)."""
-    if PREFERRED is False or (PREFERRED is None and m < MIN_ROWS):
+    (:data:`PREFERRED`; then the expected density against :func:`breakeven_entries`, or without
+    one :data:`MIN_ROWS`; then :func:`applies`)."""
+    if PREFERRED is False:
         return False
+    if PREFERRED is None:
+        density = _expected_density.get()
+        if density is None and m < MIN_ROWS:
+            return False
+        if density is not None and density * n < breakeven_entries(m, b.shape[1]):
+            return False
     return applies(n, b, out)
 
 
