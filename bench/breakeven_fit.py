@@ -17,6 +17,7 @@ Usage: python bench/breakeven_fit.py bench/results/2026-12-03-ffn-widths.jsonl [
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from collections import defaultdict
 from typing import Any
@@ -49,7 +50,7 @@ def crossings(records: list[dict[str, Any]], commit: str | None = None) -> dict[
 def _crossing(pts: list[tuple[float, float]]) -> float:
     if pts[0][1] >= 1.0:
         return float("nan")
-    for (d0, r0), (d1, r1) in zip(pts, pts[1:], strict=False):
+    for (d0, r0), (d1, r1) in itertools.pairwise(pts):
         if r0 < 1.0 <= r1:
             return d0 + (1.0 - r0) * (d1 - d0) / (r1 - r0)
     return float("inf")

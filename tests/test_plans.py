@@ -128,3 +128,44 @@ def test_stationary_breakeven_falls_with_rows_and_columns():
     assert _stationary.breakeven_entries(65536, 2048) == pytest.approx(_stationary.BREAKEVEN_ENTRIES / 2)
     assert _stationary.breakeven_entries(16384, 4096) == pytest.approx(_stationary.BREAKEVEN_ENTRIES / 2)
     assert _stationary.breakeven_entries(0, 0) > 0  # empty shapes: no division by zero
+
+
+def test_default_breakeven_follows_the_measured_crossings():
+    from twellsparse import _dispatch
+
+    standard = _dispatch.CROSSINGS[(2048, 5632)]
+    for kind in ("ffn", "gated_ffn"):
+        for tokens, density in standard[kind]:  # at the measured points, the measured value
+            assert _dispatch.dense_breakeven(kind, tokens, 2048, 5632) == pytest.approx(density)
+        (t0, d0), (t1, d1) = standard[kind][:2]
+        middle = _dispatch.dense_breakeven(kind, int((t0 * t1) ** 0.5), 2048, 5632)
+        assert middle == pytest.approx((d0 + d1) / 2)  # linear in log2 of the tokens
+        assert _dispatch.dense_breakeven(kind, 1, 2048, 5632) == pytest.approx(d0)  # held at the ends
+        assert _dispatch.dense_breakeven(kind, 10**7, 2048, 5632) == pytest.approx(standard[kind][-1][1])
+    # Other widths take the nearest measured family (log scale); degenerate shapes still answer.
+    wide = _dispatch.CROSSINGS[(4096, 14336)]["gated_ffn"][0][1]
+    assert _dispatch.dense_breakeven("gated_ffn", 4096, 5120, 13824) == pytest.approx(wide)
+    assert _dispatch.dense_breakeven("ffn", 0, 0, 0) > 0
+
+
+def test_plans_take_the_shape_breakeven_and_sample_less_when_clear(rng, monkeypatch):
+    from twellsparse import _dispatch, _plans
+
+    p = ffn_problem(64, 16, 96, 0.2, "uniform", np.float32, rng)
+    plan = ts.FFN(p["w_gate"], p["w_down"], tile_n=32, dispatch="auto")
+    assert plan.breakeven is None
+    assert plan.breakeven_for(4096) == pytest.approx(_dispatch.dense_breakeven("ffn", 4096, 16, 96))
+    assert ts.FFN(p["w_gate"], p["w_down"], breakeven=0.3).breakeven_for(4096) == 0.3
+    samples = []
+    real = _plans._FFNPlanBase._kept_fraction
+    monkeypatch.setattr(_plans._FFNPlanBase, "_kept_fraction", lambda self, z: samples.append(1) or real(self, z))
+    for _ in range(2 * _plans.RESAMPLE_EVERY + 1):
+        plan(p["x"])
+        assert plan.last_stats["path"] == "dense"  # 20% against a break-even near 1%
+    # The first call samples twice (its decision, then its post); later ones every RESAMPLE_EVERY.
+    assert len(samples) == 2 + 2
+    near = ts.FFN(p["w_gate"], p["w_down"], tile_n=32, dispatch="auto", breakeven=0.19)
+    samples.clear()
+    for _ in range(5):
+        near(p["x"])
+    assert len(samples) == 1 + 5  # near the break-even: every call

@@ -17,6 +17,7 @@ import numpy as np
 
 from . import _reference as ref
 from ._backend import array_module, cupy_module, is_cupy_array, result_dtype, value_dtype
+from ._dispatch import dense_breakeven
 from ._errors import TwELLFallbackWarning, TwELLSpillCapacityError
 from ._ops import (
     _dense,
@@ -35,16 +36,13 @@ from ._posted import PostedScalar
 from ._twell import twell_array
 from ._validation import check_activation, check_capacity, check_spill_capacity, check_threshold, check_tile_n
 
-#: Density above which ``dispatch="auto"`` runs the dense remainder of the block instead of the
-#: sparse kernels: where the measured sparse/dense ratio of bench/ffn_bench.py on the H200
-#: (bench/results/2026-12-02-ffn.jsonl, commit b6238d8) crosses the dense remainder's. Gated:
-#: sparse 1.17x-1.24x dense at 0.5%, 0.89x-0.94x at 1%, dense remainder 1.03x, crossing near
-#: 0.8%. Non-gated: sparse 0.98x-1.00x at 0.5%, 0.81x-0.82x at 1%, dense remainder 0.92x-0.97x,
-#: crossing near 0.6%. Rerun the benchmark and update these whenever the kernels change.
-DENSE_BREAKEVEN = {"ffn": 0.006, "gated_ffn": 0.008}
-
 #: Rows sampled to estimate the activation density before choosing a path.
 DENSITY_SAMPLE_ROWS = 256
+#: While the estimate is clearly on one side of the break-even (below 0.8x or above 1.25x it),
+#: ``dispatch="auto"`` samples the density only every this many calls: the sampling's small
+#: kernels cost ~5% of a dense block at 4096 tokens (auto's dense remainder ran at 0.93-0.95x
+#: dense there, bench/results/2026-12-03-ffn-widths.jsonl), and densities drift slowly.
+RESAMPLE_EVERY = 8
 
 DISPATCH = ("auto", "sparse", "dense")
 
@@ -101,7 +99,9 @@ class _FFNPlanBase:
         if dispatch not in DISPATCH:
             raise ValueError(f"dispatch: expected one of {', '.join(DISPATCH)}, got {dispatch!r}")
         self.dispatch = dispatch
-        self.breakeven = DENSE_BREAKEVEN[kind] if breakeven is None else float(breakeven)
+        self.breakeven = None if breakeven is None else float(breakeven)
+        self._kind = kind
+        self._calls_since_sample = 0
         arrays = {name: _dense(w, name) for name, w in weights.items()}
         first_name = next(iter(arrays))
         _same_device(first_name, arrays[first_name], **arrays)
@@ -121,6 +121,15 @@ class _FFNPlanBase:
     @property
     def dtype(self) -> Any:
         return value_dtype(self._weights["w_down"].dtype)
+
+    def breakeven_for(self, tokens: int) -> float:
+        """The density above which ``dispatch="auto"`` runs a call of ``tokens`` rows dense: the
+        plan's ``breakeven`` when given, else the measured break-even of its widths
+        (:func:`twellsparse._dispatch.dense_breakeven`)."""
+        if self.breakeven is not None:
+            return self.breakeven
+        d_ff, d_model = next(iter(self._weights.values())).shape
+        return dense_breakeven(self._kind, tokens, d_model, d_ff)
 
     @property
     def last_stats(self) -> dict[str, Any]:
@@ -186,12 +195,14 @@ class _FFNPlanBase:
             return self._sparse_tail(xx, fused[0], fused[1], w_lin, dt, out, shape, fused[2])
         z, relu_mask = self._preactivation(xx, w[act_name])
         sampled = float("nan")
+        breakeven = self.breakeven_for(xx.shape[0])
         if self.dispatch == "auto":
             # The previous call's density (read without waiting); the first call samples and waits.
             estimate = self._density.value()
             sampled = float(self._kept_fraction(z)) if estimate is None else estimate
-            self._density.post(self._kept_fraction(z))
-        if self.dispatch == "dense" or (self.dispatch == "auto" and sampled > self.breakeven):
+            if self._resample(estimate, breakeven):
+                self._density.post(self._kept_fraction(z))
+        if self.dispatch == "dense" or (self.dispatch == "auto" and sampled > breakeven):
             self._last = ("dense", sampled, None)
             activated = relu_mask is not None  # the ReLU-mask producer's z is relu(z) already
             return dense_ffn_tail(xx, z, w_lin, w["w_down"], dt, self.activation, self.threshold, activated)
@@ -214,6 +225,16 @@ class _FFNPlanBase:
             )
         return self._sparse_tail(xx, first_parts, finish, w_lin, dt, out, shape, sampled)
 
+    def _resample(self, estimate: float | None, breakeven: float) -> bool:
+        """Whether this call samples the density again: always near the break-even or without an
+        estimate, else every :data:`RESAMPLE_EVERY` calls."""
+        self._calls_since_sample += 1
+        clear = estimate is not None and not (0.8 * breakeven <= estimate <= 1.25 * breakeven)
+        if clear and self._calls_since_sample < RESAMPLE_EVERY:
+            return False
+        self._calls_since_sample = 0
+        return True
+
     def _fused_producer(self, xx: Any, w_act: Any) -> tuple[Any, Any, float] | None:
         """``(first parts, finish, density estimate)`` of the pack straight from the GEMM
         (``_hopper_producer``: no dense pre-activations) when it serves the call and the sparse
@@ -230,7 +251,7 @@ class _FFNPlanBase:
         if not _hopper_producer.applies(xx, w_act, self.activation, self.threshold, self.tile_n, self.capacity):
             return None
         estimate = self._density.value() if self.dispatch == "auto" else float("nan")
-        if estimate is None or estimate > self.breakeven:
+        if estimate is None or estimate > self.breakeven_for(xx.shape[0]):
             return None
         first_parts, finish = _hopper_producer.linear_to_parts_deferred(
             xx, w_act, self.activation, self.tile_n, self.capacity, self.threshold
@@ -418,12 +439,15 @@ class FFN(_FFNPlanBase):
     dispatch : {"auto", "sparse", "dense"}
         ``"auto"`` (default) runs the dense remainder when the activation density is above
         ``breakeven``, the sparse one below it. The density is sampled from 256 evenly spaced
-        rows after the first GEMM; a call decides on the previous call's sample (read without
-        a host synchronisation), the first call on its own. ``"sparse"`` always runs the TwELL
+        rows after the first GEMM; a call decides on the previous sample (read without a host
+        synchronisation), the first call on its own; while the estimate is far from the
+        break-even it is refreshed every ``RESAMPLE_EVERY`` (8) calls. ``"sparse"`` always runs the TwELL
         kernels, ``"dense"`` always the dense remainder (cuBLAS and a fused act-mul kernel).
         All compute the same function; ``last_stats["path"]`` says which ran.
     breakeven : float, optional
-        Density threshold for ``"auto"``; default ``DENSE_BREAKEVEN`` (measured on the H200).
+        Density threshold for ``"auto"``; default: the break-even measured on the H200 for the
+        plan's widths and each call's tokens (:meth:`breakeven_for`; about 0.6-0.8% at 4096
+        tokens, 1.0-1.2% at 16384-65536 tokens of d_model 2048 / d_ff 5632).
     spill_capacity : int, optional
         A fixed length for the spill of overflowing row-tiles, so that a GPU call never reads
         anything back to the host (and can be captured in a CUDA graph with ``dispatch`` set to

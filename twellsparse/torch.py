@@ -22,9 +22,10 @@ import torch
 from torch import Tensor, nn
 
 from ._backend import array_module, as_array, bfloat16, is_cupy_array
+from ._dispatch import dense_breakeven
 from ._ffn_autodiff import backward_arrays, forward_arrays, with_values
 from ._parts import TwELLParts, trimmed_spill
-from ._plans import DENSE_BREAKEVEN, DENSITY_SAMPLE_ROWS, DISPATCH, raise_for_previous, raise_left_out
+from ._plans import DENSITY_SAMPLE_ROWS, DISPATCH, raise_for_previous, raise_left_out
 from ._posted import PostedScalar
 from ._twell import twell_array
 from ._validation import check_activation, check_capacity, check_spill_capacity, check_threshold, check_tile_n
@@ -412,8 +413,8 @@ class _TwELLMLPBase(nn.Module):
         if dispatch not in DISPATCH:
             raise ValueError(f"dispatch: expected one of {', '.join(DISPATCH)}, got {dispatch!r}")
         self.dispatch = dispatch
-        kind = "gated_ffn" if "gate_proj" in projections else "ffn"
-        self.breakeven = DENSE_BREAKEVEN[kind] if breakeven is None else float(breakeven)
+        self._kind = "gated_ffn" if "gate_proj" in projections else "ffn"
+        self.breakeven = None if breakeven is None else float(breakeven)
         self._hidden: list[Tensor] | None = None  # the last sparse forward's TwELL parts
         self._dense_hidden: Tensor | None = None  # the last dense forward's activations
         self._density = PostedScalar()
@@ -421,7 +422,7 @@ class _TwELLMLPBase(nn.Module):
         self._left_out = PostedScalar()  # entries a fixed spill_capacity could not hold
 
     def _forward(self, x: Tensor, w_act: Tensor, w_lin: Tensor | None, w_down: Tensor) -> Tensor:
-        if self._path() == "dense":
+        if self._path(x.numel() // max(x.shape[-1], 1)) == "dense":
             out, h = _dense_run(x, w_act, w_lin, w_down, self.activation, self.threshold)
             self._hidden, self._dense_hidden = None, h
             if self.dispatch == "auto":
@@ -456,13 +457,18 @@ class _TwELLMLPBase(nn.Module):
         with _on_device(fraction):
             self._density.post(_to_array(fraction.to(torch.float64)))
 
-    def _path(self) -> str:
+    def _path(self, tokens: int) -> str:
         """``"sparse"`` or ``"dense"``: under ``dispatch="auto"`` the previous forward's density
-        (posted without a host sync) against ``breakeven``; the first forward runs sparse."""
+        (posted without a host sync) against ``breakeven`` (by default the measured break-even
+        of the module's widths and this forward's tokens); the first forward runs sparse."""
         if self.dispatch != "auto":
             return self.dispatch
         density = self._density.value()
-        return "dense" if density is not None and density > self.breakeven else "sparse"
+        if self.breakeven is not None:
+            breakeven = self.breakeven
+        else:
+            breakeven = dense_breakeven(self._kind, tokens, self.hidden_size, self.intermediate_size)
+        return "dense" if density is not None and density > breakeven else "sparse"
 
     def l1_penalty(self) -> Tensor:
         """Mean over tokens of the L1 norm of the last forward's hidden activations (the gate's,
@@ -514,7 +520,8 @@ class TwELLMLP(_TwELLMLPBase):
         (a graph break under ``torch.compile``, where "sparse" or "dense" fit better).
     breakeven : float, optional
         Density above which ``"auto"`` runs dense; by default the forward's measured break-even
-        (``twellsparse.FFN``'s). Training's break-even is lower (see ``bench/NOTES.md``).
+        for the module's widths and each forward's tokens (``twellsparse.FFN``'s). Training's
+        break-even is lower (see ``bench/NOTES.md``).
     spill_capacity : int, optional
         A fixed length for the spill of row-tiles above ``capacity`` (as for
         :class:`twellsparse.GatedFFN`): the forward then reads nothing back to the host and can

@@ -1,0 +1,56 @@
+"""When ``dispatch="auto"`` runs an FFN block dense: the break-even activation density by block
+and shape, from crossings measured on the H200.
+
+The crossing (the density where the sparse plan's time equals the dense block's, both measured
+side by side in one run) moves with the shape: at 4096 tokens the sparse path's fixed costs
+(host work, the producer's finish, small launches) weigh more and it falls to about 0.6-0.8%;
+at 16384-65536 tokens of the standard widths it is about 1.0-1.2%; with d_model 4096 and d_ff
+14336 (twice the gathered bytes per entry) about 0.65-0.75%. One constant for all of them left
+up to ~8% on the table at large shapes and ran sparse at 0.76x dense at small ones.
+"""
+
+from __future__ import annotations
+
+import math
+
+#: (d_model, d_ff) -> block -> ((tokens, crossing density), ...): the lower crossing of the
+#: uniform and skewed patterns where both were measured (``bench/breakeven_fit.py`` over
+#: ``bench/results/2026-12-03-ffn.jsonl`` and ``-ffn-widths.jsonl``, commit b871c25, H200).
+#: The non-gated block at 4096 tokens of the standard widths crossed near 0.6% in both patterns
+#: (uniform: 1.05x at 0.5%, 0.93x at 0.75%; its 0.25% point, host-bound, is not used).
+CROSSINGS: dict[tuple[int, int], dict[str, tuple[tuple[int, float], ...]]] = {
+    (2048, 5632): {
+        "ffn": ((4096, 0.0060), (16384, 0.0103), (65536, 0.0121)),
+        "gated_ffn": ((4096, 0.0082), (16384, 0.0102), (65536, 0.0105)),
+    },
+    (4096, 14336): {
+        "ffn": ((4096, 0.0063), (16384, 0.0077)),
+        "gated_ffn": ((4096, 0.0063), (16384, 0.0068)),
+    },
+}
+
+
+def _family(d_model: int, d_ff: int) -> tuple[int, int]:
+    """The measured widths nearest to ``(d_model, d_ff)`` (in log scale)."""
+
+    def distance(widths: tuple[int, int]) -> float:
+        return abs(math.log(max(d_model, 1) / widths[0])) + abs(math.log(max(d_ff, 1) / widths[1]))
+
+    return min(CROSSINGS, key=distance)
+
+
+def dense_breakeven(kind: str, m: int, d_model: int, d_ff: int) -> float:
+    """Density above which ``dispatch="auto"`` runs block ``kind`` ("ffn" or "gated_ffn") dense for
+    ``m`` tokens of width ``d_model`` and hidden width ``d_ff``: the crossings of the nearest
+    measured widths (:data:`CROSSINGS`), interpolated linearly in log2 of the tokens and held at
+    the ends of the measured range."""
+    points = CROSSINGS[_family(d_model, d_ff)][kind]
+    x = math.log2(max(m, 1))
+    xs = [math.log2(t) for t, _ in points]
+    if x <= xs[0]:
+        return points[0][1]
+    for i in range(1, len(points)):
+        x0, x1, d0, d1 = xs[i - 1], xs[i], points[i - 1][1], points[i][1]
+        if x <= x1:
+            return d0 + (d1 - d0) * (x - x0) / (x1 - x0)
+    return points[-1][1]
