@@ -107,7 +107,10 @@ def test_ffn_plan_takes_it_when_preferred(cp, rng, monkeypatch, spill_capacity):
     assert rel_error(got, gathered) < 1e-2
 
 
-def test_auto_takes_it_from_min_rows_unless_switched_off(cp, rng, monkeypatch):
+def _choice_probe(cp, rng, monkeypatch):
+    """A 300 x 700 A (64-column tiles) and a 700 x 48 b; the returned function runs the "auto"
+    SpMM into a poisoned output, checks it against float64 and says whether the stationary
+    kernel ran."""
     h, a = _problem(cp, rng, 300, 700, 64, None, 0.05, ts.bfloat16)
     b = rng.standard_normal((700, 48)).astype(ts.bfloat16)
     expected = h.astype(np.float64) @ b.astype(np.float64)
@@ -116,35 +119,34 @@ def test_auto_takes_it_from_min_rows_unless_switched_off(cp, rng, monkeypatch):
     real = _stationary.spmm
     monkeypatch.setattr(_stationary, "spmm", lambda *args: calls.append(args) or real(*args))
     monkeypatch.setattr(_stationary, "PREFERRED", None)
-    taken = []
+
+    def taken() -> bool:
+        before = len(calls)
+        out = _gpu_ops.spmm(a.parts, 64, b_gpu, cp.full((300, 48), float("nan"), dtype=ts.bfloat16))
+        assert rel_error(out, expected) <= _bound(ts.bfloat16, expected)
+        return len(calls) > before
+
+    return taken
+
+
+def test_auto_takes_it_from_min_rows_unless_switched_off(cp, rng, monkeypatch):
+    taken = _choice_probe(cp, rng, monkeypatch)
+    choices = []
     for min_rows, preferred in ((301, None), (300, None), (0, False), (10**9, True)):
         monkeypatch.setattr(_stationary, "MIN_ROWS", min_rows)
         monkeypatch.setattr(_stationary, "PREFERRED", preferred)
-        before = len(calls)
-        out = _gpu_ops.spmm(a.parts, 64, b_gpu, cp.empty((300, 48), dtype=ts.bfloat16))
-        taken.append(len(calls) > before)
-        assert rel_error(out, expected) <= _bound(ts.bfloat16, expected)
-    assert taken == [False, True, False, True]
+        choices.append(taken())
+    assert choices == [False, True, False, True]
 
 
 def test_an_expected_density_decides_instead_of_the_rows(cp, rng, monkeypatch):
-    h, a = _problem(cp, rng, 300, 700, 64, None, 0.05, ts.bfloat16)
-    b = rng.standard_normal((700, 48)).astype(ts.bfloat16)
-    expected = h.astype(np.float64) @ b.astype(np.float64)
-    b_gpu = cp.asarray(b)
-    calls = []
-    real = _stationary.spmm
-    monkeypatch.setattr(_stationary, "spmm", lambda *args: calls.append(args) or real(*args))
-    monkeypatch.setattr(_stationary, "PREFERRED", None)
-    taken = []
+    taken = _choice_probe(cp, rng, monkeypatch)
+    choices = []
     # (MIN_ROWS, BREAKEVEN_ENTRIES, expected density): the density against the break-even wins
     # over the rows either way; a NaN estimate leaves the rows' rule.
     for min_rows, breakeven, density in ((10**9, 1e-3, 0.05), (0, 1e9, 0.05), (0, 1e-3, float("nan"))):
         monkeypatch.setattr(_stationary, "MIN_ROWS", min_rows)
         monkeypatch.setattr(_stationary, "BREAKEVEN_ENTRIES", breakeven)
-        before = len(calls)
         with _stationary.expected_density(density):
-            out = _gpu_ops.spmm(a.parts, 64, b_gpu, cp.full((300, 48), float("nan"), dtype=ts.bfloat16))
-        taken.append(len(calls) > before)
-        assert rel_error(out, expected) <= _bound(ts.bfloat16, expected)
-    assert taken == [True, False, True]
+            choices.append(taken())
+    assert choices == [True, False, True]
