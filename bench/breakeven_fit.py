@@ -1,15 +1,17 @@
-"""Fit the FFN plans' dense break-even (``twellsparse._dispatch``) to measured crossings.
+"""Crossings of the FFN plans with dense, per shape: the data of ``twellsparse._dispatch``.
 
 For every shape (tokens M, d_model, d_ff), pattern and block in the FFN benchmark records, the
 crossing is the density where the sparse plan's time equals the dense FFN's (both measured side
-by side in one run; linear interpolation between the two densities around it). The model is
+by side in one run; linear interpolation between the two densities around it). These go into
+``_dispatch.CROSSINGS`` (the lower of the two patterns of a shape).
+
+For reference the script also fits the two-parameter model
 
     break-even(M, d_model, d_ff) = c - o / (M * d_model * d_ff)
 
-(c: the crossing of large problems, where the sparse path's cost beyond the producer grows with
-the gathered bytes and the dense path's with the FLOPs, both linear in M * d_model * d_ff; o:
-the sparse path's fixed costs, which weigh more on small problems). It is fitted by least
-squares to the lower crossing of the two patterns of each shape.
+(c: the crossing of large problems; o: the sparse path's fixed costs). On the 2026-12-03 data
+it does not fit (the d_model 4096 / d_ff 14336 shapes cross lower at more FLOPs), which is why
+the library interpolates the measured crossings instead.
 
 Usage: python bench/breakeven_fit.py bench/results/2026-12-03-ffn-widths.jsonl [...]
 """

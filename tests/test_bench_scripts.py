@@ -93,3 +93,18 @@ def test_model_bench_quick(capsys):
         pytest.importorskip("torch")
     assert _load("model_bench").main(["--quick", "--densities", "0.1"]) == 0
     assert "train step" in capsys.readouterr().out
+
+
+def test_breakeven_crossings_interpolate_the_ratio():
+    import numpy as np
+    import pytest
+
+    breakeven_fit = _load("breakeven_fit")
+
+    def rec(density, sparse, dense, pattern="uniform"):
+        ms = {"ffn": {"median": sparse}, "dense_ffn": {"median": dense}}
+        return {"kind": "ffn", "shape": [4096, 2048, 5632], "pattern": pattern, "density": density, "ms": ms}
+
+    cross = breakeven_fit.crossings([rec(0.005, 0.8, 1.0), rec(0.01, 1.2, 1.0), rec(0.005, 1.1, 1.0, "skewed")])
+    assert cross[("ffn", 4096, 2048, 5632, "uniform")] == pytest.approx(0.0075)
+    assert np.isnan(cross[("ffn", 4096, 2048, 5632, "skewed")])  # sparse never ahead
