@@ -132,92 +132,79 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
         "gated_ffn": lambda: gated_plan(x),
     }
     gpu_only = {name: hidden(fn)[1] for name, fn in main_rows.items()}
-    if args.no_variants:
-        return _record(args, pattern, density, h, rows, gpu_only, provider, gated_auto, plain_auto, errors)
-    # Kernel variants under development: checked against the default path first, and a failure
-    # is recorded instead of stopping the benchmark.
-    ref_down = ts.matmul(h, wd_t)
-    ref_up = _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="portable").data
-    ref_gated = gated_plan(x)
-    ref_plain_plan = plain_plan(x)
-    packed = _stationary.pack(h.parts, h.tile_n, h.shape[1])
-    w_pair = cp.concatenate([wu, wd_t], axis=1)
-    paired_rows = (w_pair[:, : args.d_model], w_pair[:, args.d_model :])
-    variants = {
-        "spmm_down_portable": (lambda: _gpu_ops.spmm(h.parts, h.tile_n, wd_t, h_out, path="portable"), ref_down),
-        "spmm_down_gather_4x4": (
-            lambda: _gpu_ops.spmm(h.parts, h.tile_n, wd_t, h_out, path="gather", variant=(4, 4)),
-            ref_down,
-        ),
-        # The weight-stationary SpMM: with its pack, the pack alone, the kernel alone, and the
-        # non-gated plan taking it for its down projection.
-        "spmm_down_stationary": (
-            lambda: _gpu_ops.spmm(h.parts, h.tile_n, wd_t, h_out, path="stationary"),
-            ref_down,
-        ),
-        "stationary_pack": (lambda: _stationary.pack(h.parts, h.tile_n, h.shape[1]), None),
-        "spmm_down_stationary_kernel": (
-            lambda: _stationary.packed_spmm(*packed, h.shape[1], wd_t, h_out),
-            ref_down,
-        ),
-        "ffn_stationary": (with_setting(_stationary, "PREFERRED", True, lambda: plain_plan(x)), ref_plain_plan),
-        "gated_consumer": (lambda: _gpu_ops.gated_consumer(h.parts, h.tile_n, x, wu, wd_t)[0], ref_gated),
-        # W_up and W_down rows of a unit side by side (one 8 KB run per pair instead of two 4 KB
-        # rows in two arrays): the same kernel on strided views, not yet measured.
-        "gated_consumer_interleaved": (
-            lambda: _gpu_ops.gated_consumer(h.parts, h.tile_n, x, *paired_rows)[0],
-            ref_gated,
-        ),
-        "gated_consumer_8x2": (
-            lambda: _gpu_ops.gated_consumer(h.parts, h.tile_n, x, wu, wd_t, variant=(8, 2))[0],
-            ref_gated,
-        ),
-        "sddmm_up_gather": (lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="gather").data, ref_up),
-        "sddmm_up_gather_8x2": (
-            lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="gather", variant=(8, 2)).data,
-            ref_up,
-        ),
-        "sddmm_up_portable": (lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="portable").data, None),
-        # The GEMM, then the pack scanning its whole output (the cuBLASLt ReLU-mask producer off).
-        "producer_dense_scan": (
-            with_setting(_gpu_producer, "ENABLED", False, lambda: ts.linear_to_twell(x, wg)),
-            h_dense,
-        ),
-        "gated_ffn_mask_consumer": (
-            with_setting(_gpu_producer, "MASK_CONSUMER", True, lambda: gated_plan(x)),
-            ref_gated,
-        ),
-        "ffn_mask_consumer": (
-            with_setting(_gpu_producer, "MASK_CONSUMER", True, lambda: plain_plan(x)),
-            ref_plain_plan,
-        ),
-    }
-    for name, (fn, expect) in variants.items():
-        try:
-            if expect is not None:
-                got = fn()
-                err = rel_error(got.toarray() if hasattr(got, "toarray") else got, expect)
-                if not err < 2e-2:
-                    raise ValueError(f"relative error {err:.3e} against the default path")
-            rows[name] = ms(fn)
-        except Exception as exc:  # record and go on: the default paths above are what is reported
-            rows[name] = {"error": f"{type(exc).__name__}: {exc}"}
-    return _record(args, pattern, density, h, rows, gpu_only, provider, gated_auto, plain_auto, errors)
 
+    def variant_rows() -> None:
+        """Kernel variants under development: each checked against the default path first; a
+        failure is recorded instead of stopping the benchmark."""
+        ref_down = ts.matmul(h, wd_t)
+        ref_up = _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="portable").data
+        ref_gated = gated_plan(x)
+        ref_plain_plan = plain_plan(x)
+        packed = _stationary.pack(h.parts, h.tile_n, h.shape[1])
+        w_pair = cp.concatenate([wu, wd_t], axis=1)
+        paired_rows = (w_pair[:, : args.d_model], w_pair[:, args.d_model :])
+        variants = {
+            "spmm_down_portable": (lambda: _gpu_ops.spmm(h.parts, h.tile_n, wd_t, h_out, path="portable"), ref_down),
+            "spmm_down_gather_4x4": (
+                lambda: _gpu_ops.spmm(h.parts, h.tile_n, wd_t, h_out, path="gather", variant=(4, 4)),
+                ref_down,
+            ),
+            # The weight-stationary SpMM: with its pack, the pack alone, the kernel alone, and the
+            # non-gated plan taking it for its down projection.
+            "spmm_down_stationary": (
+                lambda: _gpu_ops.spmm(h.parts, h.tile_n, wd_t, h_out, path="stationary"),
+                ref_down,
+            ),
+            "stationary_pack": (lambda: _stationary.pack(h.parts, h.tile_n, h.shape[1]), None),
+            "spmm_down_stationary_kernel": (
+                lambda: _stationary.packed_spmm(*packed, h.shape[1], wd_t, h_out),
+                ref_down,
+            ),
+            "ffn_stationary": (with_setting(_stationary, "PREFERRED", True, lambda: plain_plan(x)), ref_plain_plan),
+            "gated_consumer": (lambda: _gpu_ops.gated_consumer(h.parts, h.tile_n, x, wu, wd_t)[0], ref_gated),
+            # W_up and W_down rows of a unit side by side (one 8 KB run per pair instead of two 4 KB
+            # rows in two arrays): the same kernel on strided views, not yet measured.
+            "gated_consumer_interleaved": (
+                lambda: _gpu_ops.gated_consumer(h.parts, h.tile_n, x, *paired_rows)[0],
+                ref_gated,
+            ),
+            "gated_consumer_8x2": (
+                lambda: _gpu_ops.gated_consumer(h.parts, h.tile_n, x, wu, wd_t, variant=(8, 2))[0],
+                ref_gated,
+            ),
+            "sddmm_up_gather": (lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="gather").data, ref_up),
+            "sddmm_up_gather_8x2": (
+                lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="gather", variant=(8, 2)).data,
+                ref_up,
+            ),
+            "sddmm_up_portable": (lambda: _gpu_ops.sddmm(h.parts, h.tile_n, x, wu, True, path="portable").data, None),
+            # The GEMM, then the pack scanning its whole output (the cuBLASLt ReLU-mask producer off).
+            "producer_dense_scan": (
+                with_setting(_gpu_producer, "ENABLED", False, lambda: ts.linear_to_twell(x, wg)),
+                h_dense,
+            ),
+            "gated_ffn_mask_consumer": (
+                with_setting(_gpu_producer, "MASK_CONSUMER", True, lambda: gated_plan(x)),
+                ref_gated,
+            ),
+            "ffn_mask_consumer": (
+                with_setting(_gpu_producer, "MASK_CONSUMER", True, lambda: plain_plan(x)),
+                ref_plain_plan,
+            ),
+        }
+        for name, (fn, expect) in variants.items():
+            try:
+                if expect is not None:
+                    got = fn()
+                    err = rel_error(got.toarray() if hasattr(got, "toarray") else got, expect)
+                    if not err < 2e-2:
+                        raise ValueError(f"relative error {err:.3e} against the default path")
+                rows[name] = ms(fn)
+            except Exception as exc:  # record and go on: the default paths above are what is reported
+                rows[name] = {"error": f"{type(exc).__name__}: {exc}"}
 
-def _record(
-    args: argparse.Namespace,
-    pattern: str,
-    density: float,
-    h: Any,
-    rows: dict[str, Any],
-    gpu_only: dict[str, Any],
-    provider: str,
-    gated_auto: Any,
-    plain_auto: Any,
-    errors: dict[str, float],
-) -> dict[str, Any]:
-    """One case's JSON record: times, speed-ups over dense, the auto plans' paths, errors."""
+    if not args.no_variants:
+        variant_rows()
     return {
         "kind": "ffn",
         "dense_provider": provider,

@@ -11,6 +11,7 @@ up to ~8% on the table at large shapes and ran sparse at 0.76x dense at small on
 
 from __future__ import annotations
 
+import functools
 import math
 
 #: (d_model, d_ff) -> block -> ((tokens, crossing density), ...): the lower crossing of the
@@ -39,6 +40,13 @@ def _family(d_model: int, d_ff: int) -> tuple[int, int]:
     return min(CROSSINGS, key=distance)
 
 
+def breakeven_for(given: float | None, kind: str, tokens: int, d_model: int, d_ff: int) -> float:
+    """A plan's or module's break-even for one call: ``given`` when the caller set one, else
+    :func:`dense_breakeven` of its widths and the call's tokens."""
+    return given if given is not None else dense_breakeven(kind, tokens, d_model, d_ff)
+
+
+@functools.lru_cache(maxsize=256)  # a pure function of its arguments, asked once per call
 def dense_breakeven(kind: str, m: int, d_model: int, d_ff: int) -> float:
     """Density above which ``dispatch="auto"`` runs block ``kind`` ("ffn" or "gated_ffn") dense for
     ``m`` tokens of width ``d_model`` and hidden width ``d_ff``: the crossings of the nearest

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import _reference as ref
 from ._backend import array_module, cupy_module, is_cupy_array, result_dtype, value_dtype
-from ._dispatch import dense_breakeven
+from ._dispatch import breakeven_for
 from ._errors import TwELLFallbackWarning, TwELLSpillCapacityError
 from ._ops import (
     _dense,
@@ -125,11 +125,9 @@ class _FFNPlanBase:
     def breakeven_for(self, tokens: int) -> float:
         """The density above which ``dispatch="auto"`` runs a call of ``tokens`` rows dense: the
         plan's ``breakeven`` when given, else the measured break-even of its widths
-        (:func:`twellsparse._dispatch.dense_breakeven`)."""
-        if self.breakeven is not None:
-            return self.breakeven
+        (:func:`twellsparse._dispatch.breakeven_for`)."""
         d_ff, d_model = next(iter(self._weights.values())).shape
-        return dense_breakeven(self._kind, tokens, d_model, d_ff)
+        return breakeven_for(self.breakeven, self._kind, tokens, d_model, d_ff)
 
     @property
     def last_stats(self) -> dict[str, Any]:
@@ -190,12 +188,12 @@ class _FFNPlanBase:
         first = next(iter(w.values()))
         shape = (xx.shape[0], first.shape[0])
         w_lin = w[lin_name] if lin_name else None
-        fused = self._fused_producer(xx, w[act_name])
+        breakeven = self.breakeven_for(xx.shape[0])
+        fused = self._fused_producer(xx, w[act_name], breakeven)
         if fused is not None:
             return self._sparse_tail(xx, fused[0], fused[1], w_lin, dt, out, shape, fused[2])
         z, relu_mask = self._preactivation(xx, w[act_name])
         sampled = float("nan")
-        breakeven = self.breakeven_for(xx.shape[0])
         if self.dispatch == "auto":
             # The previous call's density (read without waiting); the first call samples and waits.
             estimate = self._density.value()
@@ -235,7 +233,7 @@ class _FFNPlanBase:
         self._calls_since_sample = 0
         return True
 
-    def _fused_producer(self, xx: Any, w_act: Any) -> tuple[Any, Any, float] | None:
+    def _fused_producer(self, xx: Any, w_act: Any, breakeven: float) -> tuple[Any, Any, float] | None:
         """``(first parts, finish, density estimate)`` of the pack straight from the GEMM
         (``_hopper_producer``: no dense pre-activations) when it serves the call and the sparse
         path is already chosen: ``dispatch="sparse"``, or ``"auto"`` with the previous call's
@@ -251,7 +249,7 @@ class _FFNPlanBase:
         if not _hopper_producer.applies(xx, w_act, self.activation, self.threshold, self.tile_n, self.capacity):
             return None
         estimate = self._density.value() if self.dispatch == "auto" else float("nan")
-        if estimate is None or estimate > self.breakeven_for(xx.shape[0]):
+        if estimate is None or estimate > breakeven:
             return None
         first_parts, finish = _hopper_producer.linear_to_parts_deferred(
             xx, w_act, self.activation, self.tile_n, self.capacity, self.threshold
@@ -282,21 +280,27 @@ class _FFNPlanBase:
         def tail(parts: Any) -> Any:
             h = twell_array._from_parts(parts, shape, self.tile_n)
             if w_lin is None:
-                from . import _stationary  # the density estimate picks the kernel (_stationary.chosen)
-
-                with _stationary.expected_density(sampled):
-                    return matmul(h, self._w_down_t, out=target)
+                return matmul(h, self._w_down_t, out=target)
             return gated_product(xx, w_lin, self._w_down_t, h, out=target)[0]
 
-        if self._fixed_spill_applies(xx, w_lin, dt):
-            # No read-back: the spill fills a fixed-length buffer, the count of entries that did
-            # not fit is posted for the next call (or check_spill) to raise on.
-            parts, left_out = finish("spill", spill_capacity=self.spill_capacity)
-            result = _gather_tail(parts, self.tile_n, xx, w_lin, self._w_down_t, dt, target)
-            self._left_out.post(left_out)
-            self._last = ("sparse", sampled, lambda: twell_array._from_parts(trimmed_spill(parts), shape, self.tile_n))
-            return result
-        result, parts = tail_then_finish(first_parts, finish, tail)
+        from . import _stationary
+
+        # The density estimate picks the down projection's kernel (_stationary.chosen), on the
+        # exact and the fixed-spill paths alike.
+        with _stationary.expected_density(sampled):
+            if self._fixed_spill_applies(xx, w_lin, dt):
+                # No read-back: the spill fills a fixed-length buffer, the count of entries that
+                # did not fit is posted for the next call (or check_spill) to raise on.
+                parts, left_out = finish("spill", spill_capacity=self.spill_capacity)
+                result = _gather_tail(parts, self.tile_n, xx, w_lin, self._w_down_t, dt, target)
+                self._left_out.post(left_out)
+                self._last = (
+                    "sparse",
+                    sampled,
+                    lambda: twell_array._from_parts(trimmed_spill(parts), shape, self.tile_n),
+                )
+                return result
+            result, parts = tail_then_finish(first_parts, finish, tail)
         self._last = ("sparse", sampled, twell_array._from_parts(parts, shape, self.tile_n))
         return result
 

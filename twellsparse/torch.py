@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from ._backend import array_module, as_array, bfloat16, is_cupy_array
-from ._dispatch import dense_breakeven
+from ._dispatch import breakeven_for
 from ._ffn_autodiff import backward_arrays, forward_arrays, with_values
 from ._parts import TwELLParts, trimmed_spill
 from ._plans import DENSITY_SAMPLE_ROWS, DISPATCH, raise_for_previous, raise_left_out
@@ -464,10 +464,7 @@ class _TwELLMLPBase(nn.Module):
         if self.dispatch != "auto":
             return self.dispatch
         density = self._density.value()
-        if self.breakeven is not None:
-            breakeven = self.breakeven
-        else:
-            breakeven = dense_breakeven(self._kind, tokens, self.hidden_size, self.intermediate_size)
+        breakeven = breakeven_for(self.breakeven, self._kind, tokens, self.hidden_size, self.intermediate_size)
         return "dense" if density is not None and density > breakeven else "sparse"
 
     def l1_penalty(self) -> Tensor:
