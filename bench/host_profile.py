@@ -1,8 +1,10 @@
-"""Where a sparse FFN call spends its host time: ``cProfile`` over repeated calls of a gated
-plan with a fixed spill (no read-back, so the host runs ahead of the GPU and its own cost shows),
-on the standard problem. Prints the functions with the most own time and the host time per call.
+"""Where a sparse FFN call spends its host time: ``cProfile`` over repeated calls of a plan, by
+default gated with a fixed spill (no read-back, so the host runs ahead of the GPU and its own
+cost shows), on the standard problem. Prints the functions with the most own time and the host
+time per call. ``--exact`` profiles the default overflow policy (one read-back per call) instead,
+``--plain`` the non-gated block.
 
-    python bench/host_profile.py [--density 0.005] [--calls 200] [--top 35]
+    python bench/host_profile.py [--density 0.005] [--m 16384] [--exact] [--plain] [--calls 200] [--top 35]
 """
 
 from __future__ import annotations
@@ -25,12 +27,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--m", type=int, default=16384)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--top", type=int, default=35)
+    ap.add_argument("--exact", action="store_true", help="no spill_capacity: the exact read-back")
+    ap.add_argument("--plain", action="store_true", help="the non-gated block")
     args = ap.parse_args(argv)
     p = ffn_problem(args.m, 2048, 5632, args.density, "uniform", ts.bfloat16, 0, cp)
-    weights = (p["w_gate"], p["w_up"], p["w_down"])
+    spill = None if args.exact else args.m * 64
 
-    def fresh_plan() -> ts.GatedFFN:
-        return ts.GatedFFN(*weights, dispatch="sparse", spill_capacity=args.m * 64)
+    def fresh_plan() -> ts.FFN | ts.GatedFFN:
+        if args.plain:
+            return ts.FFN(p["w_gate"], p["w_down"], dispatch="sparse", spill_capacity=spill)
+        return ts.GatedFFN(p["w_gate"], p["w_up"], p["w_down"], dispatch="sparse", spill_capacity=spill)
 
     plan = fresh_plan()
     x = p["x"]
