@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         plan(x)
     prof.disable()
     cp.cuda.Device().synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(args.top)
+    stats.sort_stats("cumulative").print_stats("twellsparse", args.top)  # where each call's time goes
     return 0
 
 

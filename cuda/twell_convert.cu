@@ -452,6 +452,22 @@ __global__ void __launch_bounds__(SCAN_THREADS) spill_layout_sums(
   if (threadIdx.x == 0) chunk_sums[blockIdx.x] = s;
 }
 
+// A pack's two totals for the host, in one launch: out[0] gets every row-tile's entries (the
+// density), out[1] those beyond `capacity` (what must spill). `out` is zeroed by the caller; one
+// block per chunk adds its sums. Replaces a chain of array operations whose host cost (about
+// 0.1 ms a call) made small FFN calls host-bound.
+__global__ void __launch_bounds__(SCAN_THREADS) row_tile_entry_totals(
+    const int* __restrict__ row_tile_nnz, long long n, int capacity, unsigned long long* __restrict__ out) {
+  const auto entries = [=](long long i) -> long long { return row_tile_nnz[i]; };
+  const auto excess = [=](long long i) -> long long { return max(row_tile_nnz[i] - capacity, 0); };
+  const long long total = chunk_sum(blockIdx.x, n, entries);
+  const long long over = chunk_sum(blockIdx.x, n, excess);  // the chunk is in L1 by now
+  if (threadIdx.x == 0) {
+    atomicAdd(out, (unsigned long long)total);
+    if (over) atomicAdd(out + 1, (unsigned long long)over);
+  }
+}
+
 // Launch 2 writes each row-tile's first spill slot (offsets), the counts for pass 2 (a left-out
 // row-tile gets `capacity`, which the pass skips), the spill's row pointers counting only what is
 // written, and, from the last block, the entries left out. A row whose end does not fit points

@@ -16,7 +16,7 @@ from . import _kernels as K
 from ._backend import cupy_module
 from ._parts import TwELLParts
 from ._posted import PostedScalar
-from ._reference import excess_entries, overflow_excess
+from ._reference import overflow_excess
 from ._validation import n_tiles
 
 _BLOCK = 256
@@ -57,6 +57,19 @@ def two_launch_scan(n: int, sums: str, sums_args: tuple, place: str, place_head:
     block = (K.SCAN_THREADS,)
     K.launch_grid(sums, (chunks,), block, (*sums_args, chunk_sums))
     K.launch_grid(place, (chunks,), block, (*place_head, chunk_sums, *place_tail))
+
+
+def entry_totals(row_tile_nnz: Any, capacity: int) -> Any:
+    """``[entries, entries beyond capacity]`` over the row-tiles of a pack's int32 count array,
+    as an int64 pair on the device (``row_tile_entry_totals``: a memset and one launch, no
+    read-back)."""
+    cp = _cp()
+    out = cp.zeros(2, dtype=cp.int64)
+    n = row_tile_nnz.size
+    if n:
+        args = (row_tile_nnz, np.int64(n), np.int32(capacity), out)
+        K.launch_grid("row_tile_entry_totals", (-(-n // K.SCAN_CHUNK),), (K.SCAN_THREADS,), args)
+    return out
 
 
 def spill_layout(row_tile_nnz: Any, capacity: int, spill_capacity: int) -> tuple[Any, Any, Any, Any]:
@@ -241,10 +254,18 @@ class Finish:
     def __init__(self, first: TwELLParts, row_tile_nnz: Any, capacity: int, dtype: Any, run: Callable) -> None:
         self.first, self.row_tile_nnz, self.capacity, self.dtype, self.run = first, row_tile_nnz, capacity, dtype, run
         self.counted: PostedScalar | None = None
+        self._totals: Any = None
+
+    def totals(self) -> Any:
+        """:func:`entry_totals` of pass 1's counts (computed once): the device pair the overflow
+        count and a plan's density estimate are both read from."""
+        if self._totals is None:
+            self._totals = entry_totals(self.row_tile_nnz, self.capacity)
+        return self._totals
 
     def count_now(self) -> None:
         self.counted = PostedScalar()
-        self.counted.post(excess_entries(self.row_tile_nnz, self.capacity, xp=_cp()))
+        self.counted.post(self.totals()[1])
 
     def _known_excess(self) -> int | None:
         value = None if self.counted is None else self.counted.value()
@@ -256,6 +277,8 @@ class Finish:
             *spill, lost = _static_spill(self.row_tile_nnz, self.capacity, spill_capacity, self.dtype, self.run)
             return TwELLParts(*head, *spill), lost
         known = self._known_excess()
+        if known == 0:  # nothing spills: pass 1's parts are complete, empty spill included
+            return self.first, 0
         *spill, dropped = _apply_overflow(self.row_tile_nnz, self.capacity, overflow, self.dtype, self.run, known)
         return TwELLParts(*head, *spill), dropped
 

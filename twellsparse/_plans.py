@@ -192,11 +192,15 @@ class _FFNPlanBase:
         fused = self._fused_producer(xx, w[act_name], breakeven)
         if fused is not None:
             return self._sparse_tail(xx, fused[0], fused[1], w_lin, dt, out, shape, fused[2])
-        z, relu_mask = self._preactivation(xx, w[act_name])
+        # The previous call's density (read without waiting); the first call samples and waits.
+        estimate = self._density.value() if self.dispatch == "auto" else None
+        # A call known to run dense takes the plain GEMM: the ReLU-mask one costs ~8% more (0.53
+        # against 0.49 ms on the standard problem, bench/results/2026-12-03-stages.jsonl) and
+        # only the sparse path reads its mask.
+        dense_known = self.dispatch == "dense" or (estimate is not None and estimate > breakeven)
+        z, relu_mask = self._preactivation(xx, w[act_name], with_mask=not dense_known)
         sampled = float("nan")
         if self.dispatch == "auto":
-            # The previous call's density (read without waiting); the first call samples and waits.
-            estimate = self._density.value()
             sampled = float(self._kept_fraction(z)) if estimate is None else estimate
             if self._resample(estimate, breakeven):
                 self._density.post(self._kept_fraction(z))
@@ -254,9 +258,8 @@ class _FFNPlanBase:
         first_parts, finish = _hopper_producer.linear_to_parts_deferred(
             xx, w_act, self.activation, self.tile_n, self.capacity, self.threshold
         )
-        if self.dispatch == "auto":
-            total = xx.shape[0] * w_act.shape[0]
-            self._density.post(finish.row_tile_nnz.sum(dtype=np.float64) / total)
+        if self.dispatch == "auto":  # the entry count, a fraction once read
+            self._density.post(finish.totals()[0], scale=1.0 / (xx.shape[0] * w_act.shape[0]))
         return first_parts, finish, estimate
 
     def _sparse_tail(
@@ -322,11 +325,12 @@ class _FFNPlanBase:
             )
         return ok
 
-    def _preactivation(self, x: Any, w_act: Any) -> tuple[Any, Any]:
-        """``(z, relu_mask)``: the activation's GEMM output and, when the cuBLASLt ReLU-mask
-        producer serves the call (``_gpu_producer``), its ``(mask, words per row)`` (z is then
-        already relu'd, which the dense remainder's relu leaves unchanged); else None."""
-        if is_cupy_array(x):
+    def _preactivation(self, x: Any, w_act: Any, with_mask: bool = True) -> tuple[Any, Any]:
+        """``(z, relu_mask)``: the activation's GEMM output and, when ``with_mask`` and the
+        cuBLASLt ReLU-mask producer serves the call (``_gpu_producer``), its ``(mask, words per
+        row)`` (z is then already relu'd, which the dense remainder's relu leaves unchanged);
+        else None."""
+        if with_mask and is_cupy_array(x):
             from . import _gpu_producer
 
             if _gpu_producer.applies(x, w_act, self.activation, self.threshold):

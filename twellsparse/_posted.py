@@ -28,11 +28,17 @@ class PostedScalar:
         # until it is read, while the next call posts into the other one.
         self._buffers: list[Any] = [None, None]
         self._turn = 0
+        # How the 8 host bytes read (the posted array's dtype) and the factor applied on reading.
+        self._dtype: Any = np.float64
+        self._scale = 1.0
 
-    def post(self, scalar: Any) -> None:
-        """Record a 0-d device array (copied asynchronously) or a host number."""
+    def post(self, scalar: Any, scale: float = 1.0) -> None:
+        """Record a one-element device array (copied asynchronously) or a host number, read back
+        times ``scale`` (a count posted raw becomes a fraction on the host, with no division
+        launched on the device)."""
+        self._scale = float(scale)
         if not is_cupy_array(scalar):
-            self._value, self._event = float(scalar), None
+            self._value, self._event = float(scalar) * self._scale, None
             return
         import cupy as cp
         import cupyx
@@ -41,7 +47,10 @@ class PostedScalar:
             self._buffers[self._turn] = cupyx.zeros_pinned((1,), dtype=np.float64)
         self._host = self._buffers[self._turn]
         self._turn ^= 1
-        staged = scalar.astype(cp.float64).reshape(1)  # a fresh contiguous copy
+        if scalar.dtype in (np.float64, np.int64) and scalar.size == 1:
+            staged, self._dtype = scalar, scalar.dtype  # its 8 bytes as they stand (stream order)
+        else:
+            staged, self._dtype = scalar.astype(cp.float64), np.dtype(np.float64)
         stream = cp.cuda.get_current_stream()
         # A raw asynchronous copy into pinned memory: CuPy's ``get`` refuses device-to-host copies
         # while capturing, but the runtime records this one as a memcpy node of the graph.
@@ -57,10 +66,13 @@ class PostedScalar:
         """The last recorded value (None before the first)."""
         if self._event is not None:
             self._event.synchronize()
-            self._value, self._event = float(self._host[0]), None
+            self._value, self._event = self._read(), None
         elif self._in_graph:
-            self._value = float(self._host[0])
+            self._value = self._read()
         return self._value
+
+    def _read(self) -> float:
+        return float(self._host.view(self._dtype)[0]) * self._scale
 
     def take(self) -> float | None:
         """:meth:`value`, then forget it (zeroing the host copy a captured graph rewrites)."""
@@ -81,5 +93,6 @@ class PostedScalar:
             self._value,
             self._in_graph,
         )
+        popped._dtype, popped._scale = self._dtype, self._scale
         self._event, self._value = None, None
         return popped

@@ -107,3 +107,36 @@ def test_transposed_pattern_scan(cp, m, n_cols):
     rows = t.rows[:nnz].get()
     want_rows = np.concatenate([np.flatnonzero(dense[:, c]) for c in range(n_cols)] or [np.zeros(0, int)])
     np.testing.assert_array_equal(rows, want_rows)
+
+
+@pytest.mark.parametrize("m, nt, spill_rate", [(1, 1, 1.0), (7, 3, 0.5), (3000, 22, 0.01), (70_001, 1, 0.2)])
+def test_entry_totals(cp, m, nt, spill_rate):
+    """The pack's (entries, entries beyond capacity) pair across many chunks, from one launch."""
+    rng = np.random.default_rng(m * 7 + nt)
+    capacity = 8
+    counts = _counts(rng, m, nt, capacity, spill_rate)
+    got = cp.asnumpy(_gpu_convert.entry_totals(cp.asarray(counts), capacity))
+    want = [counts.astype(np.int64).sum(), np.maximum(counts.astype(np.int64) - capacity, 0).sum()]
+    np.testing.assert_array_equal(got, want)
+    assert got.dtype == np.int64
+
+
+def test_entry_totals_of_nothing(cp):
+    np.testing.assert_array_equal(cp.asnumpy(_gpu_convert.entry_totals(cp.zeros((0, 4), cp.int32), 4)), [0, 0])
+
+
+def test_posted_count_reads_scaled(cp):
+    """A raw int64 count posted with a scale reads back as the fraction, and a host number too;
+    pop() carries the scale with the value."""
+    from twellsparse._posted import PostedScalar
+
+    posted = PostedScalar()
+    totals = cp.asarray([7, 3], dtype=cp.int64)
+    posted.post(totals[0], scale=0.5)
+    totals.fill(-1)  # queued after the copy: the posted value is the one that stood before
+    assert posted.value() == 3.5
+    posted.post(cp.asarray(5.0), scale=2.0)
+    popped = posted.pop()
+    assert posted.value() is None and popped.take() == 10.0
+    posted.post(4, scale=0.25)
+    assert posted.value() == 1.0
