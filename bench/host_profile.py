@@ -4,7 +4,8 @@ cost shows), on the standard problem. Prints the functions with the most own tim
 time per call. ``--exact`` profiles the default overflow policy (one read-back per call) instead,
 ``--plain`` the non-gated block.
 
-    python bench/host_profile.py [--density 0.005] [--m 16384] [--exact] [--plain] [--calls 200] [--top 35]
+    python bench/host_profile.py [--density 0.005] [--m 16384] [--exact] [--plain]
+        [--dispatch sparse] [--calls 200] [--top 35]
 """
 
 from __future__ import annotations
@@ -29,14 +30,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=35)
     ap.add_argument("--exact", action="store_true", help="no spill_capacity: the exact read-back")
     ap.add_argument("--plain", action="store_true", help="the non-gated block")
+    ap.add_argument("--dispatch", default="sparse", choices=("sparse", "auto", "dense"))
     args = ap.parse_args(argv)
     p = ffn_problem(args.m, 2048, 5632, args.density, "uniform", ts.bfloat16, 0, cp)
     spill = None if args.exact else args.m * 64
 
     def fresh_plan() -> ts.FFN | ts.GatedFFN:
         if args.plain:
-            return ts.FFN(p["w_gate"], p["w_down"], dispatch="sparse", spill_capacity=spill)
-        return ts.GatedFFN(p["w_gate"], p["w_up"], p["w_down"], dispatch="sparse", spill_capacity=spill)
+            return ts.FFN(p["w_gate"], p["w_down"], dispatch=args.dispatch, spill_capacity=spill)
+        return ts.GatedFFN(p["w_gate"], p["w_up"], p["w_down"], dispatch=args.dispatch, spill_capacity=spill)
 
     plan = fresh_plan()
     x = p["x"]
