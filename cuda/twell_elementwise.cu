@@ -37,6 +37,25 @@ __global__ void __launch_bounds__(256) ffn_act_mul(const T* __restrict__ z_act, 
   for (long long i = n_vec * V + first; i < n; i += stride) out[i] = act_mul_one<T, ACT>(z_act[i], z_lin, i, threshold);
 }
 
+// How many activations of the sampled rows the sparse path would keep, decided as act_mul_one
+// decides (the activation rounded to T, then its keep rule): rows 0, step, 2*step, ... of z (row
+// stride ld), one block each. `count` (zeroed by the caller) gets the total. The FFN plans'
+// density sample in one launch: the chain of array operations it replaces cost about 0.15 ms of
+// host time per sample, which at 4096 tokens made the dense remainder wait for the host.
+template <typename T, int ACT>
+__global__ void __launch_bounds__(256) ffn_kept_count(const T* __restrict__ z, long long ld, long long step, int N,
+                                                      double threshold, unsigned long long* __restrict__ count) {
+  const T* row = z + blockIdx.x * step * ld;
+  unsigned kept = 0;
+  for (int j = threadIdx.x; j < N; j += blockDim.x) {
+    const T a = from_acc<T>(activate<ACT>(to_acc(row[j])));
+    kept += keep(to_acc(a), threshold) ? 1u : 0u;
+  }
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) kept += __shfl_xor_sync(0xffffffffu, kept, d);
+  if ((threadIdx.x & 31) == 0 && kept) atomicAdd(count, (unsigned long long)kept);
+}
+
 // Keeps one thread busy for `ns` nanoseconds of the GPU's global timer. The benchmarks' timer
 // queues it before the start event so that the host has queued every launch of the timed call
 // before the GPU reaches them: the measured time is then the GPU's alone, without the host's

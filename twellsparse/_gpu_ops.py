@@ -393,6 +393,22 @@ def act_mul(z_act: Any, z_lin: Any, activation: str, threshold: float | None) ->
     return out
 
 
+def kept_count(z: Any, step: int, activation: str, threshold: float | None) -> Any:
+    """How many entries of rows 0, step, 2*step, ... of ``z`` (unit column stride) the sparse path
+    keeps after ``activation`` (rounded to z's dtype) and ``threshold``: a one-element int64 array
+    on the device, from one launch (``ffn_kept_count``)."""
+    cp = _cp()
+    count = cp.zeros(1, dtype=cp.int64)
+    m, n = z.shape
+    rows = -(-m // step)
+    if rows and n:
+        expr = f"ffn_kept_count<{K.CXX_TYPE[z.dtype]}, {K.ACTIVATION_ID[activation]}>"
+        ld = max(z.strides[0] // z.itemsize, n)
+        thr = np.float64(-1.0 if threshold is None else threshold)
+        K.launch_grid(expr, (rows,), (256,), (z, np.int64(ld), np.int64(step), np.int32(n), thr, count))
+    return count
+
+
 # cuBLAS enums (cublas_api.h / library_types.h)
 _CUDA_R = {np.dtype(np.float16): 2, bfloat16: 14, np.dtype(np.float32): 0, np.dtype(np.float64): 1}
 _COMPUTE_32F, _COMPUTE_64F, _OP_N, _OP_T, _GEMM_DEFAULT = 68, 70, 0, 1, -1

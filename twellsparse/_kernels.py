@@ -134,7 +134,11 @@ def _instantiations() -> dict[str, list[str]]:
         for kv, u in GATHER_VARIANTS
         for kind in ("mask_gated", "mask_spmm")
     ]
-    elementwise = [f"ffn_act_mul<{t}, {a}>" for t, a in itertools.product(types, ACTIVATION_ID.values())]
+    elementwise = [
+        f"ffn_{kind}<{t}, {a}>"
+        for kind in ("act_mul", "kept_count")
+        for t, a in itertools.product(types, ACTIVATION_ID.values())
+    ]
     elementwise.append("twell_spin")
     return {
         "twell_convert.cu": convert,

@@ -201,9 +201,10 @@ class _FFNPlanBase:
         z, relu_mask = self._preactivation(xx, w[act_name], with_mask=not dense_known)
         sampled = float("nan")
         if self.dispatch == "auto":
-            sampled = float(self._kept_fraction(z)) if estimate is None else estimate
             if self._resample(estimate, breakeven):
-                self._density.post(self._kept_fraction(z))
+                self._density.post(*self._kept_fraction(z))
+            # The first call waits for its own sample (never None once posted).
+            sampled = estimate if estimate is not None else float(self._density.value() or 0.0)
         if self.dispatch == "dense" or (self.dispatch == "auto" and sampled > breakeven):
             self._last = ("dense", sampled, None)
             activated = relu_mask is not None  # the ReLU-mask producer's z is relu(z) already
@@ -345,20 +346,20 @@ class _FFNPlanBase:
 
         return _gpu_producer.MASK_CONSUMER and gather_tail_eligible(x, w_lin, self._w_down_t, z.dtype)
 
-    def _kept_fraction(self, z: Any) -> Any:
-        """Fraction of kept activations over evenly spaced rows: a 0-d array on z's device (no
-        read-back) or a float for an empty z."""
+    def _kept_fraction(self, z: Any) -> tuple[Any, float]:
+        """``(kept, scale)``: the kept activations over evenly spaced rows, times ``scale`` their
+        fraction; ``kept`` a device array (no read-back) or a float for an empty z."""
         m = z.shape[0]
         if m == 0 or z.shape[1] == 0:
-            return 0.0
-        rows = z[:: max(1, m // DENSITY_SAMPLE_ROWS)]
-        if self.threshold is None and self.activation in ("relu", "relu2"):
-            # Kept exactly where z > 0 (up to relu2 underflow, irrelevant to an estimate): one
-            # comparison and one count instead of the activation's chain of elementwise ops.
-            return array_module(z).count_nonzero(rows > 0) / rows.size
-        rows = rows.astype(z.dtype if z.dtype == np.float64 else np.float32)
+            return 0.0, 1.0
+        step = max(1, m // DENSITY_SAMPLE_ROWS)
+        if is_cupy_array(z) and z.strides[1] == z.itemsize:
+            from ._gpu_ops import kept_count
+
+            return kept_count(z, step, self.activation, self.threshold), 1.0 / (-(-m // step) * z.shape[1])
+        rows = z[::step].astype(z.dtype if z.dtype == np.float64 else np.float32)
         kept = ref.keep_mask(ref.activation(rows, self.activation).astype(self.dtype), self.threshold)
-        return kept.mean()
+        return kept.mean(), 1.0
 
 
 def _gather_tail(parts: Any, tile_n: int, x: Any, w_lin: Any, w_down_t: Any, dt: Any, out: Any = None) -> Any:

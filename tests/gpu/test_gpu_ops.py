@@ -283,3 +283,33 @@ def test_matmul_sum_against_float64(cp, rng, dtype, k):
     want = d @ b.astype(np.float64) + d2 @ b2.astype(np.float64)
     dense = _round(_round(d @ b.astype(np.float64), dtype) + _round(d2 @ b2.astype(np.float64), dtype), dtype)
     assert rel_error(got, want) <= _bound(dtype, rel_error(dense, want))
+
+
+@pytest.mark.parametrize("dtype", [ts.bfloat16, np.float16, np.float32, np.float64])
+@pytest.mark.parametrize(
+    "activation, threshold", [("relu", None), ("relu2", None), ("silu", 0.05), ("gelu", 0.1), ("relu", 0.3)]
+)
+@pytest.mark.parametrize("m, n, step", [(1, 1, 1), (37, 301, 4), (300, 70_001, 13), (4096, 5632, 16)])
+def test_kept_count_matches_the_reference(cp, dtype, activation, threshold, m, n, step):
+    """The density sample of the FFN plans (one launch) counts what the reference keeps, on the
+    sampled rows only, with the activation rounded to the dtype first."""
+    from twellsparse import _gpu_ops
+
+    rng = np.random.default_rng(m + n + step)
+    z = (rng.standard_normal((m, n)) * 0.7).astype(dtype)
+    got = _gpu_ops.kept_count(cp.asarray(z), step, activation, threshold)
+    rows = z[::step].astype(np.float64 if np.dtype(dtype) == np.float64 else np.float32)
+    want = int(ref.keep_mask(ref.activation(rows, activation).astype(dtype), threshold).sum())
+    assert got.dtype == np.int64 and got.shape == (1,)
+    # relu and relu2 are exact; silu's and gelu's device exp may land an ulp from NumPy's, which
+    # can move a value across the threshold after rounding (rarely).
+    slack = 0 if activation.startswith("relu") else 2 + rows.size // 10_000
+    assert abs(int(got[0]) - want) <= slack
+
+
+def test_kept_count_on_a_row_strided_view(cp):
+    from twellsparse import _gpu_ops
+
+    z = cp.asarray(np.random.default_rng(3).standard_normal((50, 80)).astype(np.float32))[:, :77]
+    want = int((cp.asnumpy(z)[::7] > 0).sum())
+    assert int(_gpu_ops.kept_count(z, 7, "relu", None)[0]) == want
