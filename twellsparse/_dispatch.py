@@ -3,7 +3,7 @@ and shape, from crossings measured on the H200.
 
 The crossing (the density where the sparse plan's time equals the dense block's, both measured
 side by side in one run) moves with the shape: at 4096 tokens the sparse path's fixed costs
-(host work, the producer's finish, small launches) weigh more and it falls to about 0.6-0.8%;
+(the producer's finish, small launches) weigh more and it falls to about 0.65-0.9%;
 at 16384-65536 tokens of the standard widths it is about 1.0-1.2%; with d_model 4096 and d_ff
 14336 (twice the gathered bytes per entry) about 0.65-0.75%. One constant for all of them left
 up to ~8% on the table at large shapes and ran sparse at 0.76x dense at small ones.
@@ -16,17 +16,17 @@ import math
 
 #: (d_model, d_ff) -> block -> ((tokens, crossing density), ...): the lower crossing of the
 #: uniform and skewed patterns where both were measured (``bench/breakeven_fit.py`` over
-#: ``bench/results/2026-12-03-ffn.jsonl`` and ``-ffn-widths.jsonl``, commit b871c25, H200).
-#: The non-gated block at 4096 tokens of the standard widths crossed near 0.6% in both patterns
-#: (uniform: 1.05x at 0.5%, 0.93x at 0.75%; its 0.25% point, host-bound, is not used).
+#: ``bench/results/2026-12-03-ffn.jsonl`` and ``-ffn-widths.jsonl``, H200). The 4096-token points
+#: are from commit b01dbb6, after the plan calls' host work was cut (their sparse times then
+#: matched the GPU-only ones); the others from b871c25.
 CROSSINGS: dict[tuple[int, int], dict[str, tuple[tuple[int, float], ...]]] = {
     (2048, 5632): {
-        "ffn": ((4096, 0.0060), (16384, 0.0103), (65536, 0.0121)),
-        "gated_ffn": ((4096, 0.0082), (16384, 0.0102), (65536, 0.0105)),
+        "ffn": ((4096, 0.0066), (16384, 0.0103), (65536, 0.0121)),
+        "gated_ffn": ((4096, 0.0092), (16384, 0.0102), (65536, 0.0105)),
     },
     (4096, 14336): {
-        "ffn": ((4096, 0.0063), (16384, 0.0077)),
-        "gated_ffn": ((4096, 0.0063), (16384, 0.0068)),
+        "ffn": ((4096, 0.0064), (16384, 0.0077)),
+        "gated_ffn": ((4096, 0.0064), (16384, 0.0068)),
     },
 }
 

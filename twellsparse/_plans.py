@@ -455,7 +455,7 @@ class FFN(_FFNPlanBase):
         All compute the same function; ``last_stats["path"]`` says which ran.
     breakeven : float, optional
         Density threshold for ``"auto"``; default: the break-even measured on the H200 for the
-        plan's widths and each call's tokens (:meth:`breakeven_for`; about 0.6-0.8% at 4096
+        plan's widths and each call's tokens (:meth:`breakeven_for`; about 0.65-0.9% at 4096
         tokens, 1.0-1.2% at 16384-65536 tokens of d_model 2048 / d_ff 5632).
     spill_capacity : int, optional
         A fixed length for the spill of overflowing row-tiles, so that a GPU call never reads
