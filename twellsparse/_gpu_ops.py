@@ -416,7 +416,7 @@ _COMPUTE_32F, _COMPUTE_64F, _OP_N, _OP_T, _GEMM_DEFAULT = 68, 70, 0, 1, -1
 
 @functools.lru_cache(maxsize=128)  # each plan holds its workspace
 def lt_gemm(kind: str, m: int, f: int, k: int, dtype_name: str, device: int) -> Any:
-    """The cuBLASLt plan (``"Gemm"`` or ``"ReluMaskGemm"``) of one shape, capturable in a CUDA
+    """The cuBLASLt plan (``"Gemm"``, ``"ReluGemm"`` or ``"ReluMaskGemm"``) of one shape, capturable in a CUDA
     graph; None for float64, or where the library does not load or offers no algorithm (the
     callers then take CuPy's cuBLAS or the dense-scan producer)."""
     if dtype_name == "float64":
@@ -430,10 +430,11 @@ def lt_gemm(kind: str, m: int, f: int, k: int, dtype_name: str, device: int) -> 
         return None
 
 
-def gemm_nt(x: Any, w: Any) -> Any:
+def gemm_nt(x: Any, w: Any, relu: bool = False) -> Any:
     """``x @ w.T`` (fp32 accumulation; fp64 for float64) on the current stream: a cuBLASLt plan
     per shape (capturable in a CUDA graph), else CuPy's cuBLAS ``gemmEx`` (float64, or no
-    cuBLASLt). ``x`` (M x K) and ``w`` (F x K) share a dtype; works for bfloat16 as well."""
+    cuBLASLt). ``x`` (M x K) and ``w`` (F x K) share a dtype; works for bfloat16 as well.
+    ``relu``: ``relu(x @ w.T)``, in the GEMM's epilogue where cuBLASLt serves."""
     cp = _cp()
     from cupy_backends.cuda.libs import cublas
 
@@ -447,10 +448,12 @@ def gemm_nt(x: Any, w: Any) -> Any:
     if k == 0:
         out.fill(0)
         return out
-    lt = lt_gemm("Gemm", m, f, k, np.dtype(x.dtype).name, cp.cuda.Device().id)
+    lt = lt_gemm("ReluGemm" if relu else "Gemm", m, f, k, np.dtype(x.dtype).name, cp.cuda.Device().id)
     if lt is not None:
         lt(x, w, out)
         return out
+    if relu:
+        return cp.maximum(gemm_nt(x, w), 0, out=out)
     if cp.cuda.get_current_stream().is_capturing():
         raise RuntimeError(
             "gemm_nt: capturing a CUDA graph needs cuBLASLt (CuPy's cuBLAS wrapper refuses captures), "

@@ -194,11 +194,19 @@ class _FFNPlanBase:
             return self._sparse_tail(xx, fused[0], fused[1], w_lin, dt, out, shape, fused[2])
         # The previous call's density (read without waiting); the first call samples and waits.
         estimate = self._density.value() if self.dispatch == "auto" else None
-        # A call known to run dense takes the plain GEMM: the ReLU-mask one costs ~8% more (0.53
-        # against 0.49 ms on the standard problem, bench/results/2026-12-03-stages.jsonl) and
-        # only the sparse path reads its mask.
+        # A call known to run dense skips the ReLU-mask GEMM: it costs ~8% more (0.53 against
+        # 0.49 ms on the standard problem, bench/results/2026-12-03-stages.jsonl) and only the
+        # sparse path reads its mask. A non-gated ReLU block takes the GEMM with the ReLU
+        # epilogue instead and goes straight to its down GEMM.
         dense_known = self.dispatch == "dense" or (estimate is not None and estimate > breakeven)
-        z, relu_mask = self._preactivation(xx, w[act_name], with_mask=not dense_known)
+        relu_epilogue = dense_known and lin_name is None and self.activation == "relu" and self.threshold is None
+        if relu_epilogue and is_cupy_array(xx):
+            from ._gpu_ops import gemm_nt
+
+            z, relu_mask = gemm_nt(xx.astype(dt, copy=False), w[act_name].astype(dt, copy=False), relu=True), None
+        else:
+            z, relu_mask = self._preactivation(xx, w[act_name], with_mask=not dense_known)
+            relu_epilogue = False
         sampled = float("nan")
         if self.dispatch == "auto":
             if self._resample(estimate, breakeven):
@@ -207,7 +215,7 @@ class _FFNPlanBase:
             sampled = estimate if estimate is not None else float(self._density.value() or 0.0)
         if self.dispatch == "dense" or (self.dispatch == "auto" and sampled > breakeven):
             self._last = ("dense", sampled, None)
-            activated = relu_mask is not None  # the ReLU-mask producer's z is relu(z) already
+            activated = relu_mask is not None or relu_epilogue  # z is relu(z) already
             return dense_ffn_tail(xx, z, w_lin, w["w_down"], dt, self.activation, self.threshold, activated)
         if relu_mask is not None and self._mask_consumer_applies(xx, z, w_lin):
             # The tail reads the mask itself: no pack, no capacity, nothing to spill or read back.

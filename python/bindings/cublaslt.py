@@ -67,7 +67,7 @@ _CUDA_R_32F = 0
 OP_N, OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE = 3, 4, 7
 DESC_EPILOGUE_AUX_POINTER, DESC_EPILOGUE_AUX_LD = 11, 12
-EPILOGUE_RELU_AUX = 2 | 128
+EPILOGUE_RELU, EPILOGUE_RELU_AUX = 2, 2 | 128
 PREF_MAX_WORKSPACE_BYTES = 1
 #: Workspace offered to the heuristic (cuBLAS's own default on Hopper is 32 MiB).
 WORKSPACE_BYTES = 32 << 20
@@ -205,6 +205,14 @@ class Gemm:
         """Fill ``out`` (M x F, C-contiguous) with ``x @ w.T``."""
         self._check_operands(x, w, out)
         self._launch(x, w, out)
+
+
+class ReluGemm(Gemm):
+    """``out = relu(x @ w.T)`` (row-major, M x F), planned for one shape: the plain product with
+    cuBLASLt's ReLU epilogue and no mask (the dense remainder of a non-gated ReLU block, which
+    then goes straight to its down GEMM)."""
+
+    EPILOGUE = EPILOGUE_RELU
 
 
 class ReluMaskGemm(Gemm):
