@@ -194,19 +194,8 @@ class _FFNPlanBase:
             return self._sparse_tail(xx, fused[0], fused[1], w_lin, dt, out, shape, fused[2])
         # The previous call's density (read without waiting); the first call samples and waits.
         estimate = self._density.value() if self.dispatch == "auto" else None
-        # A call known to run dense skips the ReLU-mask GEMM: it costs ~8% more (0.53 against
-        # 0.49 ms on the standard problem, bench/results/2026-12-03-stages.jsonl) and only the
-        # sparse path reads its mask. A non-gated ReLU block takes the GEMM with the ReLU
-        # epilogue instead and goes straight to its down GEMM.
         dense_known = self.dispatch == "dense" or (estimate is not None and estimate > breakeven)
-        relu_epilogue = dense_known and lin_name is None and self.activation == "relu" and self.threshold is None
-        if relu_epilogue and is_cupy_array(xx):
-            from ._gpu_ops import gemm_nt
-
-            z, relu_mask = gemm_nt(xx.astype(dt, copy=False), w[act_name].astype(dt, copy=False), relu=True), None
-        else:
-            z, relu_mask = self._preactivation(xx, w[act_name], with_mask=not dense_known)
-            relu_epilogue = False
+        z, relu_mask, activated = self._preactivation(xx, w[act_name], dense_known, gated=w_lin is not None)
         sampled = float("nan")
         if self.dispatch == "auto":
             if self._resample(estimate, breakeven):
@@ -215,7 +204,6 @@ class _FFNPlanBase:
             sampled = estimate if estimate is not None else float(self._density.value() or 0.0)
         if self.dispatch == "dense" or (self.dispatch == "auto" and sampled > breakeven):
             self._last = ("dense", sampled, None)
-            activated = relu_mask is not None or relu_epilogue  # z is relu(z) already
             return dense_ffn_tail(xx, z, w_lin, w["w_down"], dt, self.activation, self.threshold, activated)
         if relu_mask is not None and self._mask_consumer_applies(xx, z, w_lin):
             # The tail reads the mask itself: no pack, no capacity, nothing to spill or read back.
@@ -334,18 +322,27 @@ class _FFNPlanBase:
             )
         return ok
 
-    def _preactivation(self, x: Any, w_act: Any, with_mask: bool = True) -> tuple[Any, Any]:
-        """``(z, relu_mask)``: the activation's GEMM output and, when ``with_mask`` and the
-        cuBLASLt ReLU-mask producer serves the call (``_gpu_producer``), its ``(mask, words per
-        row)`` (z is then already relu'd, which the dense remainder's relu leaves unchanged);
-        else None."""
-        if with_mask and is_cupy_array(x):
-            from . import _gpu_producer
+    def _preactivation(self, x: Any, w_act: Any, dense_known: bool, gated: bool) -> tuple[Any, Any, bool]:
+        """``(z, relu_mask, activated)``: the activation's GEMM output; when the cuBLASLt
+        ReLU-mask producer serves a call that may run sparse (``_gpu_producer``), its ``(mask,
+        words per row)``, else None; and whether z is relu'd already (the dense remainder's relu
+        leaves it unchanged, and a non-gated block goes straight to its down GEMM).
 
-            if _gpu_producer.applies(x, w_act, self.activation, self.threshold):
+        A call known to run dense (``dense_known``) skips the ReLU-mask GEMM: it costs ~8% more
+        (0.53 against 0.49 ms on the standard problem, bench/results/2026-12-03-stages.jsonl) and
+        only the sparse path reads the mask. A non-gated ReLU block then takes the GEMM with the
+        ReLU epilogue (no act-mul pass: 0.93x -> 1.01x dense at 4096 tokens, bench/NOTES.md)."""
+        if is_cupy_array(x):
+            from . import _gpu_ops, _gpu_producer
+
+            plain_relu = self.activation == "relu" and self.threshold is None
+            if dense_known and plain_relu and not gated:
+                dt = result_dtype(x.dtype, w_act.dtype)
+                return _gpu_ops.gemm_nt(x.astype(dt, copy=False), w_act.astype(dt, copy=False), relu=True), None, True
+            if not dense_known and _gpu_producer.applies(x, w_act, self.activation, self.threshold):
                 z, mask, words = _gpu_producer.relu_linear(x, w_act)
-                return z, (mask, words)
-        return preactivation(x, w_act), None
+                return z, (mask, words), True
+        return preactivation(x, w_act), None, False
 
     def _mask_consumer_applies(self, x: Any, z: Any, w_lin: Any) -> bool:
         """Whether the tail runs from the ReLU mask (``_gpu_producer.MASK_CONSUMER``, opt-in): on
