@@ -104,14 +104,16 @@ def _apply_overflow(
     known_excess: int | None = None,
 ) -> tuple[Any, Any, Any, int]:
     """Apply the policy to the per-row-tile counts; run ``spill_pass`` where entries must spill.
-    ``known_excess``: the entries beyond capacity, when already read back (zero then needs no
-    device work at all).
+    ``known_excess``: the entries beyond capacity, when already read back (else counted here by
+    :func:`entry_totals`, one read-back).
 
     Returns the spill CSR (data, indices, indptr) and the number of dropped entries.
     """
     cp = _cp()
     m = row_tile_nnz.shape[0]
-    excess = 0 if known_excess == 0 else overflow_excess(row_tile_nnz, capacity, overflow, xp=cp)
+    if known_excess is None:
+        known_excess = int(entry_totals(row_tile_nnz, capacity)[1])
+    excess = overflow_excess(row_tile_nnz, capacity, overflow, xp=cp, excess=known_excess)
     if excess == 0 or overflow == "drop":
         empty = cp.empty(0, dtype=dtype), cp.empty(0, dtype=cp.int32), cp.zeros(m + 1, dtype=cp.int32)
         return (*empty, excess)
@@ -267,19 +269,21 @@ class Finish:
         self.counted = PostedScalar()
         self.counted.post(self.totals()[1])
 
-    def _known_excess(self) -> int | None:
+    def _excess(self) -> int:
+        """The entries beyond capacity: the posted count when :meth:`count_now` ran, else read
+        from :meth:`totals` now."""
         value = None if self.counted is None else self.counted.value()
-        return None if value is None else int(value)
+        return int(self.totals()[1]) if value is None else int(value)
 
     def __call__(self, overflow: str, spill_capacity: int | None = None) -> tuple[TwELLParts, Any]:
         head = (self.first.data, self.first.indices, self.first.counts)
         if spill_capacity is not None:  # no read-back: (parts, entries left out on the device)
             *spill, lost = _static_spill(self.row_tile_nnz, self.capacity, spill_capacity, self.dtype, self.run)
             return TwELLParts(*head, *spill), lost
-        known = self._known_excess()
-        if known == 0:  # nothing spills: pass 1's parts are complete, empty spill included
+        excess = self._excess()
+        if excess == 0:  # nothing spills: pass 1's parts are complete, empty spill included
             return self.first, 0
-        *spill, dropped = _apply_overflow(self.row_tile_nnz, self.capacity, overflow, self.dtype, self.run, known)
+        *spill, dropped = _apply_overflow(self.row_tile_nnz, self.capacity, overflow, self.dtype, self.run, excess)
         return TwELLParts(*head, *spill), dropped
 
 

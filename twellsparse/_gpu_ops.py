@@ -393,10 +393,11 @@ def act_mul(z_act: Any, z_lin: Any, activation: str, threshold: float | None) ->
     return out
 
 
-def kept_count(z: Any, step: int, activation: str, threshold: float | None) -> Any:
-    """How many entries of rows 0, step, 2*step, ... of ``z`` (unit column stride) the sparse path
-    keeps after ``activation`` (rounded to z's dtype) and ``threshold``: a one-element int64 array
-    on the device, from one launch (``ffn_kept_count``)."""
+def kept_count(z: Any, step: int, activation: str, threshold: float | None) -> tuple[Any, int]:
+    """``(kept, sampled)``: how many entries of rows 0, step, 2*step, ... of ``z`` (unit column
+    stride) the sparse path keeps after ``activation`` (rounded to z's dtype) and ``threshold``,
+    a one-element int64 array on the device from one launch (``ffn_kept_count``), and how many
+    entries those rows hold."""
     cp = _cp()
     count = cp.zeros(1, dtype=cp.int64)
     m, n = z.shape
@@ -406,7 +407,7 @@ def kept_count(z: Any, step: int, activation: str, threshold: float | None) -> A
         ld = max(z.strides[0] // z.itemsize, n)
         thr = np.float64(-1.0 if threshold is None else threshold)
         K.launch_grid(expr, (rows,), (256,), (z, np.int64(ld), np.int64(step), np.int32(n), thr, count))
-    return count
+    return count, rows * n
 
 
 # cuBLAS enums (cublas_api.h / library_types.h)

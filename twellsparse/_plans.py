@@ -361,7 +361,8 @@ class _FFNPlanBase:
         if is_cupy_array(z) and z.strides[1] == z.itemsize:
             from ._gpu_ops import kept_count
 
-            return kept_count(z, step, self.activation, self.threshold), 1.0 / (-(-m // step) * z.shape[1])
+            kept, sampled = kept_count(z, step, self.activation, self.threshold)
+            return kept, 1.0 / sampled
         rows = z[::step].astype(z.dtype if z.dtype == np.float64 else np.float32)
         kept = ref.keep_mask(ref.activation(rows, self.activation).astype(self.dtype), self.threshold)
         return kept.mean(), 1.0

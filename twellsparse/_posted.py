@@ -29,7 +29,7 @@ class PostedScalar:
         self._buffers: list[Any] = [None, None]
         self._turn = 0
         # How the 8 host bytes read (the posted array's dtype) and the factor applied on reading.
-        self._dtype: Any = np.float64
+        self._dtype: Any = np.dtype(np.float64)
         self._scale = 1.0
 
     def post(self, scalar: Any, scale: float = 1.0) -> None:

@@ -83,13 +83,15 @@ def excess_entries(row_tile_nnz, capacity: int, xp=np):
     return xp.maximum(row_tile_nnz - capacity, 0).sum(dtype=np.int64)
 
 
-def overflow_excess(row_tile_nnz, capacity: int, overflow: str, xp=np) -> int:
-    """Apply the overflow policy to the per-row-tile counts; return the number of excess entries.
+def overflow_excess(row_tile_nnz, capacity: int, overflow: str, xp=np, excess: int | None = None) -> int:
+    """Apply the overflow policy to the per-row-tile counts; return the number of excess entries
+    (``excess``, when the caller counted them already).
 
     Raises TwELLCapacityError under ``"error"`` and warns under ``"drop"``. Works on NumPy and
-    CuPy arrays (one scalar read-back on the GPU).
+    CuPy arrays (one scalar read-back on the GPU unless ``excess`` is given).
     """
-    excess = int(excess_entries(row_tile_nnz, capacity, xp))
+    if excess is None:
+        excess = int(excess_entries(row_tile_nnz, capacity, xp))
     if excess == 0:
         return 0
     if overflow == "error":
