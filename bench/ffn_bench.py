@@ -141,8 +141,6 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
         ref_gated = gated_plan(x)
         ref_plain_plan = plain_plan(x)
         packed = _stationary.pack(h.parts, h.tile_n, h.shape[1])
-        w_pair = cp.concatenate([wu, wd_t], axis=1)
-        paired_rows = (w_pair[:, : args.d_model], w_pair[:, args.d_model :])
         variants = {
             "spmm_down_portable": (lambda: _gpu_ops.spmm(h.parts, h.tile_n, wd_t, h_out, path="portable"), ref_down),
             "spmm_down_gather_4x4": (
@@ -162,12 +160,6 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
             ),
             "ffn_stationary": (with_setting(_stationary, "PREFERRED", True, lambda: plain_plan(x)), ref_plain_plan),
             "gated_consumer": (lambda: _gpu_ops.gated_consumer(h.parts, h.tile_n, x, wu, wd_t)[0], ref_gated),
-            # W_up and W_down rows of a unit side by side (one 8 KB run per pair instead of two 4 KB
-            # rows in two arrays): the same kernel on strided views, not yet measured.
-            "gated_consumer_interleaved": (
-                lambda: _gpu_ops.gated_consumer(h.parts, h.tile_n, x, *paired_rows)[0],
-                ref_gated,
-            ),
             "gated_consumer_8x2": (
                 lambda: _gpu_ops.gated_consumer(h.parts, h.tile_n, x, wu, wd_t, variant=(8, 2))[0],
                 ref_gated,

@@ -1,7 +1,12 @@
-"""One call of one SpMM path on the standard problem, between profiler start and stop: a harness
-for ``ncu --profile-from-start off`` (Nsight Compute's per-kernel sections and SASS sampling).
+"""One call of one row-gather kernel on the standard problem, between profiler start and stop: a
+harness for ``ncu --profile-from-start off`` (Nsight Compute's per-kernel sections and SASS
+sampling).
 
-    python bench/kernel_probe.py [--path gather|portable] [--density 0.01] [--m 16384]
+    python bench/kernel_probe.py [--kernel spmm|sddmm|gated] [--path gather|portable]
+                                 [--density 0.01] [--m 16384]
+
+``spmm`` is the down projection (``--path`` picks its kernel), ``sddmm`` the up projection's
+sampled product at the gate's pattern, ``gated`` the fused gated consumer (both row gathers).
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     from twellsparse.testing import ffn_problem
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--path", default="gather", help="gather or portable")
+    ap.add_argument("--kernel", default="spmm", choices=("spmm", "sddmm", "gated"))
+    ap.add_argument("--path", default="gather", help="gather or portable (spmm only)")
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--m", type=int, default=16384)
     args = ap.parse_args(argv)
@@ -26,10 +32,19 @@ def main(argv: list[str] | None = None) -> int:
     h = ts.linear_to_twell(p["x"], p["w_gate"])
     wd_t = cp.ascontiguousarray(p["w_down"].T)
     out = cp.empty((args.m, 2048), dtype=h.dtype)
-    _gpu_ops.spmm(h.parts, h.tile_n, wd_t, out, path=args.path)  # compile and warm up
+
+    def call() -> None:
+        if args.kernel == "spmm":
+            _gpu_ops.spmm(h.parts, h.tile_n, wd_t, out, path=args.path)
+        elif args.kernel == "sddmm":
+            _gpu_ops.sddmm(h.parts, h.tile_n, p["x"], p["w_up"], scale=False, path="gather")
+        else:
+            _gpu_ops.gated_consumer(h.parts, h.tile_n, p["x"], p["w_up"], wd_t, out=out)
+
+    call()  # compile and warm up
     cp.cuda.Device().synchronize()
     cp.cuda.profiler.start()
-    _gpu_ops.spmm(h.parts, h.tile_n, wd_t, out, path=args.path)
+    call()
     cp.cuda.Device().synchronize()
     cp.cuda.profiler.stop()
     return 0

@@ -65,6 +65,8 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         "fused producer, pass 1": lambda: _hopper_producer.linear_to_parts_deferred(x, wg, "relu", 256, 32, None),
         "linear_to_twell, cuBLASLt producer": lambda: _without_fused_producer(lambda: ts.linear_to_twell(x, wg)),
         "gated consumer": lambda: _gpu_ops.gated_consumer(g.parts, g.tile_n, x, wu, wd_t),
+        "gated consumer (8, 2)": lambda: _gpu_ops.gated_consumer(g.parts, g.tile_n, x, wu, wd_t, variant=(8, 2)),
+        "up sddmm": lambda: sddmm(x, wu, g),
         "down spmm": lambda: matmul(g, wd_t),
         "down spmm, gather": lambda: _gpu_ops.spmm(g.parts, g.tile_n, wd_t, down_out, path="gather"),
         "down spmm, stationary": lambda: _stationary.spmm(g.parts, g.tile_n, wd_t, down_out),

@@ -33,6 +33,12 @@ struct alignas(16) Raw16 {
 #define TWELL_L2_HINTS 1
 #endif
 
+// Tensor-core dot products for 2-byte types (TWELL_MMA_DOTS, 1 unless it is 0: the FMA-pipe
+// dots instead, for measurements; see gather_dots).
+#ifndef TWELL_MMA_DOTS
+#define TWELL_MMA_DOTS 1
+#endif
+
 __device__ __forceinline__ unsigned long long evict_first_policy() {
   unsigned long long policy;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
@@ -291,12 +297,13 @@ __device__ __forceinline__ void zero_padding(T* __restrict__ out, const int* __r
   }
 }
 
-// Dot products x_row . y[col] for the batch's n pairs; lane l returns pair l's (0 for l >= n).
+// Dot products x_row . y[col] for the batch's n pairs on the FMA pipes (4- and 8-byte types);
+// lane l returns pair l's (0 for l >= n).
 // The K columns go in passes of KV x 32 x 16 bytes: the pass's x vectors stay in registers and
 // U pairs' row pieces are requested before any is used, as in gather_accumulate. (Summing a
 // pair's products in KV independent chains instead of one was measured on the H200: no gain.)
 template <typename T, int KV, int U>
-__device__ __forceinline__ typename acc_of<T>::type gather_dots(const T* __restrict__ x_row,
+__device__ __forceinline__ typename acc_of<T>::type gather_dots_fma(const T* __restrict__ x_row,
                                                                 const T* __restrict__ y, long long ldy,
                                                                 int K, int n, int col, int lane) {
   using A = typename acc_of<T>::type;
@@ -329,6 +336,103 @@ __device__ __forceinline__ typename acc_of<T>::type gather_dots(const T* __restr
     }
   }
   return mine;
+}
+
+// D += A B for one m16n8k16 tensor-core step with fp32 accumulators (A row-major 16 x 16 and B
+// column-major 16 x 8, both of 2-byte T): the PTX fragment layout, lane = 4 g + t holding A's
+// rows g and g + 8 at k = 2t, 2t + 1 (a0, a1) and 2t + 8, 2t + 9 (a2, a3), B's column g at the
+// same k (b0, b1), and D's rows g and g + 8 at columns 2t, 2t + 1 (d0, d1 and d2, d3).
+template <typename T>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                             unsigned b0, unsigned b1) {
+  if constexpr (is_same_type<T, bf16>::value) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// The same dot products on the tensor cores (2-byte types). Why: on the FMA pipes every value
+// costs a widening instruction besides its FMA and every pair a 5-step warp reduction per column
+// pass, so the SDDMM issued ~360 warp instructions per pair and ran at ~5 TB/s of rows against
+// the SpMM's ~7.5 (Nsight Compute, 0.5%, bench/NOTES.md fourteenth session); here a pair costs ~20.
+// The batch's pairs are the rows of A in two groups of 16 (pair 16 r + g + 8 h in lane 4 g + t,
+// h = 0, 1), every column of B holds x, so every column of D holds the dots. A dot's order of
+// summation does not matter, so each lane loads whole 16-byte pieces (a row's 4 lanes read 64
+// contiguous bytes per step): lane t's piece of a 32-value step, values 8t .. 8t + 7, feeds two
+// MMAs, values 8t + {0, 1, 2, 3} as k = {2t, 2t + 1, 2t + 8, 2t + 9} of the first and
+// 8t + {4 .. 7} of the second, with x's piece at the same positions as B. STEPS steps' loads
+// are issued before any is used; each half of a step accumulates in its own registers.
+template <typename T, int STEPS>
+__device__ __forceinline__ float mma_dots(const T* __restrict__ x_row, const T* __restrict__ y, long long ldy,
+                                          int K, int n, int col, int lane) {
+  constexpr int STEP = 32;  // values per step: 4 lanes x 8
+  const int g = lane >> 2, t = lane & 3;
+  const bool two = n > 16;  // warp-uniform: the second group of 16 pairs has work
+  const T* rows[2][2];
+  bool live[2][2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int p = 16 * r + g + 8 * h;
+      rows[r][h] = y + (long long)__shfl_sync(kFull, col, p) * ldy + 8 * t;
+      live[r][h] = p < n;
+    }
+  float acc[2][2][4];
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int s = 0; s < 2; ++s)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[r][s][i] = 0.f;
+  for (int k0 = 0; k0 < K; k0 += STEPS * STEP) {
+    Raw16 w[STEPS][2][2], xv[STEPS];
+#pragma unroll
+    for (int st = 0; st < STEPS; ++st) {
+      const int k = k0 + st * STEP;
+      const bool in = k + 8 * t < K;
+      xv[st] = in ? ldg16<true>(x_row + k + 8 * t) : zero16();
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) w[st][r][h] = in && live[r][h] ? ldg16(rows[r][h] + k) : zero16();
+    }
+#pragma unroll
+    for (int st = 0; st < STEPS; ++st)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (r == 1 && !two) break;
+        const Raw16 &lo = w[st][r][0], &hi = w[st][r][1];
+        mma_m16n8k16<T>(acc[r][0], lo.x, hi.x, lo.y, hi.y, xv[st].x, xv[st].y);
+        mma_m16n8k16<T>(acc[r][1], lo.z, hi.z, lo.w, hi.w, xv[st].z, xv[st].w);
+      }
+  }
+  // Pair l sits in group l / 16, row l % 16: D row (l % 8) (+ 8 for the upper half) of lane 4 (l % 8).
+  const int src = (lane & 7) * 4;
+  const float r0 = __shfl_sync(kFull, acc[0][0][0] + acc[0][1][0], src);
+  const float r8 = __shfl_sync(kFull, acc[0][0][2] + acc[0][1][2], src);
+  const float r16 = __shfl_sync(kFull, acc[1][0][0] + acc[1][1][0], src);
+  const float r24 = __shfl_sync(kFull, acc[1][0][2] + acc[1][1][2], src);
+  const float mine = lane < 8 ? r0 : lane < 16 ? r8 : lane < 24 ? r16 : r24;
+  return lane < n ? mine : 0.f;
+}
+
+// x_row . y[col] for the batch's n pairs (lane l returns pair l's, 0 for l >= n): tensor cores
+// for 2-byte types, FMA pipes otherwise (KV: 16-byte pieces per lane in flight per pair and
+// column pass; U: pairs per FMA round, or 32-value steps in flight on the tensor cores).
+template <typename T, int KV, int U>
+__device__ __forceinline__ typename acc_of<T>::type gather_dots(const T* __restrict__ x_row,
+                                                                const T* __restrict__ y, long long ldy,
+                                                                int K, int n, int col, int lane) {
+  if constexpr (sizeof(T) == 2 && TWELL_MMA_DOTS) return mma_dots<T, U>(x_row, y, ldy, K, n, col, lane);
+  else return gather_dots_fma<T, KV, U>(x_row, y, ldy, K, n, col, lane);
 }
 
 template <typename T, int KV>
@@ -471,46 +575,37 @@ __global__ void __launch_bounds__(128) twell_gather_sddmm_gated_bwd(
   zero_padding(h_data, counts, row, n_tiles, capacity, lane);
 }
 
-// The gated FFN's consumer for one row of tokens, in two phases of one warp:
-//   1. u[row, j] = x[row] . w_up[j] at the gate's stored entries, rounded to T, into u_data /
-//      u_spill (laid out like the gate's parts; padding slots are not written);
-//   2. out[row, :] = sum_j h[row, j] * w_down_t[j, :] with h = gate * u rounded to T,
-// the roundings of the unfused path (SDDMM to T, then the product in fp32 rounded to T). Only
-// the row's compact u values go through memory (L1/L2: the warp reads back what it wrote); the
-// phases run back to back so each keeps the registers to itself.
+// The gated FFN's up projection at the gate's pattern, the first half of its consumer: at each
+// stored entry (j, g) of the gate, u = x[row] . w_up[j] rounded to T and h = g * u in fp32
+// rounded to T (the roundings of the unfused path: SDDMM to T, then the value product), written
+// to h_data / h_spill in the gate's layout, and u to u_data / u_spill unless u_data is null.
+// Padding slots are not written (the down projection reads only the stored entries; a kept u
+// comes zeroed). The down projection then runs as its own SpMM: fused in one kernel, the two
+// halves kept both weight matrices (46 MB at the standard widths) in use at once and the L2 hit
+// rate fell to 62% (1 GB read from DRAM at 0.5%), against 90-95% for each half alone
+// (bench/NOTES.md, fourteenth session).
 template <typename T, int KV, int U>
-__global__ void __launch_bounds__(128) twell_gather_gated(
+__global__ void __launch_bounds__(128) twell_gather_gated_up(
     const T* __restrict__ gate, const short* __restrict__ indices, const int* __restrict__ counts,
     const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
     const T* __restrict__ gate_spill, int M, int n_tiles, int tile_n, int capacity,
-    const T* __restrict__ x, long long ldx, const T* __restrict__ w_up, long long ldu, int K_in,
-    const T* __restrict__ w_down_t, long long ldd, int K_out, T* u_data, T* u_spill,
-    T* __restrict__ out, long long ldo) {
+    const T* __restrict__ x, long long ldx, const T* __restrict__ w_up, long long ldu, int K,
+    T* __restrict__ h_data, T* __restrict__ h_spill, T* __restrict__ u_data, T* __restrict__ u_spill) {
   using A = typename acc_of<T>::type;
   const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (row >= M) return;  // warp-uniform
   const T* x_row = x + row * ldx;
-  for_each_batch<false>(gate, indices, counts, spill_indptr, spill_cols, gate_spill, row, n_tiles, tile_n,
-                        capacity, lane, [&](int n, int col, A, long long where) {
-                          const T u = from_acc<T>(gather_dots<T, KV, U>(x_row, w_up, ldu, K_in, n, col, lane));
-                          if (lane < n) {
-                            if (in_spill(where)) u_spill[~where] = u;
-                            else u_data[where] = u;
-                          }
-                        });
-  __syncwarp();  // phase 2 reads the u values other lanes wrote
-  sum_by_chunks<T, KV>(out + row * ldo, K_out, lane, [&](A(&acc)[KV][Lanes<T>::N], int k0) {
-    for_each_batch<true>(gate, indices, counts, spill_indptr, spill_cols, gate_spill, row, n_tiles, tile_n,
-                         capacity, lane, [&](int n, int col, A g, long long where) {
-                           A h = A(0);
-                           if (lane < n) {
-                             const T u = in_spill(where) ? u_spill[~where] : u_data[where];
-                             h = to_acc(from_acc<T>(g * to_acc(u)));
-                           }
-                           gather_accumulate<T, KV, U>(acc, n, col, h, w_down_t, ldd, K_out, k0, lane);
-                         });
-  });
+  for_each_batch<true>(gate, indices, counts, spill_indptr, spill_cols, gate_spill, row, n_tiles, tile_n,
+                       capacity, lane, [&](int n, int col, A g, long long where) {
+                         const T u = from_acc<T>(gather_dots<T, KV, U>(x_row, w_up, ldu, K, n, col, lane));
+                         if (lane < n) {
+                           const bool spilled = in_spill(where);
+                           const long long i = spilled ? ~where : where;
+                           (spilled ? h_spill : h_data)[i] = from_acc<T>(g * to_acc(u));
+                           if (u_data != nullptr) (spilled ? u_spill : u_data)[i] = u;
+                         }
+                       });
 }
 
 // out[r, :] = sum over row r's entries e of value(sources[e]) * b[cols[e], :], for a matrix in

@@ -9,6 +9,10 @@ namespace twell {
 struct bf16 { unsigned short bits; };
 struct f16 { unsigned short bits; };
 
+// Whether two types are one (a constexpr test without <type_traits>, which NVRTC lacks).
+template <typename A, typename B> struct is_same_type { static constexpr bool value = false; };
+template <typename A> struct is_same_type<A, A> { static constexpr bool value = true; };
+
 // Accumulator type: fp32 for every storage type but float64.
 template <typename T> struct acc_of { using type = float; };
 template <> struct acc_of<double> { using type = double; };

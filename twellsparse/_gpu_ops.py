@@ -286,7 +286,7 @@ def mask_consumer(
         return out
     x, ldx = row_stride(x)
     w_lin, ldu = row_stride(w_lin)
-    kv, u = variant or K.GATHER_DEFAULT["gated"]
+    kv, u = variant or K.GATHER_DEFAULT["gated_up"]
     args = (*head, x, np.int64(ldx), w_lin, np.int64(ldu), np.int32(x.shape[1]), *tail)
     K.launch_grid(K.gather_expression("mask_gated", z.dtype, kv, u), *_gather_grid(m), args)
     return out
@@ -333,26 +333,32 @@ def gated_consumer(
     variant: tuple[int, int] | None = None,
     out: Any = None,
 ) -> tuple[Any, TwELLParts | None]:
-    """The gated FFN after its gate in one kernel (:func:`gated_consumer_eligible` operands):
-    ``u = x @ w_up.T`` at the gate's pattern, ``h = gate * u``, ``out = h @ w_down_t``.
+    """The gated FFN after its gate (:func:`gated_consumer_eligible` operands): ``u = x @ w_up.T``
+    at the gate's pattern and ``h = gate * u`` in one kernel (``twell_gather_gated_up``), then
+    ``out = h @ w_down_t`` (:func:`spmm`, its "auto" kernel).
 
     Returns ``(out, u)``; ``u`` (parts with the gate's structure and zero padding, what the
     backward pass needs) only when ``keep_up``, else None. ``out``, when given, is written in
-    place: (M, d_model) in x's dtype with unit column stride (the caller checks).
+    place: (M, d_model) in x's dtype with unit column stride (the caller checks). ``variant``:
+    the up projection's (KV, U) instantiation.
     """
     cp = _cp()
     m, nt, cap = gate.data.shape
     x, ldx = row_stride(x)
     w_up, ldu = row_stride(w_up)
-    w_down_t, ldd = row_stride(w_down_t)
-    k_out = w_down_t.shape[1]
-    kv, u = _variant(variant, "gated")
+    kv, u = _variant(variant, "gated_up")
     if out is None:
-        out = cp.empty((m, k_out), dtype=x.dtype)
-    ldo = max(out.strides[0] // out.itemsize, k_out)
-    # Phase 1 of the kernel writes u at the stored slots only: zero the padding for callers.
-    u_data = (cp.zeros if keep_up else cp.empty)(gate.data.shape, dtype=x.dtype)
-    u_spill = cp.empty(gate.spill_data.shape, dtype=x.dtype)
+        out = cp.empty((m, w_down_t.shape[1]), dtype=x.dtype)
+
+    # The kernel writes the stored slots only: h's padding is never read (the SpMMs walk the
+    # counts), a kept u is handed out and so starts zeroed.
+    def values(fill: Any) -> TwELLParts:
+        return gate._replace(
+            data=fill(gate.data.shape, dtype=x.dtype), spill_data=cp.empty(gate.spill_data.shape, dtype=x.dtype)
+        )
+
+    h = values(cp.empty)
+    up = values(cp.zeros) if keep_up else None
     args = (
         *_matrix_args(gate),
         np.int32(m),
@@ -364,16 +370,12 @@ def gated_consumer(
         w_up,
         np.int64(ldu),
         np.int32(x.shape[1]),
-        w_down_t,
-        np.int64(ldd),
-        np.int32(k_out),
-        u_data,
-        u_spill,
-        out,
-        np.int64(ldo),
+        h.data,
+        h.spill_data,
+        *((up.data, up.spill_data) if up is not None else (K.null_pointer(), K.null_pointer())),
     )
-    K.launch_grid(K.gather_expression("gated", x.dtype, kv, u), *_gather_grid(m), args)
-    up = gate._replace(data=u_data, spill_data=u_spill) if keep_up else None
+    K.launch_grid(K.gather_expression("gated_up", x.dtype, kv, u), *_gather_grid(m), args)
+    spmm(h, tile_n, w_down_t, out)
     return out, up
 
 

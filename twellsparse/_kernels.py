@@ -53,7 +53,7 @@ GATHER_DEFAULT = {
     "spmm": (8, 2),
     "sddmm": (4, 4),
     "sddmm_gated_bwd": (4, 4),  # as the SDDMM it extends (not timed on its own yet)
-    "gated": (4, 4),
+    "gated_up": (4, 4),
     "csr_spmm": (8, 2),
     "csr_spmm_pair": (4, 4),
 }
@@ -62,9 +62,9 @@ GATHER_WARPS = 4  # rows (warps) per block
 
 def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = False) -> str:
     """Name expression of a row-gather kernel: kind "spmm", "spmm_sum" (two products of one
-    structure summed), "sddmm", "gated", "csr_spmm", "csr_spmm_pair" (two matrices of one
-    structure times the same dense one, in one pass), or the ReLU-mask-driven consumers
-    "mask_gated" and "mask_spmm"."""
+    structure summed), "sddmm", "gated_up" (the gated consumer's up projection and value
+    product), "csr_spmm", "csr_spmm_pair" (two matrices of one structure times the same dense
+    one, in one pass), or the ReLU-mask-driven consumers "mask_gated" and "mask_spmm"."""
     t = CXX_TYPE[np.dtype(dtype)]
     if kind == "spmm":
         return f"twell_gather_spmm<{t}, {kv}, {u}>"
@@ -72,8 +72,8 @@ def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = Fals
         return f"twell_gather_spmm<{t}, {kv}, {u}, true>"
     if kind == "sddmm":
         return f"twell_gather_sddmm<{t}, {'true' if scale else 'false'}, {kv}, {u}>"
-    if kind == "gated":
-        return f"twell_gather_gated<{t}, {kv}, {u}>"
+    if kind == "gated_up":
+        return f"twell_gather_gated_up<{t}, {kv}, {u}>"
     if kind == "csr_spmm":
         return f"twell_gather_csr_spmm<{t}, {kv}, {u}>"
     if kind == "csr_spmm_pair":
@@ -83,7 +83,7 @@ def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = Fals
     if kind in ("mask_gated", "mask_spmm"):
         return f"twell_{kind}<{t}, {kv}, {u}>"
     kinds = (
-        "'spmm', 'spmm_sum', 'sddmm', 'sddmm_gated_bwd', 'gated', 'csr_spmm', 'csr_spmm_pair', 'mask_gated' "
+        "'spmm', 'spmm_sum', 'sddmm', 'sddmm_gated_bwd', 'gated_up', 'csr_spmm', 'csr_spmm_pair', 'mask_gated' "
         "or 'mask_spmm'"
     )
     raise ValueError(f"kind: expected {kinds}, got {kind!r}")
@@ -121,7 +121,7 @@ def _instantiations() -> dict[str, list[str]]:
             ("spmm_sum", False),
             ("csr_spmm", False),
             ("csr_spmm_pair", False),
-            ("gated", False),
+            ("gated_up", False),
             ("sddmm", False),
             ("sddmm", True),
             ("sddmm_gated_bwd", False),
@@ -204,12 +204,13 @@ def source_hash() -> str:
 
 
 def compile_options() -> tuple[str, ...]:
-    """NVRTC options. Two measurement switches are read from the environment when a module is
+    """NVRTC options. Three measurement switches are read from the environment when a module is
     first compiled: ``TWELL_L2_HINTS=0`` turns off the gather kernels' L2 eviction hint
-    (cuda/twell_gather.cu), ``TWELL_HOPPER_PACK=0`` leaves the fused producer's epilogue out
+    (cuda/twell_gather.cu), ``TWELL_MMA_DOTS=0`` gives their dot products to the FMA pipes
+    instead of the tensor cores, ``TWELL_HOPPER_PACK=0`` leaves the fused producer's epilogue out
     (cuda/twell_hopper_gemm.cu: wrong results, the GEMM's time alone)."""
     switches = []
-    for name in ("TWELL_L2_HINTS", "TWELL_HOPPER_PACK"):
+    for name in ("TWELL_L2_HINTS", "TWELL_MMA_DOTS", "TWELL_HOPPER_PACK"):
         value = os.environ.get(name, "")
         if value not in ("", "0", "1"):
             raise ValueError(f"{name}: expected 0 or 1, got {value!r}")
