@@ -1,7 +1,8 @@
 // Row-gather kernels: one warp per token row, 16-byte vector gathers of whole weight rows.
 //
 // These serve the products of the FFN (SpMM for the down projection, SDDMM for the up
-// projection and the backward's dH, and the fused gated consumer) whenever every dense operand
+// projection and the backward's dH, the gated consumer's up projection with its value product)
+// whenever every dense operand
 // has 16-byte-aligned rows whose length is a multiple of 16 bytes; other layouts take the
 // portable kernels of twell_spmm.cu / twell_sddmm.cu.
 //
@@ -10,7 +11,9 @@
 // coalesced line run, and several pairs' rows are requested before any is consumed, keeping
 // U x KV 16-byte loads in flight per lane: the L2-to-SM gather rate,
 // not latency, bounds the kernel. The row's entries are enumerated 32 at a time (one per lane)
-// with a warp scan over the tile counts, so batches stay full at any density.
+// with a warp scan over the tile counts, so batches stay full at any density. Dot products of
+// 2-byte types run on the tensor cores (mma_dots), with lanes loading 16-byte row pieces in the
+// fragment layout.
 #include "twell_types.cuh"
 
 using namespace twell;

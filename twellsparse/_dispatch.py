@@ -18,11 +18,14 @@ import math
 #: uniform and skewed patterns where both were measured (``bench/breakeven_fit.py`` over
 #: ``bench/results/2026-12-03-ffn.jsonl`` and ``-ffn-widths.jsonl``, H200). The 4096-token points
 #: are from commit b01dbb6, after the plan calls' host work was cut (their sparse times then
-#: matched the GPU-only ones); the others from b871c25.
+#: matched the GPU-only ones), the gated ones at 4096 and 16384 tokens of the standard widths
+#: from 8e75718 (the gated consumer in two launches with tensor-core dots, uniform only: the
+#: 65536-token and d_model 4096 gated points, still b871c25's, were not rerun with it and err
+#: towards dense); the others from b871c25.
 CROSSINGS: dict[tuple[int, int], dict[str, tuple[tuple[int, float], ...]]] = {
     (2048, 5632): {
         "ffn": ((4096, 0.0066), (16384, 0.0103), (65536, 0.0121)),
-        "gated_ffn": ((4096, 0.0092), (16384, 0.0102), (65536, 0.0105)),
+        "gated_ffn": ((4096, 0.0088), (16384, 0.0118), (65536, 0.0105)),
     },
     (4096, 14336): {
         "ffn": ((4096, 0.0064), (16384, 0.0077)),

@@ -371,8 +371,8 @@ def gated_product(
     """The gated FFN after its gate: ``u = x @ w_lin.T`` at the gate's pattern (rounded to the
     value type), ``h = gate * u`` (rounded), ``out = h @ w_down_t``.
 
-    One fused kernel on the GPU when the operands share a dtype and have 16-byte rows
-    (``_gpu_ops.gated_consumer``), else SDDMM, product and SpMM. Returns ``(out, u)``, ``u``
+    On the GPU, when the operands share a dtype and have 16-byte rows, one kernel for u and h
+    then the down SpMM (``_gpu_ops.gated_consumer``), else SDDMM, product and SpMM. Returns ``(out, u)``, ``u``
     only when ``keep_up`` (the backward pass needs it), else None. ``out`` (optional, trusted:
     the result's shape and dtype, unit column stride) is written in place.
     """
@@ -412,7 +412,7 @@ def fused_gated_backward(
 
 def gather_tail_eligible(x: Any, w_lin: Any, w_down_t: Any, dtype: Any) -> bool:
     """Whether an FFN block's tail can run on the row-gather kernels alone: on the GPU, one
-    dtype, 16-byte rows (gated: the fused consumer's operands; non-gated: W_down's rows). Those
+    dtype, 16-byte rows (gated: the gated consumer's operands; non-gated: W_down's rows). Those
     tails take parts with a fixed-length spill (read through its row pointers; the other
     kernels take its length from the arrays) and the ReLU-mask-driven tails."""
     if not is_cupy_array(x):

@@ -1,5 +1,5 @@
 """The row-gather kernels (cuda/twell_gather.cu) against the float64 reference: SpMM in every
-instantiated variant, SDDMM with and without the pattern's scale, and the fused gated consumer,
+instantiated variant, SDDMM with and without the pattern's scale, and the gated consumer,
 on shapes that exercise several column passes, several 32-entry batches per row, more than 32
 tiles per row, spill entries and empty rows."""
 
