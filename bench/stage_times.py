@@ -70,6 +70,7 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         "down spmm": lambda: matmul(g, wd_t),
         "down spmm, gather": lambda: _gpu_ops.spmm(g.parts, g.tile_n, wd_t, down_out, path="gather"),
         "down spmm, stationary": lambda: _stationary.spmm(g.parts, g.tile_n, wd_t, down_out),
+        "down spmm, tensor cores": lambda: _gpu_ops.spmm(g.parts, g.tile_n, wd_t, down_out, path="tensor"),
         "stationary pack": lambda: _stationary.pack(g.parts, g.tile_n, g.shape[1]),
         **{f"plan {name}": (lambda plan=plan: plan(x)) for name, plan in plans.items()},
         "bwd sddmm": lambda: sddmm(go, wd_t, g),
@@ -77,17 +78,24 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         "bwd transposed pattern": lambda: _gpu_ops.transposed_pattern(g.parts, g.tile_n, g.shape[1]),
         "bwd 3 transposed products": lambda: transposed_products(g, [(h, go), (d_z, x), (d_u, x)]),
         "bwd dX": lambda: matmul_sum(d_z, wg, d_u, wu),  # the backward's one dual pass
+        "bwd dX, tensor cores": lambda: _with(_gpu_ops, "TENSOR_SPMM", True, lambda: matmul_sum(d_z, wg, d_u, wu)),
     }
+
+
+def _with(module: Any, name: str, value: Any, fn: Any) -> Any:
+    """``fn()`` with ``module.<name>`` set to ``value`` (restored after)."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        return fn()
+    finally:
+        setattr(module, name, saved)
 
 
 def _without_fused_producer(fn: Any) -> Any:
     from twellsparse import _hopper_producer
 
-    saved, _hopper_producer.ENABLED = _hopper_producer.ENABLED, False
-    try:
-        return fn()
-    finally:
-        _hopper_producer.ENABLED = saved
+    return _with(_hopper_producer, "ENABLED", False, fn)
 
 
 def main(argv: list[str] | None = None) -> int:

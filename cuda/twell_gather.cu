@@ -290,6 +290,106 @@ __device__ __forceinline__ void gather_accumulate(typename acc_of<T>::type (&acc
                                       k0, lane);
 }
 
+// D += A B for one m16n8k16 tensor-core step with fp32 accumulators (A row-major 16 x 16 and B
+// column-major 16 x 8, both of 2-byte T): the PTX fragment layout, lane = 4 g + t holding A's
+// rows g and g + 8 at k = 2t, 2t + 1 (a0, a1) and 2t + 8, 2t + 9 (a2, a3), B's column g at the
+// same k (b0, b1), and D's rows g and g + 8 at columns 2t, 2t + 1 (d0, d1 and d2, d3).
+template <typename T>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                             unsigned b0, unsigned b1) {
+  if constexpr (is_same_type<T, bf16>::value) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// The low (high) 16-bit halves of a and b as one register, a's in the low half.
+__device__ __forceinline__ unsigned low_halves(unsigned a, unsigned b) {
+  unsigned r;
+  asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ unsigned high_halves(unsigned a, unsigned b) {
+  unsigned r;
+  asm("prmt.b32 %0, %1, %2, 0x7632;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
+__device__ __forceinline__ unsigned word_of(const Raw16& r, int j) { return j == 0 ? r.x : j == 1 ? r.y : j == 2 ? r.z : r.w; }
+
+// The tensor-core accumulation of a column pass of S x 64 output columns from k0 (2-byte types):
+// acc += sum over the batch's n pairs of val * b[col, pass]. The output columns are the rows of
+// m16n8k16 A tiles and the pairs their k, 16 per step; B holds the values (every column the same,
+// so every column of D holds the sums). Lane 4 g + t loads 16 bytes (columns 8 g .. 8 g + 7 of a
+// 64-column piece) of the rows of pairs 2t, 2t + 1, 2t + 8 and 2t + 9, so the 8 lanes of one t
+// read 128 contiguous bytes of a row; the MMA j of the piece takes its columns 8 g + 2j (A row g)
+// and 8 g + 2j + 1 (row g + 8), packed pair by pair with PRMT (the fragment pairs two k, i.e. two
+// rows, in a register). acc[s][j] is that MMA's D: d0 and d2 are the sums at those two columns.
+// `bits` is lane p's value as stored (T's 16 bits; 0 past n).
+template <typename T, int S>
+__device__ __forceinline__ void mma_accumulate(float (&acc)[S][4][4], int n, int col, unsigned bits,
+                                               const T* __restrict__ b, long long ldb, int K, int k0, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  for (int p0 = 0; p0 < n; p0 += 16) {  // warp-uniform
+    const int q[4] = {p0 + 2 * t, p0 + 2 * t + 1, p0 + 2 * t + 8, p0 + 2 * t + 9};
+    unsigned v[4];
+    const T* rows[4];
+    bool live[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[i] = __shfl_sync(kFull, bits, q[i]);
+      rows[i] = b + (long long)__shfl_sync(kFull, col, q[i]) * ldb + 8 * g;
+      live[i] = q[i] < n;
+    }
+    const unsigned b0 = v[0] | (v[1] << 16), b1 = v[2] | (v[3] << 16);
+    Raw16 w[S][4];
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      const int k = k0 + 64 * s;
+      const bool in = k + 8 * g < K;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) w[s][i] = in && live[i] ? ldg16(rows[i] + k) : zero16();
+    }
+#pragma unroll
+    for (int s = 0; s < S; ++s)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const unsigned r0 = word_of(w[s][0], j), r1 = word_of(w[s][1], j);
+        const unsigned r2 = word_of(w[s][2], j), r3 = word_of(w[s][3], j);
+        mma_m16n8k16<T>(acc[s][j], low_halves(r0, r1), high_halves(r0, r1), low_halves(r2, r3),
+                        high_halves(r2, r3), b0, b1);
+      }
+  }
+}
+
+// Stores a tensor-core pass (see mma_accumulate): lane 4 g + t writes columns 8 g + 2t and
+// 8 g + 2t + 1 of each 64-column piece, MMA t's d0 and d2, as one 4-byte store.
+template <typename T, int S>
+__device__ __forceinline__ void mma_store(const float (&acc)[S][4][4], T* out_row, int K, int k0, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    const int k = k0 + 64 * s + 8 * g + 2 * t;
+    float lo = acc[s][0][0], hi = acc[s][0][2];  // a register select, not an indexed array
+#pragma unroll
+    for (int j = 1; j < 4; ++j) {
+      lo = t == j ? acc[s][j][0] : lo;
+      hi = t == j ? acc[s][j][2] : hi;
+    }
+    if (k < K) {
+      const unsigned word = (unsigned)from_acc<T>(lo).bits | ((unsigned)from_acc<T>(hi).bits << 16);
+      *reinterpret_cast<unsigned*>(out_row + k) = word;
+    }
+  }
+}
+
 // Zeros one row's padding slots (past each row-tile's count) in TwELL values `out`.
 template <typename T>
 __device__ __forceinline__ void zero_padding(T* __restrict__ out, const int* __restrict__ counts, long long row,
@@ -339,26 +439,6 @@ __device__ __forceinline__ typename acc_of<T>::type gather_dots_fma(const T* __r
     }
   }
   return mine;
-}
-
-// D += A B for one m16n8k16 tensor-core step with fp32 accumulators (A row-major 16 x 16 and B
-// column-major 16 x 8, both of 2-byte T): the PTX fragment layout, lane = 4 g + t holding A's
-// rows g and g + 8 at k = 2t, 2t + 1 (a0, a1) and 2t + 8, 2t + 9 (a2, a3), B's column g at the
-// same k (b0, b1), and D's rows g and g + 8 at columns 2t, 2t + 1 (d0, d1 and d2, d3).
-template <typename T>
-__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                             unsigned b0, unsigned b1) {
-  if constexpr (is_same_type<T, bf16>::value) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
 }
 
 // The same dot products on the tensor cores (2-byte types). Why: on the FMA pipes every value
@@ -510,6 +590,45 @@ __global__ void __launch_bounds__(128) twell_gather_spmm(
                            });
     }
   });
+}
+
+// twell_gather_spmm on the tensor cores (2-byte types; path "tensor" of _gpu_ops.spmm): the
+// same walk and the same result up to the order of the fp32 sums, in passes of S x 64 columns
+// (mma_accumulate). Why: on the FMA pipes every value costs a widening instruction besides its
+// FMA (about 300 warp instructions per pair, bench/NOTES.md fourteenth session); here a pair
+// costs about 40 per 2048 columns. Every output row is written (rows without entries get zeros).
+template <typename T, int S, bool DUAL = false>
+__global__ void __launch_bounds__(128) twell_gather_spmm_mma(
+    const T* __restrict__ data, const short* __restrict__ indices, const int* __restrict__ counts,
+    const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
+    const T* __restrict__ spill_vals, int M, int n_tiles, int tile_n, int capacity,
+    const T* __restrict__ b, long long ldb, int K, T* __restrict__ out, long long ldo,
+    const T* __restrict__ data2, const T* __restrict__ spill_vals2, const T* __restrict__ b2, long long ldb2) {
+  using A = typename acc_of<T>::type;
+  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (row >= M) return;  // warp-uniform
+  for (int k0 = 0; k0 < K; k0 += 64 * S) {
+    float acc[S][4][4];
+#pragma unroll
+    for (int s = 0; s < S; ++s)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[s][j][i] = 0.f;
+    // Values come widened from the walk; narrowing them back is exact.
+    for_each_batch<true>(data, indices, counts, spill_indptr, spill_cols, spill_vals, row, n_tiles, tile_n,
+                         capacity, lane, [&](int n, int col, A val, long long) {
+                           mma_accumulate<T, S>(acc, n, col, from_acc<T>(val).bits, b, ldb, K, k0, lane);
+                         });
+    if (DUAL) {
+      for_each_batch<true>(data2, indices, counts, spill_indptr, spill_cols, spill_vals2, row, n_tiles, tile_n,
+                           capacity, lane, [&](int n, int col, A val, long long) {
+                             mma_accumulate<T, S>(acc, n, col, from_acc<T>(val).bits, b2, ldb2, K, k0, lane);
+                           });
+    }
+    mma_store<T, S>(acc, out + row * ldo, K, k0, lane);
+  }
 }
 
 // Sampled products at the pattern: out = x[row] . y[j] for every stored entry (j, v), times v

@@ -58,6 +58,10 @@ GATHER_DEFAULT = {
     "csr_spmm_pair": (4, 4),
 }
 GATHER_WARPS = 4  # rows (warps) per block
+#: 64-column pieces per pass of the tensor-core SpMM (twell_gather_spmm_mma, 2-byte types):
+#: the instantiations and the default (2: 96 registers, five blocks per SM; 4: 144, three).
+TENSOR_PIECES = (2, 4)
+TENSOR_PIECES_DEFAULT = 2
 
 
 def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = False) -> str:
@@ -82,9 +86,11 @@ def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = Fals
         return f"twell_gather_sddmm_gated_bwd<{t}, {kv}, {u}>"
     if kind in ("mask_gated", "mask_spmm"):
         return f"twell_{kind}<{t}, {kv}, {u}>"
+    if kind in ("spmm_tensor", "spmm_sum_tensor"):  # kv: 64-column pieces per pass; u unused
+        return f"twell_gather_spmm_mma<{t}, {kv}, {'true' if kind == 'spmm_sum_tensor' else 'false'}>"
     kinds = (
-        "'spmm', 'spmm_sum', 'sddmm', 'sddmm_gated_bwd', 'gated_up', 'csr_spmm', 'csr_spmm_pair', 'mask_gated' "
-        "or 'mask_spmm'"
+        "'spmm', 'spmm_sum', 'sddmm', 'sddmm_gated_bwd', 'gated_up', 'csr_spmm', 'csr_spmm_pair', 'mask_gated', "
+        "'mask_spmm', 'spmm_tensor' or 'spmm_sum_tensor'"
     )
     raise ValueError(f"kind: expected {kinds}, got {kind!r}")
 
@@ -133,6 +139,13 @@ def _instantiations() -> dict[str, list[str]]:
         if dt.itemsize <= 4  # the cuBLASLt ReLU-mask producer's types
         for kv, u in GATHER_VARIANTS
         for kind in ("mask_gated", "mask_spmm")
+    ]
+    gather += [
+        gather_expression(kind, dt, pieces, 0)
+        for dt in VALUE_DTYPES
+        if dt.itemsize == 2  # the tensor cores' types
+        for pieces in TENSOR_PIECES
+        for kind in ("spmm_tensor", "spmm_sum_tensor")
     ]
     elementwise = [
         f"ffn_{kind}<{t}, {a}>"
