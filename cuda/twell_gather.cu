@@ -176,6 +176,26 @@ __device__ __forceinline__ void for_each_batch(const T* data, const short* __res
   }
 }
 
+// Calls f(n, col, val, operand, its row stride) for every batch of A's entries (values data /
+// spill_vals, operand b), then with DUAL for A2's (data2 / spill_vals2, operand b2): a second
+// walk over the entries, so one operand's loads are in flight at a time.
+template <bool DUAL, typename T, typename F>
+__device__ __forceinline__ void for_each_product_batch(const T* data, const T* spill_vals, const T* b, long long ldb,
+                                                       const T* data2, const T* spill_vals2, const T* b2,
+                                                       long long ldb2, const short* __restrict__ indices,
+                                                       const int* __restrict__ counts,
+                                                       const int* __restrict__ spill_indptr,
+                                                       const int* __restrict__ spill_cols, long long row,
+                                                       int n_tiles, int tile_n, int capacity, int lane, F&& f) {
+  using A = typename acc_of<T>::type;
+  for_each_batch<true>(data, indices, counts, spill_indptr, spill_cols, spill_vals, row, n_tiles, tile_n, capacity,
+                       lane, [&](int n, int col, A val, long long) { f(n, col, val, b, ldb); });
+  if (DUAL) {
+    for_each_batch<true>(data2, indices, counts, spill_indptr, spill_cols, spill_vals2, row, n_tiles, tile_n,
+                         capacity, lane, [&](int n, int col, A val, long long) { f(n, col, val, b2, ldb2); });
+  }
+}
+
 // Position of the k-th (0-based) set bit of w (k < popc(w)): a branch-free binary search.
 __device__ __forceinline__ int nth_set_bit(unsigned w, int k) {
   int pos = 0;
@@ -567,7 +587,12 @@ __device__ __forceinline__ typename acc_of<T>::type value_at(long long p, const 
 // out = A @ b + A2 @ b2 with one rounding (the backward's dX = dZ @ W_gate + dU @ W_up), the
 // second product in a second walk over the entries (interleaving the two per batch took 168
 // registers and spilled, bf16); a template parameter, so the single product is unchanged.
-template <typename T, int KV, int U, bool DUAL = false>
+// With TENSOR (2-byte types; path "tensor" of _gpu_ops.spmm) the sums run on the tensor cores
+// in passes of KV x 64 columns (mma_accumulate; U unused): the same result up to the order of
+// the fp32 sums. Why: on the FMA pipes every value costs a widening instruction besides its FMA
+// (about 300 warp instructions per pair, bench/NOTES.md fourteenth session), here a pair costs
+// about 40 per 2048 columns.
+template <typename T, int KV, int U, bool DUAL = false, bool TENSOR = false>
 __global__ void __launch_bounds__(128) twell_gather_spmm(
     const T* __restrict__ data, const short* __restrict__ indices, const int* __restrict__ counts,
     const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
@@ -578,56 +603,31 @@ __global__ void __launch_bounds__(128) twell_gather_spmm(
   const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (row >= M) return;  // warp-uniform
-  sum_by_chunks<T, KV>(out + row * ldo, K, lane, [&](A(&acc)[KV][Lanes<T>::N], int k0) {
-    for_each_batch<true>(data, indices, counts, spill_indptr, spill_cols, spill_vals, row, n_tiles, tile_n,
-                         capacity, lane, [&](int n, int col, A val, long long) {
-                           gather_accumulate<T, KV, U>(acc, n, col, val, b, ldb, K, k0, lane);
-                         });
-    if (DUAL) {  // a second walk over the entries: one operand's loads in flight at a time
-      for_each_batch<true>(data2, indices, counts, spill_indptr, spill_cols, spill_vals2, row, n_tiles, tile_n,
-                           capacity, lane, [&](int n, int col, A val, long long) {
-                             gather_accumulate<T, KV, U>(acc, n, col, val, b2, ldb2, K, k0, lane);
-                           });
+  if constexpr (TENSOR) {
+    for (int k0 = 0; k0 < K; k0 += 64 * KV) {
+      float acc[KV][4][4];
+#pragma unroll
+      for (int s = 0; s < KV; ++s)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[s][j][i] = 0.f;
+      // Values come widened from the walk; narrowing them back is exact.
+      for_each_product_batch<DUAL>(data, spill_vals, b, ldb, data2, spill_vals2, b2, ldb2, indices, counts,
+                                   spill_indptr, spill_cols, row, n_tiles, tile_n, capacity, lane,
+                                   [&](int n, int col, A val, const T* bb, long long ld) {
+                                     mma_accumulate<T, KV>(acc, n, col, from_acc<T>(val).bits, bb, ld, K, k0, lane);
+                                   });
+      mma_store<T, KV>(acc, out + row * ldo, K, k0, lane);
     }
-  });
-}
-
-// twell_gather_spmm on the tensor cores (2-byte types; path "tensor" of _gpu_ops.spmm): the
-// same walk and the same result up to the order of the fp32 sums, in passes of S x 64 columns
-// (mma_accumulate). Why: on the FMA pipes every value costs a widening instruction besides its
-// FMA (about 300 warp instructions per pair, bench/NOTES.md fourteenth session); here a pair
-// costs about 40 per 2048 columns. Every output row is written (rows without entries get zeros).
-template <typename T, int S, bool DUAL = false>
-__global__ void __launch_bounds__(128) twell_gather_spmm_mma(
-    const T* __restrict__ data, const short* __restrict__ indices, const int* __restrict__ counts,
-    const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
-    const T* __restrict__ spill_vals, int M, int n_tiles, int tile_n, int capacity,
-    const T* __restrict__ b, long long ldb, int K, T* __restrict__ out, long long ldo,
-    const T* __restrict__ data2, const T* __restrict__ spill_vals2, const T* __restrict__ b2, long long ldb2) {
-  using A = typename acc_of<T>::type;
-  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
-  const int lane = threadIdx.x & 31;
-  if (row >= M) return;  // warp-uniform
-  for (int k0 = 0; k0 < K; k0 += 64 * S) {
-    float acc[S][4][4];
-#pragma unroll
-    for (int s = 0; s < S; ++s)
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[s][j][i] = 0.f;
-    // Values come widened from the walk; narrowing them back is exact.
-    for_each_batch<true>(data, indices, counts, spill_indptr, spill_cols, spill_vals, row, n_tiles, tile_n,
-                         capacity, lane, [&](int n, int col, A val, long long) {
-                           mma_accumulate<T, S>(acc, n, col, from_acc<T>(val).bits, b, ldb, K, k0, lane);
-                         });
-    if (DUAL) {
-      for_each_batch<true>(data2, indices, counts, spill_indptr, spill_cols, spill_vals2, row, n_tiles, tile_n,
-                           capacity, lane, [&](int n, int col, A val, long long) {
-                             mma_accumulate<T, S>(acc, n, col, from_acc<T>(val).bits, b2, ldb2, K, k0, lane);
-                           });
-    }
-    mma_store<T, S>(acc, out + row * ldo, K, k0, lane);
+  } else {
+    sum_by_chunks<T, KV>(out + row * ldo, K, lane, [&](A(&acc)[KV][Lanes<T>::N], int k0) {
+      for_each_product_batch<DUAL>(data, spill_vals, b, ldb, data2, spill_vals2, b2, ldb2, indices, counts,
+                                   spill_indptr, spill_cols, row, n_tiles, tile_n, capacity, lane,
+                                   [&](int n, int col, A val, const T* bb, long long ld) {
+                                     gather_accumulate<T, KV, U>(acc, n, col, val, bb, ld, K, k0, lane);
+                                   });
+    });
   }
 }
 

@@ -46,7 +46,7 @@ _switch = os.environ.get("TWELL_TENSOR_SPMM", "")
 if _switch not in ("", "0", "1"):
     raise ValueError(f"TWELL_TENSOR_SPMM: expected 0 or 1, got {_switch!r}")
 #: Whether :func:`spmm`'s gather path runs on the tensor cores for 2-byte values
-#: (``twell_gather_spmm_mma``; ``TWELL_TENSOR_SPMM=1``, off by default until it is measured
+#: (``twell_gather_spmm`` with TENSOR; ``TWELL_TENSOR_SPMM=1``, off by default until it is measured
 #: faster; ``path="tensor"`` asks for it per call).
 TENSOR_SPMM = _switch == "1"
 

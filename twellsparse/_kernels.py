@@ -58,7 +58,7 @@ GATHER_DEFAULT = {
     "csr_spmm_pair": (4, 4),
 }
 GATHER_WARPS = 4  # rows (warps) per block
-#: 64-column pieces per pass of the tensor-core SpMM (twell_gather_spmm_mma, 2-byte types):
+#: 64-column pieces per pass of the tensor-core SpMM (twell_gather_spmm with TENSOR, 2-byte types):
 #: the instantiations and the default (2: 96 registers, five blocks per SM; 4: 144, three).
 TENSOR_PIECES = (2, 4)
 TENSOR_PIECES_DEFAULT = 2
@@ -87,7 +87,7 @@ def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = Fals
     if kind in ("mask_gated", "mask_spmm"):
         return f"twell_{kind}<{t}, {kv}, {u}>"
     if kind in ("spmm_tensor", "spmm_sum_tensor"):  # kv: 64-column pieces per pass; u unused
-        return f"twell_gather_spmm_mma<{t}, {kv}, {'true' if kind == 'spmm_sum_tensor' else 'false'}>"
+        return f"twell_gather_spmm<{t}, {kv}, 0, {'true' if kind == 'spmm_sum_tensor' else 'false'}, true>"
     kinds = (
         "'spmm', 'spmm_sum', 'sddmm', 'sddmm_gated_bwd', 'gated_up', 'csr_spmm', 'csr_spmm_pair', 'mask_gated', "
         "'mask_spmm', 'spmm_tensor' or 'spmm_sum_tensor'"

@@ -63,7 +63,7 @@ def test_spmm_variants(cp, rng, dtype, m, n, k, tile_n, capacity, density):
 @pytest.mark.parametrize("dtype", [np.float16, ts.bfloat16])
 @pytest.mark.parametrize("m, n, k, tile_n, capacity, density", SHAPES)
 def test_spmm_on_the_tensor_cores(cp, rng, dtype, m, n, k, tile_n, capacity, density):
-    """path="tensor" (twell_gather_spmm_mma) in every instantiation: one product and two of one
+    """path="tensor" (twell_gather_spmm with TENSOR) in every instantiation: one product and two of one
     structure summed (the backward's dX), against float64, on poisoned outputs (every row is
     written, the empty one with zeros); K = 8 and 4104 leave partial 64-column pieces."""
     from twellsparse._ops import values_op, with_values
