@@ -123,7 +123,12 @@ def spmm(
             "path: 'tensor' needs 2-byte values and 16-byte-aligned operand rows whose length is a multiple of "
             f"16 bytes; got {b.dtype} b with rows of {b.shape[1]} values"
         )
-    tensor = path == "tensor" or (TENSOR_SPMM and tensor_ok and path in ("auto", "gather"))
+    if path == "tensor" and variant is not None and variant[0] not in K.TENSOR_PIECES:
+        raise ValueError(
+            f"variant: on the tensor cores expected (pieces, 0) with pieces in {K.TENSOR_PIECES}, got {variant}"
+        )
+    # The switch leaves calls that name a gather variant on the FMA kernel they asked for.
+    tensor = path == "tensor" or (TENSOR_SPMM and tensor_ok and path in ("auto", "gather") and variant is None)
     path = _choose_path("gather" if path == "tensor" else path, gather_ok, "matmul")
     if path == "gather":
         kv, u = variant or ((K.TENSOR_PIECES_DEFAULT, 0) if tensor else K.GATHER_DEFAULT["spmm"])

@@ -83,6 +83,8 @@ def test_spmm_on_the_tensor_cores(cp, rng, dtype, m, n, k, tile_n, capacity, den
             _gpu_ops.spmm(a.parts, tile_n, cp.asarray(b), out, path="tensor", variant=(pieces, 0), second=second)
             assert rel_error(out, want) <= _bound(dtype, want), (pieces, second is None)
     f32 = cp.asarray(b.astype(np.float32))
+    with pytest.raises(ValueError, match="variant: on the tensor cores"):
+        _gpu_ops.spmm(a.parts, tile_n, cp.asarray(b), cp.empty((m, k), dtype), path="tensor", variant=(8, 2))
     with pytest.raises(ValueError, match="'tensor' needs 2-byte values"):
         _gpu_ops.spmm(a.astype(np.float32).parts, tile_n, f32, cp.empty((m, k), np.float32), path="tensor")
 
