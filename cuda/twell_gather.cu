@@ -470,9 +470,12 @@ __device__ __forceinline__ typename acc_of<T>::type gather_dots_fma(const T* __r
 // summation does not matter, so each lane loads whole 16-byte pieces (a row's 4 lanes read 64
 // contiguous bytes per step): lane t's piece of a 32-value step, values 8t .. 8t + 7, feeds two
 // MMAs, values 8t + {0, 1, 2, 3} as k = {2t, 2t + 1, 2t + 8, 2t + 9} of the first and
-// 8t + {4 .. 7} of the second, with x's piece at the same positions as B. STEPS steps' loads
-// are issued before any is used; each half of a step accumulates in its own registers.
-template <typename T, int STEPS>
+// 8t + {4 .. 7} of the second, with x's piece at the same positions as B. A round's STEPS steps'
+// loads are issued before any is used; each half of a step accumulates in its own registers.
+// With PIPELINE the next round is loaded while this one's MMAs run: without it a 32-pair batch
+// waits out K / (32 STEPS) L2 latencies in a row (16 at d_model 2048), which is about the 0.11 ms
+// that the SDDMM's time extrapolates to at zero density (bench/NOTES.md, fourteenth session).
+template <typename T, int STEPS, bool PIPELINE>
 __device__ __forceinline__ float mma_dots(const T* __restrict__ x_row, const T* __restrict__ y, long long ldy,
                                           int K, int n, int col, int lane) {
   constexpr int STEP = 32;  // values per step: 4 lanes x 8
@@ -495,8 +498,8 @@ __device__ __forceinline__ float mma_dots(const T* __restrict__ x_row, const T* 
     for (int s = 0; s < 2; ++s)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[r][s][i] = 0.f;
-  for (int k0 = 0; k0 < K; k0 += STEPS * STEP) {
-    Raw16 w[STEPS][2][2], xv[STEPS];
+  // One round: STEPS steps' pieces from k0 (zeros past K, where nothing is read).
+  const auto load = [&](Raw16(&w)[STEPS][2][2], Raw16(&xv)[STEPS], int k0) {
 #pragma unroll
     for (int st = 0; st < STEPS; ++st) {
       const int k = k0 + st * STEP;
@@ -507,6 +510,8 @@ __device__ __forceinline__ float mma_dots(const T* __restrict__ x_row, const T* 
 #pragma unroll
         for (int h = 0; h < 2; ++h) w[st][r][h] = in && live[r][h] ? ldg16(rows[r][h] + k) : zero16();
     }
+  };
+  const auto consume = [&](const Raw16(&w)[STEPS][2][2], const Raw16(&xv)[STEPS]) {
 #pragma unroll
     for (int st = 0; st < STEPS; ++st)
 #pragma unroll
@@ -516,6 +521,31 @@ __device__ __forceinline__ float mma_dots(const T* __restrict__ x_row, const T* 
         mma_m16n8k16<T>(acc[r][0], lo.x, hi.x, lo.y, hi.y, xv[st].x, xv[st].y);
         mma_m16n8k16<T>(acc[r][1], lo.z, hi.z, lo.w, hi.w, xv[st].z, xv[st].w);
       }
+  };
+  Raw16 w[STEPS][2][2], xv[STEPS];
+  if constexpr (PIPELINE) {
+    // The next round's loads are issued before this round's MMAs, so a warp's rounds overlap
+    // instead of each waiting out a whole L2 latency. (Two buffers taken in turn, unrolled by
+    // hand, compiled to more registers than this copy: 152-168 against 142.)
+    load(w, xv, 0);
+    for (int k0 = 0; k0 < K; k0 += STEPS * STEP) {
+      Raw16 wn[STEPS][2][2], xn[STEPS];
+      load(wn, xn, k0 + STEPS * STEP);
+      consume(w, xv);
+#pragma unroll
+      for (int st = 0; st < STEPS; ++st) {
+        xv[st] = xn[st];
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) w[st][r][h] = wn[st][r][h];
+      }
+    }
+  } else {
+    for (int k0 = 0; k0 < K; k0 += STEPS * STEP) {
+      load(w, xv, k0);
+      consume(w, xv);
+    }
   }
   // Pair l sits in group l / 16, row l % 16: D row (l % 8) (+ 8 for the upper half) of lane 4 (l % 8).
   const int src = (lane & 7) * 4;
@@ -529,12 +559,13 @@ __device__ __forceinline__ float mma_dots(const T* __restrict__ x_row, const T* 
 
 // x_row . y[col] for the batch's n pairs (lane l returns pair l's, 0 for l >= n): tensor cores
 // for 2-byte types, FMA pipes otherwise (KV: 16-byte pieces per lane in flight per pair and
-// column pass; U: pairs per FMA round, or 32-value steps in flight on the tensor cores).
+// column pass; U: pairs per FMA round. On the tensor cores U is the 32-value steps per round and
+// KV > 4 pipelines the rounds: the (8, 2) variant keeps two rounds of two steps in flight).
 template <typename T, int KV, int U>
 __device__ __forceinline__ typename acc_of<T>::type gather_dots(const T* __restrict__ x_row,
                                                                 const T* __restrict__ y, long long ldy,
                                                                 int K, int n, int col, int lane) {
-  if constexpr (sizeof(T) == 2 && TWELL_MMA_DOTS) return mma_dots<T, U>(x_row, y, ldy, K, n, col, lane);
+  if constexpr (sizeof(T) == 2 && TWELL_MMA_DOTS) return mma_dots<T, U, (KV > 4)>(x_row, y, ldy, K, n, col, lane);
   else return gather_dots_fma<T, KV, U>(x_row, y, ldy, K, n, col, lane);
 }
 
@@ -707,9 +738,10 @@ __global__ void __launch_bounds__(128) twell_gather_sddmm_gated_bwd(
 // rate fell to 62% (1 GB read from DRAM at 0.5%), against 90-95% for each half alone
 // (bench/NOTES.md, fourteenth session). 2-byte types: five blocks per SM (96 registers); at four,
 // with the 108 registers it takes unbounded, it ran 25% slower than the plain SDDMM at 0.5%. (The
-// FMA-pipe dots of 4- and 8-byte types would spill at 96.)
+// FMA-pipe dots of 4- and 8-byte types and the pipelined tensor-core dots of KV > 4 would spill
+// at 96.)
 template <typename T, int KV, int U>
-__global__ void __launch_bounds__(128, sizeof(T) == 2 ? 5 : 1) twell_gather_gated_up(
+__global__ void __launch_bounds__(128, sizeof(T) == 2 && KV <= 4 ? 5 : 1) twell_gather_gated_up(
     const T* __restrict__ gate, const short* __restrict__ indices, const int* __restrict__ counts,
     const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
     const T* __restrict__ gate_spill, int M, int n_tiles, int tile_n, int capacity,

@@ -135,14 +135,15 @@ for step in $what; do
       ;;&
     tensor)
       # The tensor-core gather SpMM (opt-in: path "tensor", TWELL_TENSOR_SPMM=1): its tests, then the
-      # down projection and the backward's dX beside the FMA kernels (0.5% and 1%), then Nsight
-      # Compute on the gated consumer's first launch (the SDDMM's fixed cost: stall reasons).
+      # down projection and the backward's dX beside the FMA kernels, and the gated consumer in its
+      # (4, 4) and pipelined (8, 2) dots (0.5% and 1%), then Nsight Compute on the gated consumer's
+      # first launch (the SDDMM's fixed cost: stall reasons).
       python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_gpu_gather.py -k tensor 2>&1 | tail -5 \
         | tee "$OUT/tensor_tests.log"
       status=$((status | ${PIPESTATUS[0]}))
       for d in 0.005 0.01; do
-        python3 bench/stage_times.py --density $d --only "down spmm,bwd dX" --out "$OUT/stages.jsonl" 2>&1 \
-          | tee -a "$OUT/tensor_stages.log" | grep -E "spmm|dX"
+        python3 bench/stage_times.py --density $d --only "down spmm,bwd dX,gated consumer,up sddmm" --out "$OUT/stages.jsonl" 2>&1 \
+          | tee -a "$OUT/tensor_stages.log" | grep -E "spmm|dX|consumer|sddmm"
         status=$((status | ${PIPESTATUS[0]}))
       done
       ncu --profile-from-start off --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
