@@ -311,9 +311,11 @@ __device__ __forceinline__ void gather_accumulate(typename acc_of<T>::type (&acc
 }
 
 // D += A B for one m16n8k16 tensor-core step with fp32 accumulators (A row-major 16 x 16 and B
-// column-major 16 x 8, both of 2-byte T): the PTX fragment layout, lane = 4 g + t holding A's
-// rows g and g + 8 at k = 2t, 2t + 1 (a0, a1) and 2t + 8, 2t + 9 (a2, a3), B's column g at the
-// same k (b0, b1), and D's rows g and g + 8 at columns 2t, 2t + 1 (d0, d1 and d2, d3).
+// column-major 16 x 8, both of 2-byte T), each register two values, the lower k in its low
+// half. The PTX fragment layout, lane = 4 g + t: a0 holds A's row g at k = 2t, 2t + 1, a1 row
+// g + 8 at the same k, a2 and a3 the same rows at k = 2t + 8, 2t + 9; b0 holds B's column g at
+// k = 2t, 2t + 1 and b1 at 2t + 8, 2t + 9; d0, d1 are D's row g at columns 2t, 2t + 1 and d2, d3
+// its row g + 8.
 template <typename T>
 __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                              unsigned b0, unsigned b1) {
