@@ -6,11 +6,18 @@
 
 using namespace twell;
 
+// The activation of z rounded to T first, exactly as the producer stores it (into `a`), and
+// whether the producer keeps it.
+template <typename T, int ACT>
+__device__ __forceinline__ bool kept_activation(T z, double threshold, T& a) {
+  a = from_acc<T>(activate<ACT>(to_acc(z)));
+  return keep(to_acc(a), threshold);
+}
+
 template <typename T, int ACT>
 __device__ __forceinline__ T act_mul_one(T z_act, const T* z_lin, long long i, double threshold) {
-  // Round the activation to T first, exactly as the producer stores it, then decide.
-  const T a = from_acc<T>(activate<ACT>(to_acc(z_act)));
-  typename acc_of<T>::type h = keep(to_acc(a), threshold) ? to_acc(a) : 0;
+  T a;
+  typename acc_of<T>::type h = kept_activation<T, ACT>(z_act, threshold, a) ? to_acc(a) : 0;
   if (z_lin != nullptr) h *= to_acc(z_lin[i]);
   return from_acc<T>(h);
 }
@@ -37,8 +44,8 @@ __global__ void __launch_bounds__(256) ffn_act_mul(const T* __restrict__ z_act, 
   for (long long i = n_vec * V + first; i < n; i += stride) out[i] = act_mul_one<T, ACT>(z_act[i], z_lin, i, threshold);
 }
 
-// How many activations of the sampled rows the sparse path would keep, decided as act_mul_one
-// decides (the activation rounded to T, then its keep rule): rows 0, step, 2*step, ... of z (row
+// How many activations of the sampled rows the sparse path would keep (kept_activation, as
+// act_mul_one decides): rows 0, step, 2*step, ... of z (row
 // stride ld), one block each. `count` (zeroed by the caller) gets the total. The FFN plans'
 // density sample in one launch: the chain of array operations it replaces cost about 0.15 ms of
 // host time per sample, which at 4096 tokens made the dense remainder wait for the host.
@@ -48,8 +55,8 @@ __global__ void __launch_bounds__(256) ffn_kept_count(const T* __restrict__ z, l
   const T* row = z + blockIdx.x * step * ld;
   unsigned kept = 0;
   for (int j = threadIdx.x; j < N; j += blockDim.x) {
-    const T a = from_acc<T>(activate<ACT>(to_acc(row[j])));
-    kept += keep(to_acc(a), threshold) ? 1u : 0u;
+    T a;
+    kept += kept_activation<T, ACT>(row[j], threshold, a) ? 1u : 0u;
   }
 #pragma unroll
   for (int d = 16; d > 0; d >>= 1) kept += __shfl_xor_sync(0xffffffffu, kept, d);

@@ -131,7 +131,7 @@ def spmm(
     tensor = path == "tensor" or (TENSOR_SPMM and tensor_ok and path in ("auto", "gather") and variant is None)
     path = _choose_path("gather" if path == "tensor" else path, gather_ok, "matmul")
     if path == "gather":
-        kv, u = variant or ((K.TENSOR_PIECES_DEFAULT, 0) if tensor else K.GATHER_DEFAULT["spmm"])
+        kv, u = variant or K.GATHER_DEFAULT["spmm_tensor" if tensor else "spmm"]
         nt, cap = parts.data.shape[1:]
         geometry = (np.int32(m), np.int32(nt), np.int32(tile_n), np.int32(cap))
         null = K.null_pointer()

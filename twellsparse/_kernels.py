@@ -54,14 +54,15 @@ GATHER_DEFAULT = {
     "sddmm": (4, 4),
     "sddmm_gated_bwd": (4, 4),  # as the SDDMM it extends (not timed on its own yet)
     "gated_up": (4, 4),
+    "spmm_tensor": (2, 0),  # not measured yet (opt-in)
     "csr_spmm": (8, 2),
     "csr_spmm_pair": (4, 4),
 }
 GATHER_WARPS = 4  # rows (warps) per block
 #: 64-column pieces per pass of the tensor-core SpMM (twell_gather_spmm with TENSOR, 2-byte types):
-#: the instantiations and the default (2: 96 registers, five blocks per SM; 4: 144, three).
+#: 2 takes 96 registers (five blocks per SM), 4 takes 144 (three); its default is
+#: GATHER_DEFAULT["spmm_tensor"], as (pieces, 0).
 TENSOR_PIECES = (2, 4)
-TENSOR_PIECES_DEFAULT = 2
 
 
 def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = False) -> str:

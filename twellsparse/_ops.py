@@ -274,14 +274,16 @@ def linear_to_parts_deferred(
     return pack_preactivation_deferred(z, result_dtype(x.dtype, w.dtype), act, tile_n, capacity, threshold)
 
 
-def preactivation(x: Any, w: Any) -> Any:
-    """``x @ w.T``: cuBLAS in the inputs' dtype on the GPU, float64 on the CPU (the reference)."""
+def preactivation(x: Any, w: Any, relu: bool = False) -> Any:
+    """``x @ w.T`` (``relu(x @ w.T)`` with ``relu``, in the GEMM's epilogue on the GPU): cuBLAS in
+    the inputs' dtype on the GPU, float64 on the CPU (the reference)."""
     dt = result_dtype(x.dtype, w.dtype)
     if is_cupy_array(x):
         from . import _gpu_ops
 
-        return _gpu_ops.gemm_nt(x.astype(dt, copy=False), w.astype(dt, copy=False))
-    return x.astype(np.float64) @ w.astype(np.float64).T
+        return _gpu_ops.gemm_nt(x.astype(dt, copy=False), w.astype(dt, copy=False), relu=relu)
+    z = x.astype(np.float64) @ w.astype(np.float64).T
+    return np.maximum(z, 0.0) if relu else z
 
 
 def pack_preactivation(

@@ -332,13 +332,11 @@ class _FFNPlanBase:
         (0.53 against 0.49 ms on the standard problem, bench/results/2026-12-03-stages.jsonl) and
         only the sparse path reads the mask. A non-gated ReLU block then takes the GEMM with the
         ReLU epilogue (no act-mul pass: 0.93x -> 1.01x dense at 4096 tokens, bench/NOTES.md)."""
+        if dense_known and not gated and self.activation == "relu" and self.threshold is None:
+            return preactivation(x, w_act, relu=True), None, True
         if is_cupy_array(x):
-            from . import _gpu_ops, _gpu_producer
+            from . import _gpu_producer
 
-            plain_relu = self.activation == "relu" and self.threshold is None
-            if dense_known and plain_relu and not gated:
-                dt = result_dtype(x.dtype, w_act.dtype)
-                return _gpu_ops.gemm_nt(x.astype(dt, copy=False), w_act.astype(dt, copy=False), relu=True), None, True
             if not dense_known and _gpu_producer.applies(x, w_act, self.activation, self.threshold):
                 z, mask, words = _gpu_producer.relu_linear(x, w_act)
                 return z, (mask, words), True
