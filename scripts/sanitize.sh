@@ -7,8 +7,13 @@ status=0
 python3 scripts/sanitize_smoke.py >/dev/null  # warm the kernel cache outside the sanitizer
 for tool in memcheck racecheck synccheck; do
   echo "== compute-sanitizer --tool $tool"
-  compute-sanitizer --tool "$tool" --kernel-name-exclude kns=cupy_ --error-exitcode 3 python3 scripts/sanitize_smoke.py 2>&1 | tail -5
-  rc=${PIPESTATUS[0]}
+  log=$(mktemp)
+  compute-sanitizer --tool "$tool" --kernel-name-exclude kns=cupy_ --error-exitcode 3 python3 scripts/sanitize_smoke.py >"$log" 2>&1
+  rc=$?
+  tail -5 "$log"
+  # On a failure, the sanitizer's first reports (which kernel, which access) and the Python error.
+  if [ "$rc" -ne 0 ]; then grep -E "^=========|Error|error" "$log" | grep -v TwELLFallbackWarning | head -60; fi
+  rm -f "$log"
   echo "exit $rc"
   status=$((status | rc))
 done
