@@ -154,7 +154,6 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
                 ref_down,
             ),
             "stationary_pack": (lambda: _stationary.pack(h.parts, h.tile_n, h.shape[1]), None),
-            "spmm_down_tensor": (lambda: _gpu_ops.spmm(h.parts, h.tile_n, wd_t, h_out, path="tensor"), ref_down),
             "spmm_down_stationary_kernel": (
                 lambda: _stationary.packed_spmm(*packed, h.shape[1], wd_t, h_out),
                 ref_down,

@@ -70,7 +70,6 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         "down spmm": lambda: matmul(g, wd_t),
         "down spmm, gather": lambda: _gpu_ops.spmm(g.parts, g.tile_n, wd_t, down_out, path="gather"),
         "down spmm, stationary": lambda: _stationary.spmm(g.parts, g.tile_n, wd_t, down_out),
-        "down spmm, tensor cores": lambda: _gpu_ops.spmm(g.parts, g.tile_n, wd_t, down_out, path="tensor"),
         "stationary pack": lambda: _stationary.pack(g.parts, g.tile_n, g.shape[1]),
         **{f"plan {name}": (lambda plan=plan: plan(x)) for name, plan in plans.items()},
         "bwd sddmm": lambda: sddmm(go, wd_t, g),
@@ -78,7 +77,6 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         "bwd transposed pattern": lambda: _gpu_ops.transposed_pattern(g.parts, g.tile_n, g.shape[1]),
         "bwd 3 transposed products": lambda: transposed_products(g, [(h, go), (d_z, x), (d_u, x)]),
         "bwd dX": lambda: matmul_sum(d_z, wg, d_u, wu),  # the backward's one dual pass
-        "bwd dX, tensor cores": lambda: _with(_gpu_ops, "TENSOR_SPMM", True, lambda: matmul_sum(d_z, wg, d_u, wu)),
     }
 
 

@@ -49,16 +49,22 @@ __device__ __forceinline__ unsigned long long evict_first_policy() {
 }
 
 // Read-only 16-byte load through the non-coherent path (weights and inputs never change while
-// a kernel runs; hot rows stay in L1); STREAM marks it evict-first in L2.
+// a kernel runs; hot rows stay in L1), zeros where `in` is false; STREAM marks it evict-first in
+// L2. The asm is volatile because a plain asm statement has no side effects as far as the
+// compiler knows, so it may run it ahead of its condition: the pipelined tensor-core dots once
+// read 16 bytes past the end of x that way (compute-sanitizer memcheck, fifteenth session). (The
+// guard as a predicate inside the asm instead cost more registers: the gated up projection
+// spilled 40 bytes at its 96.)
 template <bool STREAM = false>
-__device__ __forceinline__ Raw16 ldg16(const void* p) {
-  Raw16 r;
+__device__ __forceinline__ Raw16 ldg16(bool in, const void* p) {
+  Raw16 r{0u, 0u, 0u, 0u};
+  if (!in) return r;
   if (STREAM && TWELL_L2_HINTS) {
-    asm("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-        : "l"(p), "l"(evict_first_policy()));
+    asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p), "l"(evict_first_policy()));
   } else {
-    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   }
   return r;
 }
@@ -257,7 +263,7 @@ __device__ __forceinline__ void load_pair_rows(Raw16 (&w)[U][KV], int p, int n, 
 #pragma unroll
     for (int kv = 0; kv < KV; ++kv) {
       const int k = k0 + (kv * 32 + lane) * V;
-      w[u][kv] = (p + u < n && k < K) ? ldg16(b + (long long)c[u] * ldb + k) : zero16();
+      w[u][kv] = ldg16(p + u < n && k < K, b + (long long)c[u] * ldb + k);
     }
   }
 }
@@ -332,86 +338,6 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], unsigned a0, unsigne
   }
 }
 
-// The low (high) 16-bit halves of a and b as one register, a's in the low half.
-__device__ __forceinline__ unsigned low_halves(unsigned a, unsigned b) {
-  unsigned r;
-  asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-__device__ __forceinline__ unsigned high_halves(unsigned a, unsigned b) {
-  unsigned r;
-  asm("prmt.b32 %0, %1, %2, 0x7632;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-
-__device__ __forceinline__ unsigned word_of(const Raw16& r, int j) { return j == 0 ? r.x : j == 1 ? r.y : j == 2 ? r.z : r.w; }
-
-// The tensor-core accumulation of a column pass of S x 64 output columns from k0 (2-byte types):
-// acc += sum over the batch's n pairs of val * b[col, pass]. The output columns are the rows of
-// m16n8k16 A tiles and the pairs their k, 16 per step; B holds the values (every column the same,
-// so every column of D holds the sums). Lane 4 g + t loads 16 bytes (columns 8 g .. 8 g + 7 of a
-// 64-column piece) of the rows of pairs 2t, 2t + 1, 2t + 8 and 2t + 9, so the 8 lanes of one t
-// read 128 contiguous bytes of a row; the MMA j of the piece takes its columns 8 g + 2j (A row g)
-// and 8 g + 2j + 1 (row g + 8), packed pair by pair with PRMT (the fragment pairs two k, i.e. two
-// rows, in a register). acc[s][j] is that MMA's D: d0 and d2 are the sums at those two columns.
-// `bits` is lane p's value as stored (T's 16 bits; 0 past n).
-template <typename T, int S>
-__device__ __forceinline__ void mma_accumulate(float (&acc)[S][4][4], int n, int col, unsigned bits,
-                                               const T* __restrict__ b, long long ldb, int K, int k0, int lane) {
-  const int g = lane >> 2, t = lane & 3;
-  for (int p0 = 0; p0 < n; p0 += 16) {  // warp-uniform
-    const int q[4] = {p0 + 2 * t, p0 + 2 * t + 1, p0 + 2 * t + 8, p0 + 2 * t + 9};
-    unsigned v[4];
-    const T* rows[4];
-    bool live[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      v[i] = __shfl_sync(kFull, bits, q[i]);
-      rows[i] = b + (long long)__shfl_sync(kFull, col, q[i]) * ldb + 8 * g;
-      live[i] = q[i] < n;
-    }
-    const unsigned b0 = v[0] | (v[1] << 16), b1 = v[2] | (v[3] << 16);
-    Raw16 w[S][4];
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      const int k = k0 + 64 * s;
-      const bool in = k + 8 * g < K;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) w[s][i] = in && live[i] ? ldg16(rows[i] + k) : zero16();
-    }
-#pragma unroll
-    for (int s = 0; s < S; ++s)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const unsigned r0 = word_of(w[s][0], j), r1 = word_of(w[s][1], j);
-        const unsigned r2 = word_of(w[s][2], j), r3 = word_of(w[s][3], j);
-        mma_m16n8k16<T>(acc[s][j], low_halves(r0, r1), high_halves(r0, r1), low_halves(r2, r3),
-                        high_halves(r2, r3), b0, b1);
-      }
-  }
-}
-
-// Stores a tensor-core pass (see mma_accumulate): lane 4 g + t writes columns 8 g + 2t and
-// 8 g + 2t + 1 of each 64-column piece, MMA t's d0 and d2, as one 4-byte store.
-template <typename T, int S>
-__device__ __forceinline__ void mma_store(const float (&acc)[S][4][4], T* out_row, int K, int k0, int lane) {
-  const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int s = 0; s < S; ++s) {
-    const int k = k0 + 64 * s + 8 * g + 2 * t;
-    float lo = acc[s][0][0], hi = acc[s][0][2];  // a register select, not an indexed array
-#pragma unroll
-    for (int j = 1; j < 4; ++j) {
-      lo = t == j ? acc[s][j][0] : lo;
-      hi = t == j ? acc[s][j][2] : hi;
-    }
-    if (k < K) {
-      const unsigned word = (unsigned)from_acc<T>(lo).bits | ((unsigned)from_acc<T>(hi).bits << 16);
-      *reinterpret_cast<unsigned*>(out_row + k) = word;
-    }
-  }
-}
-
 // Zeros one row's padding slots (past each row-tile's count) in TwELL values `out`.
 template <typename T>
 __device__ __forceinline__ void zero_padding(T* __restrict__ out, const int* __restrict__ counts, long long row,
@@ -440,7 +366,7 @@ __device__ __forceinline__ typename acc_of<T>::type gather_dots_fma(const T* __r
 #pragma unroll
     for (int kv = 0; kv < KV; ++kv) {
       const int k = k0 + (kv * 32 + lane) * V;
-      Lanes<T>::widen(k < K ? ldg16<true>(x_row + k) : zero16(), xv[kv]);
+      Lanes<T>::widen(ldg16<true>(k < K, x_row + k), xv[kv]);
     }
     for (int p = 0; p < n; p += U) {
       Raw16 w[U][KV];
@@ -474,10 +400,9 @@ __device__ __forceinline__ typename acc_of<T>::type gather_dots_fma(const T* __r
 // MMAs, values 8t + {0, 1, 2, 3} as k = {2t, 2t + 1, 2t + 8, 2t + 9} of the first and
 // 8t + {4 .. 7} of the second, with x's piece at the same positions as B. A round's STEPS steps'
 // loads are issued before any is used; each half of a step accumulates in its own registers.
-// With PIPELINE the next round is loaded while this one's MMAs run: without it a 32-pair batch
-// waits out K / (32 STEPS) L2 latencies in a row (16 at d_model 2048), which is about the 0.11 ms
-// that the SDDMM's time extrapolates to at zero density (bench/NOTES.md, fourteenth session).
-template <typename T, int STEPS, bool PIPELINE>
+// (Loading the next round before this one's MMAs, in the (8, 2) variant, took 142-158
+// registers and ran 20% slower at 0.5%: bench/NOTES.md, fifteenth session.)
+template <typename T, int STEPS>
 __device__ __forceinline__ float mma_dots(const T* __restrict__ x_row, const T* __restrict__ y, long long ldy,
                                           int K, int n, int col, int lane) {
   constexpr int STEP = 32;  // values per step: 4 lanes x 8
@@ -500,20 +425,19 @@ __device__ __forceinline__ float mma_dots(const T* __restrict__ x_row, const T* 
     for (int s = 0; s < 2; ++s)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[r][s][i] = 0.f;
-  // One round: STEPS steps' pieces from k0 (zeros past K, where nothing is read).
-  const auto load = [&](Raw16(&w)[STEPS][2][2], Raw16(&xv)[STEPS], int k0) {
+  for (int k0 = 0; k0 < K; k0 += STEPS * STEP) {
+    // One round: STEPS steps' pieces from k0 (zeros past K, where nothing is read), then their MMAs.
+    Raw16 w[STEPS][2][2], xv[STEPS];
 #pragma unroll
     for (int st = 0; st < STEPS; ++st) {
       const int k = k0 + st * STEP;
       const bool in = k + 8 * t < K;
-      xv[st] = in ? ldg16<true>(x_row + k + 8 * t) : zero16();
+      xv[st] = ldg16<true>(in, x_row + k + 8 * t);
 #pragma unroll
       for (int r = 0; r < 2; ++r)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) w[st][r][h] = in && live[r][h] ? ldg16(rows[r][h] + k) : zero16();
+        for (int h = 0; h < 2; ++h) w[st][r][h] = ldg16(in && live[r][h], rows[r][h] + k);
     }
-  };
-  const auto consume = [&](const Raw16(&w)[STEPS][2][2], const Raw16(&xv)[STEPS]) {
 #pragma unroll
     for (int st = 0; st < STEPS; ++st)
 #pragma unroll
@@ -523,31 +447,6 @@ __device__ __forceinline__ float mma_dots(const T* __restrict__ x_row, const T* 
         mma_m16n8k16<T>(acc[r][0], lo.x, hi.x, lo.y, hi.y, xv[st].x, xv[st].y);
         mma_m16n8k16<T>(acc[r][1], lo.z, hi.z, lo.w, hi.w, xv[st].z, xv[st].w);
       }
-  };
-  Raw16 w[STEPS][2][2], xv[STEPS];
-  if constexpr (PIPELINE) {
-    // The next round's loads are issued before this round's MMAs, so a warp's rounds overlap
-    // instead of each waiting out a whole L2 latency. (Two buffers taken in turn, unrolled by
-    // hand, compiled to more registers than this copy: 152-168 against 142.)
-    load(w, xv, 0);
-    for (int k0 = 0; k0 < K; k0 += STEPS * STEP) {
-      Raw16 wn[STEPS][2][2], xn[STEPS];
-      load(wn, xn, k0 + STEPS * STEP);
-      consume(w, xv);
-#pragma unroll
-      for (int st = 0; st < STEPS; ++st) {
-        xv[st] = xn[st];
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) w[st][r][h] = wn[st][r][h];
-      }
-    }
-  } else {
-    for (int k0 = 0; k0 < K; k0 += STEPS * STEP) {
-      load(w, xv, k0);
-      consume(w, xv);
-    }
   }
   // Pair l sits in group l / 16, row l % 16: D row (l % 8) (+ 8 for the upper half) of lane 4 (l % 8).
   const int src = (lane & 7) * 4;
@@ -562,12 +461,12 @@ __device__ __forceinline__ float mma_dots(const T* __restrict__ x_row, const T* 
 // x_row . y[col] for the batch's n pairs (lane l returns pair l's, 0 for l >= n): tensor cores
 // for 2-byte types, FMA pipes otherwise (KV: 16-byte pieces per lane in flight per pair and
 // column pass; U: pairs per FMA round. On the tensor cores U is the 32-value steps per round and
-// KV > 4 pipelines the rounds: the (8, 2) variant keeps two rounds of two steps in flight).
+// KV is unused).
 template <typename T, int KV, int U>
 __device__ __forceinline__ typename acc_of<T>::type gather_dots(const T* __restrict__ x_row,
                                                                 const T* __restrict__ y, long long ldy,
                                                                 int K, int n, int col, int lane) {
-  if constexpr (sizeof(T) == 2 && TWELL_MMA_DOTS) return mma_dots<T, U, (KV > 4)>(x_row, y, ldy, K, n, col, lane);
+  if constexpr (sizeof(T) == 2 && TWELL_MMA_DOTS) return mma_dots<T, U>(x_row, y, ldy, K, n, col, lane);
   else return gather_dots_fma<T, KV, U>(x_row, y, ldy, K, n, col, lane);
 }
 
@@ -620,12 +519,10 @@ __device__ __forceinline__ typename acc_of<T>::type value_at(long long p, const 
 // out = A @ b + A2 @ b2 with one rounding (the backward's dX = dZ @ W_gate + dU @ W_up), the
 // second product in a second walk over the entries (interleaving the two per batch took 168
 // registers and spilled, bf16); a template parameter, so the single product is unchanged.
-// With TENSOR (2-byte types; path "tensor" of _gpu_ops.spmm) the sums run on the tensor cores
-// in passes of KV x 64 columns (mma_accumulate; U unused): the same result up to the order of
-// the fp32 sums. Why: on the FMA pipes every value costs a widening instruction besides its FMA
-// (about 300 warp instructions per pair, bench/NOTES.md fourteenth session), here a pair costs
-// about 40 per 2048 columns.
-template <typename T, int KV, int U, bool DUAL = false, bool TENSOR = false>
+// (The same walk on the tensor cores, output columns as the rows of m16n8k16 A tiles, ran 1.6x
+// slower: the SpMM is bound by the L2's gather rate, not by its instructions; bench/NOTES.md,
+// fifteenth session.)
+template <typename T, int KV, int U, bool DUAL = false>
 __global__ void __launch_bounds__(128) twell_gather_spmm(
     const T* __restrict__ data, const short* __restrict__ indices, const int* __restrict__ counts,
     const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
@@ -636,32 +533,13 @@ __global__ void __launch_bounds__(128) twell_gather_spmm(
   const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (row >= M) return;  // warp-uniform
-  if constexpr (TENSOR) {
-    for (int k0 = 0; k0 < K; k0 += 64 * KV) {
-      float acc[KV][4][4];
-#pragma unroll
-      for (int s = 0; s < KV; ++s)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[s][j][i] = 0.f;
-      // Values come widened from the walk; narrowing them back is exact.
-      for_each_product_batch<DUAL>(data, spill_vals, b, ldb, data2, spill_vals2, b2, ldb2, indices, counts,
-                                   spill_indptr, spill_cols, row, n_tiles, tile_n, capacity, lane,
-                                   [&](int n, int col, A val, const T* bb, long long ld) {
-                                     mma_accumulate<T, KV>(acc, n, col, from_acc<T>(val).bits, bb, ld, K, k0, lane);
-                                   });
-      mma_store<T, KV>(acc, out + row * ldo, K, k0, lane);
-    }
-  } else {
-    sum_by_chunks<T, KV>(out + row * ldo, K, lane, [&](A(&acc)[KV][Lanes<T>::N], int k0) {
-      for_each_product_batch<DUAL>(data, spill_vals, b, ldb, data2, spill_vals2, b2, ldb2, indices, counts,
-                                   spill_indptr, spill_cols, row, n_tiles, tile_n, capacity, lane,
-                                   [&](int n, int col, A val, const T* bb, long long ld) {
-                                     gather_accumulate<T, KV, U>(acc, n, col, val, bb, ld, K, k0, lane);
-                                   });
-    });
-  }
+  sum_by_chunks<T, KV>(out + row * ldo, K, lane, [&](A(&acc)[KV][Lanes<T>::N], int k0) {
+    for_each_product_batch<DUAL>(data, spill_vals, b, ldb, data2, spill_vals2, b2, ldb2, indices, counts,
+                                 spill_indptr, spill_cols, row, n_tiles, tile_n, capacity, lane,
+                                 [&](int n, int col, A val, const T* bb, long long ld) {
+                                   gather_accumulate<T, KV, U>(acc, n, col, val, bb, ld, K, k0, lane);
+                                 });
+  });
 }
 
 // Sampled products at the pattern: out = x[row] . y[j] for every stored entry (j, v), times v
@@ -740,10 +618,9 @@ __global__ void __launch_bounds__(128) twell_gather_sddmm_gated_bwd(
 // rate fell to 62% (1 GB read from DRAM at 0.5%), against 90-95% for each half alone
 // (bench/NOTES.md, fourteenth session). 2-byte types: five blocks per SM (96 registers); at four,
 // with the 108 registers it takes unbounded, it ran 25% slower than the plain SDDMM at 0.5%. (The
-// FMA-pipe dots of 4- and 8-byte types and the pipelined tensor-core dots of KV > 4 would spill
-// at 96.)
+// FMA-pipe dots of 4- and 8-byte types would spill at 96.)
 template <typename T, int KV, int U>
-__global__ void __launch_bounds__(128, sizeof(T) == 2 && KV <= 4 ? 5 : 1) twell_gather_gated_up(
+__global__ void __launch_bounds__(128, sizeof(T) == 2 ? 5 : 1) twell_gather_gated_up(
     const T* __restrict__ gate, const short* __restrict__ indices, const int* __restrict__ counts,
     const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
     const T* __restrict__ gate_spill, int M, int n_tiles, int tile_n, int capacity,

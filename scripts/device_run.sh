@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|probe|producerprobe|stationary|downchoice|tensor|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|probe|producerprobe|stationary|downchoice|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -132,24 +132,6 @@ for step in $what; do
       status=$((status | ${PIPESTATUS[0]}))
       timeout 120 python3 bench/down_choice.py --m 16384,65536 --d-model 4096 --out "$OUT/down_choice.jsonl" 2>&1 \
         | tee -a "$OUT/downchoice.log"
-      ;;&
-    tensor)
-      # The tensor-core gather SpMM (opt-in: path "tensor", TWELL_TENSOR_SPMM=1): its tests, then the
-      # down projection and the backward's dX beside the FMA kernels, and the gated consumer in its
-      # (4, 4) and pipelined (8, 2) dots (0.5% and 1%), then Nsight Compute on the gated consumer's
-      # first launch (the SDDMM's fixed cost: stall reasons).
-      python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_gpu_gather.py -k tensor 2>&1 | tail -5 \
-        | tee "$OUT/tensor_tests.log"
-      status=$((status | ${PIPESTATUS[0]}))
-      for d in 0.005 0.01; do
-        python3 bench/stage_times.py --density $d --only "down spmm,bwd dX,gated consumer,up sddmm" --out "$OUT/stages.jsonl" 2>&1 \
-          | tee -a "$OUT/tensor_stages.log" | grep -E "spmm|dX|consumer|sddmm"
-        status=$((status | ${PIPESTATUS[0]}))
-      done
-      ncu --profile-from-start off --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
-        --section Occupancy --metrics lts__t_sector_hit_rate.pct,dram__bytes_read.sum,smsp__inst_executed.sum \
-        python3 bench/kernel_probe.py --kernel gated --density 0.005 > "$OUT/ncu_gated_up.log" 2>&1
-      grep -E "twell_|Duration|hit_rate|inst_executed|Issued|Eligible|Achieved Active" "$OUT/ncu_gated_up.log" | head -20
       ;;&
     producerprobe)
       # Where the fused producer's pass 1 spends its time beyond the GEMM: the probe with and

@@ -45,13 +45,9 @@ for dtype in (ts.bfloat16, np.float32):
         _gpu_ops.spmm(a4.parts, 32, b8, cp.empty((37, 24), dtype=dtype), path="gather", variant=variant)
         _gpu_ops.sddmm(a4.parts, 32, xin, b8, True, path="gather", variant=variant)
         _gpu_ops.gated_consumer(a4.parts, 32, xin, b8, b8, keep_up=True, variant=variant)
-    # The weight-stationary SpMM and the tensor-core gather SpMM (2-byte types; K = 24: a partial
-    # second slice, a partial 64-column piece).
+    # The weight-stationary SpMM (2-byte types; K = 24: a partial second slice).
     if np.dtype(dtype).itemsize == 2:
         _stationary.spmm(a4.parts, 32, b8, cp.empty((37, 24), dtype=dtype))
-        for pieces in K.TENSOR_PIECES:
-            out = cp.empty((37, 24), dtype=dtype)
-            _gpu_ops.spmm(a4.parts, 32, b8, out, path="tensor", variant=(pieces, 0), second=(a4.parts, b8))
     # The backward's pieces: one transposed pattern (the counting sort) for three products that
     # read their values through it (two of them paired on one dense operand), and the dual row-gather SpMM.
     g37 = b8[:37]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -41,14 +40,6 @@ def _k_grid(k: int) -> int:
 #: gathers; needs rows_aligned operands) and "portable" (any layout). "auto" takes gather when the
 #: operands allow it, else portable.
 PATHS = ("auto", "gather", "portable")
-
-_switch = os.environ.get("TWELL_TENSOR_SPMM", "")
-if _switch not in ("", "0", "1"):
-    raise ValueError(f"TWELL_TENSOR_SPMM: expected 0 or 1, got {_switch!r}")
-#: Whether :func:`spmm`'s gather path runs on the tensor cores for 2-byte values
-#: (``twell_gather_spmm`` with TENSOR; ``TWELL_TENSOR_SPMM=1``, off by default until it is measured
-#: faster; ``path="tensor"`` asks for it per call).
-TENSOR_SPMM = _switch == "1"
 
 
 def _choose_path(path: str, gather_ok: bool, op: str) -> str:
@@ -95,12 +86,9 @@ def spmm(
 ) -> Any:
     """``out = A @ b``; ``b`` (N x K) and ``out`` (M x K) share A's dtype, out has unit column stride.
 
-    ``path``: one of :data:`PATHS`, "stationary" (``_stationary``, one product only; "auto"
-    takes it where ``_stationary.chosen`` says so) or "tensor" (the gather path on the tensor
-    cores, 2-byte values; :data:`TENSOR_SPMM` makes it the gather path's kernel). ``variant``:
-    the gather kernel's (KV, U) instantiation (one of ``_kernels.GATHER_VARIANTS``; default
-    ``GATHER_DEFAULT["spmm"]``); on the tensor cores ``(pieces, 0)``, the 64-column pieces per
-    pass (one of ``_kernels.TENSOR_PIECES``). ``second``:
+    ``path``: one of :data:`PATHS` or "stationary" (``_stationary``, one product only; "auto"
+    takes it where ``_stationary.chosen`` says so). ``variant``: the gather kernel's (KV, U)
+    instantiation (one of ``_kernels.GATHER_VARIANTS``; default ``GATHER_DEFAULT["spmm"]``). ``second``:
     ``(parts2, b2)``, a matrix of A's structure (other values) and its dense operand:
     ``out = A @ b + A2 @ b2``, summed in the same fp32 accumulators on the gather path.
     """
@@ -117,21 +105,9 @@ def spmm(
     ldo = np.int64(max(out.strides[0] // out.itemsize, k, 1))
     b2, ldb2 = row_stride(second[1]) if second is not None else (None, 0)
     gather_ok = rows_aligned((b, ldb), (out, int(ldo)), *([(b2, ldb2)] if second is not None else []))
-    tensor_ok = gather_ok and b.dtype.itemsize == 2
-    if path == "tensor" and not tensor_ok:
-        raise ValueError(
-            "path: 'tensor' needs 2-byte values and 16-byte-aligned operand rows whose length is a multiple of "
-            f"16 bytes; got {b.dtype} b with rows of {b.shape[1]} values"
-        )
-    if path == "tensor" and variant is not None and variant[0] not in K.TENSOR_PIECES:
-        raise ValueError(
-            f"variant: on the tensor cores expected (pieces, 0) with pieces in {K.TENSOR_PIECES}, got {variant}"
-        )
-    # The switch leaves calls that name a gather variant on the FMA kernel they asked for.
-    tensor = path == "tensor" or (TENSOR_SPMM and tensor_ok and path in ("auto", "gather") and variant is None)
-    path = _choose_path("gather" if path == "tensor" else path, gather_ok, "matmul")
+    path = _choose_path(path, gather_ok, "matmul")
     if path == "gather":
-        kv, u = variant or K.GATHER_DEFAULT["spmm_tensor" if tensor else "spmm"]
+        kv, u = _variant(variant, "spmm")
         nt, cap = parts.data.shape[1:]
         geometry = (np.int32(m), np.int32(nt), np.int32(tile_n), np.int32(cap))
         null = K.null_pointer()
@@ -145,7 +121,7 @@ def spmm(
                 np.int64(ldb2),
             )
         args = (*_matrix_args(parts), *geometry, b, np.int64(ldb), np.int32(k), out, ldo, *extra)
-        kind = ("spmm" if second is None else "spmm_sum") + ("_tensor" if tensor else "")
+        kind = "spmm" if second is None else "spmm_sum"
         K.launch_grid(K.gather_expression(kind, b.dtype, kv, u), *_gather_grid(m), args)
         return out
     if second is not None:  # the portable kernel takes one operand: a second launch and a sum

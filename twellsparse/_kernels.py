@@ -54,15 +54,10 @@ GATHER_DEFAULT = {
     "sddmm": (4, 4),
     "sddmm_gated_bwd": (4, 4),  # as the SDDMM it extends (not timed on its own yet)
     "gated_up": (4, 4),
-    "spmm_tensor": (2, 0),  # not measured yet (opt-in)
     "csr_spmm": (8, 2),
     "csr_spmm_pair": (4, 4),
 }
 GATHER_WARPS = 4  # rows (warps) per block
-#: 64-column pieces per pass of the tensor-core SpMM (twell_gather_spmm with TENSOR, 2-byte types):
-#: 2 takes 96 registers (five blocks per SM), 4 takes 144 (three); its default is
-#: GATHER_DEFAULT["spmm_tensor"], as (pieces, 0).
-TENSOR_PIECES = (2, 4)
 
 
 def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = False) -> str:
@@ -87,11 +82,9 @@ def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = Fals
         return f"twell_gather_sddmm_gated_bwd<{t}, {kv}, {u}>"
     if kind in ("mask_gated", "mask_spmm"):
         return f"twell_{kind}<{t}, {kv}, {u}>"
-    if kind in ("spmm_tensor", "spmm_sum_tensor"):  # kv: 64-column pieces per pass; u unused
-        return f"twell_gather_spmm<{t}, {kv}, 0, {'true' if kind == 'spmm_sum_tensor' else 'false'}, true>"
     kinds = (
-        "'spmm', 'spmm_sum', 'sddmm', 'sddmm_gated_bwd', 'gated_up', 'csr_spmm', 'csr_spmm_pair', 'mask_gated', "
-        "'mask_spmm', 'spmm_tensor' or 'spmm_sum_tensor'"
+        "'spmm', 'spmm_sum', 'sddmm', 'sddmm_gated_bwd', 'gated_up', 'csr_spmm', 'csr_spmm_pair', 'mask_gated' "
+        "or 'mask_spmm'"
     )
     raise ValueError(f"kind: expected {kinds}, got {kind!r}")
 
@@ -140,13 +133,6 @@ def _instantiations() -> dict[str, list[str]]:
         if dt.itemsize <= 4  # the cuBLASLt ReLU-mask producer's types
         for kv, u in GATHER_VARIANTS
         for kind in ("mask_gated", "mask_spmm")
-    ]
-    gather += [
-        gather_expression(kind, dt, pieces, 0)
-        for dt in VALUE_DTYPES
-        if dt.itemsize == 2  # the tensor cores' types
-        for pieces in TENSOR_PIECES
-        for kind in ("spmm_tensor", "spmm_sum_tensor")
     ]
     elementwise = [
         f"ffn_{kind}<{t}, {a}>"

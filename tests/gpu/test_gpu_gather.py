@@ -60,35 +60,6 @@ def test_spmm_variants(cp, rng, dtype, m, n, k, tile_n, capacity, density):
         assert rel_error(out, expected) <= _bound(dtype, expected), variant
 
 
-@pytest.mark.parametrize("dtype", [np.float16, ts.bfloat16])
-@pytest.mark.parametrize("m, n, k, tile_n, capacity, density", SHAPES)
-def test_spmm_on_the_tensor_cores(cp, rng, dtype, m, n, k, tile_n, capacity, density):
-    """path="tensor" (twell_gather_spmm with TENSOR) in every instantiation: one product and two of one
-    structure summed (the backward's dX), against float64, on poisoned outputs (every row is
-    written, the empty one with zeros); K = 8 and 4104 leave partial 64-column pieces."""
-    from twellsparse._ops import values_op, with_values
-
-    h, a = _problem(cp, rng, m, n, tile_n, capacity, density, dtype)
-    a2 = with_values(
-        a, values_op(lambda v: v * -1.3 + 0.25, a.parts.data), values_op(lambda v: v * -1.3 + 0.25, a.parts.spill_data)
-    )
-    h2 = cp.asnumpy(a2.toarray()).astype(np.float64)
-    b = rng.standard_normal((n, k)).astype(dtype)
-    b2 = rng.standard_normal((n, k)).astype(dtype)
-    one = h.astype(np.float64) @ b.astype(np.float64)
-    both = one + h2 @ b2.astype(np.float64)
-    for pieces in K.TENSOR_PIECES:
-        for second, want in ((None, one), ((a2.parts, cp.asarray(b2)), both)):
-            out = cp.full((m, k), np.nan, dtype=dtype)
-            _gpu_ops.spmm(a.parts, tile_n, cp.asarray(b), out, path="tensor", variant=(pieces, 0), second=second)
-            assert rel_error(out, want) <= _bound(dtype, want), (pieces, second is None)
-    f32 = cp.asarray(b.astype(np.float32))
-    with pytest.raises(ValueError, match="variant: on the tensor cores"):
-        _gpu_ops.spmm(a.parts, tile_n, cp.asarray(b), cp.empty((m, k), dtype), path="tensor", variant=(8, 2))
-    with pytest.raises(ValueError, match="'tensor' needs 2-byte values"):
-        _gpu_ops.spmm(a.astype(np.float32).parts, tile_n, f32, cp.empty((m, k), np.float32), path="tensor")
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("scale", [False, True])
 @pytest.mark.parametrize("m, n, k, tile_n, capacity, density", SHAPES)
