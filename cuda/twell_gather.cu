@@ -49,22 +49,23 @@ __device__ __forceinline__ unsigned long long evict_first_policy() {
 }
 
 // Read-only 16-byte load through the non-coherent path (weights and inputs never change while
-// a kernel runs; hot rows stay in L1), zeros where `in` is false; STREAM marks it evict-first in
-// L2. The asm is volatile because a plain asm statement has no side effects as far as the
-// compiler knows, so it may run it ahead of its condition: the pipelined tensor-core dots once
-// read 16 bytes past the end of x that way (compute-sanitizer memcheck, fifteenth session). (The
-// guard as a predicate inside the asm instead cost more registers: the gated up projection
-// spilled 40 bytes at its 96.)
+// a kernel runs; hot rows stay in L1); STREAM marks it evict-first in L2. Callers guard it with a
+// condition and compute its address inside that condition (as an argument computed ahead of it,
+// the SpMM's addresses took 8 more registers and 9% more time). The evict-first load is inline
+// PTX, and volatile: a plain asm statement has no side effects as far as the compiler knows, so
+// it may run it ahead of its guard, and the pipelined tensor-core dots once read 16 bytes past
+// the end of x that way (compute-sanitizer memcheck, fifteenth session). The other loads are the
+// compiler's own (__ldg), which it does not run ahead of a guard.
 template <bool STREAM = false>
-__device__ __forceinline__ Raw16 ldg16(bool in, const void* p) {
-  Raw16 r{0u, 0u, 0u, 0u};
-  if (!in) return r;
+__device__ __forceinline__ Raw16 ldg16(const void* p) {
+  Raw16 r;
   if (STREAM && TWELL_L2_HINTS) {
     asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
                  : "l"(p), "l"(evict_first_policy()));
   } else {
-    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+    r = Raw16{v.x, v.y, v.z, v.w};
   }
   return r;
 }
@@ -263,7 +264,7 @@ __device__ __forceinline__ void load_pair_rows(Raw16 (&w)[U][KV], int p, int n, 
 #pragma unroll
     for (int kv = 0; kv < KV; ++kv) {
       const int k = k0 + (kv * 32 + lane) * V;
-      w[u][kv] = ldg16(p + u < n && k < K, b + (long long)c[u] * ldb + k);
+      w[u][kv] = (p + u < n && k < K) ? ldg16(b + (long long)c[u] * ldb + k) : zero16();
     }
   }
 }
@@ -366,7 +367,7 @@ __device__ __forceinline__ typename acc_of<T>::type gather_dots_fma(const T* __r
 #pragma unroll
     for (int kv = 0; kv < KV; ++kv) {
       const int k = k0 + (kv * 32 + lane) * V;
-      Lanes<T>::widen(ldg16<true>(k < K, x_row + k), xv[kv]);
+      Lanes<T>::widen(k < K ? ldg16<true>(x_row + k) : zero16(), xv[kv]);
     }
     for (int p = 0; p < n; p += U) {
       Raw16 w[U][KV];
@@ -432,11 +433,11 @@ __device__ __forceinline__ float mma_dots(const T* __restrict__ x_row, const T* 
     for (int st = 0; st < STEPS; ++st) {
       const int k = k0 + st * STEP;
       const bool in = k + 8 * t < K;
-      xv[st] = ldg16<true>(in, x_row + k + 8 * t);
+      xv[st] = in ? ldg16<true>(x_row + k + 8 * t) : zero16();
 #pragma unroll
       for (int r = 0; r < 2; ++r)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) w[st][r][h] = ldg16(in && live[r][h], rows[r][h] + k);
+        for (int h = 0; h < 2; ++h) w[st][r][h] = in && live[r][h] ? ldg16(rows[r][h] + k) : zero16();
     }
 #pragma unroll
     for (int st = 0; st < STEPS; ++st)
