@@ -42,3 +42,14 @@ def test_value_types_and_algorithms():
     assert cusparse._value_type("bfloat16") == 14
     with pytest.raises(ValueError, match="dtype: expected one of"):
         cusparse._value_type("int8")
+
+
+@pytest.mark.parametrize("raw", ["0", "-2", "eight"])
+def test_gemm_candidates_setting_is_checked(monkeypatch, raw):
+    from twellsparse.bindings import cublaslt
+
+    monkeypatch.setenv(cublaslt.ENV_CANDIDATES, raw)
+    with pytest.raises(ValueError, match=f"TWELL_GEMM_CANDIDATES: expected a positive integer, got {raw!r}"):
+        cublaslt.candidates_from_environment()
+    monkeypatch.setenv(cublaslt.ENV_CANDIDATES, "3")
+    assert cublaslt.candidates_from_environment() == 3

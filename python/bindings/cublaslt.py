@@ -13,6 +13,7 @@ then gathers only the values whose bit is set. Library discovery as in :mod:`._l
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import numpy as np
@@ -72,6 +73,18 @@ PREF_MAX_WORKSPACE_BYTES = 1
 #: Workspace offered to the heuristic (cuBLAS's own default on Hopper is 32 MiB).
 WORKSPACE_BYTES = 32 << 20
 ENV_LIBRARY = "TWELL_CUBLASLT"
+ENV_CANDIDATES = "TWELL_GEMM_CANDIDATES"
+#: Launches per candidate when a plan times the heuristic's candidates (after one warm-up).
+TUNING_REPS = 3
+
+
+def candidates_from_environment() -> int:
+    """How many of the heuristic's algorithms a plan times on its first call (``TWELL_GEMM_CANDIDATES``,
+    default 8; 1 takes the heuristic's first choice untimed, as cuBLASLt's own default does)."""
+    raw = os.environ.get(ENV_CANDIDATES) or "8"  # unset or empty: the default
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{ENV_CANDIDATES}: expected a positive integer, got {raw!r}")
+    return int(raw)
 
 
 class CuBlasLtError(RuntimeError):
@@ -119,6 +132,13 @@ class Gemm:
     """``out = x @ w.T`` (row-major, M x F), planned once for one shape: fp32 accumulation, on
     CuPy's current stream, capturable in a CUDA graph (no host synchronisation, a workspace
     owned by the plan). Subclasses add an epilogue.
+
+    The plan asks the heuristic for up to :func:`candidates_from_environment` algorithms and, on
+    its first call outside a CUDA-graph capture, times each on that call's operands and keeps the
+    fastest (a host synchronisation, once per plan). Why: the heuristic's first choice ran 5-12%
+    slower than torch's GEMM at 16384 x 4096 -> 14336 in bf16 on the H200 (bench/NOTES.md,
+    fifteenth session), which cost the dense remainder of ``dispatch="auto"`` as much. Calls
+    inside a capture before that take the first choice.
     """
 
     #: cuBLASLt epilogue (CUBLASLT_EPILOGUE_DEFAULT).
@@ -150,19 +170,54 @@ class Gemm:
             lib.cublasLtMatmulPreferenceSetAttribute(pref[0], PREF_MAX_WORKSPACE_BYTES, size, 8),
             "cublasLtMatmulPreferenceSetAttribute",
         )
-        result, returned = ffi.new("cublasLtMatmulHeuristicResult_t[1]"), ffi.new("int*")
+        wanted = candidates_from_environment()
+        result, returned = ffi.new(f"cublasLtMatmulHeuristicResult_t[{wanted}]"), ffi.new("int*")
         a, b, d = self._layouts
         self._handle = _handle(cp.cuda.Device().id)
         _check(
-            lib.cublasLtMatmulAlgoGetHeuristic(self._handle, self._desc, a, b, d, d, pref[0], 1, result, returned),
+            lib.cublasLtMatmulAlgoGetHeuristic(self._handle, self._desc, a, b, d, d, pref[0], wanted, result, returned),
             "cublasLtMatmulAlgoGetHeuristic",
         )
         lib.cublasLtMatmulPreferenceDestroy(pref[0])
-        if returned[0] < 1:
+        found = [result[i] for i in range(returned[0]) if result[i].state == STATUS_SUCCESS]
+        if not found:
             raise CuBlasLtError(f"cuBLASLt: no algorithm for the {type(self).__name__} of shape {self.shape} in {name}")
-        self._algo = ffi.new("cublasLtMatmulAlgo_t*", result[0].algo)
-        self._workspace = cp.empty(max(int(result[0].workspaceSize), 1), dtype=cp.uint8)
+        # (algorithm, workspace bytes), the heuristic's order; one left once the plan is tuned.
+        self._candidates = [(ffi.new("cublasLtMatmulAlgo_t*", r.algo), int(r.workspaceSize)) for r in found]
+        self._algo = self._candidates[0][0]
+        self._workspace = cp.empty(max(max(size for _, size in self._candidates), 1), dtype=cp.uint8)
         self._alpha, self._beta = np.ones(1, np.float32), np.zeros(1, np.float32)
+
+    @property
+    def candidates(self) -> int:
+        """Algorithms still to be timed (1 once the plan has chosen, or when only one was offered)."""
+        return len(self._candidates)
+
+    def _tune(self, x: Any, w: Any, out: Any) -> None:
+        """Time every candidate on these operands (``out`` is overwritten) and keep the fastest."""
+        import cupy as cp
+
+        times = []
+        for algo, _ in self._candidates:
+            self._algo = algo
+            try:
+                self._matmul(x, w, out)  # warm-up; an algorithm that refuses the call drops out
+            except CuBlasLtError:
+                continue
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            for _ in range(TUNING_REPS):
+                self._matmul(x, w, out)
+            stop.record()
+            stop.synchronize()
+            times.append((cp.cuda.get_elapsed_time(start, stop), algo))
+        if not times:
+            raise CuBlasLtError(f"cuBLASLt: every algorithm refused the {type(self).__name__} of shape {self.shape}")
+        best = min(times, key=lambda t: t[0])[1]
+        size = next(size for algo, size in self._candidates if algo is best)
+        self._candidates = [(best, size)]
+        self._algo = best
+        self._workspace = cp.empty(max(size, 1), dtype=cp.uint8)
 
     def _configure_epilogue(self) -> None:
         """Set the epilogue's attributes (none for the plain product)."""
@@ -187,6 +242,13 @@ class Gemm:
                 raise ValueError(f"{name}: expected a C-contiguous {self.dtype} array of shape {shape}")
 
     def _launch(self, x: Any, w: Any, out: Any) -> None:
+        import cupy as cp
+
+        if len(self._candidates) > 1 and not cp.cuda.get_current_stream().is_capturing():
+            self._tune(x, w, out)
+        self._matmul(x, w, out)
+
+    def _matmul(self, x: Any, w: Any, out: Any) -> None:
         import cupy as cp
 
         ffi, lib = _ffi(), library()

@@ -179,3 +179,55 @@ def test_mask_consumer_plan_captured_in_a_cuda_graph(cp, rng, monkeypatch):
         graph.launch(stream)
         stream.synchronize()
         np.testing.assert_array_equal(cp.asnumpy(out).view(np.uint8), cp.asnumpy(plan(new)).view(np.uint8))
+
+
+@pytest.mark.parametrize("kind", ["Gemm", "ReluGemm", "ReluMaskGemm"])
+def test_gemm_plans_time_their_candidates(cp, rng, kind):
+    """A cuBLASLt plan times the heuristic's candidates on its first call outside a capture and
+    keeps one; a first call inside a capture takes the first choice and leaves the timing to the
+    next eager call. Every call's result matches float64 on a poisoned output, and the kept
+    algorithm gives the same bits call after call."""
+    _needs_cublaslt()
+    from twellsparse.bindings import cublaslt
+
+    m, f, k = 300, 777, 64
+    x = cp.asarray(rng.standard_normal((m, k)).astype(ts.bfloat16))
+    w = cp.asarray(rng.standard_normal((f, k)).astype(ts.bfloat16))
+    expected = cp.asnumpy(x).astype(np.float64) @ cp.asnumpy(w).astype(np.float64).T
+    if kind != "Gemm":
+        expected = np.maximum(expected, 0)
+    mask = cp.zeros(m * cublaslt.mask_ld(f) // 32, dtype=cp.uint32)
+    extra = (mask,) if kind == "ReluMaskGemm" else ()
+
+    def run(plan):
+        out = cp.full((m, f), np.nan, dtype=ts.bfloat16)
+        plan(x, w, out, *extra)
+        assert rel_error(out, expected) < 1e-2
+        return cp.asnumpy(out).view(np.uint16)
+
+    captured = getattr(cublaslt, kind)(m, f, k, ts.bfloat16)
+    offered = captured.candidates
+    stream = cp.cuda.Stream(non_blocking=True)
+    out = cp.full((m, f), np.nan, dtype=ts.bfloat16)
+    with stream:
+        stream.begin_capture()
+        captured(x, w, out, *extra)
+        graph = stream.end_capture()
+    assert captured.candidates == offered  # nothing timed inside the capture
+    graph.launch(stream)
+    stream.synchronize()
+    assert rel_error(out, expected) < 1e-2
+    run(captured)
+    assert captured.candidates == 1
+    plan = getattr(cublaslt, kind)(m, f, k, ts.bfloat16)
+    first = run(plan)
+    assert plan.candidates == 1
+    np.testing.assert_array_equal(run(plan), first)
+
+
+def test_gemm_candidates_from_the_environment(cp, monkeypatch):
+    _needs_cublaslt()
+    from twellsparse.bindings import cublaslt
+
+    monkeypatch.setenv(cublaslt.ENV_CANDIDATES, "1")
+    assert cublaslt.Gemm(300, 777, 64, ts.bfloat16).candidates == 1
