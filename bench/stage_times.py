@@ -43,6 +43,7 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         "plain": ts.FFN(wg, wd, dispatch="sparse"),
         "gated_fixed_spill": ts.GatedFFN(wg, wu, wd, dispatch="sparse", spill_capacity=m * 64),
         "plain_fixed_spill": ts.FFN(wg, wd, dispatch="sparse", spill_capacity=m * 64),
+        "plain_auto": ts.FFN(wg, wd),  # the default dispatch: dense above the break-even
     }
     h_relu, mask, words = _gpu_producer.relu_linear(x, wg)
     g = ts.linear_to_twell(x, wg)
@@ -53,6 +54,8 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
     return {
         "gemm (cuBLASLt)": lambda: _gpu_ops.gemm_nt(x, wg),
         "relu-mask gemm": lambda: _gpu_producer.relu_linear(x, wg),
+        "relu gemm (cuBLASLt)": lambda: _gpu_ops.gemm_nt(x, wg, relu=True),  # the dense remainder's two GEMMs
+        "down gemm (cuBLASLt)": lambda: _gpu_ops.gemm_nt(h_relu, wd),
         "mask pack, exact finish": lambda: _gpu_convert.relu_mask_to_parts_deferred(h_relu, mask, words, 256, 32)[1](
             "spill"
         ),

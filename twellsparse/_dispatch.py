@@ -4,8 +4,8 @@ and shape, from crossings measured on the H200.
 The crossing (the density where the sparse plan's time equals the dense block's, both measured
 side by side in one run) moves with the shape: at 4096 tokens the sparse path's fixed costs
 (the producer's finish, small launches) weigh more and it falls to about 0.65-0.9%;
-at 16384-65536 tokens of the standard widths it is about 1.0-1.2%; with d_model 4096 and d_ff
-14336 (twice the gathered bytes per entry) about 0.65-0.75%. One constant for all of them left
+at 16384-65536 tokens of the standard widths it is about 1.0-1.5%; with d_model 4096 and d_ff
+14336 (twice the gathered bytes per entry) about 0.6-0.85%. One constant for all of them left
 up to ~8% on the table at large shapes and ran sparse at 0.76x dense at small ones.
 """
 
@@ -16,20 +16,20 @@ import math
 
 #: (d_model, d_ff) -> block -> ((tokens, crossing density), ...): the lower crossing of the
 #: uniform and skewed patterns where both were measured (``bench/breakeven_fit.py`` over
-#: ``bench/results/2026-12-03-ffn.jsonl`` and ``-ffn-widths.jsonl``, H200). The 4096-token points
+#: ``bench/results/2026-12-0[34]-ffn.jsonl`` and ``-ffn-widths.jsonl``, H200). The 4096-token points
 #: are from commit b01dbb6, after the plan calls' host work was cut (their sparse times then
-#: matched the GPU-only ones), the gated ones at 4096 and 16384 tokens of the standard widths
-#: from 8e75718 (the gated consumer in two launches with tensor-core dots, uniform only: the
-#: 65536-token and d_model 4096 gated points, still b871c25's, were not rerun with it and err
-#: towards dense); the others from b871c25.
+#: matched the GPU-only ones), except the gated one of the standard widths; that one and the
+#: gated 16384-token one of the standard widths are from 8e75718 (the gated consumer in two
+#: launches with tensor-core dots, uniform only); the 65536-token points and the 16384-token ones
+#: of d_model 4096 from 7acaf49 (uniform only); the others from b871c25.
 CROSSINGS: dict[tuple[int, int], dict[str, tuple[tuple[int, float], ...]]] = {
     (2048, 5632): {
-        "ffn": ((4096, 0.0066), (16384, 0.0103), (65536, 0.0121)),
-        "gated_ffn": ((4096, 0.0088), (16384, 0.0118), (65536, 0.0105)),
+        "ffn": ((4096, 0.0066), (16384, 0.0103), (65536, 0.0120)),
+        "gated_ffn": ((4096, 0.0088), (16384, 0.0118), (65536, 0.0147)),
     },
     (4096, 14336): {
-        "ffn": ((4096, 0.0064), (16384, 0.0077)),
-        "gated_ffn": ((4096, 0.0064), (16384, 0.0068)),
+        "ffn": ((4096, 0.0064), (16384, 0.0061)),
+        "gated_ffn": ((4096, 0.0064), (16384, 0.0085)),
     },
 }
 
