@@ -2,10 +2,15 @@
 default gated with a fixed spill (no read-back, so the host runs ahead of the GPU and its own
 cost shows), on the standard problem. Prints the functions with the most own time and the host
 time per call. ``--exact`` profiles the default overflow policy (one read-back per call) instead,
-``--plain`` the non-gated block.
+``--plain`` the non-gated block. ``--torch-step`` profiles an eager training step through
+``twellsparse.torch`` instead (forward and ``torch.autograd.grad``; ``gated_ffn`` with the exact
+spill, or with ``--fixed`` a ``TwELLGatedMLP`` with a fixed ``spill_capacity``): the step that
+ran at 0.89x dense eager against 1.48x captured in a CUDA graph (bench/NOTES.md, fifteenth
+session).
 
     python bench/host_profile.py [--density 0.005] [--m 16384] [--exact] [--plain]
         [--dispatch sparse] [--calls 200] [--top 35]
+    python bench/host_profile.py --torch-step [--fixed] [--density 0.005] [--calls 50]
 """
 
 from __future__ import annotations
@@ -15,14 +20,65 @@ import cProfile
 import pstats
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
+
+
+def report(calls: int, top: int, call: Callable[[], Any], makers: dict[str, Callable[[], Any]], sync: Any) -> None:
+    """Host and wall time per call for each way of making the callable, then ``cProfile`` over
+    ``calls`` calls of ``call`` (own time, and cumulative time inside twellsparse)."""
+    for label, make in makers.items():
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            make()()
+        host = (time.perf_counter() - t0) * 1e3 / calls
+        sync()
+        wall = (time.perf_counter() - t0) * 1e3 / calls
+        print(f"{label}: host {host:.3f} ms per call (queued ahead), wall {wall:.3f} ms per call", flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        call()
+    prof.disable()
+    sync()
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats("twellsparse", top)  # where each call's time goes
+
+
+def torch_step(args: argparse.Namespace) -> None:
+    """The eager gated training step through ``twellsparse.torch`` (see the module docstring)."""
+    import numpy as np
+    import torch
+
+    import twellsparse.torch as tt
+    from twellsparse.testing import ffn_problem
+
+    p = ffn_problem(args.m, 2048, 5632, args.density, "uniform", np.float32, 0)
+    names = ("x", "w_gate", "w_up", "w_down")
+    x, wg, wu, wd = (torch.from_numpy(p[k]).cuda().bfloat16().requires_grad_() for k in names)
+    grad = torch.randn(args.m, 2048, device="cuda", dtype=torch.bfloat16)
+    if args.fixed:
+        mlp = tt.TwELLGatedMLP(2048, 5632, spill_capacity=args.m * 64, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            for lin, w in ((mlp.gate_proj, wg), (mlp.up_proj, wu), (mlp.down_proj, wd)):
+                lin.weight.copy_(w)
+        inputs = [x, *mlp.parameters()]
+
+        def step() -> None:
+            torch.autograd.grad(mlp(x), inputs, grad)
+    else:
+
+        def step() -> None:
+            torch.autograd.grad(tt.gated_ffn(x, wg, wu, wd), [x, wg, wu, wd], grad)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    report(args.calls, args.top, step, {"eager training step": lambda: step}, torch.cuda.synchronize)
 
 
 def main(argv: list[str] | None = None) -> int:
-    import cupy as cp
-
-    import twellsparse as ts
-    from twellsparse.testing import ffn_problem
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--density", type=float, default=0.005)
     ap.add_argument("--m", type=int, default=16384)
@@ -31,7 +87,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exact", action="store_true", help="no spill_capacity: the exact read-back")
     ap.add_argument("--plain", action="store_true", help="the non-gated block")
     ap.add_argument("--dispatch", default="sparse", choices=("sparse", "auto", "dense"))
+    ap.add_argument("--torch-step", action="store_true", help="an eager training step through twellsparse.torch")
+    ap.add_argument("--fixed", action="store_true", help="with --torch-step: TwELLGatedMLP with a fixed spill")
     args = ap.parse_args(argv)
+    if args.torch_step:
+        torch_step(args)
+        return 0
+    import cupy as cp
+
+    import twellsparse as ts
+    from twellsparse.testing import ffn_problem
+
     p = ffn_problem(args.m, 2048, 5632, args.density, "uniform", ts.bfloat16, 0, cp)
     spill = None if args.exact else args.m * 64
 
@@ -45,23 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(5):
         plan(x)
     cp.cuda.Device().synchronize()
-    for label, make in (("prebuilt plan", lambda: plan), ("plan built per call", fresh_plan)):
-        t0 = time.perf_counter()
-        for _ in range(args.calls):
-            make()(x)
-        host = (time.perf_counter() - t0) * 1e3 / args.calls
-        cp.cuda.Device().synchronize()
-        wall = (time.perf_counter() - t0) * 1e3 / args.calls
-        print(f"{label}: host {host:.3f} ms per call (queued ahead), wall {wall:.3f} ms per call", flush=True)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(args.calls):
-        plan(x)
-    prof.disable()
-    cp.cuda.Device().synchronize()
-    stats = pstats.Stats(prof)
-    stats.sort_stats("tottime").print_stats(args.top)
-    stats.sort_stats("cumulative").print_stats("twellsparse", args.top)  # where each call's time goes
+    makers = {"prebuilt plan": lambda: lambda: plan(x), "plan built per call": lambda: lambda: fresh_plan()(x)}
+    report(args.calls, args.top, lambda: plan(x), makers, cp.cuda.Device().synchronize)
     return 0
 
 

@@ -94,7 +94,12 @@ for step in $what; do
         | grep -E "^  [a-zA-Z_].*\(|gpu__time_duration" | paste - - | awk '{print $NF, $1}' | tail -40
       ;;&
     hostprofile)
+      # The plan call's host time, then the eager torch training step's (exact spill, then a
+      # fixed spill_capacity): where the eager step's time beyond the captured one goes.
       python3 bench/host_profile.py 2>&1 | tee "$OUT/host_profile.log" | head -80
+      for mode in "" "--fixed"; do
+        timeout 240 python3 bench/host_profile.py --torch-step $mode --calls 30 2>&1 | tee -a "$OUT/host_profile.log" | head -60
+      done
       ;;&
     probe)
       # Nsight Compute on one SpMM call (1%, TWELL_PROBE_PATH: gather or portable): throughput sections, then the SASS lines
