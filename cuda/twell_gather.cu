@@ -50,12 +50,13 @@ __device__ __forceinline__ unsigned long long evict_first_policy() {
 
 // Read-only 16-byte load through the non-coherent path (weights and inputs never change while
 // a kernel runs; hot rows stay in L1); STREAM marks it evict-first in L2. Callers guard it with a
-// condition and compute its address inside that condition (as an argument computed ahead of it,
-// the SpMM's addresses took 8 more registers and 9% more time). The evict-first load is inline
-// PTX, and volatile: a plain asm statement has no side effects as far as the compiler knows, so
-// it may run it ahead of its guard, and the pipelined tensor-core dots once read 16 bytes past
-// the end of x that way (compute-sanitizer memcheck, fifteenth session). The other loads are the
-// compiler's own (__ldg), which it does not run ahead of a guard.
+// condition and compute its address inside that condition (with the address computed ahead as
+// an argument, the SpMM took 8 more registers; that build, its loads all volatile asm, ran the
+// SpMM 9-13% slower). The evict-first load is inline PTX, and volatile: a plain asm statement
+// has no side effects as far as the compiler knows, so it may run it ahead of its guard, and the
+// pipelined tensor-core dots once read 16 bytes past the end of x that way (compute-sanitizer
+// memcheck, fifteenth session). The other loads are the compiler's own (__ldg), which it moves
+// ahead of a guard only where it can prove the address valid.
 template <bool STREAM = false>
 __device__ __forceinline__ Raw16 ldg16(const void* p) {
   Raw16 r;
