@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|probe|producerprobe|stationary|downchoice|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|probe|producerprobe|stationary|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -137,6 +137,19 @@ for step in $what; do
       status=$((status | ${PIPESTATUS[0]}))
       timeout 120 python3 bench/down_choice.py --m 16384,65536 --d-model 4096 --out "$OUT/down_choice.jsonl" 2>&1 \
         | tee -a "$OUT/downchoice.log"
+      ;;&
+    transposedprobe)
+      # The backward's paired transposed product (it gathers token rows of x, 64 MB at 16384
+      # tokens, more than the L2) beside the down SpMM (weight rows, 23 MB): L2 hit rate, DRAM
+      # bytes, duration and warp states, at 0.5% and 1%.
+      for d in 0.005 0.01; do
+        for k in transposed spmm; do
+          ncu --profile-from-start off --section SpeedOfLight --section WarpStateStats --section Occupancy \
+            --metrics lts__t_sector_hit_rate.pct,dram__bytes_read.sum,smsp__inst_executed.sum \
+            python3 bench/kernel_probe.py --kernel $k --density $d 2>&1 | tee -a "$OUT/transposed_probe.log" \
+            | grep -E "twell_|Duration|hit_rate|dram__bytes|inst_executed|Achieved Active|Memory Throughput"
+        done
+      done
       ;;&
     producerprobe)
       # Where the fused producer's pass 1 spends its time beyond the GEMM: the probe with and
