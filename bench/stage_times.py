@@ -79,6 +79,9 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         "bwd value products": lambda: (product_values(g, u), product_values(d_h, u), product_values(d_h, g)),
         "bwd transposed pattern": lambda: _gpu_ops.transposed_pattern(g.parts, g.tile_n, g.shape[1]),
         "bwd 3 transposed products": lambda: transposed_products(g, [(h, go), (d_z, x), (d_u, x)]),
+        "bwd 3 transposed products, columns split": lambda: _with(
+            _gpu_ops, "TRANSPOSED_COLUMN_SPLIT", 2, lambda: transposed_products(g, [(h, go), (d_z, x), (d_u, x)])
+        ),
         "bwd dX": lambda: matmul_sum(d_z, wg, d_u, wu),  # the backward's one dual pass
     }
 

@@ -652,7 +652,10 @@ __global__ void __launch_bounds__(128, sizeof(T) == 2 ? 5 : 1) twell_gather_gate
 // so each output row is one warp's fp32 sum over its list, with no atomics and no gathered copy
 // of the values. With PAIR, a second matrix of the same structure (values data2 / spill_vals2)
 // is multiplied by the same b into out2 in the same pass: each b row is gathered once for both
-// (dW_gate = dZ.T @ x and dW_up = dU.T @ x).
+// (dW_gate = dZ.T @ x and dW_up = dU.T @ x). A grid of gridDim.y > 1 splits each row's column
+// passes between that many warps (pass p to warp p % gridDim.y: the same sums in the same order,
+// so the same bits): more warps in flight when the output has few rows (5632 units against the
+// forward's 16384 tokens).
 template <typename T, int KV, int U, bool PAIR = false>
 __global__ void __launch_bounds__(128) twell_gather_csr_spmm(
     const int* __restrict__ indptr, const int* __restrict__ cols, const int* __restrict__ sources,
@@ -666,7 +669,7 @@ __global__ void __launch_bounds__(128) twell_gather_csr_spmm(
   const int lane = threadIdx.x & 31;
   if (row >= M) return;  // warp-uniform
   const int e_begin = indptr[row], e_end = indptr[row + 1];
-  for (int k0 = 0; k0 < K; k0 += CHUNK) {
+  for (int k0 = blockIdx.y * CHUNK; k0 < K; k0 += gridDim.y * CHUNK) {
     A acc[NV][KV][Lanes<T>::N];
 #pragma unroll
     for (int s = 0; s < NV; ++s) clear<T, KV>(acc[s]);

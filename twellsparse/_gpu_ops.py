@@ -138,6 +138,12 @@ def spmm(
     return out
 
 
+#: Warps that share each output row's column passes in the transposed products' row-gather
+#: kernel (its grid's y): 1, one warp per row, until a split is measured faster; the split's sums
+#: are bitwise the same (``bench/stage_times.py``: "bwd 3 transposed products, columns split").
+TRANSPOSED_COLUMN_SPLIT = 1
+
+
 def spmm_transposed(
     parts: TwELLParts,
     tile_n: int,
@@ -146,6 +152,7 @@ def spmm_transposed(
     out: Any,
     pattern: Callable[[], TransposedPattern] | None = None,
     second: tuple[TwELLParts, Any] | None = None,
+    column_split: int | None = None,
 ) -> Any:
     """``out = A.T @ g``; ``g`` (M x K), ``out`` (N x K).
 
@@ -156,9 +163,14 @@ def spmm_transposed(
     between runs). ``pattern`` returns the shared :class:`TransposedPattern` of A's structure
     (built on first use by the caller's products), so products on one pattern sort once.
     ``second = (parts2, out2)``: also ``out2 = A2.T @ g`` for A2 of A's structure, in the same
-    pass on the gather path (each row of g read once for both).
+    pass on the gather path (each row of g read once for both). ``column_split``: warps per
+    output row on the gather path, each taking every ``column_split``-th column pass (default
+    :data:`TRANSPOSED_COLUMN_SPLIT`; more than the passes adds idle warps only).
     """
     cp = _cp()
+    split = TRANSPOSED_COLUMN_SPLIT if column_split is None else column_split
+    if isinstance(split, bool) or not isinstance(split, int) or split < 1:
+        raise ValueError(f"column_split: expected a positive integer, got {split!r}")
     m = parts.data.shape[0]
     g, ldg = row_stride(g)
     k = g.shape[1]
@@ -179,7 +191,8 @@ def spmm_transposed(
         args = (tp.indptr, tp.rows, tp.sources, *values, *values2, np.int32(n_cols), g, np.int64(ldg), np.int32(k))
         kv, u = K.GATHER_DEFAULT[kind]
         expr = K.gather_expression(kind, g.dtype, kv, u)
-        K.launch_grid(expr, *_gather_grid(n_cols), (*args, out, out2, np.int64(ldo_out)))
+        (blocks,), threads = _gather_grid(n_cols)
+        K.launch_grid(expr, (blocks, split), threads, (*args, out, out2, np.int64(ldo_out)))
         return out
     if second is not None:  # the portable path: one product at a time
         spmm_transposed(second[0], tile_n, n_cols, g, second[1], pattern)

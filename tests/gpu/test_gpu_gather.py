@@ -172,6 +172,18 @@ def test_transposed_product_through_csr(cp, rng, dtype, m, n, k, tile_n, capacit
     expected2 = a2.toarray().get().astype(np.float64).T @ g.astype(np.float64)
     assert rel_error(out1, expected) <= _bound(dtype, expected)
     assert rel_error(out2, expected2) <= _bound(dtype, expected2)
+    # Column passes split between warps: the same sums in the same order, so the same bits
+    # (7 leaves idle warps where the passes are fewer), single and paired.
+    for split in (2, 3, 7):
+        s1, s2 = (cp.full((n, k), np.nan, dtype=dtype) for _ in range(2))
+        _gpu_ops.spmm_transposed(a.parts, tile_n, n, cp.asarray(g), s1, column_split=split)
+        np.testing.assert_array_equal(s1.view(cp.uint8).get(), out.view(cp.uint8).get())
+        s1.fill(np.nan)
+        _gpu_ops.spmm_transposed(a.parts, tile_n, n, cp.asarray(g), s1, second=(a2.parts, s2), column_split=split)
+        np.testing.assert_array_equal(s1.view(cp.uint8).get(), out1.view(cp.uint8).get())
+        np.testing.assert_array_equal(s2.view(cp.uint8).get(), out2.view(cp.uint8).get())
+    with pytest.raises(ValueError, match="column_split: expected a positive integer, got 0"):
+        _gpu_ops.spmm_transposed(a.parts, tile_n, n, cp.asarray(g), out, column_split=0)
 
 
 def _check_transposed_pattern(t, a, h):
