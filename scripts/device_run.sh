@@ -141,7 +141,15 @@ for step in $what; do
     transposedprobe)
       # The backward's paired transposed product (it gathers token rows of x, 64 MB at 16384
       # tokens, more than the L2) beside the down SpMM (weight rows, 23 MB): L2 hit rate, DRAM
-      # bytes, duration and warp states, at 0.5% and 1%.
+      # bytes, duration and warp states, at 0.5% and 1%; first the transposed products' tests
+      # and their stage times with and without the column split.
+      python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_gpu_gather.py -k transposed 2>&1 | tail -3 \
+        | tee -a "$OUT/transposed_probe.log"
+      status=$((status | ${PIPESTATUS[0]}))
+      for d in 0.005 0.01; do
+        python3 bench/stage_times.py --density $d --only "transposed" --out "$OUT/stages.jsonl" 2>&1 \
+          | tee -a "$OUT/transposed_probe.log" | grep -E "transposed"
+      done
       for d in 0.005 0.01; do
         for k in transposed spmm; do
           ncu --profile-from-start off --section SpeedOfLight --section WarpStateStats --section Occupancy \
