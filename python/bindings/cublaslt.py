@@ -138,7 +138,9 @@ class Gemm:
     fastest (a host synchronisation, once per plan). Why: the heuristic's first choice ran 5-12%
     slower than torch's GEMM at 16384 x 4096 -> 14336 in bf16 on the H200 (bench/NOTES.md,
     fifteenth session), which cost the dense remainder of ``dispatch="auto"`` as much. Calls
-    inside a capture before that take the first choice.
+    inside a capture before that take the first choice. Another process may time its way to
+    another algorithm, and so to other last bits; ``TWELL_GEMM_CANDIDATES=1`` keeps the
+    heuristic's first choice.
     """
 
     #: cuBLASLt epilogue (CUBLASLT_EPILOGUE_DEFAULT).
