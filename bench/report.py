@@ -90,6 +90,14 @@ def _fmt_sparse(speedup: float, block: str) -> str:
     return f"{speedup:.2f}x, {speedup / ceiling:.0%} of {ceiling:g}x"
 
 
+def _gather_rate(r: dict[str, Any], ms: float) -> float:
+    """TB/s of weight rows the down projection's SpMM gathered: one d_model row (2 bytes a value
+    in bf16/fp16) per stored entry, density x M x d_ff entries."""
+    m, d_model, d_ff = r["shape"]
+    itemsize = 2 if r["dtype"] in ("bfloat16", "float16") else 4
+    return r["density"] * m * d_ff * d_model * itemsize / (ms * 1e-3) / 1e12
+
+
 def ffn_table(records: list[dict[str, Any]]) -> str:
     if not records:
         return "_No FFN benchmark recorded yet._"
@@ -101,7 +109,8 @@ def ffn_table(records: list[dict[str, Any]]) -> str:
         "(L2 flushed); speed-up = dense time / twellsparse time (below 1 = slower than dense). "
         "`sparse` forces the TwELL kernels, its speed-up also given as a share of the block's "
         "ceiling (2x non-gated, 3x gated: the first GEMM stays dense); `auto` is the default "
-        "dispatch (dense remainder above the break-even density), with the path it took.",
+        "dispatch (dense remainder above the break-even density), with the path it took. The TwELL "
+        "down projection's rate is in TB/s of weight rows gathered (one row per stored entry).",
         "",
         "| pattern | density | dense GEMM | producer (GEMM+relu+pack) | down: dense / TwELL | "
         "non-gated FFN: dense / sparse / auto | gated FFN: dense / sparse / auto |",
@@ -114,7 +123,8 @@ def ffn_table(records: list[dict[str, Any]]) -> str:
         gated_auto = _fmt_auto(r, ms, "gated_ffn_auto", "dense_gated_ffn", "auto_path")
         lines.append(
             f"| {r['pattern']} | {r['density']:.2%} | {ms['dense_gemm']:.3f} | {ms['producer']:.3f} "
-            f"({1 / sp['producer_vs_gemm']:.2f}x the GEMM) | {ms['dense_down']:.3f} / {ms['spmm_down']:.3f} | "
+            f"({1 / sp['producer_vs_gemm']:.2f}x the GEMM) | {ms['dense_down']:.3f} / {ms['spmm_down']:.3f} "
+            f"({_gather_rate(r, ms['spmm_down']):.1f} TB/s) | "
             f"{ms['dense_ffn']:.3f} / {ms['ffn']:.3f} ({_fmt_sparse(sp['ffn'], 'ffn')}){plain_auto} | "
             f"{ms['dense_gated_ffn']:.3f} / {ms['gated_ffn']:.3f} "
             f"({_fmt_sparse(sp['gated_ffn'], 'gated_ffn')}){gated_auto} |"
