@@ -24,17 +24,18 @@ from collections.abc import Callable
 from typing import Any
 
 
-def report(calls: int, top: int, call: Callable[[], Any], makers: dict[str, Callable[[], Any]], sync: Any) -> None:
-    """Host and wall time per call for each way of making the callable, then ``cProfile`` over
-    ``calls`` calls of ``call`` (own time, and cumulative time inside twellsparse)."""
-    for label, make in makers.items():
+def report(calls: int, top: int, runs: dict[str, Callable[[], Any]], sync: Callable[[], Any]) -> None:
+    """Host and wall time per call of each of ``runs``, then ``cProfile`` over ``calls`` calls of
+    the first (own time, and cumulative time inside twellsparse)."""
+    for label, run in runs.items():
         t0 = time.perf_counter()
         for _ in range(calls):
-            make()()
+            run()
         host = (time.perf_counter() - t0) * 1e3 / calls
         sync()
         wall = (time.perf_counter() - t0) * 1e3 / calls
         print(f"{label}: host {host:.3f} ms per call (queued ahead), wall {wall:.3f} ms per call", flush=True)
+    call = next(iter(runs.values()))
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):
@@ -75,7 +76,7 @@ def torch_step(args: argparse.Namespace) -> None:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    report(args.calls, args.top, step, {"eager training step": lambda: step}, torch.cuda.synchronize)
+    report(args.calls, args.top, {"eager training step": step}, torch.cuda.synchronize)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(5):
         plan(x)
     cp.cuda.Device().synchronize()
-    makers = {"prebuilt plan": lambda: lambda: plan(x), "plan built per call": lambda: lambda: fresh_plan()(x)}
-    report(args.calls, args.top, lambda: plan(x), makers, cp.cuda.Device().synchronize)
+    runs = {"prebuilt plan": lambda: plan(x), "plan built per call": lambda: fresh_plan()(x)}
+    report(args.calls, args.top, runs, cp.cuda.Device().synchronize)
     return 0
 
 

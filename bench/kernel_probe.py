@@ -35,8 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     h = ts.linear_to_twell(p["x"], p["w_gate"])
     wd_t = cp.ascontiguousarray(p["w_down"].T)
     out = cp.empty((args.m, 2048), dtype=h.dtype)
-    pattern = _gpu_ops.transposed_pattern(h.parts, h.tile_n, h.shape[1])
-    outs = [cp.empty((h.shape[1], 2048), dtype=h.dtype) for _ in range(2)]
+    if args.kernel == "transposed":  # the pattern and both outputs, outside the profiled call
+        pattern = _gpu_ops.transposed_pattern(h.parts, h.tile_n, h.shape[1])
+        outs = [cp.empty((h.shape[1], 2048), dtype=h.dtype) for _ in range(2)]
 
     def call() -> None:
         if args.kernel == "spmm":

@@ -14,6 +14,8 @@ import pathlib
 import sys
 from typing import Any
 
+import numpy as np
+
 HERE = pathlib.Path(__file__).resolve().parent
 START, END = "<!-- bench:ffn:start -->", "<!-- bench:ffn:end -->"
 #: (M, d_model, d_ff) of TARGETS.md's standard problem: its table comes first.
@@ -91,10 +93,10 @@ def _fmt_sparse(speedup: float, block: str) -> str:
 
 
 def _gather_rate(r: dict[str, Any], ms: float) -> float:
-    """TB/s of weight rows the down projection's SpMM gathered: one d_model row (2 bytes a value
-    in bf16/fp16) per stored entry, density x M x d_ff entries."""
+    """TB/s of weight rows the down projection's SpMM gathered: one d_model row per stored entry,
+    density x M x d_ff entries."""
     m, d_model, d_ff = r["shape"]
-    itemsize = 2 if r["dtype"] in ("bfloat16", "float16") else 4
+    itemsize = 2 if r["dtype"] == "bfloat16" else np.dtype(r["dtype"]).itemsize  # NumPy lacks bfloat16
     return r["density"] * m * d_ff * d_model * itemsize / (ms * 1e-3) / 1e12
 
 

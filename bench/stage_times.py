@@ -51,6 +51,10 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
     _, u = gated_product(x, wu, wd_t, g, keep_up=True)
     d_h = sddmm(go, wd_t, g)
     h, d_z, d_u = product_values(g, u), product_values(d_h, u), product_values(d_h, g)
+
+    def three_products() -> Any:  # the backward's dW_down, dW_gate and dW_up on one pattern
+        return transposed_products(g, [(h, go), (d_z, x), (d_u, x)])
+
     return {
         "gemm (cuBLASLt)": lambda: _gpu_ops.gemm_nt(x, wg),
         "relu-mask gemm": lambda: _gpu_producer.relu_linear(x, wg),
@@ -78,9 +82,9 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         "bwd sddmm": lambda: sddmm(go, wd_t, g),
         "bwd value products": lambda: (product_values(g, u), product_values(d_h, u), product_values(d_h, g)),
         "bwd transposed pattern": lambda: _gpu_ops.transposed_pattern(g.parts, g.tile_n, g.shape[1]),
-        "bwd 3 transposed products": lambda: transposed_products(g, [(h, go), (d_z, x), (d_u, x)]),
+        "bwd 3 transposed products": three_products,
         "bwd 3 transposed products, columns split": lambda: _with(
-            _gpu_ops, "TRANSPOSED_COLUMN_SPLIT", 2, lambda: transposed_products(g, [(h, go), (d_z, x), (d_u, x)])
+            _gpu_ops, "TRANSPOSED_COLUMN_SPLIT", 2, three_products
         ),
         "bwd dX": lambda: matmul_sum(d_z, wg, d_u, wu),  # the backward's one dual pass
     }

@@ -620,9 +620,9 @@ __global__ void __launch_bounds__(128) twell_gather_sddmm_gated_bwd(
 // rate fell to 62% (1 GB read from DRAM at 0.5%), against 90-95% for each half alone
 // (bench/NOTES.md, fourteenth session). 2-byte types: five blocks per SM (96 registers); at four,
 // with the 108 registers it takes unbounded, it ran 25% slower than the plain SDDMM at 0.5%. (The
-// FMA-pipe dots of 4- and 8-byte types would spill at 96.)
+// FMA-pipe dots, of any type, would spill at 96.)
 template <typename T, int KV, int U>
-__global__ void __launch_bounds__(128, sizeof(T) == 2 ? 5 : 1) twell_gather_gated_up(
+__global__ void __launch_bounds__(128, sizeof(T) == 2 && TWELL_MMA_DOTS ? 5 : 1) twell_gather_gated_up(
     const T* __restrict__ gate, const short* __restrict__ indices, const int* __restrict__ counts,
     const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
     const T* __restrict__ gate_spill, int M, int n_tiles, int tile_n, int capacity,

@@ -184,9 +184,9 @@ class Gemm:
         found = [result[i] for i in range(returned[0]) if result[i].state == STATUS_SUCCESS]
         if not found:
             raise CuBlasLtError(f"cuBLASLt: no algorithm for the {type(self).__name__} of shape {self.shape} in {name}")
-        # (algorithm, workspace bytes), the heuristic's order; one left once the plan is tuned.
+        # (algorithm, workspace bytes), the heuristic's order; the first is the one launched, and
+        # the only one left once the plan is tuned.
         self._candidates = [(ffi.new("cublasLtMatmulAlgo_t*", r.algo), int(r.workspaceSize)) for r in found]
-        self._algo = self._candidates[0][0]
         self._workspace = cp.empty(max(max(size for _, size in self._candidates), 1), dtype=cp.uint8)
         self._alpha, self._beta = np.ones(1, np.float32), np.zeros(1, np.float32)
 
@@ -200,26 +200,23 @@ class Gemm:
         import cupy as cp
 
         times = []
-        for algo, _ in self._candidates:
-            self._algo = algo
+        for candidate in self._candidates:
             try:
-                self._matmul(x, w, out)  # warm-up; an algorithm that refuses the call drops out
+                self._matmul(x, w, out, candidate[0])  # warm-up; an algorithm that refuses the call drops out
             except CuBlasLtError:
                 continue
             start, stop = cp.cuda.Event(), cp.cuda.Event()
             start.record()
             for _ in range(TUNING_REPS):
-                self._matmul(x, w, out)
+                self._matmul(x, w, out, candidate[0])
             stop.record()
             stop.synchronize()
-            times.append((cp.cuda.get_elapsed_time(start, stop), algo))
+            times.append((cp.cuda.get_elapsed_time(start, stop), candidate))
         if not times:
             raise CuBlasLtError(f"cuBLASLt: every algorithm refused the {type(self).__name__} of shape {self.shape}")
         best = min(times, key=lambda t: t[0])[1]
-        size = next(size for algo, size in self._candidates if algo is best)
-        self._candidates = [(best, size)]
-        self._algo = best
-        self._workspace = cp.empty(max(size, 1), dtype=cp.uint8)
+        self._candidates = [best]
+        self._workspace = cp.empty(max(best[1], 1), dtype=cp.uint8)
 
     def _configure_epilogue(self) -> None:
         """Set the epilogue's attributes (none for the plain product)."""
@@ -248,9 +245,9 @@ class Gemm:
 
         if len(self._candidates) > 1 and not cp.cuda.get_current_stream().is_capturing():
             self._tune(x, w, out)
-        self._matmul(x, w, out)
+        self._matmul(x, w, out, self._candidates[0][0])
 
-    def _matmul(self, x: Any, w: Any, out: Any) -> None:
+    def _matmul(self, x: Any, w: Any, out: Any, algo: Any) -> None:
         import cupy as cp
 
         ffi, lib = _ffi(), library()
@@ -259,7 +256,7 @@ class Gemm:
         _check(
             lib.cublasLtMatmul(
                 self._handle, self._desc, ffi.cast("void*", self._alpha.ctypes.data), ptr(w), a, ptr(x), b,
-                ffi.cast("void*", self._beta.ctypes.data), ptr(out), d, ptr(out), d, self._algo,
+                ffi.cast("void*", self._beta.ctypes.data), ptr(out), d, ptr(out), d, algo,
                 ptr(self._workspace), self._workspace.size, ffi.cast("cudaStream_t", cp.cuda.get_current_stream().ptr),
             ),
             "cublasLtMatmul",
