@@ -11,6 +11,12 @@ session).
     python bench/host_profile.py [--density 0.005] [--m 16384] [--exact] [--plain]
         [--dispatch sparse] [--calls 200] [--top 35]
     python bench/host_profile.py --torch-step [--fixed] [--density 0.005] [--calls 50]
+    python bench/host_profile.py --torch-phases [--density 0.005] [--calls 50]
+
+``--torch-phases`` times the eager step's parts without a profiler (whose accounting the
+autograd engine's worker thread confuses): the forward alone, the backward alone (one forward
+kept, ``retain_graph``), and the adapter's per-call pieces (tensor to CuPy array and back, the
+device/stream context, torch's current stream), each as host time per call queued ahead.
 """
 
 from __future__ import annotations
@@ -79,6 +85,73 @@ def torch_step(args: argparse.Namespace) -> None:
     report(args.calls, args.top, {"eager training step": step}, torch.cuda.synchronize)
 
 
+def torch_phases(args: argparse.Namespace) -> None:
+    """Host time per call of the eager step's parts (see the module docstring)."""
+    import numpy as np
+    import torch
+
+    import twellsparse.torch as tt
+    from twellsparse.testing import ffn_problem
+
+    p = ffn_problem(args.m, 2048, 5632, args.density, "uniform", np.float32, 0)
+    names = ("x", "w_gate", "w_up", "w_down")
+    x, wg, wu, wd = (torch.from_numpy(p[k]).cuda().bfloat16().requires_grad_() for k in names)
+    inputs = [x, wg, wu, wd]
+    grad = torch.randn(args.m, 2048, device="cuda", dtype=torch.bfloat16)
+    kept = tt.gated_ffn(x, wg, wu, wd)
+    a = tt._to_array(wg)
+    mlp = tt.TwELLGatedMLP(2048, 5632, spill_capacity=args.m * 64, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for lin, w in ((mlp.gate_proj, wg), (mlp.up_proj, wu), (mlp.down_proj, wd)):
+            lin.weight.copy_(w)
+    params = [x, *mlp.parameters()]
+    kept_fixed = mlp(x)
+    runs: dict[str, Callable[[], Any]] = {
+        "eager training step": lambda: torch.autograd.grad(tt.gated_ffn(x, wg, wu, wd), inputs, grad),
+        "forward (autograd on)": lambda: tt.gated_ffn(x, wg, wu, wd),
+        "forward (no_grad)": lambda: _no_grad(lambda: tt.gated_ffn(x, wg, wu, wd)),
+        "backward (retain_graph)": lambda: torch.autograd.grad(kept, inputs, grad, retain_graph=True),
+        "module step, fixed spill": lambda: torch.autograd.grad(mlp(x), params, grad),
+        "module forward, fixed spill": lambda: mlp(x),
+        "module backward, fixed": lambda: torch.autograd.grad(kept_fixed, params, grad, retain_graph=True),
+        "dense step (torch)": lambda: torch.autograd.grad(_dense_ffn(x, wg, wu, wd), inputs, grad),
+        "tensor to CuPy array": lambda: tt._to_array(wg),
+        "CuPy array to tensor": lambda: tt._to_tensor(a),
+        "device/stream context": lambda: _enter_exit(tt._on_device(x)),
+        "torch.cuda.current_stream": torch.cuda.current_stream,
+    }
+    for run in runs.values():  # warm every path (kernels compiled, plans and pools built)
+        for _ in range(3):
+            run()
+    torch.cuda.synchronize()
+    for label, run in runs.items():
+        t0 = time.perf_counter()
+        for _ in range(args.calls):
+            run()
+        host = (time.perf_counter() - t0) * 1e3 / args.calls
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3 / args.calls
+        print(f"{label:28s} host {host:8.4f} ms per call (queued ahead), wall {wall:8.4f} ms", flush=True)
+
+
+def _no_grad(f: Callable[[], Any]) -> Any:
+    import torch
+
+    with torch.no_grad():
+        return f()
+
+
+def _enter_exit(ctx: Any) -> None:
+    with ctx:
+        pass
+
+
+def _dense_ffn(x: Any, wg: Any, wu: Any, wd: Any) -> Any:
+    import torch
+
+    return torch.relu(x @ wg.t()) * (x @ wu.t()) @ wd.t()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--density", type=float, default=0.005)
@@ -90,7 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dispatch", default="sparse", choices=("sparse", "auto", "dense"))
     ap.add_argument("--torch-step", action="store_true", help="an eager training step through twellsparse.torch")
     ap.add_argument("--fixed", action="store_true", help="with --torch-step: TwELLGatedMLP with a fixed spill")
+    ap.add_argument("--torch-phases", action="store_true", help="the eager step's parts, host time per call")
     args = ap.parse_args(argv)
+    if args.torch_phases:
+        torch_phases(args)
+        return 0
     if args.torch_step:
         torch_step(args)
         return 0

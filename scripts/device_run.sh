@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|probe|producerprobe|stationary|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|probe|producerprobe|stationary|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -100,6 +100,11 @@ for step in $what; do
       for mode in "" "--fixed"; do
         timeout 240 python3 bench/host_profile.py --torch-step $mode --calls 30 2>&1 | tee -a "$OUT/host_profile.log" | head -60
       done
+      ;;&
+    hostphases)
+      # The eager torch step's parts timed without a profiler: forward, backward, conversions.
+      timeout 240 python3 bench/host_profile.py --torch-phases --calls 50 2>&1 | grep -v Warning \
+        | tee -a "$OUT/host_phases.log"
       ;;&
     probe)
       # Nsight Compute on one SpMM call (1%, TWELL_PROBE_PATH: gather or portable): throughput sections, then the SASS lines
