@@ -12,6 +12,7 @@ session).
         [--dispatch sparse] [--calls 200] [--top 35]
     python bench/host_profile.py --torch-step [--fixed] [--density 0.005] [--calls 50]
     python bench/host_profile.py --torch-phases [--density 0.005] [--calls 50]
+    python bench/host_profile.py --sync-probe [--density 0.005]
 
 ``--torch-phases`` times the eager step's parts without a profiler (whose accounting the
 autograd engine's worker thread confuses): the forward alone, the backward alone (one forward
@@ -134,6 +135,72 @@ def torch_phases(args: argparse.Namespace) -> None:
         print(f"{label:28s} host {host:8.4f} ms per call (queued ahead), wall {wall:8.4f} ms", flush=True)
 
 
+_SPIN = r"""
+extern "C" __global__ void spin(long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) {}
+}
+"""
+
+
+def sync_probe(args: argparse.Namespace) -> None:
+    """Which host call waits for the GPU: each step runs once behind a ~50 ms spin kernel, so a
+    call that synchronises takes that long on the host; ``cProfile`` then names the function
+    holding the wait. The FFN forward and backward run on CuPy arrays on this (main) thread
+    (the torch backward runs on the autograd engine's thread, out of the profiler's sight)."""
+    import cupy as cp
+    import numpy as np
+    import torch
+
+    import twellsparse as ts
+    import twellsparse.torch as tt
+    from twellsparse._ffn_autodiff import backward_arrays, forward_arrays
+    from twellsparse.testing import ffn_problem
+
+    spin = cp.RawKernel(_SPIN, "spin")
+    cycles = np.int64(int(cp.cuda.Device().attributes["ClockRate"]) * 50)  # kHz x 50 = 50 ms
+
+    def behind_spin(label: str, f: Callable[[], Any], profile: bool) -> Any:
+        spin((1,), (1,), (cycles,))
+        prof = cProfile.Profile() if profile else None
+        t0 = time.perf_counter()
+        if prof is not None:
+            prof.enable()
+        result = f()
+        if prof is not None:
+            prof.disable()
+        host = (time.perf_counter() - t0) * 1e3
+        cp.cuda.Device().synchronize()
+        torch.cuda.synchronize()
+        verdict = "WAITS for the GPU" if host > 25 else "no wait"
+        print(f"{label:36s} host {host:8.3f} ms behind a 50 ms spin: {verdict}", flush=True)
+        if prof is not None and host > 25:
+            pstats.Stats(prof).sort_stats("tottime").print_stats(8)
+        return result
+
+    p = ffn_problem(args.m, 2048, 5632, args.density, "uniform", np.float32, 0, cp)
+    x, wg, wu, wd = (p[k].astype(ts.bfloat16) for k in ("x", "w_gate", "w_up", "w_down"))
+    wd = cp.ascontiguousarray(wd.T).T  # the kernels' layout: W_down.T's rows contiguous
+    grad = cp.asarray(np.random.default_rng(1).standard_normal((args.m, 2048)), dtype=ts.bfloat16)
+    spill = args.m * 64
+    fwd = lambda: forward_arrays(x, wg, wu, wd, "relu", 256, 32, None, spill)  # noqa: E731
+    _, g, u, _ = fwd()
+    bwd = lambda: backward_arrays(grad, None, x, wg, wu, wd, g, u, "relu")  # noqa: E731
+    bwd()
+    cp.cuda.Device().synchronize()
+    behind_spin("forward_arrays, fixed spill", fwd, True)
+    behind_spin("backward_arrays", bwd, True)
+    tx, twg, twu, twd = (torch.from_dlpack(a).requires_grad_() for a in (x, wg, wu, wd))
+    tgrad = torch.from_dlpack(grad)
+    mlp = tt.TwELLGatedMLP(2048, 5632, spill_capacity=spill, device="cuda", dtype=torch.bfloat16)
+    kept = mlp(tx)
+    params = [tx, *mlp.parameters()]
+    torch.cuda.synchronize()
+    behind_spin("torch module forward, fixed spill", lambda: mlp(tx), True)
+    behind_spin("torch module backward", lambda: torch.autograd.grad(kept, params, tgrad, retain_graph=True), False)
+    behind_spin("torch gated_ffn forward (exact spill)", lambda: tt.gated_ffn(tx, twg, twu, twd), True)
+
+
 def _no_grad(f: Callable[[], Any]) -> Any:
     import torch
 
@@ -164,7 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-step", action="store_true", help="an eager training step through twellsparse.torch")
     ap.add_argument("--fixed", action="store_true", help="with --torch-step: TwELLGatedMLP with a fixed spill")
     ap.add_argument("--torch-phases", action="store_true", help="the eager step's parts, host time per call")
+    ap.add_argument("--sync-probe", action="store_true", help="which calls wait for the GPU")
     args = ap.parse_args(argv)
+    if args.sync_probe:
+        sync_probe(args)
+        return 0
     if args.torch_phases:
         torch_phases(args)
         return 0

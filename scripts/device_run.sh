@@ -105,6 +105,7 @@ for step in $what; do
       # The eager torch step's parts timed without a profiler: forward, backward, conversions.
       timeout 240 python3 bench/host_profile.py --torch-phases --calls 50 2>&1 | grep -v Warning \
         | tee -a "$OUT/host_phases.log"
+      timeout 120 python3 bench/host_profile.py --sync-probe 2>&1 | grep -v Warning | tee -a "$OUT/host_phases.log"
       ;;&
     probe)
       # Nsight Compute on one SpMM call (1%, TWELL_PROBE_PATH: gather or portable): throughput sections, then the SASS lines
