@@ -160,23 +160,28 @@ def sync_probe(args: argparse.Namespace) -> None:
     spin = cp.RawKernel(_SPIN, "spin")
     cycles = np.int64(int(cp.cuda.Device().attributes["ClockRate"]) * 50)  # kHz x 50 = 50 ms
 
-    def behind_spin(label: str, f: Callable[[], Any], profile: bool) -> Any:
-        spin((1,), (1,), (cycles,))
-        prof = cProfile.Profile() if profile else None
-        t0 = time.perf_counter()
-        if prof is not None:
-            prof.enable()
-        result = f()
-        if prof is not None:
-            prof.disable()
-        host = (time.perf_counter() - t0) * 1e3
-        cp.cuda.Device().synchronize()
-        torch.cuda.synchronize()
-        verdict = "WAITS for the GPU" if host > 25 else "no wait"
-        print(f"{label:36s} host {host:8.3f} ms behind a 50 ms spin: {verdict}", flush=True)
-        if prof is not None and host > 25:
-            pstats.Stats(prof).sort_stats("tottime").print_stats(8)
-        return result
+    def behind_spin(label: str, f: Callable[[], Any], profile: bool) -> None:
+        """Host time of one call of ``f`` queued behind the spin; where it waits, a second
+        such call under cProfile names the function holding the wait."""
+        for profiled in (False, True):
+            spin((1,), (1,), (cycles,))
+            prof = cProfile.Profile() if profiled else None
+            t0 = time.perf_counter()
+            if prof is not None:
+                prof.enable()
+            f()
+            if prof is not None:
+                prof.disable()
+            host = (time.perf_counter() - t0) * 1e3
+            cp.cuda.Device().synchronize()
+            torch.cuda.synchronize()
+            if prof is None:
+                verdict = "WAITS for the GPU" if host > 25 else "no wait"
+                print(f"{label:40s} host {host:8.3f} ms behind a 50 ms spin: {verdict}", flush=True)
+                if host <= 25 or not profile:
+                    return
+            else:
+                pstats.Stats(prof).sort_stats("tottime").print_stats(8)
 
     p = ffn_problem(args.m, 2048, 5632, args.density, "uniform", np.float32, 0, cp)
     x, wg, wu, wd = (p[k].astype(ts.bfloat16) for k in ("x", "w_gate", "w_up", "w_down"))
@@ -193,12 +198,18 @@ def sync_probe(args: argparse.Namespace) -> None:
     tx, twg, twu, twd = (torch.from_dlpack(a).requires_grad_() for a in (x, wg, wu, wd))
     tgrad = torch.from_dlpack(grad)
     mlp = tt.TwELLGatedMLP(2048, 5632, spill_capacity=spill, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for lin, w in ((mlp.gate_proj, twg), (mlp.up_proj, twu), (mlp.down_proj, twd)):
+            lin.weight.copy_(w)
     kept = mlp(tx)
     params = [tx, *mlp.parameters()]
     torch.cuda.synchronize()
     behind_spin("torch module forward, fixed spill", lambda: mlp(tx), True)
     behind_spin("torch module backward", lambda: torch.autograd.grad(kept, params, tgrad, retain_graph=True), False)
     behind_spin("torch gated_ffn forward (exact spill)", lambda: tt.gated_ffn(tx, twg, twu, twd), True)
+    kept = tt.gated_ffn(tx, twg, twu, twd)
+    inputs = [tx, twg, twu, twd]
+    behind_spin("torch gated_ffn backward", lambda: torch.autograd.grad(kept, inputs, tgrad, retain_graph=True), False)
 
 
 def _no_grad(f: Callable[[], Any]) -> Any:
