@@ -13,6 +13,11 @@ session).
     python bench/host_profile.py --torch-step [--fixed] [--density 0.005] [--calls 50]
     python bench/host_profile.py --torch-phases [--density 0.005] [--calls 50]
     python bench/host_profile.py --sync-probe [--density 0.005]
+    python bench/host_profile.py --adapter-cost [--density 0.005]
+
+``--adapter-cost`` queues 20 calls of each layer of the torch forward and backward (the CuPy
+core, the adapter's Python body, the custom op without and with autograd) behind a 300 ms spin
+kernel: host time per call with no wait, then cProfile over the op's calls.
 
 ``--torch-phases`` times the eager step's parts without a profiler (whose accounting the
 autograd engine's worker thread confuses): the forward alone, the backward alone (one forward
@@ -212,6 +217,66 @@ def sync_probe(args: argparse.Namespace) -> None:
     behind_spin("torch gated_ffn backward", lambda: torch.autograd.grad(kept, inputs, tgrad, retain_graph=True), False)
 
 
+def adapter_cost(args: argparse.Namespace) -> None:
+    """Host cost of each layer of the torch adapter (see the module docstring)."""
+    import cupy as cp
+    import numpy as np
+    import torch
+
+    import twellsparse as ts
+    import twellsparse.torch as tt
+    from twellsparse._ffn_autodiff import backward_arrays, forward_arrays
+    from twellsparse.testing import ffn_problem
+
+    spin = cp.RawKernel(_SPIN, "spin")
+    cycles = np.int64(int(cp.cuda.Device().attributes["ClockRate"]) * 300)
+    p = ffn_problem(args.m, 2048, 5632, args.density, "uniform", np.float32, 0, cp)
+    x, wg, wu, wd = (p[k].astype(ts.bfloat16) for k in ("x", "w_gate", "w_up", "w_down"))
+    wd_k = cp.ascontiguousarray(wd.T).T
+    grad = cp.asarray(np.random.default_rng(1).standard_normal((args.m, 2048)), dtype=ts.bfloat16)
+    spill = args.m * 64
+    tx, twg, twu, twd, tgrad = (torch.from_dlpack(a) for a in (x, wg, wu, wd, grad))
+    settings = ("relu", 256, 32, None, spill)
+    _, g, u, _ = forward_arrays(x, wg, wu, wd_k, *settings)
+    hidden = torch.ops.twellsparse.ffn_fwd(tx, twg, twu, twd, *settings)[1:9]
+    empty = tx.new_empty((0,))
+    bwd_args = (tgrad, empty, empty, tx, twg, twu, twd, *hidden, "relu", 256, True)
+    txg, twgg, twug, twdg = (t.detach().requires_grad_() for t in (tx, twg, twu, twd))
+    kept = tt.gated_ffn(txg, twgg, twug, twdg)
+    layers: dict[str, Callable[[], Any]] = {
+        "forward: CuPy core": lambda: forward_arrays(x, wg, wu, wd_k, *settings),
+        "forward: adapter body": lambda: tt._ffn_fwd._init_fn(tx, twg, twu, twd, *settings),
+        "forward: custom op": lambda: torch.ops.twellsparse.ffn_fwd(tx, twg, twu, twd, *settings),
+        "forward: with autograd": lambda: tt._run(txg, twgg, twug, twdg, *settings),
+        "backward: CuPy core": lambda: backward_arrays(grad, None, x, wg, wu, wd_k, g, u, "relu"),
+        "backward: adapter body": lambda: tt._ffn_bwd._init_fn(*bwd_args),
+        "backward: custom op": lambda: torch.ops.twellsparse.ffn_bwd(*bwd_args),
+        "backward: autograd.grad": lambda: torch.autograd.grad(kept, [txg, twgg, twug, twdg], tgrad, retain_graph=True),
+    }
+    calls = 20
+    for label, f in layers.items():
+        for _ in range(2):
+            f()
+        torch.cuda.synchronize()
+        spin((1,), (1,), (cycles,))
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            f()
+        host = (time.perf_counter() - t0) * 1e3 / calls
+        torch.cuda.synchronize()
+        print(f"{label:28s} host {host:7.3f} ms per call, queued behind a spin", flush=True)
+    for label in ("forward: custom op", "backward: adapter body"):
+        spin((1,), (1,), (cycles,))
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            layers[label]()
+        prof.disable()
+        torch.cuda.synchronize()
+        print(f"== {label}: cProfile over {calls} calls")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
 def _no_grad(f: Callable[[], Any]) -> Any:
     import torch
 
@@ -243,7 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fixed", action="store_true", help="with --torch-step: TwELLGatedMLP with a fixed spill")
     ap.add_argument("--torch-phases", action="store_true", help="the eager step's parts, host time per call")
     ap.add_argument("--sync-probe", action="store_true", help="which calls wait for the GPU")
+    ap.add_argument("--adapter-cost", action="store_true", help="host cost of each torch adapter layer")
     args = ap.parse_args(argv)
+    if args.adapter_cost:
+        adapter_cost(args)
+        return 0
     if args.sync_probe:
         sync_probe(args)
         return 0
