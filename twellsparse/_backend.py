@@ -58,6 +58,25 @@ def array_module(x: Any) -> ModuleType:
     return np
 
 
+def cupy_view(
+    ptr: int, shape: tuple[int, ...], dtype: Any, owner: Any, device: int, strides: tuple[int, ...] | None = None
+) -> Any:
+    """A CuPy array over device memory owned by another framework's buffer, kept alive by
+    ``owner``: no DLPack capsule and no stream handshake, so the caller orders the work itself
+    (the adapters run on the stream the framework hands them). ``strides`` in bytes (C order
+    when omitted); ``device`` spares CuPy a pointer-attribute query."""
+    cp = cupy_module()
+    assert cp is not None
+    dtype = np.dtype(dtype)
+    if strides is None:
+        strides, step = (), dtype.itemsize
+        for d in reversed(shape):
+            strides, step = (step, *strides), step * max(d, 1)
+    extent = dtype.itemsize + sum((d - 1) * s for d, s in zip(shape, strides, strict=True)) if all(shape) else 0
+    memory = cp.cuda.UnownedMemory(ptr, extent, owner, device)
+    return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(memory, 0), strides=strides)
+
+
 def device_name(x: Any) -> str:
     """``"cpu"`` or ``"cuda:N"`` for an array; used in error messages and device checks."""
     if is_cupy_array(x):

@@ -43,7 +43,7 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from . import _ops
-from ._backend import is_cupy_array
+from ._backend import cupy_view, is_cupy_array
 from ._ffn_autodiff import backward_arrays, forward_arrays
 from ._parts import TwELLParts
 from ._plans import FFN, GatedFFN, raise_for_previous, raise_left_out
@@ -107,19 +107,11 @@ def _callback_view(buf: Any) -> Any:
     """
     if int(buf.__dlpack_device__()[0]) == _KDL_CPU:
         return np.asarray(buf)
-    import cupy as cp
-
     cai = buf.__cuda_array_interface__
-    dtype = np.dtype(buf.dtype)
     shape = tuple(int(d) for d in cai["shape"])
     strides = cai.get("strides")
-    if strides is None:  # C-contiguous
-        strides, step = (), dtype.itemsize
-        for d in reversed(shape):
-            strides, step = (step, *strides), step * max(d, 1)
-    extent = dtype.itemsize + sum((d - 1) * s for d, s in zip(shape, strides, strict=True)) if all(shape) else 0
-    memory = cp.cuda.UnownedMemory(int(cai["data"][0]), extent, buf)
-    return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(memory, 0), strides=strides)
+    device = int(buf.__dlpack_device__()[1])
+    return cupy_view(int(cai["data"][0]), shape, buf.dtype, buf, device, None if strides is None else tuple(strides))
 
 
 # ----------------------------------------------------------------------------- callbacks

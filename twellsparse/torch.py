@@ -15,13 +15,14 @@ This module imports torch; ``import twellsparse`` never imports it.
 """
 
 import functools
+import threading
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ._backend import array_module, as_array, bfloat16, is_cupy_array
+from ._backend import array_module, as_array, bfloat16, cupy_view, is_cupy_array
 from ._dispatch import breakeven_for
 from ._ffn_autodiff import backward_arrays, forward_arrays, with_values
 from ._parts import TwELLParts, trimmed_spill
@@ -44,9 +45,31 @@ _NAMESPACE = "twellsparse"
 # ----------------------------------------------------------------------------- tensor <-> array
 
 
+# The value dtypes and index dtypes the kernels take, as CuPy views of CUDA tensors.
+_VIEW_DTYPES = {
+    torch.float16: np.dtype(np.float16),
+    torch.bfloat16: bfloat16,
+    torch.float32: np.dtype(np.float32),
+    torch.float64: np.dtype(np.float64),
+    torch.int16: np.dtype(np.int16),
+    torch.int32: np.dtype(np.int32),
+    torch.int64: np.dtype(np.int64),
+    torch.uint8: np.dtype(np.uint8),
+    torch.bool: np.dtype(np.bool_),
+}
+
+
 def _to_array(t: Tensor) -> Any:
-    """Zero-copy NumPy (CPU) or CuPy (CUDA) view of a tensor (made contiguous first)."""
-    return as_array(t.detach().contiguous(), "tensor")
+    """Zero-copy NumPy (CPU) or CuPy (CUDA) view of a tensor (made contiguous first).
+
+    A CUDA tensor is viewed straight from its pointer (the view keeps it alive): DLPack's
+    import costs several times more host time per tensor, for a stream handshake that is not
+    needed here, where the kernels run on torch's current stream (inside ``_on_device``)."""
+    t = t.detach().contiguous()
+    dtype = _VIEW_DTYPES.get(t.dtype) if t.is_cuda else None
+    if dtype is None:
+        return as_array(t, "tensor")
+    return cupy_view(t.data_ptr(), tuple(t.shape), dtype, t, t.device.index)
 
 
 def _to_tensor(a: Any) -> Tensor:
@@ -59,15 +82,29 @@ def _to_tensor(a: Any) -> Tensor:
     return torch.from_dlpack(a)
 
 
+# The innermost ``_on_device`` scope of this thread: (device index, torch stream handle).
+_scope = threading.local()
+
+
 @functools.cache
 def _torch_allocator() -> Any:
     """A CuPy allocator drawing from torch's caching allocator on torch's current stream: one
-    memory pool for both, and the kernels' workspaces counted in torch's memory statistics."""
+    memory pool for both, and the kernels' workspaces counted in torch's memory statistics.
+
+    Inside an ``_on_device`` scope (where CuPy's device, hence the CUDA runtime's and torch's
+    current device, is the allocation's) it calls torch's raw allocation with the scope's
+    stream: the public wrapper's device and stream lookups cost more host time than the
+    allocation itself, and a call allocates tens of arrays."""
     import cupy
+
+    raw_alloc = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_alloc", None)
 
     def malloc(size: int, device: int) -> int:
         if size == 0:  # nothing to allocate (and nothing for torch to free later)
             return 0
+        scope = getattr(_scope, "current", None)
+        if raw_alloc is not None and scope is not None and scope[0] == device:
+            return int(raw_alloc(size, scope[1]))
         return int(torch.cuda.caching_allocator_alloc(size, device, torch.cuda.current_stream(device)))
 
     delete = torch.cuda.caching_allocator_delete  # bound now: at interpreter exit `torch` is None
@@ -93,21 +130,33 @@ class _on_device:
 
     def __init__(self, t: Tensor) -> None:
         self._ctx: list[Any] = []
+        self._scope: tuple[int, int] | None = None
+        self._outer: tuple[int, int] | None = None
         if t.is_cuda:
             import cupy
 
+            stream = torch.cuda.current_stream(t.device)
+            self._scope = (t.device.index, stream.cuda_stream)
             self._ctx = [
                 cupy.cuda.Device(t.device.index),
-                cupy.cuda.Stream.from_external(torch.cuda.current_stream(t.device)),
+                cupy.cuda.Stream.from_external(stream),
                 cupy.cuda.using_allocator(_torch_allocator().malloc),
             ]
 
     def __enter__(self) -> "_on_device":
         for c in self._ctx:
             c.__enter__()
+        if self._scope is not None:
+            self._outer = getattr(_scope, "current", None)
+            # torch's raw allocation takes torch's current device: the fast path only where
+            # it agrees with CuPy's (both read the CUDA runtime's, barring torch's lazy init).
+            same = torch.cuda.current_device() == self._scope[0]
+            _scope.current = self._scope if same else None
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self._scope is not None:
+            _scope.current = self._outer
         for c in reversed(self._ctx):
             c.__exit__(*exc)
 

@@ -55,6 +55,31 @@ def test_runs_on_torch_current_stream():
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int16, torch.int32, torch.bool]
+)
+def test_tensor_views_match_dlpack(dtype):
+    """The adapter's pointer views of CUDA tensors (no DLPack) hold the same values, shapes and
+    dtypes as CuPy's DLPack import, for contiguous, transposed (copied first) and empty tensors,
+    and keep the tensor's memory alive after the tensor is dropped."""
+    import cupy as cp
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    base = torch.randn(37, 53, device="cuda", generator=g, dtype=torch.float64) * 100
+    for t in (base.to(dtype), base.to(dtype).t(), base.to(dtype)[:0], base.to(dtype)[3]):
+        view = tt._to_array(t)
+        ref = cp.from_dlpack(t.contiguous())
+        assert view.shape == ref.shape and view.dtype == ref.dtype and view.flags.c_contiguous
+        assert bool(cp.all(view.view(cp.uint8) == ref.view(cp.uint8)))
+    t = base.to(dtype).clone()
+    expected = cp.from_dlpack(t).copy()
+    view = tt._to_array(t)
+    del t
+    torch.cuda.empty_cache()
+    torch.empty(37 * 53 * 8, dtype=torch.uint8, device="cuda").fill_(0xFF)  # would reuse freed memory
+    assert bool(cp.all(view.view(cp.uint8) == expected.view(cp.uint8)))
+
+
 def test_workspaces_come_from_torchs_allocator():
     """The kernels' CuPy workspaces are drawn from torch's caching allocator: the pre-activation
     buffer (tokens x d_ff) shows in torch's peak, and nothing stays allocated after the call
