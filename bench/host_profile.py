@@ -67,12 +67,12 @@ def torch_step(args: argparse.Namespace) -> None:
     import twellsparse.torch as tt
     from twellsparse.testing import ffn_problem
 
-    p = ffn_problem(args.m, 2048, 5632, args.density, "uniform", np.float32, 0)
+    p = ffn_problem(args.m, args.d_model, args.d_ff, args.density, "uniform", np.float32, 0)
     names = ("x", "w_gate", "w_up", "w_down")
     x, wg, wu, wd = (torch.from_numpy(p[k]).cuda().bfloat16().requires_grad_() for k in names)
-    grad = torch.randn(args.m, 2048, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(args.m, args.d_model, device="cuda", dtype=torch.bfloat16)
     if args.fixed:
-        mlp = tt.TwELLGatedMLP(2048, 5632, spill_capacity=args.m * 64, device="cuda", dtype=torch.bfloat16)
+        mlp = tt.TwELLGatedMLP(args.d_model, args.d_ff, spill_capacity=args.m * 64, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             for lin, w in ((mlp.gate_proj, wg), (mlp.up_proj, wu), (mlp.down_proj, wd)):
                 lin.weight.copy_(w)
@@ -99,14 +99,14 @@ def torch_phases(args: argparse.Namespace) -> None:
     import twellsparse.torch as tt
     from twellsparse.testing import ffn_problem
 
-    p = ffn_problem(args.m, 2048, 5632, args.density, "uniform", np.float32, 0)
+    p = ffn_problem(args.m, args.d_model, args.d_ff, args.density, "uniform", np.float32, 0)
     names = ("x", "w_gate", "w_up", "w_down")
     x, wg, wu, wd = (torch.from_numpy(p[k]).cuda().bfloat16().requires_grad_() for k in names)
     inputs = [x, wg, wu, wd]
-    grad = torch.randn(args.m, 2048, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(args.m, args.d_model, device="cuda", dtype=torch.bfloat16)
     kept = tt.gated_ffn(x, wg, wu, wd)
     a = tt._to_array(wg)
-    mlp = tt.TwELLGatedMLP(2048, 5632, spill_capacity=args.m * 64, device="cuda", dtype=torch.bfloat16)
+    mlp = tt.TwELLGatedMLP(args.d_model, args.d_ff, spill_capacity=args.m * 64, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         for lin, w in ((mlp.gate_proj, wg), (mlp.up_proj, wu), (mlp.down_proj, wd)):
             lin.weight.copy_(w)
@@ -188,21 +188,29 @@ def sync_probe(args: argparse.Namespace) -> None:
             else:
                 pstats.Stats(prof).sort_stats("tottime").print_stats(8)
 
-    p = ffn_problem(args.m, 2048, 5632, args.density, "uniform", np.float32, 0, cp)
+    p = ffn_problem(args.m, args.d_model, args.d_ff, args.density, "uniform", np.float32, 0, cp)
     x, wg, wu, wd = (p[k].astype(ts.bfloat16) for k in ("x", "w_gate", "w_up", "w_down"))
     wd = cp.ascontiguousarray(wd.T).T  # the kernels' layout: W_down.T's rows contiguous
-    grad = cp.asarray(np.random.default_rng(1).standard_normal((args.m, 2048)), dtype=ts.bfloat16)
+    grad = cp.asarray(np.random.default_rng(1).standard_normal((args.m, args.d_model)), dtype=ts.bfloat16)
     spill = args.m * 64
     fwd = lambda: forward_arrays(x, wg, wu, wd, "relu", 256, 32, None, spill)  # noqa: E731
     _, g, u, _ = fwd()
     bwd = lambda: backward_arrays(grad, None, x, wg, wu, wd, g, u, "relu")  # noqa: E731
     bwd()
     cp.cuda.Device().synchronize()
+    for name, plan in (
+        ("FFN plan, dispatch auto", ts.FFN(wg, cp.ascontiguousarray(wd))),
+        ("GatedFFN plan, dispatch auto", ts.GatedFFN(wg, wu, cp.ascontiguousarray(wd))),
+    ):
+        for _ in range(3):  # past the first call's sample and the GEMM plans' timing
+            plan(x)
+        cp.cuda.Device().synchronize()
+        behind_spin(f"{name} ({plan.last_stats['path']})", lambda plan=plan: plan(x), True)
     behind_spin("forward_arrays, fixed spill", fwd, True)
     behind_spin("backward_arrays", bwd, True)
     tx, twg, twu, twd = (torch.from_dlpack(a).requires_grad_() for a in (x, wg, wu, wd))
     tgrad = torch.from_dlpack(grad)
-    mlp = tt.TwELLGatedMLP(2048, 5632, spill_capacity=spill, device="cuda", dtype=torch.bfloat16)
+    mlp = tt.TwELLGatedMLP(args.d_model, args.d_ff, spill_capacity=spill, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         for lin, w in ((mlp.gate_proj, twg), (mlp.up_proj, twu), (mlp.down_proj, twd)):
             lin.weight.copy_(w)
@@ -230,10 +238,10 @@ def adapter_cost(args: argparse.Namespace) -> None:
 
     spin = cp.RawKernel(_SPIN, "spin")
     cycles = np.int64(int(cp.cuda.Device().attributes["ClockRate"]) * 300)
-    p = ffn_problem(args.m, 2048, 5632, args.density, "uniform", np.float32, 0, cp)
+    p = ffn_problem(args.m, args.d_model, args.d_ff, args.density, "uniform", np.float32, 0, cp)
     x, wg, wu, wd = (p[k].astype(ts.bfloat16) for k in ("x", "w_gate", "w_up", "w_down"))
     wd_k = cp.ascontiguousarray(wd.T).T
-    grad = cp.asarray(np.random.default_rng(1).standard_normal((args.m, 2048)), dtype=ts.bfloat16)
+    grad = cp.asarray(np.random.default_rng(1).standard_normal((args.m, args.d_model)), dtype=ts.bfloat16)
     spill = args.m * 64
     tx, twg, twu, twd, tgrad = (torch.from_dlpack(a) for a in (x, wg, wu, wd, grad))
     settings = ("relu", 256, 32, None, spill)
@@ -299,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--density", type=float, default=0.005)
     ap.add_argument("--m", type=int, default=16384)
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--d-ff", type=int, default=5632)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--top", type=int, default=35)
     ap.add_argument("--exact", action="store_true", help="no spill_capacity: the exact read-back")
@@ -327,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     import twellsparse as ts
     from twellsparse.testing import ffn_problem
 
-    p = ffn_problem(args.m, 2048, 5632, args.density, "uniform", ts.bfloat16, 0, cp)
+    p = ffn_problem(args.m, args.d_model, args.d_ff, args.density, "uniform", ts.bfloat16, 0, cp)
     spill = None if args.exact else args.m * 64
 
     def fresh_plan() -> ts.FFN | ts.GatedFFN:
