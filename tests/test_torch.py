@@ -172,6 +172,31 @@ def test_stats_and_l1_penalty():
     torch.testing.assert_close(grad, ref)
 
 
+def test_backward_gets_no_activation_gradient_unless_one_reached_them(monkeypatch):
+    """Outputs nobody differentiated reach the backward as None, not as zeros (the GPU backward
+    then takes its fused pass); a gradient reaching only the activations' slot values (not
+    their spill) still gives the dense gradient."""
+    seen = []
+    original = tt.backward_arrays
+
+    def spy(grad_out, grad_act, *args):
+        seen.append(grad_act)
+        return original(grad_out, grad_act, *args)
+
+    monkeypatch.setattr(tt, "backward_arrays", spy)
+    x, wg, wu, wd = _problem(11)
+    _grads(tt.gated_ffn(x, wg, wu, wd, capacity=4), [x, wg, wu, wd], 0)
+    assert seen == [None]
+    # Only the slots' values in the loss (no spill: capacity holds every row-tile's entries).
+    hidden = tt._run(x, wg, wu, wd, "relu", 256, 256, None)[1]
+    assert hidden[3].numel() == 0
+    got = torch.autograd.grad(hidden[0].sum(), [x, wg])
+    ref = torch.autograd.grad(torch.relu(x @ wg.T).sum(), [x, wg])
+    assert seen[-1] is not None
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def test_bad_inputs():
     x, wg, wu, wd = _problem(10, requires_grad=False)
     with pytest.raises(TypeError, match="w_lin"):

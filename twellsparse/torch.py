@@ -322,6 +322,10 @@ def _ffn_bwd_fake(grad_out, grad_act, grad_act_spill, x, w_act, w_lin, w_down, *
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     x, w_act, w_lin, w_down, activation, tile_n, _capacity, _threshold, *spill_capacity = inputs
     ctx.activation, ctx.tile_n, ctx.gated = activation, tile_n, w_lin is not None
+    # Outputs nobody differentiated (the activations' TwELL values, unless an L1 penalty reads
+    # them) reach the backward as None rather than as zeros: the backward then takes its fused
+    # pass (one kernel for dH and the value products) instead of adding a zero gradient.
+    ctx.set_materialize_grads(False)
     ctx.fixed_spill = bool(spill_capacity) and spill_capacity[0] is not None
     saved = output[1:9]
     ctx.save_for_backward(x, w_act, w_lin if w_lin is not None else x.new_empty(_EMPTY), w_down, *saved)
@@ -333,10 +337,15 @@ def _backward(ctx: Any, grad_out, grad_act, _gi, _gc, grad_act_spill, _gsi, _gsp
     if grad_out is None:
         grad_out = torch.zeros((x.shape[0], w_down.shape[0]), dtype=x.dtype, device=x.device)
     empty = x.new_empty(_EMPTY)
+    if grad_act is None and grad_act_spill is None:  # no gradient reached the activations
+        grad_act = grad_act_spill = empty
+    else:  # one of the pair reached: the other is zero
+        grad_act = grad_act if grad_act is not None else torch.zeros_like(saved[0])
+        grad_act_spill = grad_act_spill if grad_act_spill is not None else torch.zeros_like(saved[3])
     dx, dw_act, dw_lin, dw_down = _ffn_bwd(
         grad_out.contiguous(),
-        grad_act.contiguous() if grad_act is not None else empty,
-        grad_act_spill.contiguous() if grad_act_spill is not None else empty,
+        grad_act.contiguous(),
+        grad_act_spill.contiguous(),
         x,
         w_act,
         w_lin if ctx.gated else None,
