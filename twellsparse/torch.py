@@ -214,7 +214,10 @@ def _ffn_fwd(
             u_data, u_spill = xp.empty(_EMPTY, dtype=p.data.dtype), xp.empty(_EMPTY, dtype=p.data.dtype)
         else:
             u_data, u_spill = u.data, u.spill_data
-        left = xp.asarray(left_out, dtype=np.int64).reshape(1)  # a device scalar, or 0 on the exact path
+        if is_cupy_array(left_out):  # the fixed spill's device count
+            left = left_out.astype(np.int64).reshape(1)
+        else:  # 0 on the exact path: filled on the device, no host-to-device copy
+            left = xp.full(1, left_out, dtype=np.int64)
         results = (out, p.data, p.indices, p.counts, p.spill_data, p.spill_indices, p.spill_indptr, u_data, u_spill)
         return tuple(_to_tensor(a) for a in (*results, left))  # type: ignore[return-value]
 
