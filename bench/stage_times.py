@@ -76,6 +76,9 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         "up sddmm": lambda: sddmm(x, wu, g),
         "down spmm": lambda: matmul(g, wd_t),
         "down spmm, gather": lambda: _gpu_ops.spmm(g.parts, g.tile_n, wd_t, down_out, path="gather"),
+        "down spmm, gather (4, 4)": lambda: _gpu_ops.spmm(
+            g.parts, g.tile_n, wd_t, down_out, path="gather", variant=(4, 4)
+        ),
         "down spmm, stationary": lambda: _stationary.spmm(g.parts, g.tile_n, wd_t, down_out),
         "stationary pack": lambda: _stationary.pack(g.parts, g.tile_n, g.shape[1]),
         **{f"plan {name}": (lambda plan=plan: plan(x)) for name, plan in plans.items()},

@@ -42,6 +42,15 @@ struct alignas(16) Raw16 {
 #define TWELL_MMA_DOTS 1
 #endif
 
+// Blocks per SM the row-sum kernels (SpMM and the transposed products) ask ptxas to fit, for
+// 2-byte types (TWELL_GATHER_MIN_BLOCKS, 1 unless set: a measurement switch). Their bf16
+// instantiations take 134-136 registers, so 3 blocks of 128 threads fit an SM, 12 warps;
+// Nsight Compute shows them latency-bound at that occupancy (about 4 cycles per issued
+// instruction, 3 warps per scheduler; bench/NOTES.md, sixteenth session). 4 caps them at 128.
+#ifndef TWELL_GATHER_MIN_BLOCKS
+#define TWELL_GATHER_MIN_BLOCKS 1
+#endif
+
 __device__ __forceinline__ unsigned long long evict_first_policy() {
   unsigned long long policy;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
@@ -525,7 +534,7 @@ __device__ __forceinline__ typename acc_of<T>::type value_at(long long p, const 
 // slower: the SpMM is bound by the L2's gather rate, not by its instructions; bench/NOTES.md,
 // fifteenth session.)
 template <typename T, int KV, int U, bool DUAL = false>
-__global__ void __launch_bounds__(128) twell_gather_spmm(
+__global__ void __launch_bounds__(128, sizeof(T) == 2 ? TWELL_GATHER_MIN_BLOCKS : 1) twell_gather_spmm(
     const T* __restrict__ data, const short* __restrict__ indices, const int* __restrict__ counts,
     const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
     const T* __restrict__ spill_vals, int M, int n_tiles, int tile_n, int capacity,
@@ -657,7 +666,7 @@ __global__ void __launch_bounds__(128, sizeof(T) == 2 && TWELL_MMA_DOTS ? 5 : 1)
 // so the same bits): more warps in flight when the output has few rows (5632 units against the
 // forward's 16384 tokens).
 template <typename T, int KV, int U, bool PAIR = false>
-__global__ void __launch_bounds__(128) twell_gather_csr_spmm(
+__global__ void __launch_bounds__(128, sizeof(T) == 2 ? TWELL_GATHER_MIN_BLOCKS : 1) twell_gather_csr_spmm(
     const int* __restrict__ indptr, const int* __restrict__ cols, const int* __restrict__ sources,
     const T* __restrict__ data, long long n_slots, const T* __restrict__ spill_vals,
     const T* __restrict__ data2, const T* __restrict__ spill_vals2, int M, const T* __restrict__ b,

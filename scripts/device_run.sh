@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|probe|producerprobe|stationary|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|minblocks|probe|producerprobe|stationary|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -79,6 +79,21 @@ for step in $what; do
           TWELL_L2_HINTS=$h python3 bench/stage_times.py --density $d --out "$OUT/hints.jsonl" 2>&1 \
             | sed "s/^/hints=$h d=$d  /" | tee -a "$OUT/hints.log" | grep -E "consumer|spmm|sddmm|products|dX|plan gated"
           status=$((status | ${PIPESTATUS[0]}))
+        done
+      done
+      ;;&
+    minblocks)
+      # The 2-byte SpMM and transposed-product kernels built for 1 and for 4 blocks per SM
+      # (TWELL_GATHER_MIN_BLOCKS; 4 caps them at 128 registers, some spill: see
+      # scripts/kernel_registers.py): the gather tests on the 4-block build, then stage times
+      # side by side, 0.5% and 1%.
+      TWELL_GATHER_MIN_BLOCKS=4 timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_gpu_gather.py \
+        -k "spmm or transposed" 2>&1 | tail -2 | tee -a "$OUT/minblocks.log"
+      status=$((status | ${PIPESTATUS[0]}))
+      for b in 1 4; do
+        for d in 0.005 0.01; do
+          TWELL_GATHER_MIN_BLOCKS=$b python3 bench/stage_times.py --density $d --only "spmm,transposed products,dX" \
+            --out "$OUT/minblocks.jsonl" 2>&1 | sed "s/^/blocks=$b d=$d  /" | tee -a "$OUT/minblocks.log" | grep -E "spmm|products|dX"
         done
       done
       ;;&

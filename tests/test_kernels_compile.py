@@ -37,6 +37,16 @@ def test_sources_found_and_hashed():
     assert any(opt.startswith("-DTWELL_SOURCES_SHA=") for opt in _kernels.compile_options())
 
 
+def test_measurement_switches_reach_the_compiler_and_are_validated(monkeypatch):
+    monkeypatch.setenv("TWELL_GATHER_MIN_BLOCKS", "4")
+    monkeypatch.setenv("TWELL_L2_HINTS", "0")
+    options = _kernels.compile_options()
+    assert "-DTWELL_GATHER_MIN_BLOCKS=4" in options and "-DTWELL_L2_HINTS=0" in options
+    monkeypatch.setenv("TWELL_GATHER_MIN_BLOCKS", "many")
+    with pytest.raises(ValueError, match="TWELL_GATHER_MIN_BLOCKS: expected a block count from 1 to 6, got 'many'"):
+        _kernels.compile_options()
+
+
 def test_local_includes_expanded():
     code = _kernels.read_source("twell_spmm.cu")
     assert '#include "' not in code

@@ -204,17 +204,23 @@ def source_hash() -> str:
 
 
 def compile_options() -> tuple[str, ...]:
-    """NVRTC options. Three measurement switches are read from the environment when a module is
+    """NVRTC options. Four measurement switches are read from the environment when a module is
     first compiled: ``TWELL_L2_HINTS=0`` turns off the gather kernels' L2 eviction hint
     (cuda/twell_gather.cu), ``TWELL_MMA_DOTS=0`` gives their dot products to the FMA pipes
     instead of the tensor cores, ``TWELL_HOPPER_PACK=0`` leaves the fused producer's epilogue out
-    (cuda/twell_hopper_gemm.cu: wrong results, the GEMM's time alone)."""
+    (cuda/twell_hopper_gemm.cu: wrong results, the GEMM's time alone), and
+    ``TWELL_GATHER_MIN_BLOCKS=N`` asks ptxas to fit N blocks per SM of the 2-byte SpMM and
+    transposed-product kernels (fewer registers each)."""
     switches = []
     for name in ("TWELL_L2_HINTS", "TWELL_MMA_DOTS", "TWELL_HOPPER_PACK"):
         value = os.environ.get(name, "")
         if value not in ("", "0", "1"):
             raise ValueError(f"{name}: expected 0 or 1, got {value!r}")
         switches += [f"-D{name}={value}"] if value else []
+    blocks = os.environ.get("TWELL_GATHER_MIN_BLOCKS", "")
+    if blocks not in ("", "1", "2", "3", "4", "5", "6"):
+        raise ValueError(f"TWELL_GATHER_MIN_BLOCKS: expected a block count from 1 to 6, got {blocks!r}")
+    switches += [f"-DTWELL_GATHER_MIN_BLOCKS={blocks}"] if blocks else []
     return ("-std=c++17", f"-DTWELL_SOURCES_SHA=0x{source_hash()}", *switches)
 
 
