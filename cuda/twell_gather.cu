@@ -47,8 +47,12 @@ struct alignas(16) Raw16 {
 // instantiations take 134-136 registers, so 3 blocks of 128 threads fit an SM, 12 warps;
 // Nsight Compute shows them latency-bound at that occupancy (about 4 cycles per issued
 // instruction, 3 warps per scheduler; bench/NOTES.md, sixteenth session). 4 caps them at 128.
-#ifndef TWELL_GATHER_MIN_BLOCKS
-#define TWELL_GATHER_MIN_BLOCKS 1
+// Unset, the bounds name no block count at all: ptxas compiles `__launch_bounds__(128, 1)`
+// differently from `__launch_bounds__(128)`, and the latter is the build that was measured.
+#ifdef TWELL_GATHER_MIN_BLOCKS
+#define ROW_SUM_BOUNDS(T) __launch_bounds__(128, sizeof(T) == 2 ? TWELL_GATHER_MIN_BLOCKS : 1)
+#else
+#define ROW_SUM_BOUNDS(T) __launch_bounds__(128)
 #endif
 
 __device__ __forceinline__ unsigned long long evict_first_policy() {
@@ -534,7 +538,7 @@ __device__ __forceinline__ typename acc_of<T>::type value_at(long long p, const 
 // slower: the SpMM is bound by the L2's gather rate, not by its instructions; bench/NOTES.md,
 // fifteenth session.)
 template <typename T, int KV, int U, bool DUAL = false>
-__global__ void __launch_bounds__(128, sizeof(T) == 2 ? TWELL_GATHER_MIN_BLOCKS : 1) twell_gather_spmm(
+__global__ void ROW_SUM_BOUNDS(T) twell_gather_spmm(
     const T* __restrict__ data, const short* __restrict__ indices, const int* __restrict__ counts,
     const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
     const T* __restrict__ spill_vals, int M, int n_tiles, int tile_n, int capacity,
@@ -666,7 +670,7 @@ __global__ void __launch_bounds__(128, sizeof(T) == 2 && TWELL_MMA_DOTS ? 5 : 1)
 // so the same bits): more warps in flight when the output has few rows (5632 units against the
 // forward's 16384 tokens).
 template <typename T, int KV, int U, bool PAIR = false>
-__global__ void __launch_bounds__(128, sizeof(T) == 2 ? TWELL_GATHER_MIN_BLOCKS : 1) twell_gather_csr_spmm(
+__global__ void ROW_SUM_BOUNDS(T) twell_gather_csr_spmm(
     const int* __restrict__ indptr, const int* __restrict__ cols, const int* __restrict__ sources,
     const T* __restrict__ data, long long n_slots, const T* __restrict__ spill_vals,
     const T* __restrict__ data2, const T* __restrict__ spill_vals2, int M, const T* __restrict__ b,
