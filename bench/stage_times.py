@@ -47,6 +47,7 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
     }
     h_relu, mask, words = _gpu_producer.relu_linear(x, wg)
     g = ts.linear_to_twell(x, wg)
+    wd_e4m3 = ts.quantize_rows(wd_t)
     down_out = cp.empty((m, wd_t.shape[1]), dtype=x.dtype)
     _, u = gated_product(x, wu, wd_t, g, keep_up=True)
     d_h = sddmm(go, wd_t, g)
@@ -78,6 +79,11 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         "down spmm, gather": lambda: _gpu_ops.spmm(g.parts, g.tile_n, wd_t, down_out, path="gather"),
         "down spmm, gather (4, 4)": lambda: _gpu_ops.spmm(
             g.parts, g.tile_n, wd_t, down_out, path="gather", variant=(4, 4)
+        ),
+        # W_down.T's rows in fp8 e4m3 with row scales (opt-in, lossy): half the bytes gathered.
+        "down spmm, e4m3 rows": lambda: _gpu_ops.spmm_e4m3(g.parts, g.tile_n, wd_e4m3.data, wd_e4m3.scales, down_out),
+        "down spmm, e4m3 rows (4, 4)": lambda: _gpu_ops.spmm_e4m3(
+            g.parts, g.tile_n, wd_e4m3.data, wd_e4m3.scales, down_out, variant=(4, 4)
         ),
         "down spmm, stationary": lambda: _stationary.spmm(g.parts, g.tile_n, wd_t, down_out),
         "stationary pack": lambda: _stationary.pack(g.parts, g.tile_n, g.shape[1]),

@@ -14,6 +14,7 @@
 // with a warp scan over the tile counts, so batches stay full at any density. Dot products of
 // 2-byte types run on the tensor cores (mma_dots), with lanes loading 16-byte row pieces in the
 // fragment layout.
+#include "twell_fp8.cuh"
 #include "twell_types.cuh"
 
 using namespace twell;
@@ -263,13 +264,45 @@ __device__ __forceinline__ void for_each_mask_batch(const unsigned* __restrict__
   }
 }
 
-// This lane's KV 16-byte pieces, in the column chunk at k0, of the rows of b that the batch's
-// pairs p .. p + U - 1 name (each pair's column broadcast from its lane); zero past n or K. All
-// U x KV loads are issued before any is used.
-template <typename T, int KV, int U>
-__device__ __forceinline__ void load_pair_rows(Raw16 (&w)[U][KV], int p, int n, int col, const T* __restrict__ b,
-                                               long long ldb, int K, int k0, int lane) {
-  constexpr int V = Lanes<T>::N;
+// How a gathered operand's rows are stored and read. PlainRows: rows of T, read as 16-byte
+// pieces of Lanes<T>::N values. E4M3Rows: rows of fp8 e4m3 codes (twell_fp8.cuh), read as
+// 8-byte pieces of 8 values, for 2-byte T (the same 8 columns per lane and piece); their
+// per-row scales are applied by the caller to the pair's value.
+template <typename T> struct PlainRows {
+  using Piece = Raw16;
+  static constexpr int N = Lanes<T>::N;
+  const T* __restrict__ b;
+  long long ldb;
+  __device__ __forceinline__ Piece load(int row, int k) const { return ldg16(b + (long long)row * ldb + k); }
+  __device__ static __forceinline__ Piece none() { return zero16(); }
+  __device__ static __forceinline__ void widen(const Piece& r, typename acc_of<T>::type (&e)[N]) {
+    Lanes<T>::widen(r, e);
+  }
+};
+
+struct alignas(8) Raw8 {
+  unsigned x, y;
+};
+
+struct E4M3Rows {
+  using Piece = Raw8;
+  static constexpr int N = 8;
+  const unsigned char* __restrict__ b;
+  long long ldb;
+  __device__ __forceinline__ Piece load(int row, int k) const {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(b + (long long)row * ldb + k));
+    return Raw8{v.x, v.y};
+  }
+  __device__ static __forceinline__ Piece none() { return Raw8{0u, 0u}; }
+  __device__ static __forceinline__ void widen(const Piece& r, float (&e)[N]) { e4m3x8_to_float(r.x, r.y, e); }
+};
+
+// This lane's KV pieces, in the column chunk at k0, of the rows that the batch's pairs
+// p .. p + U - 1 name (each pair's column broadcast from its lane); zero past n or K. All U x KV
+// loads are issued before any is used.
+template <int KV, int U, typename R>
+__device__ __forceinline__ void load_pieces(typename R::Piece (&w)[U][KV], int p, int n, int col, const R& rows,
+                                            int K, int k0, int lane) {
   int c[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) c[u] = __shfl_sync(kFull, col, (p + u) & 31);
@@ -277,37 +310,44 @@ __device__ __forceinline__ void load_pair_rows(Raw16 (&w)[U][KV], int p, int n, 
   for (int u = 0; u < U; ++u) {
 #pragma unroll
     for (int kv = 0; kv < KV; ++kv) {
-      const int k = k0 + (kv * 32 + lane) * V;
-      w[u][kv] = (p + u < n && k < K) ? ldg16(b + (long long)c[u] * ldb + k) : zero16();
+      const int k = k0 + (kv * 32 + lane) * R::N;
+      w[u][kv] = (p + u < n && k < K) ? rows.load(c[u], k) : R::none();
     }
   }
 }
 
+// load_pieces for rows of T.
+template <typename T, int KV, int U>
+__device__ __forceinline__ void load_pair_rows(Raw16 (&w)[U][KV], int p, int n, int col, const T* __restrict__ b,
+                                               long long ldb, int K, int k0, int lane) {
+  load_pieces<KV, U>(w, p, n, col, PlainRows<T>{b, ldb}, K, k0, lane);
+}
+
 // acc[s] (this lane's KV vectors of the column chunk starting at k0) += sum over the batch's n
-// pairs of val[s] * b[col, chunk], for NV value sets that share each pair's gathered row (the
+// pairs of val[s] * rows[col, chunk], for NV value sets that share each pair's gathered row (the
 // backward's dW_gate and dW_up both gather rows of x). U pairs' rows are requested before any is
 // used; each row piece is widened once for all NV sets.
-template <typename T, int KV, int U, int NV>
-__device__ __forceinline__ void gather_accumulate_sets(typename acc_of<T>::type (&acc)[NV][KV][Lanes<T>::N], int n,
+template <typename T, int KV, int U, int NV, typename R>
+__device__ __forceinline__ void gather_accumulate_rows(typename acc_of<T>::type (&acc)[NV][KV][Lanes<T>::N], int n,
                                                        int col, const typename acc_of<T>::type (&val)[NV],
-                                                       const T* __restrict__ b, long long ldb, int K, int k0,
-                                                       int lane) {
+                                                       const R& rows, int K, int k0, int lane) {
   using A = typename acc_of<T>::type;
   constexpr int V = Lanes<T>::N;
+  static_assert(R::N == V, "a piece of the gathered rows covers a lane's columns of the output vector");
   for (int p = 0; p < n; p += U) {
     A v[NV][U];
 #pragma unroll
     for (int s = 0; s < NV; ++s)
 #pragma unroll
       for (int u = 0; u < U; ++u) v[s][u] = __shfl_sync(kFull, val[s], (p + u) & 31);
-    Raw16 w[U][KV];
-    load_pair_rows<T, KV, U>(w, p, n, col, b, ldb, K, k0, lane);
+    typename R::Piece w[U][KV];
+    load_pieces<KV, U>(w, p, n, col, rows, K, k0, lane);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
 #pragma unroll
       for (int kv = 0; kv < KV; ++kv) {
         A e[V];
-        Lanes<T>::widen(w[u][kv], e);
+        R::widen(w[u][kv], e);
 #pragma unroll
         for (int s = 0; s < NV; ++s) {
           const A vu = p + u < n ? v[s][u] : A(0);
@@ -317,6 +357,15 @@ __device__ __forceinline__ void gather_accumulate_sets(typename acc_of<T>::type 
       }
     }
   }
+}
+
+// gather_accumulate_rows for rows of T.
+template <typename T, int KV, int U, int NV>
+__device__ __forceinline__ void gather_accumulate_sets(typename acc_of<T>::type (&acc)[NV][KV][Lanes<T>::N], int n,
+                                                       int col, const typename acc_of<T>::type (&val)[NV],
+                                                       const T* __restrict__ b, long long ldb, int K, int k0,
+                                                       int lane) {
+  gather_accumulate_rows<T, KV, U, NV>(acc, n, col, val, PlainRows<T>{b, ldb}, K, k0, lane);
 }
 
 // The one-set case: acc += sum over the batch's n pairs of val * b[col, chunk].
@@ -554,6 +603,33 @@ __global__ void ROW_SUM_BOUNDS(T) twell_gather_spmm(
                                  [&](int n, int col, A val, const T* bb, long long ld) {
                                    gather_accumulate<T, KV, U>(acc, n, col, val, bb, ld, K, k0, lane);
                                  });
+  });
+}
+
+// out = A @ B with B's rows in fp8 e4m3 and one fp32 scale per row (twellsparse.quantize_rows;
+// codec in twell_fp8.cuh): twell_gather_spmm with half the bytes gathered per stored entry. The
+// lane holding an entry multiplies its value by the entry's row scale once per pass, before the
+// batch broadcasts it. 2-byte T only: 8 columns per lane and piece, as their 16-byte vectors.
+template <typename T, int KV, int U>
+__global__ void __launch_bounds__(128) twell_gather_spmm_e4m3(
+    const T* __restrict__ data, const short* __restrict__ indices, const int* __restrict__ counts,
+    const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
+    const T* __restrict__ spill_vals, int M, int n_tiles, int tile_n, int capacity,
+    const unsigned char* __restrict__ b, const float* __restrict__ scales, long long ldb, int K,
+    T* __restrict__ out, long long ldo) {
+  static_assert(sizeof(T) == 2, "the e4m3 rows' 8-byte pieces cover a 2-byte type's 16-byte vector");
+  using A = typename acc_of<T>::type;
+  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (row >= M) return;  // warp-uniform
+  const E4M3Rows rows{b, ldb};
+  sum_by_chunks<T, KV>(out + row * ldo, K, lane, [&](A(&acc)[KV][Lanes<T>::N], int k0) {
+    for_each_batch<true>(data, indices, counts, spill_indptr, spill_cols, spill_vals, row, n_tiles, tile_n,
+                         capacity, lane, [&](int n, int col, A val, long long) {
+                           const A scaled[1] = {lane < n ? val * scales[col] : A(0)};
+                           gather_accumulate_rows<T, KV, U, 1>(reinterpret_cast<A(&)[1][KV][Lanes<T>::N]>(acc), n,
+                                                               col, scaled, rows, K, k0, lane);
+                         });
   });
 }
 

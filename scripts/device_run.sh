@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|minblocks|probe|producerprobe|stationary|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerprobe|stationary|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -80,6 +80,17 @@ for step in $what; do
             | sed "s/^/hints=$h d=$d  /" | tee -a "$OUT/hints.log" | grep -E "consumer|spmm|sddmm|products|dX|plan gated"
           status=$((status | ${PIPESTATUS[0]}))
         done
+      done
+      ;;&
+    fp8)
+      # The fp8 e4m3 weight rows (opt-in): their GPU tests, then the down SpMM's stage times with
+      # bf16 rows and with e4m3 rows side by side, 0.5% and 1%.
+      timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_gpu_quantize.py 2>&1 | tail -2 \
+        | tee -a "$OUT/fp8.log"
+      status=$((status | ${PIPESTATUS[0]}))
+      for d in 0.005 0.01; do
+        python3 bench/stage_times.py --density $d --only "down spmm" --out "$OUT/stages.jsonl" 2>&1 \
+          | sed "s/^/d=$d  /" | tee -a "$OUT/fp8.log" | grep -E "spmm"
       done
       ;;&
     minblocks)

@@ -6,6 +6,8 @@ pool is disabled so each array is its own allocation and out-of-bounds accesses 
 
 from __future__ import annotations
 
+import warnings
+
 import cupy as cp
 import numpy as np
 
@@ -33,6 +35,11 @@ for dtype in (ts.bfloat16, np.float32):
     a @ b
     a.T @ g
     ts.sddmm(g, b, a)
+    # fp8 rows: the quantizer, the e4m3 SpMM (2-byte values, K = 24) and its decoded fallback.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ts.TwELLFallbackWarning)
+        ts.matmul(a, ts.quantize_rows(b8))
+        ts.matmul(a, ts.quantize_rows(b))
     xin = cp.asarray(rng.standard_normal((37, 24)).astype(dtype))
     wg = cp.asarray(rng.standard_normal((300, 24)).astype(dtype))
     wd = cp.asarray(rng.standard_normal((24, 300)).astype(dtype))

@@ -19,6 +19,7 @@ from ._errors import (
 from ._ops import linear_to_twell, matmul, sddmm
 from ._parts import TwELLParts
 from ._plans import FFN, GatedFFN, ffn, gated_ffn
+from ._quantize import QuantizedRows, quantize_rows
 from ._transpose import twell_transpose
 from ._twell import is_twell, issparse, twell_array
 
@@ -27,6 +28,7 @@ __version__ = "0.1.0"
 __all__ = [
     "FFN",
     "GatedFFN",
+    "QuantizedRows",
     "TwELLCapacityError",
     "TwELLDroppedEntriesWarning",
     "TwELLSpillCapacityError",
@@ -42,6 +44,7 @@ __all__ = [
     "issparse",
     "linear_to_twell",
     "matmul",
+    "quantize_rows",
     "sddmm",
     "testing",
     "twell_array",

@@ -138,6 +138,41 @@ def spmm(
     return out
 
 
+def spmm_e4m3(
+    parts: TwELLParts, tile_n: int, q: Any, scales: Any, out: Any, variant: tuple[int, int] | None = None
+) -> Any:
+    """``out = A @ B`` with ``B``'s rows as e4m3 codes ``q`` (N x K uint8, C-contiguous, K a
+    multiple of 8) and float32 row ``scales`` (``_quantize.QuantizedRows``); A and ``out`` in a
+    2-byte dtype, ``out`` with 16-byte-aligned rows of unit column stride (the caller checks)."""
+    m = parts.data.shape[0]
+    k = q.shape[1]
+    ldo = np.int64(max(out.strides[0] // out.itemsize, k, 1))
+    kv, u = _variant(variant, "spmm_e4m3")
+    nt, cap = parts.data.shape[1:]
+    geometry = (np.int32(m), np.int32(nt), np.int32(tile_n), np.int32(cap))
+    args = (*_matrix_args(parts), *geometry, q, scales, np.int64(k), np.int32(k), out, ldo)
+    K.launch_grid(K.gather_expression("spmm_e4m3", parts.data.dtype, kv, u), *_gather_grid(m), args)
+    return out
+
+
+def quantize_rows_e4m3(b: Any) -> tuple[Any, Any]:
+    """``(codes, scales)`` of ``b``'s rows (``cuda/twell_quantize.cu``): uint8 (N x K),
+    C-contiguous, and float32 (N,)."""
+    cp = _cp()
+    b, ldb = row_stride(b)
+    n, k = b.shape
+    codes = cp.empty((n, k), dtype=cp.uint8)
+    scales = cp.empty(n, dtype=cp.float32)
+    rows_per_block = 8  # 256 threads, a warp per row
+    K.launch_grid(
+        f"twell_quantize_rows_e4m3<{K.CXX_TYPE[b.dtype]}>",
+        (-(-n // rows_per_block),),
+        (32 * rows_per_block,),
+        (b, np.int64(ldb), np.int32(n), np.int32(k), codes, np.int64(k), scales),
+    )
+    return codes, scales
+
+
 #: Warps that share each output row's column passes in the transposed products' row-gather
 #: kernel (its grid's y): 1, one warp per row, until a split is measured faster; the split's sums
 #: are bitwise the same (``bench/stage_times.py``: "bwd 3 transposed products, columns split").

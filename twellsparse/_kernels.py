@@ -51,6 +51,7 @@ SCAN_THREADS = 256
 GATHER_VARIANTS = ((8, 2), (4, 4))
 GATHER_DEFAULT = {
     "spmm": (8, 2),
+    "spmm_e4m3": (8, 2),  # as the SpMM it mirrors (not timed on its own yet)
     "sddmm": (4, 4),
     "sddmm_gated_bwd": (4, 4),  # as the SDDMM it extends (not timed on its own yet)
     "gated_up": (4, 4),
@@ -64,12 +65,15 @@ def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = Fals
     """Name expression of a row-gather kernel: kind "spmm", "spmm_sum" (two products of one
     structure summed), "sddmm", "gated_up" (the gated consumer's up projection and value
     product), "csr_spmm", "csr_spmm_pair" (two matrices of one structure times the same dense
-    one, in one pass), or the ReLU-mask-driven consumers "mask_gated" and "mask_spmm"."""
+    one, in one pass), "spmm_e4m3" (the SpMM with fp8 e4m3 rows and row scales; 2-byte types),
+    or the ReLU-mask-driven consumers "mask_gated" and "mask_spmm"."""
     t = CXX_TYPE[np.dtype(dtype)]
     if kind == "spmm":
         return f"twell_gather_spmm<{t}, {kv}, {u}>"
     if kind == "spmm_sum":
         return f"twell_gather_spmm<{t}, {kv}, {u}, true>"
+    if kind == "spmm_e4m3":
+        return f"twell_gather_spmm_e4m3<{t}, {kv}, {u}>"
     if kind == "sddmm":
         return f"twell_gather_sddmm<{t}, {'true' if scale else 'false'}, {kv}, {u}>"
     if kind == "gated_up":
@@ -83,8 +87,8 @@ def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = Fals
     if kind in ("mask_gated", "mask_spmm"):
         return f"twell_{kind}<{t}, {kv}, {u}>"
     kinds = (
-        "'spmm', 'spmm_sum', 'sddmm', 'sddmm_gated_bwd', 'gated_up', 'csr_spmm', 'csr_spmm_pair', 'mask_gated' "
-        "or 'mask_spmm'"
+        "'spmm', 'spmm_sum', 'spmm_e4m3', 'sddmm', 'sddmm_gated_bwd', 'gated_up', 'csr_spmm', 'csr_spmm_pair', "
+        "'mask_gated' or 'mask_spmm'"
     )
     raise ValueError(f"kind: expected {kinds}, got {kind!r}")
 
@@ -134,6 +138,12 @@ def _instantiations() -> dict[str, list[str]]:
         for kv, u in GATHER_VARIANTS
         for kind in ("mask_gated", "mask_spmm")
     ]
+    gather += [
+        gather_expression("spmm_e4m3", dt, kv, u)
+        for dt in VALUE_DTYPES
+        if dt.itemsize == 2
+        for kv, u in GATHER_VARIANTS
+    ]
     elementwise = [
         f"ffn_{kind}<{t}, {a}>"
         for kind in ("act_mul", "kept_count")
@@ -146,6 +156,7 @@ def _instantiations() -> dict[str, list[str]]:
         "twell_sddmm.cu": sddmm,
         "twell_gather.cu": gather,
         "twell_elementwise.cu": elementwise,
+        "twell_quantize.cu": [f"twell_quantize_rows_e4m3<{t}>" for t in types],
         "twell_stationary.cu": [
             f"{kernel}<{CXX_TYPE[d]}>"
             for d in VALUE_DTYPES

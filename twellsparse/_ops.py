@@ -16,6 +16,7 @@ from . import _convert as conv
 from . import _reference as ref
 from ._backend import as_array, device_name, is_cupy_array, result_dtype, value_dtype
 from ._parts import DeferredFinish, TwELLParts
+from ._quantize import QuantizedRows, matmul_quantized
 from ._transpose import twell_transpose
 from ._twell import twell_array
 from ._validation import check_activation, check_layout, check_ndim, check_threshold
@@ -57,20 +58,25 @@ def matmul(a: Any, b: Any, *, out: Any = None) -> Any:
     ----------
     a : twell_array or twell_transpose
         ``A`` (M x N) or ``A.T`` (N x M).
-    b : array_like
-        Dense 2-D (or 1-D) operand on ``a``'s device, with ``a.shape[1]`` rows.
+    b : array_like or QuantizedRows
+        Dense 2-D (or 1-D) operand on ``a``'s device, with ``a.shape[1]`` rows; or its rows in
+        8 bits (:func:`quantize_rows`, with a ``twell_array`` ``a``: half the bytes gathered per
+        stored entry, lossy).
     out : array, optional
         Written in place: C-contiguous-row array of the result's shape and dtype.
 
     Returns
     -------
     array
-        ``a @ b`` in ``result_type(a.dtype, b.dtype)``, accumulated in fp32 (fp64 for float64).
+        ``a @ b`` in ``result_type(a.dtype, b.dtype)`` (``a.dtype`` for quantized rows),
+        accumulated in fp32 (fp64 for float64).
     """
     if not isinstance(a, (twell_array, twell_transpose)):
         raise TypeError(f"a: expected a twell_array or its .T, got {type(a).__name__}")
     transposed = isinstance(a, twell_transpose)
     base: twell_array = a.base if isinstance(a, twell_transpose) else a
+    if isinstance(b, QuantizedRows):
+        return _matmul_quantized_rows(a, base, b, out)
     bb = _dense(b, "b", (1, 2))
     _same_device("a", base.data, b=bb)
     vector = bb.ndim == 1
@@ -93,6 +99,21 @@ def matmul(a: Any, b: Any, *, out: Any = None) -> Any:
     if vector and result.ndim == 2:
         result = result.reshape(-1)
     return result
+
+
+def _matmul_quantized_rows(a: Any, base: twell_array, b: QuantizedRows, out: Any) -> Any:
+    """:func:`matmul` with ``b`` as :class:`QuantizedRows`: validation, then the product in
+    ``a``'s dtype (:func:`twellsparse._quantize.matmul_quantized`)."""
+    if isinstance(a, twell_transpose):
+        raise TypeError("a: quantized rows multiply a twell_array, not its .T")
+    if b.shape[0] != a.shape[1]:
+        raise ValueError(f"b: expected {a.shape[1]} rows to match a's shape {a.shape}, got {b.shape[0]}")
+    _same_device("a", base.data, b=b.data)
+    shape = (a.shape[0], b.shape[1])
+    if out is not None:
+        _same_device("a", base.data, out=out)
+        check_out_shape(out, shape, base.dtype)
+    return matmul_quantized(base, b, base.dtype, out)
 
 
 def _matmul_gpu(

@@ -1,0 +1,71 @@
+"""fp8 e4m3 weight rows on the GPU: the quantizer's codes and scales equal the NumPy
+reference's bit for bit, and the e4m3 row-gather SpMM (both variants) matches the float64
+product with the decoded rows, on shapes with spill, empty rows and several column passes;
+other dtypes and row lengths take the decoded fallback with a warning."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import twellsparse as ts
+from twellsparse import _gpu_ops
+from twellsparse import _kernels as K
+from twellsparse.testing import rel_error, sparse_activations
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ts.bfloat16, np.float32, np.float64])
+@pytest.mark.parametrize("n, k", [(37, 24), (5632, 2048), (3, 7), (64, 0), (0, 16)])
+def test_quantizer_matches_the_host(cp, rng, dtype, n, k):
+    b = (rng.standard_normal((n, k)) * np.exp(rng.uniform(-12, 6, (n, 1)))).astype(dtype)
+    if n > 4 and k:
+        b[3] = 0
+        b[4, 0] = 1e-30 if np.dtype(dtype).itemsize > 2 else 0
+    host = ts.quantize_rows(b)
+    device = ts.quantize_rows(cp.asarray(b))
+    np.testing.assert_array_equal(device.scales.get(), host.scales)
+    np.testing.assert_array_equal(device.data.get(), host.data)
+    strided = ts.quantize_rows(cp.asarray(np.concatenate([b, b], axis=1))[:, :k])  # a row stride above k
+    np.testing.assert_array_equal(strided.data.get(), host.data)
+
+
+# (m, n, k, tile_n, capacity, density), k a multiple of 8: one or several column passes.
+SHAPES = [
+    (67, 5632, 2048, 256, None, 0.01),
+    (33, 2000, 1040, 32, 2, 0.08),  # heavy spill, 2 passes of (8, 2)
+    (16, 700, 8, 64, 1, 0.3),  # several 32-entry batches per row, all spilling
+    (5, 300, 4104, 128, 8, 0.02),  # 5 passes, a partial last one
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ts.bfloat16])
+@pytest.mark.parametrize("m, n, k, tile_n, capacity, density", SHAPES)
+def test_e4m3_spmm_matches_the_reference(cp, rng, dtype, m, n, k, tile_n, capacity, density):
+    h = sparse_activations(m, n, density, "skewed", dtype, rng)
+    h[m // 2] = 0  # an empty row
+    a = ts.twell_array(cp.asarray(h), tile_n=tile_n, capacity=capacity)
+    q = ts.quantize_rows(cp.asarray(rng.standard_normal((n, k)).astype(np.float32)))
+    expected = h.astype(np.float64) @ q.dequantize(np.float64).get()
+    bound = 2.0 * rel_error(expected.astype(dtype).astype(np.float64), expected) + 1e-4
+    for variant in K.GATHER_VARIANTS:
+        out = cp.empty((m, k), dtype=dtype)  # poisoned
+        _gpu_ops.spmm_e4m3(a.parts, tile_n, q.data, q.scales, out, variant=variant)
+        assert rel_error(out, expected) <= bound, variant
+    got = ts.matmul(a, q)
+    assert got.dtype == np.dtype(dtype) and rel_error(got, expected) <= bound
+
+
+@pytest.mark.parametrize("dtype, k", [(np.float32, 64), (ts.bfloat16, 60), (np.float64, 16)])
+def test_other_dtypes_and_row_lengths_take_the_decoded_fallback(cp, rng, dtype, k):
+    h = sparse_activations(19, 500, 0.05, "uniform", dtype, rng)
+    a = ts.twell_array(cp.asarray(h), tile_n=64, capacity=4)
+    q = ts.quantize_rows(cp.asarray(rng.standard_normal((500, k))))
+    expected = h.astype(np.float64) @ q.dequantize(np.float64).get()
+    wide = "float64" if np.dtype(dtype) == np.float64 else "float32"
+    with pytest.warns(ts.TwELLFallbackWarning, match=f"decoded to {wide} for the usual product"):
+        got = ts.matmul(a, q)
+    assert got.dtype == np.dtype(dtype)
+    tol = 1e-4 if np.dtype(dtype).itemsize == 2 else 1e-6
+    assert rel_error(got, expected) <= 2.0 * rel_error(expected.astype(dtype).astype(np.float64), expected) + tol
