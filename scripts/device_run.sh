@@ -85,8 +85,8 @@ for step in $what; do
     fp8)
       # The fp8 e4m3 weight rows (opt-in): their GPU tests, then the down SpMM's stage times with
       # bf16 rows and with e4m3 rows side by side, 0.5% and 1%.
-      timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_gpu_quantize.py 2>&1 | tail -2 \
-        | tee -a "$OUT/fp8.log"
+      timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_gpu_quantize.py 2>&1 \
+        | tee -a "$OUT/fp8.log" | tail -3
       status=$((status | ${PIPESTATUS[0]}))
       for d in 0.005 0.01; do
         python3 bench/stage_times.py --density $d --only "down spmm" --out "$OUT/stages.jsonl" 2>&1 \
@@ -99,7 +99,7 @@ for step in $what; do
       # scripts/kernel_registers.py): the gather tests on the 4-block build, then stage times
       # side by side, 0.5% and 1%.
       TWELL_GATHER_MIN_BLOCKS=4 timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_gpu_gather.py \
-        -k "spmm or transposed" 2>&1 | tail -2 | tee -a "$OUT/minblocks.log"
+        -k "spmm or transposed" 2>&1 | tee -a "$OUT/minblocks.log" | tail -3
       status=$((status | ${PIPESTATUS[0]}))
       for b in 1 4; do
         for d in 0.005 0.01; do
