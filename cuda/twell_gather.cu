@@ -44,17 +44,20 @@ struct alignas(16) Raw16 {
 #endif
 
 // Blocks per SM the row-sum kernels (SpMM and the transposed products) ask ptxas to fit, for
-// 2-byte types (TWELL_GATHER_MIN_BLOCKS, 1 unless set: a measurement switch). Their bf16
-// instantiations take 134-136 registers, so 3 blocks of 128 threads fit an SM, 12 warps;
-// Nsight Compute shows them latency-bound at that occupancy (about 4 cycles per issued
-// instruction, 3 warps per scheduler; bench/NOTES.md, sixteenth session). 4 caps them at 128.
-// Unset, the bounds name no block count at all: ptxas compiles `__launch_bounds__(128, 1)`
-// differently from `__launch_bounds__(128)`, and the latter is the build that was measured.
+// 2-byte types. A minimum of 0 leaves `.minnctapersm` out of the PTX: the plain
+// `__launch_bounds__(128)` build. ptxas compiles a minimum of 1 differently from none: the
+// single-output bf16 SpMM takes 160 registers instead of 134 and the transposed products 126-213
+// instead of 76-255 (still 3 blocks per SM for the (8, 2) SpMM), and they ran 3-5% faster
+// (the SpMM's (4, 4) variant 30%), while dX's dual SpMM ran 7-13% slower (175 registers instead
+// of 140): bench/NOTES.md, seventeenth session. So 1 for those, none for the dual pass and for
+// the 4- and 8-byte types (unmeasured). TWELL_GATHER_MIN_BLOCKS=N (a measurement switch) asks
+// for N blocks of every 2-byte one (0: none): 4 caps them at 128 registers, and some spill.
 #ifdef TWELL_GATHER_MIN_BLOCKS
-#define ROW_SUM_BOUNDS(T) __launch_bounds__(128, sizeof(T) == 2 ? TWELL_GATHER_MIN_BLOCKS : 1)
+#define ROW_SUM_MIN_BLOCKS(T, DUAL) (sizeof(T) == 2 ? TWELL_GATHER_MIN_BLOCKS : 0)
 #else
-#define ROW_SUM_BOUNDS(T) __launch_bounds__(128)
+#define ROW_SUM_MIN_BLOCKS(T, DUAL) (sizeof(T) == 2 && !(DUAL) ? 1 : 0)
 #endif
+#define ROW_SUM_BOUNDS(T, DUAL) __launch_bounds__(128, ROW_SUM_MIN_BLOCKS(T, DUAL))
 
 __device__ __forceinline__ unsigned long long evict_first_policy() {
   unsigned long long policy;
@@ -587,7 +590,7 @@ __device__ __forceinline__ typename acc_of<T>::type value_at(long long p, const 
 // slower: the SpMM is bound by the L2's gather rate, not by its instructions; bench/NOTES.md,
 // fifteenth session.)
 template <typename T, int KV, int U, bool DUAL = false>
-__global__ void ROW_SUM_BOUNDS(T) twell_gather_spmm(
+__global__ void ROW_SUM_BOUNDS(T, DUAL) twell_gather_spmm(
     const T* __restrict__ data, const short* __restrict__ indices, const int* __restrict__ counts,
     const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
     const T* __restrict__ spill_vals, int M, int n_tiles, int tile_n, int capacity,
@@ -746,7 +749,7 @@ __global__ void __launch_bounds__(128, sizeof(T) == 2 && TWELL_MMA_DOTS ? 5 : 1)
 // so the same bits): more warps in flight when the output has few rows (5632 units against the
 // forward's 16384 tokens).
 template <typename T, int KV, int U, bool PAIR = false>
-__global__ void ROW_SUM_BOUNDS(T) twell_gather_csr_spmm(
+__global__ void ROW_SUM_BOUNDS(T, false) twell_gather_csr_spmm(
     const int* __restrict__ indptr, const int* __restrict__ cols, const int* __restrict__ sources,
     const T* __restrict__ data, long long n_slots, const T* __restrict__ spill_vals,
     const T* __restrict__ data2, const T* __restrict__ spill_vals2, int M, const T* __restrict__ b,

@@ -220,8 +220,9 @@ def compile_options() -> tuple[str, ...]:
     (cuda/twell_gather.cu), ``TWELL_MMA_DOTS=0`` gives their dot products to the FMA pipes
     instead of the tensor cores, ``TWELL_HOPPER_PACK=0`` leaves the fused producer's epilogue out
     (cuda/twell_hopper_gemm.cu: wrong results, the GEMM's time alone), and
-    ``TWELL_GATHER_MIN_BLOCKS=N`` asks ptxas to fit N blocks per SM of the 2-byte SpMM and
-    transposed-product kernels (fewer registers each)."""
+    ``TWELL_GATHER_MIN_BLOCKS=N`` replaces the launch bounds of the 2-byte SpMM and
+    transposed-product kernels (by default a minimum of 1 block per SM for the single-output
+    ones, none for dX's dual pass): N blocks per SM for all of them, 0 for no minimum."""
     switches = []
     for name in ("TWELL_L2_HINTS", "TWELL_MMA_DOTS", "TWELL_HOPPER_PACK"):
         value = os.environ.get(name, "")
@@ -229,8 +230,8 @@ def compile_options() -> tuple[str, ...]:
             raise ValueError(f"{name}: expected 0 or 1, got {value!r}")
         switches += [f"-D{name}={value}"] if value else []
     blocks = os.environ.get("TWELL_GATHER_MIN_BLOCKS", "")
-    if blocks not in ("", "1", "2", "3", "4", "5", "6"):
-        raise ValueError(f"TWELL_GATHER_MIN_BLOCKS: expected a block count from 1 to 6, got {blocks!r}")
+    if blocks not in ("", "0", "1", "2", "3", "4", "5", "6"):
+        raise ValueError(f"TWELL_GATHER_MIN_BLOCKS: expected a block count from 0 to 6, got {blocks!r}")
     switches += [f"-DTWELL_GATHER_MIN_BLOCKS={blocks}"] if blocks else []
     return ("-std=c++17", f"-DTWELL_SOURCES_SHA=0x{source_hash()}", *switches)
 
