@@ -44,6 +44,9 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         "gated_fixed_spill": ts.GatedFFN(wg, wu, wd, dispatch="sparse", spill_capacity=m * 64),
         "plain_fixed_spill": ts.FFN(wg, wd, dispatch="sparse", spill_capacity=m * 64),
         "plain_auto": ts.FFN(wg, wd),  # the default dispatch: dense above the break-even
+        # W_down's rows in fp8 e4m3 (opt-in, lossy): the down projection gathers half the bytes.
+        "gated, e4m3 down": ts.GatedFFN(wg, wu, wd, dispatch="sparse", down_format="e4m3"),
+        "plain, e4m3 down": ts.FFN(wg, wd, dispatch="sparse", down_format="e4m3"),
     }
     h_relu, mask, words = _gpu_producer.relu_linear(x, wg)
     g = ts.linear_to_twell(x, wg)

@@ -169,3 +169,32 @@ def test_plans_take_the_shape_breakeven_and_sample_less_when_clear(rng, monkeypa
     for _ in range(5):
         near(p["x"])
     assert len(samples) == 5  # near the break-even: every call
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_e4m3_down_rows_are_the_reference_on_the_decoded_weights(rng, gated):
+    p = ffn_problem(50, 32, 300, 0.05, "skewed", np.float32, rng)
+    decoded = ts.quantize_rows(np.ascontiguousarray(p["w_down"].T)).dequantize(np.float64).T
+    assert 0 < rel_error(decoded, p["w_down"]) < 2.0**-4  # lossy, within e4m3's step
+    if gated:
+        weights, exact = (p["w_gate"], p["w_up"]), ref.gated_ffn_dense(p["x"], p["w_gate"], p["w_up"], decoded, "relu")
+    else:
+        weights, exact = (p["w_gate"],), ref.ffn_dense(p["x"], p["w_gate"], decoded, "relu")
+    cls = ts.GatedFFN if gated else ts.FFN
+    for dispatch in ("sparse", "dense"):  # both paths multiply by the quantized weights
+        plan = cls(*weights, p["w_down"], tile_n=32, capacity=2, dispatch=dispatch, down_format="e4m3")
+        got = plan(p["x"])
+        assert got.dtype == np.float32 and plan.last_stats["path"] == dispatch
+        assert rel_error(got, exact) < 1e-5, dispatch
+    plan = cls(*weights, p["w_down"], tile_n=32, dispatch="sparse", down_format="e4m3")
+    p["w_down"] *= 2.0  # refresh quantizes the updated weights again
+    plan.refresh()
+    assert rel_error(plan(p["x"]), 2.0 * exact) < 1e-5
+
+
+def test_down_format_validation(rng):
+    p = ffn_problem(8, 16, 64, 0.1, "uniform", np.float32, rng)
+    with pytest.raises(ValueError, match="down_format: expected None or one of 'e4m3', got 'e5m2'"):
+        ts.FFN(p["w_gate"], p["w_down"], down_format="e5m2")
+    with pytest.raises(ValueError, match="expected finite values"):
+        ts.GatedFFN(p["w_gate"], p["w_up"], np.full_like(p["w_down"], np.inf), down_format="e4m3")

@@ -155,6 +155,29 @@ def spmm_e4m3(
     return out
 
 
+def quantized_rows_serve(rows: Any, dtype: Any) -> bool:
+    """Whether :func:`spmm_e4m3` takes ``rows`` (``_quantize.QuantizedRows``) for products in
+    ``dtype``: codes on the GPU, a 2-byte ``dtype``, rows of a multiple of 8 codes."""
+    from ._backend import is_cupy_array
+
+    return is_cupy_array(rows.data) and np.dtype(dtype).itemsize == 2 and rows.shape[1] % 8 == 0
+
+
+def down_spmm(parts: TwELLParts, tile_n: int, w_down: Any, out: Any) -> Any:
+    """``out = A @ w_down`` for an FFN block's down projection: :func:`spmm` ("auto") on a dense
+    ``w_down`` (N x K), :func:`spmm_e4m3` on ``_quantize.QuantizedRows`` (the caller checked
+    :func:`quantized_rows_serve`; an ``out`` whose rows are not 16-byte aligned gets the result
+    copied in)."""
+    from ._quantize import QuantizedRows
+
+    if not isinstance(w_down, QuantizedRows):
+        return spmm(parts, tile_n, w_down, out)
+    if rows_aligned((out, max(out.strides[0] // out.itemsize, out.shape[1], 1))) and out.strides[1] == out.itemsize:
+        return spmm_e4m3(parts, tile_n, w_down.data, w_down.scales, out)
+    out[...] = spmm_e4m3(parts, tile_n, w_down.data, w_down.scales, _cp().empty(out.shape, dtype=out.dtype))
+    return out
+
+
 def quantize_rows_e4m3(b: Any) -> tuple[Any, Any]:
     """``(codes, scales)`` of ``b``'s rows (``cuda/twell_quantize.cu``): uint8 (N x K),
     C-contiguous, and float32 (N,)."""
@@ -365,7 +388,13 @@ def sddmm_gated_backward(
 
 
 def gated_consumer_eligible(x: Any, w_up: Any, w_down_t: Any) -> bool:
-    """Whether :func:`gated_consumer` can run on these operands (16-byte rows, one dtype)."""
+    """Whether :func:`gated_consumer` can run on these operands (16-byte rows, one dtype; or
+    ``w_down_t`` as ``_quantize.QuantizedRows`` that :func:`quantized_rows_serve`)."""
+    from ._quantize import QuantizedRows
+
+    if isinstance(w_down_t, QuantizedRows):
+        served = x.dtype == w_up.dtype and quantized_rows_serve(w_down_t, x.dtype)
+        return served and rows_aligned(row_stride(x), row_stride(w_up))
     same = x.dtype == w_up.dtype == w_down_t.dtype
     return same and rows_aligned(row_stride(x), row_stride(w_up), row_stride(w_down_t))
 
@@ -382,7 +411,7 @@ def gated_consumer(
 ) -> tuple[Any, TwELLParts | None]:
     """The gated FFN after its gate (:func:`gated_consumer_eligible` operands): ``u = x @ w_up.T``
     at the gate's pattern and ``h = gate * u`` in one kernel (``twell_gather_gated_up``), then
-    ``out = h @ w_down_t`` (:func:`spmm`, its "auto" kernel).
+    ``out = h @ w_down_t`` (:func:`down_spmm`: the "auto" SpMM, or the e4m3 one for quantized rows).
 
     Returns ``(out, u)``; ``u`` (parts with the gate's structure and zero padding, what the
     backward pass needs) only when ``keep_up``, else None. ``out``, when given, is written in
@@ -422,7 +451,7 @@ def gated_consumer(
         *((up.data, up.spill_data) if up is not None else (K.null_pointer(), K.null_pointer())),
     )
     K.launch_grid(K.gather_expression("gated_up", x.dtype, kv, u), *_gather_grid(m), args)
-    spmm(h, tile_n, w_down_t, out)
+    down_spmm(h, tile_n, w_down_t, out)
     return out, up
 
 

@@ -392,7 +392,8 @@ def gated_product(
     x: Any, w_lin: Any, w_down_t: Any, gate: twell_array, keep_up: bool = False, out: Any = None
 ) -> tuple[Any, twell_array | None]:
     """The gated FFN after its gate: ``u = x @ w_lin.T`` at the gate's pattern (rounded to the
-    value type), ``h = gate * u`` (rounded), ``out = h @ w_down_t``.
+    value type), ``h = gate * u`` (rounded), ``out = h @ w_down_t`` (``w_down_t`` dense or
+    :class:`QuantizedRows`).
 
     On the GPU, when the operands share a dtype and have 16-byte rows, one kernel for u and h
     then the down SpMM (``_gpu_ops.gated_consumer``), else SDDMM, product and SpMM. Returns ``(out, u)``, ``u``
@@ -404,7 +405,8 @@ def gated_product(
         from ._gpu_convert import row_stride
 
         # Unit column strides once (a transposed weight is copied here, not again in the kernel's launch).
-        x, w_lin, w_down_t = (row_stride(a)[0] for a in (x, w_lin, w_down_t))
+        x, w_lin = row_stride(x)[0], row_stride(w_lin)[0]
+        w_down_t = w_down_t if isinstance(w_down_t, QuantizedRows) else row_stride(w_down_t)[0]
         if gate.dtype == x.dtype and _gpu_ops.gated_consumer_eligible(x, w_lin, w_down_t):
             out, up = _gpu_ops.gated_consumer(gate.parts, gate.tile_n, x, w_lin, w_down_t, keep_up, out=out)
             return out, (twell_array._from_parts(up, gate.shape, gate.tile_n) if up is not None else None)
@@ -435,7 +437,8 @@ def fused_gated_backward(
 
 def gather_tail_eligible(x: Any, w_lin: Any, w_down_t: Any, dtype: Any) -> bool:
     """Whether an FFN block's tail can run on the row-gather kernels alone: on the GPU, one
-    dtype, 16-byte rows (gated: the gated consumer's operands; non-gated: W_down's rows). Those
+    dtype, 16-byte rows (gated: the gated consumer's operands; non-gated: W_down's rows), or
+    W_down's rows as :class:`QuantizedRows` that the e4m3 SpMM takes. Those
     tails take parts with a fixed-length spill (read through its row pointers; the other
     kernels take its length from the arrays) and the ReLU-mask-driven tails."""
     if not is_cupy_array(x):
@@ -443,10 +446,11 @@ def gather_tail_eligible(x: Any, w_lin: Any, w_down_t: Any, dtype: Any) -> bool:
     from . import _gpu_ops
     from ._gpu_convert import row_stride
 
-    same = x.dtype == dtype == w_down_t.dtype
     if w_lin is not None:
-        return same and _gpu_ops.gated_consumer_eligible(x, w_lin, w_down_t)
-    return same and _gpu_ops.rows_aligned(row_stride(w_down_t))
+        return x.dtype == dtype and _gpu_ops.gated_consumer_eligible(x, w_lin, w_down_t)
+    if isinstance(w_down_t, QuantizedRows):
+        return x.dtype == dtype and _gpu_ops.quantized_rows_serve(w_down_t, dtype)
+    return x.dtype == dtype == w_down_t.dtype and _gpu_ops.rows_aligned(row_stride(w_down_t))
 
 
 def dense_ffn_tail(

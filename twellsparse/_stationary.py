@@ -32,17 +32,19 @@ THREADS = 1024
 #: Fewest rows of A for which ``matmul`` takes this kernel when nothing says how dense A is:
 #: every block stages its slice of all of B and reads all of A, a fixed cost that the row
 #: gathers do not pay, so it pays off only with many rows. Measured on the H200 with the
-#: standard widths (bench/results/2026-12-03-down-choice.jsonl, bench/down_choice.py): at 16384
-#: rows it ties the gathers at 0.5% density (0.250 / 0.252 ms), wins at 1% and 2% (0.423 /
-#: 0.463, 0.758 / 0.881) and loses at 0.25% (0.161 / 0.147); at 65536 rows it wins at every
-#: density from 0.25%; at 8192 and 4096 rows it loses below 1%.
+#: standard widths (bench/results/2026-12-04-down-choice.jsonl, bench/down_choice.py, with the
+#: row gathers' launch bounds of the seventeenth session): at 16384 rows it wins at 1% and 2%
+#: density (0.423 / 0.445, 0.758 / 0.857 ms) and loses by 5-15% at 0.5% and 0.25% (0.251 /
+#: 0.238, 0.162 / 0.138); at 65536 rows it wins from 0.5%; at 8192 and 4096 rows it loses
+#: below 1%.
 MIN_ROWS = 16384
 #: Entries per row of A from which the kernel beats the row gathers, at 16384 rows of A and
 #: 2048 columns of B, when the caller says how dense A is (:func:`expected_density`). The same
-#: data put the crossing near 56 entries per row at 4096 rows, 28-40 at 8192, 28 at 16384 and
-#: 14 at 65536 (it falls as the square root of the rows: the fixed cost is paid once per call),
-#: and below 14 at 16384 rows with 4096 columns (the gathers' rows are twice as long).
-BREAKEVEN_ENTRIES = 28.0
+#: data put the crossing (linear between the measured densities) near 39 entries per row at
+#: 16384 rows, 51 at 8192, 20 at 65536 (it falls as the square root of the rows: the fixed cost
+#: is paid once per call), 61 at 4096, and near 15 at 16384 rows with 4096 columns (the
+#: gathers' rows are twice as long).
+BREAKEVEN_ENTRIES = 38.0
 _expected_density: contextvars.ContextVar[float | None] = contextvars.ContextVar("expected_density", default=None)
 _SWITCH = {"": None, "1": True, "0": False}
 _switch = os.environ.get("TWELL_STATIONARY", "")

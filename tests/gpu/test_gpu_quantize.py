@@ -1,7 +1,8 @@
 """fp8 e4m3 weight rows on the GPU: the quantizer's codes and scales equal the NumPy
 reference's bit for bit, and the e4m3 row-gather SpMM (both variants) matches the float64
 product with the decoded rows, on shapes with spill, empty rows and several column passes;
-other dtypes and row lengths take the decoded fallback with a warning."""
+other dtypes and row lengths take the decoded fallback with a warning. FFN plans with
+``down_format="e4m3"`` match the float64 block on the decoded weights on every path."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 import twellsparse as ts
 from twellsparse import _gpu_ops
 from twellsparse import _kernels as K
-from twellsparse.testing import rel_error, sparse_activations
+from twellsparse import _reference as ref
+from twellsparse.testing import ffn_problem, rel_error, sparse_activations
 
 pytestmark = pytest.mark.gpu
 
@@ -69,3 +71,49 @@ def test_other_dtypes_and_row_lengths_take_the_decoded_fallback(cp, rng, dtype, 
     assert got.dtype == np.dtype(dtype)
     tol = 1e-4 if np.dtype(dtype).itemsize == 2 else 1e-6
     assert rel_error(got, expected) <= 2.0 * rel_error(expected.astype(dtype).astype(np.float64), expected) + tol
+
+
+def _round(a, dtype):
+    return a.astype(dtype).astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", [ts.bfloat16, np.float16])
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize(
+    "m, d_model, d_ff, density, capacity, spill_capacity",
+    [
+        (700, 256, 2000, 0.01, None, None),
+        (130, 136, 517, 0.05, 2, 4096),  # heavy spill into a fixed buffer, d_model 17 x 8
+        (64, 100, 300, 0.05, 4, None),  # rows of 100 codes: the decoded fallback
+    ],
+)
+def test_plans_with_e4m3_down_rows(cp, rng, dtype, gated, m, d_model, d_ff, density, capacity, spill_capacity):
+    p = ffn_problem(m, d_model, d_ff, density, "skewed", dtype, rng)
+    decoded = ts.quantize_rows(np.ascontiguousarray(p["w_down"].T)).dequantize(np.float64).T
+    weights = ("w_gate", "w_up", "w_down") if gated else ("w_gate", "w_down")
+    args = [cp.asarray(p[k]) for k in weights]
+    x = cp.asarray(p["x"])
+    xs, wg, wu = (p[k].astype(np.float32) for k in ("x", "w_gate", "w_up"))
+    g = _round(np.maximum(_round(xs @ wg.T, dtype), 0), dtype)
+    h = _round(g * _round(xs @ wu.T, dtype), dtype) if gated else g
+    same_precision = _round(h @ decoded.T, dtype)
+    if gated:
+        exact = ref.gated_ffn_dense(p["x"], p["w_gate"], p["w_up"], decoded, "relu")
+    else:
+        exact = ref.ffn_dense(p["x"], p["w_gate"], decoded, "relu")
+    bound = 2.0 * rel_error(same_precision, exact) + 1e-4
+    cls = ts.GatedFFN if gated else ts.FFN
+    settings = {"tile_n": 64, "capacity": capacity, "spill_capacity": spill_capacity, "down_format": "e4m3"}
+    for dispatch in ("sparse", "dense"):
+        plan = cls(*args, dispatch=dispatch, **settings)
+        out = cp.full((m, d_model), np.nan, dtype=dtype)
+        if d_model % 8 and dispatch == "sparse":
+            with pytest.warns(ts.TwELLFallbackWarning, match="decoded to float32"):
+                plan(x, out=out)
+        else:
+            plan(x, out=out)
+        assert plan.last_stats["path"] == dispatch
+        assert rel_error(out, exact) <= bound, dispatch
+        if spill_capacity is not None:
+            plan.check_spill()
+            assert dispatch == "dense" or plan.last_stats["n_spilled"] > 0
