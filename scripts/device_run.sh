@@ -66,8 +66,9 @@ for step in $what; do
       python3 bench/train_step.py --densities 0.01 --reps 5 --profile 2>&1 | tee "$OUT/train_profile.log" | tail -60
       ;;&
     stages)
+      # Every stage, or those TWELL_STAGES names (stage_times.py --only).
       for d in 0.005 0.01; do
-        python3 bench/stage_times.py --density $d --out "$OUT/stages.jsonl" 2>&1 | tee -a "$OUT/stages.log"
+        python3 bench/stage_times.py --density $d --only "${TWELL_STAGES:-}" --out "$OUT/stages.jsonl" 2>&1 | tee -a "$OUT/stages.log"
         status=$((status | ${PIPESTATUS[0]}))
       done
       ;;&
