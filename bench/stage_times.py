@@ -46,11 +46,12 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         "plain_auto": ts.FFN(wg, wd),  # the default dispatch: dense above the break-even
         # W_down's rows in fp8 e4m3 (opt-in, lossy): the down projection gathers half the bytes.
         "gated, e4m3 down": ts.GatedFFN(wg, wu, wd, dispatch="sparse", down_format="e4m3"),
+        "gated, e4m3 up and down": ts.GatedFFN(wg, wu, wd, dispatch="sparse", down_format="e4m3", up_format="e4m3"),
         "plain, e4m3 down": ts.FFN(wg, wd, dispatch="sparse", down_format="e4m3"),
     }
     h_relu, mask, words = _gpu_producer.relu_linear(x, wg)
     g = ts.linear_to_twell(x, wg)
-    wd_e4m3 = ts.quantize_rows(wd_t)
+    wd_e4m3, wu_e4m3 = ts.quantize_rows(wd_t), ts.quantize_rows(wu)
     down_out = cp.empty((m, wd_t.shape[1]), dtype=x.dtype)
     _, u = gated_product(x, wu, wd_t, g, keep_up=True)
     d_h = sddmm(go, wd_t, g)
@@ -77,6 +78,10 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         "linear_to_twell, cuBLASLt producer": lambda: _without_fused_producer(lambda: ts.linear_to_twell(x, wg)),
         "gated consumer": lambda: _gpu_ops.gated_consumer(g.parts, g.tile_n, x, wu, wd_t),
         "gated consumer (8, 2)": lambda: _gpu_ops.gated_consumer(g.parts, g.tile_n, x, wu, wd_t, variant=(8, 2)),
+        "gated consumer, e4m3 up": lambda: _gpu_ops.gated_consumer(g.parts, g.tile_n, x, wu_e4m3, wd_t),
+        "gated consumer, e4m3 up (8, 2)": lambda: _gpu_ops.gated_consumer(
+            g.parts, g.tile_n, x, wu_e4m3, wd_t, variant=(8, 2)
+        ),
         "up sddmm": lambda: sddmm(x, wu, g),
         "down spmm": lambda: matmul(g, wd_t),
         "down spmm, gather": lambda: _gpu_ops.spmm(g.parts, g.tile_n, wd_t, down_out, path="gather"),

@@ -300,6 +300,46 @@ struct E4M3Rows {
   __device__ static __forceinline__ void widen(const Piece& r, float (&e)[N]) { e4m3x8_to_float(r.x, r.y, e); }
 };
 
+// The rows mma_dots reads, 8 values per lane and step: MmaPlainRows, rows of 2-byte T as
+// 16-byte pieces that are the MMA's operand; MmaE4M3Rows, fp8 e4m3 codes as 8-byte pieces,
+// widened exactly to T's 16-byte vector (twell_fp8.cuh) just before the MMAs (the loads stay
+// in flight meanwhile); their row scales are applied by the caller to the dots.
+template <typename T> struct MmaPlainRows {
+  using Piece = Raw16;
+  using Ptr = const T*;
+  const T* __restrict__ y;
+  long long ldy;
+  __device__ __forceinline__ Ptr start(int row, int value) const { return y + (long long)row * ldy + value; }
+  __device__ static __forceinline__ Piece load(Ptr p, int k) { return ldg16(p + k); }
+  __device__ static __forceinline__ Piece none() { return zero16(); }
+  __device__ static __forceinline__ Raw16 operand(const Piece& w) { return w; }
+};
+
+template <typename T> struct MmaE4M3Rows {
+  using Piece = Raw8;
+  using Ptr = const unsigned char*;
+  const unsigned char* __restrict__ q;
+  long long ldq;
+  __device__ __forceinline__ Ptr start(int row, int value) const { return q + (long long)row * ldq + value; }
+  __device__ static __forceinline__ Piece load(Ptr p, int k) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p + k));
+    return Raw8{v.x, v.y};
+  }
+  __device__ static __forceinline__ Piece none() { return Raw8{0u, 0u}; }
+  __device__ static __forceinline__ Raw16 operand(const Piece& w) {
+    Raw16 r;
+    if constexpr (is_same_type<T, bf16>::value) {
+      e4m3x4_to_bf16x4(w.x, r.x, r.y);
+      e4m3x4_to_bf16x4(w.y, r.z, r.w);
+    } else {
+      static_assert(is_same_type<T, f16>::value, "e4m3 rows feed 2-byte MMAs");
+      e4m3x4_to_f16x4(w.x, r.x, r.y);
+      e4m3x4_to_f16x4(w.y, r.z, r.w);
+    }
+    return r;
+  }
+};
+
 // This lane's KV pieces, in the column chunk at k0, of the rows that the batch's pairs
 // p .. p + U - 1 name (each pair's column broadcast from its lane); zero past n or K. All U x KV
 // loads are issued before any is used.
@@ -469,20 +509,19 @@ __device__ __forceinline__ typename acc_of<T>::type gather_dots_fma(const T* __r
 // loads are issued before any is used; each half of a step accumulates in its own registers.
 // (Loading the next round before this one's MMAs, in the (8, 2) variant, took 142-158
 // registers and ran 20% slower at 0.5%: bench/NOTES.md, fifteenth session.)
-template <typename T, int STEPS>
-__device__ __forceinline__ float mma_dots(const T* __restrict__ x_row, const T* __restrict__ y, long long ldy,
-                                          int K, int n, int col, int lane) {
+template <typename T, int STEPS, typename R = MmaPlainRows<T>>
+__device__ __forceinline__ float mma_dots(const T* __restrict__ x_row, const R& y, int K, int n, int col, int lane) {
   constexpr int STEP = 32;  // values per step: 4 lanes x 8
   const int g = lane >> 2, t = lane & 3;
   const bool two = n > 16;  // warp-uniform: the second group of 16 pairs has work
-  const T* rows[2][2];
+  typename R::Ptr rows[2][2];
   bool live[2][2];
 #pragma unroll
   for (int r = 0; r < 2; ++r)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int p = 16 * r + g + 8 * h;
-      rows[r][h] = y + (long long)__shfl_sync(kFull, col, p) * ldy + 8 * t;
+      rows[r][h] = y.start(__shfl_sync(kFull, col, p), 8 * t);
       live[r][h] = p < n;
     }
   float acc[2][2][4];
@@ -494,7 +533,8 @@ __device__ __forceinline__ float mma_dots(const T* __restrict__ x_row, const T* 
       for (int i = 0; i < 4; ++i) acc[r][s][i] = 0.f;
   for (int k0 = 0; k0 < K; k0 += STEPS * STEP) {
     // One round: STEPS steps' pieces from k0 (zeros past K, where nothing is read), then their MMAs.
-    Raw16 w[STEPS][2][2], xv[STEPS];
+    typename R::Piece w[STEPS][2][2];
+    Raw16 xv[STEPS];
 #pragma unroll
     for (int st = 0; st < STEPS; ++st) {
       const int k = k0 + st * STEP;
@@ -503,14 +543,14 @@ __device__ __forceinline__ float mma_dots(const T* __restrict__ x_row, const T* 
 #pragma unroll
       for (int r = 0; r < 2; ++r)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) w[st][r][h] = in && live[r][h] ? ldg16(rows[r][h] + k) : zero16();
+        for (int h = 0; h < 2; ++h) w[st][r][h] = in && live[r][h] ? R::load(rows[r][h], k) : R::none();
     }
 #pragma unroll
     for (int st = 0; st < STEPS; ++st)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         if (r == 1 && !two) break;
-        const Raw16 &lo = w[st][r][0], &hi = w[st][r][1];
+        const Raw16 lo = R::operand(w[st][r][0]), hi = R::operand(w[st][r][1]);
         mma_m16n8k16<T>(acc[r][0], lo.x, hi.x, lo.y, hi.y, xv[st].x, xv[st].y);
         mma_m16n8k16<T>(acc[r][1], lo.z, hi.z, lo.w, hi.w, xv[st].z, xv[st].w);
       }
@@ -533,7 +573,7 @@ template <typename T, int KV, int U>
 __device__ __forceinline__ typename acc_of<T>::type gather_dots(const T* __restrict__ x_row,
                                                                 const T* __restrict__ y, long long ldy,
                                                                 int K, int n, int col, int lane) {
-  if constexpr (sizeof(T) == 2 && TWELL_MMA_DOTS) return mma_dots<T, U>(x_row, y, ldy, K, n, col, lane);
+  if constexpr (sizeof(T) == 2 && TWELL_MMA_DOTS) return mma_dots<T, U>(x_row, MmaPlainRows<T>{y, ldy}, K, n, col, lane);
   else return gather_dots_fma<T, KV, U>(x_row, y, ldy, K, n, col, lane);
 }
 
@@ -713,21 +753,17 @@ __global__ void __launch_bounds__(128) twell_gather_sddmm_gated_bwd(
 // (bench/NOTES.md, fourteenth session). 2-byte types: five blocks per SM (96 registers); at four,
 // with the 108 registers it takes unbounded, it ran 25% slower than the plain SDDMM at 0.5%. (The
 // FMA-pipe dots, of any type, would spill at 96.)
-template <typename T, int KV, int U>
-__global__ void __launch_bounds__(128, sizeof(T) == 2 && TWELL_MMA_DOTS ? 5 : 1) twell_gather_gated_up(
-    const T* __restrict__ gate, const short* __restrict__ indices, const int* __restrict__ counts,
-    const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
-    const T* __restrict__ gate_spill, int M, int n_tiles, int tile_n, int capacity,
-    const T* __restrict__ x, long long ldx, const T* __restrict__ w_up, long long ldu, int K,
-    T* __restrict__ h_data, T* __restrict__ h_spill, T* __restrict__ u_data, T* __restrict__ u_spill) {
+template <typename T, typename Dots>
+__device__ __forceinline__ void gated_up_row(const T* __restrict__ gate, const short* __restrict__ indices,
+                                             const int* __restrict__ counts, const int* __restrict__ spill_indptr,
+                                             const int* __restrict__ spill_cols, const T* __restrict__ gate_spill,
+                                             long long row, int n_tiles, int tile_n, int capacity, int lane,
+                                             T* __restrict__ h_data, T* __restrict__ h_spill, T* __restrict__ u_data,
+                                             T* __restrict__ u_spill, Dots&& dots) {
   using A = typename acc_of<T>::type;
-  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
-  const int lane = threadIdx.x & 31;
-  if (row >= M) return;  // warp-uniform
-  const T* x_row = x + row * ldx;
   for_each_batch<true>(gate, indices, counts, spill_indptr, spill_cols, gate_spill, row, n_tiles, tile_n,
                        capacity, lane, [&](int n, int col, A g, long long where) {
-                         const T u = from_acc<T>(gather_dots<T, KV, U>(x_row, w_up, ldu, K, n, col, lane));
+                         const T u = from_acc<T>(dots(n, col));
                          if (lane < n) {
                            const bool spilled = in_spill(where);
                            const long long i = spilled ? ~where : where;
@@ -735,6 +771,47 @@ __global__ void __launch_bounds__(128, sizeof(T) == 2 && TWELL_MMA_DOTS ? 5 : 1)
                            if (u_data != nullptr) (spilled ? u_spill : u_data)[i] = u;
                          }
                        });
+}
+
+template <typename T, int KV, int U>
+__global__ void __launch_bounds__(128, sizeof(T) == 2 && TWELL_MMA_DOTS ? 5 : 1) twell_gather_gated_up(
+    const T* __restrict__ gate, const short* __restrict__ indices, const int* __restrict__ counts,
+    const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
+    const T* __restrict__ gate_spill, int M, int n_tiles, int tile_n, int capacity,
+    const T* __restrict__ x, long long ldx, const T* __restrict__ w_up, long long ldu, int K,
+    T* __restrict__ h_data, T* __restrict__ h_spill, T* __restrict__ u_data, T* __restrict__ u_spill) {
+  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (row >= M) return;  // warp-uniform
+  const T* x_row = x + row * ldx;
+  gated_up_row(gate, indices, counts, spill_indptr, spill_cols, gate_spill, row, n_tiles, tile_n, capacity, lane,
+               h_data, h_spill, u_data, u_spill,
+               [&](int n, int col) { return gather_dots<T, KV, U>(x_row, w_up, ldu, K, n, col, lane); });
+}
+
+// twell_gather_gated_up with w_up's rows in fp8 e4m3 and one fp32 scale per row
+// (twellsparse.quantize_rows): u = scale[j] * (x[row] . codes[j]) in fp32, rounded to T, from
+// half the bytes per pair. The dots always run on the tensor cores (2-byte T only; the codes
+// widen exactly to T), KV is unused. (K a multiple of 8: whole 8-byte pieces.)
+template <typename T, int KV, int U>
+__global__ void __launch_bounds__(128, U >= 4 ? 4 : 5) twell_gather_gated_up_e4m3(
+    const T* __restrict__ gate, const short* __restrict__ indices, const int* __restrict__ counts,
+    const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
+    const T* __restrict__ gate_spill, int M, int n_tiles, int tile_n, int capacity,
+    const T* __restrict__ x, long long ldx, const unsigned char* __restrict__ q, const float* __restrict__ scales,
+    long long ldq, int K, T* __restrict__ h_data, T* __restrict__ h_spill, T* __restrict__ u_data,
+    T* __restrict__ u_spill) {
+  static_assert(sizeof(T) == 2, "the e4m3 codes widen to a 2-byte type's MMA operand");
+  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (row >= M) return;  // warp-uniform
+  const T* x_row = x + row * ldx;
+  const MmaE4M3Rows<T> rows{q, ldq};
+  gated_up_row(gate, indices, counts, spill_indptr, spill_cols, gate_spill, row, n_tiles, tile_n, capacity, lane,
+               h_data, h_spill, u_data, u_spill, [&](int n, int col) {
+                 const float dot = mma_dots<T, U>(x_row, rows, K, n, col, lane);
+                 return lane < n ? dot * scales[col] : 0.f;
+               });
 }
 
 // out[r, :] = sum over row r's entries e of value(sources[e]) * b[cols[e], :], for a matrix in

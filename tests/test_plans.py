@@ -198,3 +198,18 @@ def test_down_format_validation(rng):
         ts.FFN(p["w_gate"], p["w_down"], down_format="e5m2")
     with pytest.raises(ValueError, match="expected finite values"):
         ts.GatedFFN(p["w_gate"], p["w_up"], np.full_like(p["w_down"], np.inf), down_format="e4m3")
+
+
+def test_e4m3_up_rows_are_the_reference_on_the_decoded_weights(rng):
+    p = ffn_problem(50, 32, 300, 0.05, "skewed", np.float32, rng)
+    up = ts.quantize_rows(p["w_up"]).dequantize(np.float64)
+    down = ts.quantize_rows(np.ascontiguousarray(p["w_down"].T)).dequantize(np.float64).T
+    for down_format, w_down in ((None, p["w_down"]), ("e4m3", down)):
+        exact = ref.gated_ffn_dense(p["x"], p["w_gate"], up, w_down, "relu")
+        for dispatch in ("sparse", "dense"):
+            plan = ts.GatedFFN(
+                p["w_gate"], p["w_up"], p["w_down"], dispatch=dispatch, up_format="e4m3", down_format=down_format
+            )
+            assert rel_error(plan(p["x"]), exact) < 1e-5, (down_format, dispatch)
+    with pytest.raises(ValueError, match="up_format: expected None or one of 'e4m3', got 'int8'"):
+        ts.GatedFFN(p["w_gate"], p["w_up"], p["w_down"], up_format="int8")

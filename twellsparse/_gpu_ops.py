@@ -388,15 +388,21 @@ def sddmm_gated_backward(
 
 
 def gated_consumer_eligible(x: Any, w_up: Any, w_down_t: Any) -> bool:
-    """Whether :func:`gated_consumer` can run on these operands (16-byte rows, one dtype; or
-    ``w_down_t`` as ``_quantize.QuantizedRows`` that :func:`quantized_rows_serve`)."""
+    """Whether :func:`gated_consumer` can run on these operands: 16-byte rows of one dtype, or
+    either weight as ``_quantize.QuantizedRows`` that :func:`quantized_rows_serve` (x's rows
+    still 16-byte aligned)."""
     from ._quantize import QuantizedRows
 
-    if isinstance(w_down_t, QuantizedRows):
-        served = x.dtype == w_up.dtype and quantized_rows_serve(w_down_t, x.dtype)
-        return served and rows_aligned(row_stride(x), row_stride(w_up))
-    same = x.dtype == w_up.dtype == w_down_t.dtype
-    return same and rows_aligned(row_stride(x), row_stride(w_up), row_stride(w_down_t))
+    aligned = [row_stride(x)]
+    for w in (w_up, w_down_t):
+        if isinstance(w, QuantizedRows):
+            if not quantized_rows_serve(w, x.dtype):
+                return False
+        elif w.dtype != x.dtype:
+            return False
+        else:
+            aligned.append(row_stride(w))
+    return rows_aligned(*aligned)
 
 
 def gated_consumer(
@@ -410,8 +416,10 @@ def gated_consumer(
     out: Any = None,
 ) -> tuple[Any, TwELLParts | None]:
     """The gated FFN after its gate (:func:`gated_consumer_eligible` operands): ``u = x @ w_up.T``
-    at the gate's pattern and ``h = gate * u`` in one kernel (``twell_gather_gated_up``), then
-    ``out = h @ w_down_t`` (:func:`down_spmm`: the "auto" SpMM, or the e4m3 one for quantized rows).
+    at the gate's pattern and ``h = gate * u`` in one kernel (``twell_gather_gated_up``, or
+    ``twell_gather_gated_up_e4m3`` for ``w_up`` as ``_quantize.QuantizedRows``: u = the row's
+    scale times x . its codes, in fp32), then ``out = h @ w_down_t`` (:func:`down_spmm`: the
+    "auto" SpMM, or the e4m3 one for quantized rows).
 
     Returns ``(out, u)``; ``u`` (parts with the gate's structure and zero padding, what the
     backward pass needs) only when ``keep_up``, else None. ``out``, when given, is written in
@@ -420,9 +428,16 @@ def gated_consumer(
     """
     cp = _cp()
     m, nt, cap = gate.data.shape
+    from ._quantize import QuantizedRows
+
     x, ldx = row_stride(x)
-    w_up, ldu = row_stride(w_up)
-    kv, u = _variant(variant, "gated_up")
+    up_rows: tuple[Any, ...]
+    if isinstance(w_up, QuantizedRows):  # codes (C-contiguous), scales, row stride
+        kind, up_rows = "gated_up_e4m3", (w_up.data, w_up.scales, np.int64(w_up.shape[1]))
+    else:
+        w_up, ldu = row_stride(w_up)
+        kind, up_rows = "gated_up", (w_up, np.int64(ldu))
+    kv, u = _variant(variant, kind)
     if out is None:
         out = cp.empty((m, w_down_t.shape[1]), dtype=x.dtype)
 
@@ -443,14 +458,13 @@ def gated_consumer(
         np.int32(cap),
         x,
         np.int64(ldx),
-        w_up,
-        np.int64(ldu),
+        *up_rows,
         np.int32(x.shape[1]),
         h.data,
         h.spill_data,
         *((up.data, up.spill_data) if up is not None else (K.null_pointer(), K.null_pointer())),
     )
-    K.launch_grid(K.gather_expression("gated_up", x.dtype, kv, u), *_gather_grid(m), args)
+    K.launch_grid(K.gather_expression(kind, x.dtype, kv, u), *_gather_grid(m), args)
     down_spmm(h, tile_n, w_down_t, out)
     return out, up
 

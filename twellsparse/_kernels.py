@@ -55,6 +55,7 @@ GATHER_DEFAULT = {
     "sddmm": (4, 4),
     "sddmm_gated_bwd": (4, 4),  # as the SDDMM it extends (not timed on its own yet)
     "gated_up": (4, 4),
+    "gated_up_e4m3": (4, 4),  # as the kernel it mirrors (not timed on its own yet)
     "csr_spmm": (8, 2),
     "csr_spmm_pair": (4, 4),
 }
@@ -65,7 +66,8 @@ def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = Fals
     """Name expression of a row-gather kernel: kind "spmm", "spmm_sum" (two products of one
     structure summed), "sddmm", "gated_up" (the gated consumer's up projection and value
     product), "csr_spmm", "csr_spmm_pair" (two matrices of one structure times the same dense
-    one, in one pass), "spmm_e4m3" (the SpMM with fp8 e4m3 rows and row scales; 2-byte types),
+    one, in one pass), "spmm_e4m3" and "gated_up_e4m3" (with fp8 e4m3 rows and row scales;
+    2-byte types),
     or the ReLU-mask-driven consumers "mask_gated" and "mask_spmm"."""
     t = CXX_TYPE[np.dtype(dtype)]
     if kind == "spmm":
@@ -78,6 +80,8 @@ def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = Fals
         return f"twell_gather_sddmm<{t}, {'true' if scale else 'false'}, {kv}, {u}>"
     if kind == "gated_up":
         return f"twell_gather_gated_up<{t}, {kv}, {u}>"
+    if kind == "gated_up_e4m3":
+        return f"twell_gather_gated_up_e4m3<{t}, {kv}, {u}>"
     if kind == "csr_spmm":
         return f"twell_gather_csr_spmm<{t}, {kv}, {u}>"
     if kind == "csr_spmm_pair":
@@ -87,8 +91,8 @@ def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = Fals
     if kind in ("mask_gated", "mask_spmm"):
         return f"twell_{kind}<{t}, {kv}, {u}>"
     kinds = (
-        "'spmm', 'spmm_sum', 'spmm_e4m3', 'sddmm', 'sddmm_gated_bwd', 'gated_up', 'csr_spmm', 'csr_spmm_pair', "
-        "'mask_gated' or 'mask_spmm'"
+        "'spmm', 'spmm_sum', 'spmm_e4m3', 'sddmm', 'sddmm_gated_bwd', 'gated_up', 'gated_up_e4m3', 'csr_spmm', "
+        "'csr_spmm_pair', 'mask_gated' or 'mask_spmm'"
     )
     raise ValueError(f"kind: expected {kinds}, got {kind!r}")
 
@@ -139,10 +143,11 @@ def _instantiations() -> dict[str, list[str]]:
         for kind in ("mask_gated", "mask_spmm")
     ]
     gather += [
-        gather_expression("spmm_e4m3", dt, kv, u)
+        gather_expression(kind, dt, kv, u)
         for dt in VALUE_DTYPES
         if dt.itemsize == 2
         for kv, u in GATHER_VARIANTS
+        for kind in ("spmm_e4m3", "gated_up_e4m3")
     ]
     elementwise = [
         f"ffn_{kind}<{t}, {a}>"

@@ -7,6 +7,7 @@ Each op validates its inputs, then runs the CPU reference (NumPy inputs) or the 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ import numpy as np
 from . import _convert as conv
 from . import _reference as ref
 from ._backend import as_array, device_name, is_cupy_array, result_dtype, value_dtype
+from ._errors import TwELLFallbackWarning
 from ._parts import DeferredFinish, TwELLParts
 from ._quantize import QuantizedRows, matmul_quantized
 from ._transpose import twell_transpose
@@ -207,6 +209,24 @@ def _sddmm_parts(x: Any, y: Any, pattern: twell_array, scale: bool) -> tuple[TwE
     return ref.sddmm_values(pattern.parts, pattern.tile_n, x, y, dt, scale), dt
 
 
+def _sddmm_quantized_rows(x: Any, rows: QuantizedRows, pattern: twell_array) -> TwELLParts:
+    """``x @ B.T`` at the pattern, rounded to x's value type, for ``B`` given as
+    :class:`QuantizedRows`, outside the fused e4m3 kernel: the float64 reference on the CPU; on
+    the GPU the rows decoded to float32 for the float32 SDDMM (or float64 for float64 x)."""
+    dt = value_dtype(x.dtype)
+    if not is_cupy_array(x):
+        return ref.sddmm_values(pattern.parts, pattern.tile_n, x, rows.dequantize(np.float64), dt, False)
+    wide = np.float64 if dt == np.float64 else np.float32
+    warnings.warn(
+        "gated FFN: quantized up rows take the fp8 kernel with bfloat16/float16 x of 16-byte rows and rows of a "
+        f"multiple of 8 codes; here ({dt.name}, {rows.shape[1]} per row) they are decoded to {np.dtype(wide).name}",
+        TwELLFallbackWarning,
+        stacklevel=4,
+    )
+    parts, _ = _sddmm_parts(x.astype(wide, copy=False), rows.dequantize(wide), pattern, scale=False)
+    return _cast_parts(parts, dt)
+
+
 def sddmm(x: Any, y: Any, pattern: twell_array) -> twell_array:
     """Sampled dense-dense product: ``(x @ y.T)`` at the stored entries of ``pattern``.
 
@@ -392,8 +412,8 @@ def gated_product(
     x: Any, w_lin: Any, w_down_t: Any, gate: twell_array, keep_up: bool = False, out: Any = None
 ) -> tuple[Any, twell_array | None]:
     """The gated FFN after its gate: ``u = x @ w_lin.T`` at the gate's pattern (rounded to the
-    value type), ``h = gate * u`` (rounded), ``out = h @ w_down_t`` (``w_down_t`` dense or
-    :class:`QuantizedRows`).
+    value type), ``h = gate * u`` (rounded), ``out = h @ w_down_t`` (``w_lin`` and ``w_down_t``
+    dense or :class:`QuantizedRows`).
 
     On the GPU, when the operands share a dtype and have 16-byte rows, one kernel for u and h
     then the down SpMM (``_gpu_ops.gated_consumer``), else SDDMM, product and SpMM. Returns ``(out, u)``, ``u``
@@ -405,12 +425,15 @@ def gated_product(
         from ._gpu_convert import row_stride
 
         # Unit column strides once (a transposed weight is copied here, not again in the kernel's launch).
-        x, w_lin = row_stride(x)[0], row_stride(w_lin)[0]
-        w_down_t = w_down_t if isinstance(w_down_t, QuantizedRows) else row_stride(w_down_t)[0]
+        x = row_stride(x)[0]
+        w_lin, w_down_t = (w if isinstance(w, QuantizedRows) else row_stride(w)[0] for w in (w_lin, w_down_t))
         if gate.dtype == x.dtype and _gpu_ops.gated_consumer_eligible(x, w_lin, w_down_t):
             out, up = _gpu_ops.gated_consumer(gate.parts, gate.tile_n, x, w_lin, w_down_t, keep_up, out=out)
             return out, (twell_array._from_parts(up, gate.shape, gate.tile_n) if up is not None else None)
-    u_parts, _ = _sddmm_parts(x, w_lin, gate, scale=False)
+    if isinstance(w_lin, QuantizedRows):
+        u_parts = _sddmm_quantized_rows(x, w_lin, gate)
+    else:
+        u_parts, _ = _sddmm_parts(x, w_lin, gate, scale=False)
     u = twell_array._from_parts(u_parts, gate.shape, gate.tile_n)
     h = product_values(gate.astype(u.dtype), u)
     return matmul(h, w_down_t, out=out), (u if keep_up else None)

@@ -92,12 +92,14 @@ class _FFNPlanBase:
         kind: str,
         spill_capacity: int | None = None,
         down_format: str | None = None,
+        up_format: str | None = None,
     ) -> None:
-        if down_format is not None and down_format not in QUANTIZED_FORMATS:
-            raise ValueError(
-                f"down_format: expected None or one of {', '.join(map(repr, QUANTIZED_FORMATS))}, got {down_format!r}"
-            )
-        self.down_format = down_format
+        for name, value in (("down_format", down_format), ("up_format", up_format)):
+            if value is not None and value not in QUANTIZED_FORMATS:
+                raise ValueError(
+                    f"{name}: expected None or one of {', '.join(map(repr, QUANTIZED_FORMATS))}, got {value!r}"
+                )
+        self.down_format, self.up_format = down_format, up_format
         self.activation = check_activation(activation)
         self.spill_capacity = check_spill_capacity(spill_capacity)
         self._warned_static = False
@@ -125,13 +127,17 @@ class _FFNPlanBase:
         """Rebuild the kernel layouts from the weight arrays (after an in-place update)."""
         w_down = self._weights["w_down"]
         w_down_t = array_module(w_down).ascontiguousarray(w_down.T)
-        # What the sparse down projection gathers (w_down.T's rows, dense or quantized) and what
-        # the dense remainder multiplies by: the same weights on both paths.
+        # What the sparse tail gathers (w_down.T's rows and a gated block's w_up rows, dense or
+        # quantized) and what the dense remainder multiplies by: the same weights on both paths.
         self._down_rows: Any = w_down_t
-        self._w_down_dense = w_down
+        self._w_down_dense: Any = w_down
         if self.down_format is not None:
-            self._down_rows = quantize_rows(w_down_t, self.down_format)
-            self._w_down_dense = self._down_rows.dequantize(w_down.dtype).T
+            self._down_rows, decoded = _quantized_and_decoded(w_down_t, self.down_format)
+            self._w_down_dense = array_module(decoded).ascontiguousarray(decoded.T)
+        self._up_rows: Any = self._weights["w_up"] if self._kind == "gated_ffn" else None
+        self._w_up_dense: Any = self._up_rows
+        if self._up_rows is not None and self.up_format is not None:
+            self._up_rows, self._w_up_dense = _quantized_and_decoded(self._up_rows, self.up_format)
 
     @property
     def dtype(self) -> Any:
@@ -202,7 +208,7 @@ class _FFNPlanBase:
         w = self._weights
         first = next(iter(w.values()))
         shape = (xx.shape[0], first.shape[0])
-        w_lin = w[lin_name] if lin_name else None
+        w_lin = self._up_rows if lin_name else None  # the sparse tail's; the dense one's is _w_up_dense
         breakeven = self.breakeven_for(xx.shape[0])
         fused = self._fused_producer(xx, w[act_name], breakeven)
         if fused is not None:
@@ -219,7 +225,10 @@ class _FFNPlanBase:
             sampled = estimate if estimate is not None else float(self._density.value() or 0.0)
         if self.dispatch == "dense" or (self.dispatch == "auto" and sampled > breakeven):
             self._last = ("dense", sampled, None)
-            return dense_ffn_tail(xx, z, w_lin, self._w_down_dense, dt, self.activation, self.threshold, activated)
+            w_lin_dense = self._w_up_dense if lin_name else None
+            return dense_ffn_tail(
+                xx, z, w_lin_dense, self._w_down_dense, dt, self.activation, self.threshold, activated
+            )
         if relu_mask is not None and self._mask_consumer_applies(xx, z, w_lin):
             # The tail reads the mask itself: no pack, no capacity, nothing to spill or read back.
             from ._gpu_ops import mask_consumer
@@ -362,7 +371,7 @@ class _FFNPlanBase:
         the operands of the other gather tails (z itself is read an element at a time)."""
         from . import _gpu_producer
 
-        if self.down_format is not None:  # the mask tails gather 2-byte rows only
+        if self.down_format is not None or self.up_format is not None:  # the mask tails gather 2-byte rows only
             return False
         return _gpu_producer.MASK_CONSUMER and gather_tail_eligible(x, w_lin, self._down_rows, z.dtype)
 
@@ -381,6 +390,14 @@ class _FFNPlanBase:
         rows = z[::step].astype(z.dtype if z.dtype == np.float64 else np.float32)
         kept = ref.keep_mask(ref.activation(rows, self.activation).astype(self.dtype), self.threshold)
         return kept.mean(), 1.0
+
+
+def _quantized_and_decoded(w: Any, format: str) -> tuple[Any, Any]:
+    """``w``'s rows as :class:`QuantizedRows` of ``format`` (what a sparse tail gathers) and
+    the dense matrix of the same values, decoded and rounded to ``w``'s dtype (the dense
+    remainder's)."""
+    rows = quantize_rows(w, format)
+    return rows, rows.dequantize(w.dtype)
 
 
 def _gather_tail(parts: Any, tile_n: int, x: Any, w_lin: Any, w_down_t: Any, dt: Any, out: Any = None) -> Any:
@@ -542,8 +559,11 @@ class GatedFFN(_FFNPlanBase):
     activation, tile_n, capacity, threshold
         As for :func:`twellsparse.linear_to_twell` (applied to the gate).
     dispatch, breakeven, spill_capacity, down_format
-        As for :class:`FFN` (``down_format`` quantizes the down projection's rows only; the up
-        projection's stay in their dtype).
+        As for :class:`FFN`.
+    up_format : {None, "e4m3"}, optional
+        Opt-in, lossy, as ``down_format`` for ``w_up``'s rows: the up projection at the active
+        gate units then reads half the bytes per pair (each dot in fp32 from the codes, times
+        the row's scale). The gate's weights stay in their dtype (the producer's GEMM is dense).
     """
 
     def __init__(
@@ -560,10 +580,11 @@ class GatedFFN(_FFNPlanBase):
         breakeven: float | None = None,
         spill_capacity: int | None = None,
         down_format: str | None = None,
+        up_format: str | None = None,
     ) -> None:
         weights = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}
         settings = (activation, tile_n, capacity, threshold, dispatch, breakeven)
-        super().__init__(weights, *settings, "gated_ffn", spill_capacity, down_format)
+        super().__init__(weights, *settings, "gated_ffn", spill_capacity, down_format, up_format)
 
     def __call__(self, x: Any, *, out: Any = None) -> Any:
         """The block's output for tokens ``x`` (M x d_model), in ``out`` when given."""

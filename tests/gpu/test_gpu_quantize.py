@@ -1,8 +1,10 @@
 """fp8 e4m3 weight rows on the GPU: the quantizer's codes and scales equal the NumPy
 reference's bit for bit, and the e4m3 row-gather SpMM (both variants) matches the float64
 product with the decoded rows, on shapes with spill, empty rows and several column passes;
-other dtypes and row lengths take the decoded fallback with a warning. FFN plans with
-``down_format="e4m3"`` match the float64 block on the decoded weights on every path."""
+other dtypes and row lengths take the decoded fallback with a warning. The gated consumer's up projection from
+e4m3 rows (subnormal codes included) matches the float64 dots, and FFN plans with
+``down_format="e4m3"`` (and ``up_format``) match the float64 block on the decoded weights on
+every path."""
 
 from __future__ import annotations
 
@@ -73,6 +75,42 @@ def test_other_dtypes_and_row_lengths_take_the_decoded_fallback(cp, rng, dtype, 
     assert rel_error(got, expected) <= 2.0 * rel_error(expected.astype(dtype).astype(np.float64), expected) + tol
 
 
+# (m, d_ff, d_model, tile_n, capacity, density), d_model a multiple of 8.
+UP_SHAPES = [
+    (67, 2000, 256, 256, None, 0.02),
+    (33, 700, 136, 32, 2, 0.1),  # heavy spill, a partial 32-value step per round
+    (9, 300, 8, 64, 1, 0.3),  # one 8-value piece per row
+    (40, 1000, 1032, 128, 4, 0.05),  # several rounds, a partial last one
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ts.bfloat16])
+@pytest.mark.parametrize("m, d_ff, d_model, tile_n, capacity, density", UP_SHAPES)
+def test_e4m3_gated_up_matches_the_reference(cp, rng, dtype, m, d_ff, d_model, tile_n, capacity, density):
+    gate = sparse_activations(m, d_ff, density, "skewed", dtype, rng)
+    gate[m // 2] = 0  # an empty row
+    g = ts.twell_array(cp.asarray(gate), tile_n=tile_n, capacity=capacity)
+    x = rng.standard_normal((m, d_model)).astype(dtype)
+    # Columns over 14 octaves: many codes land in e4m3's subnormal range (exponent bits 0).
+    w_up = rng.standard_normal((d_ff, d_model)) * np.exp2(rng.uniform(-14, 0, (1, d_model)))
+    q = ts.quantize_rows(cp.asarray(w_up.astype(np.float32)))
+    codes = q.data.get()
+    assert ((codes & 0x78) == 0).any() and ((codes & 0x7F) != 0).any()
+    decoded = q.dequantize(np.float64).get()
+    u_exact = np.where(gate != 0, x.astype(np.float64) @ decoded.T, 0.0)
+    magnitude = np.abs(x.astype(np.float64)) @ np.abs(decoded).T  # the fp32 sums' error scale
+    w_down = cp.asarray(rng.standard_normal((d_ff, 24)).astype(dtype))
+    h_exact = gate.astype(np.float64) * u_exact
+    expected = h_exact @ w_down.get().astype(np.float64)
+    bound = 4.0 * rel_error(expected.astype(dtype).astype(np.float64), expected) + 1e-4
+    for variant in K.GATHER_VARIANTS:
+        out, up = _gpu_ops.gated_consumer(g.parts, tile_n, cp.asarray(x), q, w_down, keep_up=True, variant=variant)
+        u_got = ts.twell_array._from_parts(up, g.shape, tile_n).toarray().get().astype(np.float64)
+        # u: the fp32 dot times the row scale, rounded once to dtype (f16's subnormals below 2**-14).
+        assert np.all(np.abs(u_got - u_exact) <= 2.0**-8 * np.abs(u_exact) + 1e-5 * magnitude + 2.0**-24), variant
+        assert rel_error(out, expected) <= bound, variant
+
+
 def _round(a, dtype):
     return a.astype(dtype).astype(np.float32)
 
@@ -87,23 +125,26 @@ def _round(a, dtype):
         (64, 100, 300, 0.05, 4, None),  # rows of 100 codes: the decoded fallback
     ],
 )
-def test_plans_with_e4m3_down_rows(cp, rng, dtype, gated, m, d_model, d_ff, density, capacity, spill_capacity):
+def test_plans_with_e4m3_rows(cp, rng, dtype, gated, m, d_model, d_ff, density, capacity, spill_capacity):
     p = ffn_problem(m, d_model, d_ff, density, "skewed", dtype, rng)
     decoded = ts.quantize_rows(np.ascontiguousarray(p["w_down"].T)).dequantize(np.float64).T
+    up = ts.quantize_rows(p["w_up"]).dequantize(np.float64) if gated else None  # the gated block's up rows too
     weights = ("w_gate", "w_up", "w_down") if gated else ("w_gate", "w_down")
     args = [cp.asarray(p[k]) for k in weights]
     x = cp.asarray(p["x"])
-    xs, wg, wu = (p[k].astype(np.float32) for k in ("x", "w_gate", "w_up"))
+    xs, wg = p["x"].astype(np.float32), p["w_gate"].astype(np.float32)
     g = _round(np.maximum(_round(xs @ wg.T, dtype), 0), dtype)
-    h = _round(g * _round(xs @ wu.T, dtype), dtype) if gated else g
+    h = _round(g * _round(xs @ up.T.astype(np.float32), dtype), dtype) if gated else g
     same_precision = _round(h @ decoded.T, dtype)
     if gated:
-        exact = ref.gated_ffn_dense(p["x"], p["w_gate"], p["w_up"], decoded, "relu")
+        exact = ref.gated_ffn_dense(p["x"], p["w_gate"], up, decoded, "relu")
     else:
         exact = ref.ffn_dense(p["x"], p["w_gate"], decoded, "relu")
     bound = 2.0 * rel_error(same_precision, exact) + 1e-4
     cls = ts.GatedFFN if gated else ts.FFN
     settings = {"tile_n": 64, "capacity": capacity, "spill_capacity": spill_capacity, "down_format": "e4m3"}
+    if gated:
+        settings["up_format"] = "e4m3"
     for dispatch in ("sparse", "dense"):
         plan = cls(*args, dispatch=dispatch, **settings)
         out = cp.full((m, d_model), np.nan, dtype=dtype)
