@@ -68,21 +68,4 @@ __device__ __forceinline__ void e4m3x4_to_f16x4(unsigned w, unsigned& lo, unsign
 #endif
 }
 
-// The same four values as two bfloat16 pairs, exactly. Every e4m3 value is a normal f16 (the
-// smallest, 2^-9, is above f16's 2^-14), so from the f16 pairs: each half's exponent and top 7
-// mantissa bits (the low 7 are zero) shifted down by 3 land in bf16's fields, a value 2^-112
-// of the wanted one (exponent bias 15 against 127), and one bf16x2 multiply by 2^112 (an FMA
-// adding -0, exact: sm_80 has no bf16x2 multiply) restores it; zeros stay zeros.
-__device__ __forceinline__ void e4m3x4_to_bf16x4(unsigned w, unsigned& lo, unsigned& hi) {
-  unsigned h[2];
-  e4m3x4_to_f16x4(w, h[0], h[1]);
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const unsigned scaled = (h[i] & 0x80008000u) | ((h[i] >> 3) & 0x0fff0fffu);
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(h[i]) : "r"(scaled), "r"(0x77807780u), "r"(0x80008000u));
-  }
-  lo = h[0];
-  hi = h[1];
-}
-
 }  // namespace twell
