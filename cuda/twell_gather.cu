@@ -300,37 +300,35 @@ struct E4M3Rows {
   __device__ static __forceinline__ void widen(const Piece& r, float (&e)[N]) { e4m3x8_to_float(r.x, r.y, e); }
 };
 
-// The rows mma_dots reads, 8 values per lane and step, and the MMA type they are multiplied in
-// (Mma). MmaPlainRows: rows of 2-byte T as 16-byte pieces that are the MMA's operand, x's pieces
-// as they are. MmaE4M3Rows: fp8 e4m3 codes as 8-byte pieces, widened exactly to f16 just before
-// the MMAs (one cvt per two codes; the loads stay in flight meanwhile), so the MMAs run in f16:
-// bf16 x pieces are converted to f16 times a power of two (x_scale, chosen per row by
-// x_row_scale) that puts the row's largest magnitude in [2^14, 2^15): exact for every element
-// down to 2^-31 of it (bf16's 8 significant bits fit f16's 11, subnormals included, from
-// 2^-17), within 2^-39 of it below. The caller divides
-// the dots by x_scale and applies the row scales. (Widening the codes to bf16 instead took
-// five instructions per two codes and ran the consumer 18% slower than the 2-byte rows at 0.5%:
-// bench/NOTES.md, seventeenth session.)
+// The rows mma_dots reads, 8 values per lane and step, the MMA type they are multiplied in
+// (Mma) and the x row's type and loads (X). MmaPlainRows: rows of 2-byte T as 16-byte pieces that
+// are the MMA's operand, x read from global memory. MmaE4M3Rows: fp8 e4m3 codes as 8-byte
+// pieces, widened exactly to f16 just before the MMAs (one cvt per two codes; the loads stay in
+// flight meanwhile), so the MMAs run in f16, with x staged once per row as f16 in shared memory
+// (stage_x_f16). (Widening the codes to bf16 instead took five instructions per two codes and
+// ran the consumer 18% slower than the 2-byte rows at 0.5%; converting bf16 x to f16 at every
+// step, 10% slower: bench/NOTES.md, seventeenth session.)
 template <typename T> struct MmaPlainRows {
   using Piece = Raw16;
   using Ptr = const T*;
   using Mma = T;
+  using X = T;
   const T* __restrict__ y;
   long long ldy;
   __device__ __forceinline__ Ptr start(int row, int value) const { return y + (long long)row * ldy + value; }
   __device__ static __forceinline__ Piece load(Ptr p, int k) { return ldg16(p + k); }
   __device__ static __forceinline__ Piece none() { return zero16(); }
   __device__ static __forceinline__ Raw16 operand(const Piece& w) { return w; }
-  __device__ __forceinline__ Raw16 x_operand(const Raw16& x) const { return x; }
+  __device__ static __forceinline__ Raw16 x_load(const X* p) { return ldg16<true>(p); }
 };
 
-template <typename T> struct MmaE4M3Rows {
+struct MmaE4M3Rows {
   using Piece = Raw8;
   using Ptr = const unsigned char*;
   using Mma = f16;
+  using X = f16;  // in shared memory
   const unsigned char* __restrict__ q;
   long long ldq;
-  float x_scale;  // a power of two (1 for f16 x, which the MMA takes as it is)
   __device__ __forceinline__ Ptr start(int row, int value) const { return q + (long long)row * ldq + value; }
   __device__ static __forceinline__ Piece load(Ptr p, int k) {
     const uint2 v = __ldg(reinterpret_cast<const uint2*>(p + k));
@@ -343,46 +341,48 @@ template <typename T> struct MmaE4M3Rows {
     e4m3x4_to_f16x4(w.y, r.z, r.w);
     return r;
   }
-  __device__ __forceinline__ Raw16 x_operand(const Raw16& x) const {
-    if constexpr (is_same_type<T, f16>::value) {
-      return x;
-    } else {
-      static_assert(is_same_type<T, bf16>::value, "e4m3 rows multiply 2-byte x");
-      return Raw16{bf16x2_to_f16x2(x.x, x_scale), bf16x2_to_f16x2(x.y, x_scale), bf16x2_to_f16x2(x.z, x_scale),
-                   bf16x2_to_f16x2(x.w, x_scale)};
-    }
-  }
-  // A bf16 pair times s (a power of two) as an f16 pair (round to nearest).
-  __device__ static __forceinline__ unsigned bf16x2_to_f16x2(unsigned w, float s) {
-    unsigned r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(__uint_as_float(w & 0xffff0000u) * s), "f"(__uint_as_float(w << 16) * s));
-    return r;
-  }
+  __device__ static __forceinline__ Raw16 x_load(const X* p) { return *reinterpret_cast<const Raw16*>(p); }
 };
 
-// The power of two x_row is multiplied by for MmaE4M3Rows (1 for f16 x): its largest magnitude
-// then lies in [2^14, 2^15) (capped at 2^126 for rows of tiny or zero values; an infinite one
-// stays infinite and NaN propagates through the MMAs). Every lane returns it.
+// x_row (K values, K a multiple of 8, 16-byte aligned) as f16 in this warp's `stage`, for
+// MmaE4M3Rows; f16 x as it is, bf16 x times a power of two that puts the row's largest
+// magnitude in [2^14, 2^15) (capped at 2^126 for rows of tiny or zero values; an infinite one
+// stays infinite, NaN propagates): exact for every element down to 2^-31 of the largest (bf16's
+// 8 significant bits fit f16's 11, subnormals included, from 2^-17), within 2^-39 of it below.
+// Returns the factor's inverse (a power of two: exact), 1 for f16, which the dots are
+// multiplied by. Every lane returns it; the stage is ready for the whole warp.
 template <typename T>
-__device__ __forceinline__ float x_row_scale(const T* __restrict__ x_row, int K, int lane) {
-  if constexpr (!is_same_type<T, bf16>::value) {
-    return 1.f;
-  } else {
-    constexpr int V = Lanes<T>::N;
+__device__ __forceinline__ float stage_x_f16(const T* __restrict__ x_row, int K, int lane, f16* stage) {
+  float s = 1.f;
+  if constexpr (is_same_type<T, bf16>::value) {
     float amax = 0.f;
-    for (int k = lane * V; k < K; k += 32 * V) {
-      float e[V];
+    for (int k = lane * 8; k < K; k += 256) {
+      float e[8];
       Lanes<T>::widen(ldg16<true>(x_row + k), e);
 #pragma unroll
-      for (int i = 0; i < V; ++i) amax = fmaxf(amax, fabsf(e[i]));
+      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(e[i]));
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, off));
     // amax = f 2^E with f in [0.5, 1): E = exponent field - 126 (zero and subnormals: -126).
     const int E = (int)((__float_as_uint(amax) >> 23) & 0xffu) - 126;
-    const int e = min(15 - E, 126);
-    return __uint_as_float((unsigned)(e + 127) << 23);
+    s = __uint_as_float((unsigned)(min(15 - E, 126) + 127) << 23);
   }
+  for (int k = lane * 8; k < K; k += 256) {
+    Raw16 v = ldg16<true>(x_row + k);
+    if constexpr (is_same_type<T, bf16>::value) {
+      unsigned* w = &v.x;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // cvt.rn.f16x2.f32 d, a, b puts a in the upper half
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;"
+            : "=r"(w[i])
+            : "f"(__uint_as_float(w[i] & 0xffff0000u) * s), "f"(__uint_as_float(w[i] << 16) * s));
+      }
+    }
+    *reinterpret_cast<Raw16*>(stage + k) = v;
+  }
+  __syncwarp();
+  return 1.f / s;
 }
 
 // This lane's KV pieces, in the column chunk at k0, of the rows that the batch's pairs
@@ -555,7 +555,8 @@ __device__ __forceinline__ typename acc_of<T>::type gather_dots_fma(const T* __r
 // (Loading the next round before this one's MMAs, in the (8, 2) variant, took 142-158
 // registers and ran 20% slower at 0.5%: bench/NOTES.md, fifteenth session.)
 template <typename T, int STEPS, typename R = MmaPlainRows<T>>
-__device__ __forceinline__ float mma_dots(const T* __restrict__ x_row, const R& y, int K, int n, int col, int lane) {
+__device__ __forceinline__ float mma_dots(const typename R::X* __restrict__ x_row, const R& y, int K, int n, int col,
+                                          int lane) {
   constexpr int STEP = 32;  // values per step: 4 lanes x 8
   const int g = lane >> 2, t = lane & 3;
   const bool two = n > 16;  // warp-uniform: the second group of 16 pairs has work
@@ -584,23 +585,21 @@ __device__ __forceinline__ float mma_dots(const T* __restrict__ x_row, const R& 
     for (int st = 0; st < STEPS; ++st) {
       const int k = k0 + st * STEP;
       const bool in = k + 8 * t < K;
-      xv[st] = in ? ldg16<true>(x_row + k + 8 * t) : zero16();
+      xv[st] = in ? R::x_load(x_row + k + 8 * t) : zero16();
 #pragma unroll
       for (int r = 0; r < 2; ++r)
 #pragma unroll
         for (int h = 0; h < 2; ++h) w[st][r][h] = in && live[r][h] ? R::load(rows[r][h], k) : R::none();
     }
 #pragma unroll
-    for (int st = 0; st < STEPS; ++st) {
-      const Raw16 xo = y.x_operand(xv[st]);
+    for (int st = 0; st < STEPS; ++st)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         if (r == 1 && !two) break;
         const Raw16 lo = R::operand(w[st][r][0]), hi = R::operand(w[st][r][1]);
-        mma_m16n8k16<typename R::Mma>(acc[r][0], lo.x, hi.x, lo.y, hi.y, xo.x, xo.y);
-        mma_m16n8k16<typename R::Mma>(acc[r][1], lo.z, hi.z, lo.w, hi.w, xo.z, xo.w);
+        mma_m16n8k16<typename R::Mma>(acc[r][0], lo.x, hi.x, lo.y, hi.y, xv[st].x, xv[st].y);
+        mma_m16n8k16<typename R::Mma>(acc[r][1], lo.z, hi.z, lo.w, hi.w, xv[st].z, xv[st].w);
       }
-    }
   }
   // Pair l sits in group l / 16, row l % 16: D row (l % 8) (+ 8 for the upper half) of lane 4 (l % 8).
   const int src = (lane & 7) * 4;
@@ -839,7 +838,8 @@ __global__ void __launch_bounds__(128, sizeof(T) == 2 && TWELL_MMA_DOTS ? 5 : 1)
 // twell_gather_gated_up with w_up's rows in fp8 e4m3 and one fp32 scale per row
 // (twellsparse.quantize_rows): u = scale[j] * (x[row] . codes[j]) in fp32, rounded to T, from
 // half the bytes per pair. The dots always run on the tensor cores in f16 (MmaE4M3Rows; 2-byte
-// T only), KV is unused. (K a multiple of 8: whole 8-byte pieces.)
+// T only), KV is unused. K a multiple of 8 (whole 8-byte pieces); dynamic shared memory: K f16
+// values per warp.
 template <typename T, int KV, int U>
 __global__ void __launch_bounds__(128, U >= 4 ? 4 : 5) twell_gather_gated_up_e4m3(
     const T* __restrict__ gate, const short* __restrict__ indices, const int* __restrict__ counts,
@@ -848,17 +848,17 @@ __global__ void __launch_bounds__(128, U >= 4 ? 4 : 5) twell_gather_gated_up_e4m
     const T* __restrict__ x, long long ldx, const unsigned char* __restrict__ q, const float* __restrict__ scales,
     long long ldq, int K, T* __restrict__ h_data, T* __restrict__ h_spill, T* __restrict__ u_data,
     T* __restrict__ u_spill) {
-  static_assert(sizeof(T) == 2, "the e4m3 codes widen to a 2-byte type's MMA operand");
+  static_assert(sizeof(T) == 2, "the e4m3 codes multiply a 2-byte x in f16");
+  extern __shared__ __align__(16) unsigned char x_stages[];
   const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (row >= M) return;  // warp-uniform
-  const T* x_row = x + row * ldx;
-  const float x_scale = x_row_scale(x_row, K, lane);
-  const float x_unscale = 1.f / x_scale;  // exact: a power of two within float's normal range
-  const MmaE4M3Rows<T> rows{q, ldq, x_scale};
+  f16* stage = reinterpret_cast<f16*>(x_stages) + (long long)(threadIdx.x >> 5) * K;
+  const float x_unscale = stage_x_f16(x + row * ldx, K, lane, stage);
+  const MmaE4M3Rows rows{q, ldq};
   gated_up_row(gate, indices, counts, spill_indptr, spill_cols, gate_spill, row, n_tiles, tile_n, capacity, lane,
                h_data, h_spill, u_data, u_spill, [&](int n, int col) {
-                 const float dot = mma_dots<T, U>(x_row, rows, K, n, col, lane);
+                 const float dot = mma_dots<T, U>(stage, rows, K, n, col, lane);
                  return lane < n ? dot * x_unscale * scales[col] : 0.f;
                });
 }

@@ -394,6 +394,9 @@ def gated_consumer_eligible(x: Any, w_up: Any, w_down_t: Any) -> bool:
     from ._quantize import QuantizedRows
 
     aligned = [row_stride(x)]
+    if isinstance(w_up, QuantizedRows):  # its kernel stages x rows in shared memory (~28000 values at most)
+        if _x_stage_bytes(x.shape[1]) > K.device_attribute("MaxSharedMemoryPerBlockOptin"):
+            return False
     for w in (w_up, w_down_t):
         if isinstance(w, QuantizedRows):
             if not quantized_rows_serve(w, x.dtype):
@@ -403,6 +406,11 @@ def gated_consumer_eligible(x: Any, w_up: Any, w_down_t: Any) -> bool:
         else:
             aligned.append(row_stride(w))
     return rows_aligned(*aligned)
+
+
+def _x_stage_bytes(k: int) -> int:
+    """Shared memory of ``twell_gather_gated_up_e4m3``: each warp's x row as f16."""
+    return K.GATHER_WARPS * k * 2
 
 
 def gated_consumer(
@@ -464,7 +472,8 @@ def gated_consumer(
         h.spill_data,
         *((up.data, up.spill_data) if up is not None else (K.null_pointer(), K.null_pointer())),
     )
-    K.launch_grid(K.gather_expression(kind, x.dtype, kv, u), *_gather_grid(m), args)
+    stage = _x_stage_bytes(x.shape[1]) if kind == "gated_up_e4m3" else 0
+    K.launch_grid(K.gather_expression(kind, x.dtype, kv, u), *_gather_grid(m), args, stage)
     down_spmm(h, tile_n, w_down_t, out)
     return out, up
 
