@@ -43,7 +43,7 @@ def append_records(path: str | None, records: list[dict[str, Any]]) -> None:
 
 
 #: TWELL_* environment variables that say where a run came from, not how it computed.
-_NOT_SETTINGS = ("TWELL_COMMIT", "TWELL_TESTS")
+_NOT_SETTINGS = ("TWELL_COMMIT", "TWELL_TESTS", "TWELL_STAGES", "TWELL_PROBE_PATH")
 
 
 def environment() -> dict[str, Any]:
