@@ -134,6 +134,36 @@ def ffn_table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def fp8_table(records: list[dict[str, Any]]) -> str:
+    """The plans with fp8 e4m3 weight rows (opt-in, lossy) beside the dense and 2-byte blocks of
+    the same runs: every FFN record that timed them."""
+    recs = [r for r in records if "gated_ffn_e4m3" in r.get("ms", {})]
+    if not recs:
+        return ""
+    lines = [
+        'FFN plans with the gathered weight rows in fp8 e4m3 (opt-in and lossy: `down_format="e4m3"`, and '
+        f'`up_format="e4m3"` for the gated block), bfloat16 otherwise, uniform activations; {_provenance(recs)}; '
+        "medians in ms, L2 flushed, speed-up over dense in parentheses, relative error against the dense "
+        "bfloat16 block (the 2-byte plans' is 1e-4 or below).",
+        "",
+        "| shape (M, d_model, d_ff) | density | non-gated: dense / 2-byte rows / e4m3 rows (error) | "
+        "gated: dense / 2-byte rows / e4m3 rows (error) |",
+        "|---|---|---|---|",
+    ]
+    for r in sorted(recs, key=lambda r: (r["shape"], r["density"])):
+        ms = {k: v["median"] for k, v in r["ms"].items() if "median" in v}
+        err = r["rel_error_vs_dense"]
+        cells = []
+        for block in ("ffn", "gated_ffn"):
+            dense = ms[f"dense_{block}"]
+            cells.append(
+                f"{dense:.3f} / {ms[block]:.3f} ({dense / ms[block]:.2f}x) / {ms[f'{block}_e4m3']:.3f} "
+                f"({dense / ms[f'{block}_e4m3']:.2f}x, {err[f'{block}_e4m3']:.1e})"
+            )
+        lines.append(f"| {', '.join(map(str, r['shape']))} | {r['density']:.2%} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
 def training_table(steps: list[dict[str, Any]], models: list[dict[str, Any]]) -> str:
     """Training-step and whole-model records (bench/train_step.py, bench/model_bench.py)."""
     lines = []
@@ -278,13 +308,14 @@ def jax_table(records: list[dict[str, Any]]) -> str:
 
 def tables(records: list[dict[str, Any]]) -> str:
     """The FFN tables (one per problem shape, the standard problem first), the training ones, the
-    microbenchmarks against cuSPARSE and the JAX adapter."""
+    plans with fp8 rows, the microbenchmarks against cuSPARSE and the JAX adapter."""
     ffn = latest_per_case(records, "ffn", ("shape", "pattern", "density_target"))
     shapes = sorted({tuple(r["shape"]) for r in ffn}, key=lambda s: (s != STANDARD_SHAPE, s))
     parts = [ffn_table([r for r in ffn if tuple(r["shape"]) == shape]) for shape in shapes] or [ffn_table([])]
     training = training_table(latest(records, "train_step"), latest(records, "model"))
     text = "\n\n".join(parts) + ("\n" + training if training else "")
-    for extra in (micro_tables(records), jax_table(records)):
+    fp8 = fp8_table(latest_per_case(records, "ffn", ("shape", "pattern", "density_target")))
+    for extra in (fp8, micro_tables(records), jax_table(records)):
         if extra:
             text += "\n\n" + extra
     return text

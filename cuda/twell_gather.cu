@@ -306,8 +306,8 @@ struct E4M3Rows {
 // pieces, widened exactly to f16 just before the MMAs (one cvt per two codes; the loads stay in
 // flight meanwhile), so the MMAs run in f16, with x staged once per row as f16 in shared memory
 // (stage_x_f16). (Widening the codes to bf16 instead took five instructions per two codes and
-// ran the consumer 18% slower than the 2-byte rows at 0.5%; converting bf16 x to f16 at every
-// step, 10% slower: bench/NOTES.md, seventeenth session.)
+// ran the consumer 18% slower than the 2-byte rows at 0.5% density; converting bf16 x to f16 at
+// every step instead of staging it tied them: bench/NOTES.md, eighteenth session.)
 template <typename T> struct MmaPlainRows {
   using Piece = Raw16;
   using Ptr = const T*;
