@@ -100,6 +100,11 @@ def _gather_rate(r: dict[str, Any], ms: float) -> float:
     return r["density"] * m * d_ff * d_model * itemsize / (ms * 1e-3) / 1e12
 
 
+def _medians(r: dict[str, Any]) -> dict[str, float]:
+    """A benchmark record's median times by row (rows that failed hold no median)."""
+    return {k: v["median"] for k, v in r["ms"].items() if "median" in v}
+
+
 def ffn_table(records: list[dict[str, Any]]) -> str:
     if not records:
         return "_No FFN benchmark recorded yet._"
@@ -119,7 +124,7 @@ def ffn_table(records: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in sorted(records, key=lambda r: (r["pattern"], r["density"])):
-        ms = {k: v["median"] for k, v in r["ms"].items() if "median" in v}
+        ms = _medians(r)
         sp = r["speedup"]
         plain_auto = _fmt_auto(r, ms, "ffn_auto", "dense_ffn", "ffn_auto_path")
         gated_auto = _fmt_auto(r, ms, "gated_ffn_auto", "dense_gated_ffn", "auto_path")
@@ -151,7 +156,7 @@ def fp8_table(records: list[dict[str, Any]]) -> str:
         "|---|---|---|---|",
     ]
     for r in sorted(recs, key=lambda r: (r["shape"], r["density"])):
-        ms = {k: v["median"] for k, v in r["ms"].items() if "median" in v}
+        ms = _medians(r)
         err = r["rel_error_vs_dense"]
         cells = []
         for block in ("ffn", "gated_ffn"):

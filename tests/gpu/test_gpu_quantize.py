@@ -35,6 +35,13 @@ def test_quantizer_matches_the_host(cp, rng, dtype, n, k):
     np.testing.assert_array_equal(strided.data.get(), host.data)
 
 
+def _activations(cp, rng, m, n, density, dtype, tile_n, capacity):
+    """Skewed sparse activations with an empty row: (dense on the host, TwELL on the GPU)."""
+    h = sparse_activations(m, n, density, "skewed", dtype, rng)
+    h[m // 2] = 0
+    return h, ts.twell_array(cp.asarray(h), tile_n=tile_n, capacity=capacity)
+
+
 # (m, n, k, tile_n, capacity, density), k a multiple of 8: one or several column passes.
 SHAPES = [
     (67, 5632, 2048, 256, None, 0.01),
@@ -47,9 +54,7 @@ SHAPES = [
 @pytest.mark.parametrize("dtype", [np.float16, ts.bfloat16])
 @pytest.mark.parametrize("m, n, k, tile_n, capacity, density", SHAPES)
 def test_e4m3_spmm_matches_the_reference(cp, rng, dtype, m, n, k, tile_n, capacity, density):
-    h = sparse_activations(m, n, density, "skewed", dtype, rng)
-    h[m // 2] = 0  # an empty row
-    a = ts.twell_array(cp.asarray(h), tile_n=tile_n, capacity=capacity)
+    h, a = _activations(cp, rng, m, n, density, dtype, tile_n, capacity)
     q = ts.quantize_rows(cp.asarray(rng.standard_normal((n, k)).astype(np.float32)))
     expected = h.astype(np.float64) @ q.dequantize(np.float64).get()
     bound = 2.0 * rel_error(expected.astype(dtype).astype(np.float64), expected) + 1e-4
@@ -87,9 +92,7 @@ UP_SHAPES = [
 @pytest.mark.parametrize("dtype", [np.float16, ts.bfloat16])
 @pytest.mark.parametrize("m, d_ff, d_model, tile_n, capacity, density", UP_SHAPES)
 def test_e4m3_gated_up_matches_the_reference(cp, rng, dtype, m, d_ff, d_model, tile_n, capacity, density):
-    gate = sparse_activations(m, d_ff, density, "skewed", dtype, rng)
-    gate[m // 2] = 0  # an empty row
-    g = ts.twell_array(cp.asarray(gate), tile_n=tile_n, capacity=capacity)
+    gate, g = _activations(cp, rng, m, d_ff, density, dtype, tile_n, capacity)
     x = rng.standard_normal((m, d_model)) * np.exp2(rng.uniform(-12, 0, (m, d_model)))
     if np.dtype(dtype) == np.dtype(ts.bfloat16):  # rows far outside f16's range: the kernel rescales them
         x *= np.exp2(rng.uniform(-40, 40, (m, 1)))
