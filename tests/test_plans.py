@@ -213,3 +213,20 @@ def test_e4m3_up_rows_are_the_reference_on_the_decoded_weights(rng):
             assert rel_error(plan(p["x"]), exact) < 1e-5, (down_format, dispatch)
     with pytest.raises(ValueError, match="up_format: expected None or one of 'e4m3', got 'int8'"):
         ts.GatedFFN(p["w_gate"], p["w_up"], p["w_down"], up_format="int8")
+
+
+def test_plans_whose_gathered_rows_are_all_fp8_dispatch_dense_later(rng):
+    from twellsparse import _dispatch
+
+    p = ffn_problem(8, 16, 96, 0.1, "uniform", np.float32, rng)
+    weights = (p["w_gate"], p["w_up"], p["w_down"])
+    factor = _dispatch.E4M3_CROSSING_FACTOR
+    assert factor > 1
+    plain = _dispatch.dense_breakeven("ffn", 16384, 16, 96)
+    gated = _dispatch.dense_breakeven("gated_ffn", 16384, 16, 96)
+    assert ts.FFN(p["w_gate"], p["w_down"], down_format="e4m3").breakeven_for(16384) == pytest.approx(factor * plain)
+    both = ts.GatedFFN(*weights, down_format="e4m3", up_format="e4m3")
+    assert both.breakeven_for(16384) == pytest.approx(factor * gated)
+    # 2-byte up rows still gathered: the measured 2-byte crossing; a given break-even is kept.
+    assert ts.GatedFFN(*weights, down_format="e4m3").breakeven_for(16384) == pytest.approx(gated)
+    assert ts.GatedFFN(*weights, down_format="e4m3", up_format="e4m3", breakeven=0.02).breakeven_for(16384) == 0.02

@@ -43,10 +43,24 @@ def _family(d_model: int, d_ff: int) -> tuple[int, int]:
     return min(CROSSINGS, key=distance)
 
 
-def breakeven_for(given: float | None, kind: str, tokens: int, d_model: int, d_ff: int) -> float:
+#: How much further the crossing lies for a plan whose gathered weight rows are all fp8 e4m3
+#: (half the bytes per pair): a conservative factor on :data:`CROSSINGS`. Measured on the H200
+#: (bench/NOTES.md, eighteenth session; linear between 1% and 2%): at 16384 tokens of the
+#: standard widths the gated block's crossing moves from about 1.27% to 1.7% and the
+#: non-gated one's from 1.07% to 1.6%; with d_model 4096 the e4m3 blocks still run 1.29x /
+#: 1.11x dense at 1%, past their 2-byte crossings of 0.85% / 0.61%.
+E4M3_CROSSING_FACTOR = 1.3
+
+
+def breakeven_for(
+    given: float | None, kind: str, tokens: int, d_model: int, d_ff: int, e4m3_rows: bool = False
+) -> float:
     """A plan's or module's break-even for one call: ``given`` when the caller set one, else
-    :func:`dense_breakeven` of its widths and the call's tokens."""
-    return given if given is not None else dense_breakeven(kind, tokens, d_model, d_ff)
+    :func:`dense_breakeven` of its widths and the call's tokens (times
+    :data:`E4M3_CROSSING_FACTOR` when ``e4m3_rows``: every gathered weight row is fp8)."""
+    if given is not None:
+        return given
+    return dense_breakeven(kind, tokens, d_model, d_ff) * (E4M3_CROSSING_FACTOR if e4m3_rows else 1.0)
 
 
 @functools.lru_cache(maxsize=256)  # a pure function of its arguments, asked once per call

@@ -146,9 +146,11 @@ class _FFNPlanBase:
     def breakeven_for(self, tokens: int) -> float:
         """The density above which ``dispatch="auto"`` runs a call of ``tokens`` rows dense: the
         plan's ``breakeven`` when given, else the measured break-even of its widths
-        (:func:`twellsparse._dispatch.breakeven_for`)."""
+        (:func:`twellsparse._dispatch.breakeven_for`; further for a plan whose gathered rows are
+        all fp8: ``down_format``, and ``up_format`` too for the gated block)."""
         d_ff, d_model = next(iter(self._weights.values())).shape
-        return breakeven_for(self.breakeven, self._kind, tokens, d_model, d_ff)
+        e4m3_rows = self.down_format is not None and (self._kind == "ffn" or self.up_format is not None)
+        return breakeven_for(self.breakeven, self._kind, tokens, d_model, d_ff, e4m3_rows)
 
     @property
     def last_stats(self) -> dict[str, Any]:
@@ -509,8 +511,10 @@ class FFN(_FFNPlanBase):
         0.24 ms at 0.5% density, 0.29 against 0.42 at 1%; bench/NOTES.md). Each weight moves by
         at most 2**-4 of its magnitude (2**-10 of its row's largest below e4m3's normal range).
         The dense path multiplies by the same quantized weights (decoded and rounded to their
-        dtype), so both paths still compute one function. Rebuilt by :meth:`refresh`. The
-        break-even of ``"auto"`` stays the 2-byte one (conservative: the sparse path is faster).
+        dtype), so both paths still compute one function. Rebuilt by :meth:`refresh`. With every
+        gathered row in fp8 (the non-gated block's ``down_format``; the gated block's with
+        ``up_format`` too), the default break-even of ``"auto"`` is 1.3x the 2-byte one
+        (``_dispatch.E4M3_CROSSING_FACTOR``, a conservative reading of the measured crossings).
 
     Calling the plan, ``plan(x, out=None)``, returns the block's output (M x d_model) in
     ``result_type(x, w_up)``. ``out`` (optional): an array of that shape and dtype on x's device,
