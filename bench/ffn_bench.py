@@ -270,6 +270,16 @@ def summary_line(rec: dict[str, Any]) -> str:
             f"gated dense {ms['dense_gated_ffn']:.3f} twell {ms['gated_ffn']:.3f} ({sp['gated_ffn']:.2f}x)",
         ]
         + ([gpu_only_summary(rec["speedup_gpu_only"])] if "speedup_gpu_only" in rec else [])
+        + ([e4m3_summary(rec)] if "gated_ffn_e4m3" in ms else [])
+    )
+
+
+def e4m3_summary(rec: dict[str, Any]) -> str:
+    """The plans with fp8 e4m3 rows: speed-ups over dense and relative errors against it."""
+    sp, err = rec["speedup"], rec["rel_error_vs_dense"]
+    return (
+        f"e4m3 rows: ffn {sp['ffn_e4m3']:.2f}x (error {err['ffn_e4m3']:.1e}), "
+        f"gated {sp['gated_ffn_e4m3']:.2f}x (error {err['gated_ffn_e4m3']:.1e})"
     )
 
 

@@ -50,6 +50,8 @@ def test_ffn_bench_summary_line():
     record = next(r for r in _load("report").load(ROOT / "bench" / "results") if r["kind"] == "ffn")
     line = bench.summary_line(record)
     assert record["pattern"] in line and "gated" in line
+    fp8 = next(r for r in _load("report").load(ROOT / "bench" / "results") if "gated_ffn_e4m3" in r.get("ms", {}))
+    assert "e4m3 rows: ffn" in bench.summary_line(fp8)
 
 
 def test_byte_model_runs(capsys):
