@@ -319,8 +319,7 @@ def tables(records: list[dict[str, Any]]) -> str:
     parts = [ffn_table([r for r in ffn if tuple(r["shape"]) == shape]) for shape in shapes] or [ffn_table([])]
     training = training_table(latest(records, "train_step"), latest(records, "model"))
     text = "\n\n".join(parts) + ("\n" + training if training else "")
-    fp8 = fp8_table(latest_per_case(records, "ffn", ("shape", "pattern", "density_target")))
-    for extra in (fp8, micro_tables(records), jax_table(records)):
+    for extra in (fp8_table(ffn), micro_tables(records), jax_table(records)):
         if extra:
             text += "\n\n" + extra
     return text

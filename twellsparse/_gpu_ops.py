@@ -11,10 +11,11 @@ import numpy as np
 
 from . import _kernels as K
 from . import _stationary
-from ._backend import bfloat16, cupy_module
+from ._backend import bfloat16, cupy_module, is_cupy_array
 from ._errors import TwELLFallbackWarning
 from ._gpu_convert import TransposedPattern, row_stride, rows_aligned, transposed_pattern
 from ._parts import TwELLParts
+from ._quantize import QuantizedRows
 
 
 def _cp() -> Any:
@@ -158,8 +159,6 @@ def spmm_e4m3(
 def quantized_rows_serve(rows: Any, dtype: Any) -> bool:
     """Whether :func:`spmm_e4m3` takes ``rows`` (``_quantize.QuantizedRows``) for products in
     ``dtype``: codes on the GPU, a 2-byte ``dtype``, rows of a multiple of 8 codes."""
-    from ._backend import is_cupy_array
-
     return is_cupy_array(rows.data) and np.dtype(dtype).itemsize == 2 and rows.shape[1] % 8 == 0
 
 
@@ -168,8 +167,6 @@ def down_spmm(parts: TwELLParts, tile_n: int, w_down: Any, out: Any) -> Any:
     ``w_down`` (N x K), :func:`spmm_e4m3` on ``_quantize.QuantizedRows`` (the caller checked
     :func:`quantized_rows_serve`; an ``out`` whose rows are not 16-byte aligned gets the result
     copied in)."""
-    from ._quantize import QuantizedRows
-
     if not isinstance(w_down, QuantizedRows):
         return spmm(parts, tile_n, w_down, out)
     if rows_aligned((out, max(out.strides[0] // out.itemsize, out.shape[1], 1))) and out.strides[1] == out.itemsize:
@@ -391,8 +388,6 @@ def gated_consumer_eligible(x: Any, w_up: Any, w_down_t: Any) -> bool:
     """Whether :func:`gated_consumer` can run on these operands: 16-byte rows of one dtype, or
     either weight as ``_quantize.QuantizedRows`` that :func:`quantized_rows_serve` (x's rows
     still 16-byte aligned)."""
-    from ._quantize import QuantizedRows
-
     aligned = [row_stride(x)]
     if isinstance(w_up, QuantizedRows):  # its kernel stages x rows in shared memory (~28000 values at most)
         if _x_stage_bytes(x.shape[1]) > K.device_attribute("MaxSharedMemoryPerBlockOptin"):
@@ -436,8 +431,6 @@ def gated_consumer(
     """
     cp = _cp()
     m, nt, cap = gate.data.shape
-    from ._quantize import QuantizedRows
-
     x, ldx = row_stride(x)
     up_rows: tuple[Any, ...]
     if isinstance(w_up, QuantizedRows):  # codes (C-contiguous), scales, row stride

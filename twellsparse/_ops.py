@@ -7,7 +7,6 @@ Each op validates its inputs, then runs the CPU reference (NumPy inputs) or the 
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -16,9 +15,8 @@ import numpy as np
 from . import _convert as conv
 from . import _reference as ref
 from ._backend import as_array, device_name, is_cupy_array, result_dtype, value_dtype
-from ._errors import TwELLFallbackWarning
 from ._parts import DeferredFinish, TwELLParts
-from ._quantize import QuantizedRows, matmul_quantized
+from ._quantize import QuantizedRows, decoded_for_fallback, matmul_quantized
 from ._transpose import twell_transpose
 from ._twell import twell_array
 from ._validation import check_activation, check_layout, check_ndim, check_threshold
@@ -216,14 +214,8 @@ def _sddmm_quantized_rows(x: Any, rows: QuantizedRows, pattern: twell_array) -> 
     dt = value_dtype(x.dtype)
     if not is_cupy_array(x):
         return ref.sddmm_values(pattern.parts, pattern.tile_n, x, rows.dequantize(np.float64), dt, False)
-    wide = np.float64 if dt == np.float64 else np.float32
-    warnings.warn(
-        "gated FFN: quantized up rows take the fp8 kernel with bfloat16/float16 x of 16-byte rows and rows of a "
-        f"multiple of 8 codes; here ({dt.name}, {rows.shape[1]} per row) they are decoded to {np.dtype(wide).name}",
-        TwELLFallbackWarning,
-        stacklevel=4,
-    )
-    parts, _ = _sddmm_parts(x.astype(wide, copy=False), rows.dequantize(wide), pattern, scale=False)
+    decoded = decoded_for_fallback(rows, dt, "gated FFN")
+    parts, _ = _sddmm_parts(x.astype(decoded.dtype, copy=False), decoded, pattern, scale=False)
     return _cast_parts(parts, dt)
 
 

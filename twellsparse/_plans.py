@@ -33,8 +33,7 @@ from ._ops import (
 )
 from ._parts import DeferredFinish, trimmed_spill
 from ._posted import PostedScalar
-from ._quantize import FORMATS as QUANTIZED_FORMATS
-from ._quantize import quantize_rows
+from ._quantize import check_format, quantize_rows
 from ._twell import twell_array
 from ._validation import check_activation, check_capacity, check_spill_capacity, check_threshold, check_tile_n
 
@@ -94,12 +93,8 @@ class _FFNPlanBase:
         down_format: str | None = None,
         up_format: str | None = None,
     ) -> None:
-        for name, value in (("down_format", down_format), ("up_format", up_format)):
-            if value is not None and value not in QUANTIZED_FORMATS:
-                raise ValueError(
-                    f"{name}: expected None or one of {', '.join(map(repr, QUANTIZED_FORMATS))}, got {value!r}"
-                )
-        self.down_format, self.up_format = down_format, up_format
+        self.down_format = check_format(down_format, "down_format", optional=True)
+        self.up_format = check_format(up_format, "up_format", optional=True)
         self.activation = check_activation(activation)
         self.spill_capacity = check_spill_capacity(spill_capacity)
         self._warned_static = False

@@ -28,6 +28,29 @@ E4M3_MAX = np.float32(448.0)
 _E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
+def check_format(value: Any, name: str = "format", optional: bool = False) -> Any:
+    """``value`` if it names one of :data:`FORMATS` (or is None where ``optional``), else a
+    one-line ValueError naming ``name``."""
+    if value in FORMATS or (optional and value is None):
+        return value
+    choices = ("None or " if optional else "") + f"one of {', '.join(map(repr, FORMATS))}"
+    raise ValueError(f"{name}: expected {choices}, got {value!r}")
+
+
+def decoded_for_fallback(rows: QuantizedRows, dt: Any, op: str) -> Any:
+    """``rows`` decoded to float32 (float64 for float64 ``dt``) where the fp8 kernels cannot
+    take them on the GPU, with the :class:`TwELLFallbackWarning` that says so."""
+    wide = np.float64 if np.dtype(dt) == np.float64 else np.float32
+    warnings.warn(
+        f"{op}: quantized rows take the fp8 kernels with bfloat16/float16 values, 16-byte-aligned rows and rows "
+        f"of a multiple of 8 codes; here ({np.dtype(dt).name}, {rows.shape[1]} per row) they are decoded to "
+        f"{np.dtype(wide).name} for the usual product",
+        TwELLFallbackWarning,
+        stacklevel=5,
+    )
+    return rows.dequantize(wide)
+
+
 class QuantizedRows:
     """The rows of a dense ``N x K`` matrix ``B`` as fp8 e4m3 codes with one float32 scale per
     row, for ``matmul(a, rows)`` (``a @ B`` with ``B``'s rows decoded as ``code * scale``).
@@ -43,8 +66,7 @@ class QuantizedRows:
     """
 
     def __init__(self, data: Any, scales: Any, format: str = "e4m3") -> None:
-        if format not in FORMATS:
-            raise ValueError(f"format: expected one of {', '.join(map(repr, FORMATS))}, got {format!r}")
+        check_format(format)
         if data.dtype != np.uint8 or data.ndim != 2:
             raise ValueError(f"data: expected a 2-D uint8 array of codes, got {data.ndim}-D {data.dtype}")
         if scales.dtype != np.float32 or scales.shape != data.shape[:1]:
@@ -99,8 +121,7 @@ def quantize_rows(b: Any, format: str = "e4m3") -> QuantizedRows:
     ValueError
         For another format, a non-2-D ``b`` or a non-finite value in it.
     """
-    if format not in FORMATS:
-        raise ValueError(f"format: expected one of {', '.join(map(repr, FORMATS))}, got {format!r}")
+    check_format(format)
     xp = array_module(b)
     b = xp.asarray(b)
     if b.ndim != 2:
@@ -149,24 +170,11 @@ def matmul_quantized(base: Any, rows: QuantizedRows, dt: Any, out: Any) -> Any:
     from . import _gpu_ops
     from ._ops import _cast_parts, _matmul_gpu
 
-    if np.dtype(dt).itemsize == 2 and rows.shape[1] % 8 == 0:
-        target = out if out is not None and (shape[1] <= 1 or out.strides[1] == out.itemsize) else None
-        result = target if target is not None else cp.empty(shape, dtype=dt)
-        if _gpu_ops.rows_aligned((result, max(result.strides[0] // result.itemsize, shape[1], 1))):
-            _gpu_ops.spmm_e4m3(_cast_parts(base.parts, dt), base.tile_n, rows.data, rows.scales, result)
-            if out is not None and target is None:
-                out[...] = result
-                return out
-            return result
-    wide = np.float64 if np.dtype(dt) == np.float64 else np.float32
-    warnings.warn(
-        "matmul: quantized rows take the fp8 kernel with bfloat16/float16 values and rows of a multiple of 8 "
-        f"codes into 16-byte-aligned output rows; here ({np.dtype(dt).name}, {rows.shape[1]} per row) they are "
-        f"decoded to {np.dtype(wide).name} for the usual product",
-        TwELLFallbackWarning,
-        stacklevel=4,
-    )
-    result = _matmul_gpu(base, rows.dequantize(wide), wide, shape, False, None, False).astype(dt, copy=False)
+    if _gpu_ops.quantized_rows_serve(rows, dt):
+        result = out if out is not None else cp.empty(shape, dtype=dt)
+        return _gpu_ops.down_spmm(_cast_parts(base.parts, dt), base.tile_n, rows, result)
+    decoded = decoded_for_fallback(rows, dt, "matmul")
+    result = _matmul_gpu(base, decoded, decoded.dtype, shape, False, None, False).astype(dt, copy=False)
     if out is None:
         return result
     out[...] = result
