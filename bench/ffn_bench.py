@@ -97,6 +97,9 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
     # Opt-in and lossy: the gathered weight rows (W_down's, and the gated block's W_up) in fp8 e4m3.
     gated_e4m3 = ts.GatedFFN(wg, wu, wd, dispatch="sparse", down_format="e4m3", up_format="e4m3")
     plain_e4m3 = ts.FFN(wg, wd, dispatch="sparse", down_format="e4m3")
+    # The same with auto: dense (decoded weights) above the e4m3 break-even (_dispatch.E4M3_CROSSING_FACTOR).
+    gated_e4m3_auto = ts.GatedFFN(wg, wu, wd, dispatch="auto", down_format="e4m3", up_format="e4m3")
+    plain_e4m3_auto = ts.FFN(wg, wd, dispatch="auto", down_format="e4m3")
     wd_t = cp.ascontiguousarray(wd.T)
     h = ts.linear_to_twell(x, wg)
     h_dense = h.toarray()
@@ -130,6 +133,8 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
         "ffn_auto": ms(lambda: plain_auto(x)),
         "gated_ffn_e4m3": ms(lambda: gated_e4m3(x)),
         "ffn_e4m3": ms(lambda: plain_e4m3(x)),
+        "gated_ffn_e4m3_auto": ms(lambda: gated_e4m3_auto(x)),
+        "ffn_e4m3_auto": ms(lambda: plain_e4m3_auto(x)),
     }
     main_rows = {
         "dense_gemm": lambda: nt(x, wg),
@@ -228,6 +233,8 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
             "ffn_auto": rows["dense_ffn"]["median"] / rows["ffn_auto"]["median"],
             "gated_ffn_e4m3": rows["dense_gated_ffn"]["median"] / rows["gated_ffn_e4m3"]["median"],
             "ffn_e4m3": rows["dense_ffn"]["median"] / rows["ffn_e4m3"]["median"],
+            "gated_ffn_e4m3_auto": rows["dense_gated_ffn"]["median"] / rows["gated_ffn_e4m3_auto"]["median"],
+            "ffn_e4m3_auto": rows["dense_ffn"]["median"] / rows["ffn_e4m3_auto"]["median"],
         },
         "ms_gpu_only": gpu_only,
         "speedup_gpu_only": {
@@ -239,6 +246,7 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
         },
         "auto_path": gated_auto.last_stats.get("path"),
         "ffn_auto_path": plain_auto.last_stats.get("path"),
+        "e4m3_auto_paths": [gated_e4m3_auto.last_stats.get("path"), plain_e4m3_auto.last_stats.get("path")],
         "rel_error_vs_dense": errors,
     }
 
@@ -280,6 +288,12 @@ def e4m3_summary(rec: dict[str, Any]) -> str:
     return (
         f"e4m3 rows: ffn {sp['ffn_e4m3']:.2f}x (error {err['ffn_e4m3']:.1e}), "
         f"gated {sp['gated_ffn_e4m3']:.2f}x (error {err['gated_ffn_e4m3']:.1e})"
+        + (
+            f"; auto ffn {sp['ffn_e4m3_auto']:.2f}x, gated {sp['gated_ffn_e4m3_auto']:.2f}x"
+            f" (paths {'/'.join(str(p) for p in rec.get('e4m3_auto_paths', []))})"
+            if "ffn_e4m3_auto" in sp
+            else ""
+        )
     )
 
 
