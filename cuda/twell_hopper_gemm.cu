@@ -7,8 +7,19 @@
 // bulk tensor copy engine (TMA, 128-byte swizzle) and an mbarrier per stage; warpgroups 1 and 2
 // each multiply their 64 rows of the block's 128 x 256 output tile with wgmma m64n256k16
 // (accumulators in registers, fp32). Output tiles are visited in groups of GROUP_M row blocks so
-// that the x rows and w rows a wave of blocks reads stay in L2. The copy thread runs ahead into
-// the next tile while the math warpgroups run the epilogue.
+// that the x rows and w rows a wave of blocks reads stay in L2.
+//
+// Two schedules (the kernel's SPLIT argument):
+// - SPLIT = 1 (the default): the copy warpgroup's other three warps pack. After a tile's last
+//   MMA the math warpgroups round their accumulators to T (two per register) into a 64 KB shared
+//   hand-off buffer, arrive on a barrier and start the next tile's MMAs while the pack warps run
+//   the epilogue below on the handed-off tile; the buffer is free again when the pack warps
+//   arrive on a second barrier. The tensor cores no longer wait for the epilogue; the price is
+//   one ring stage (3 of 48 KB instead of 4) for the buffer, and no register shift between the
+//   warpgroups (every thread keeps the 168 registers a block of 384 threads allows: the pack
+//   warps need ~100, the math warps' m64n256 MMAs ~154; 512 threads would leave 128).
+// - SPLIT = 0: 384 threads, 4 stages; the math warpgroups pack their own tile after its MMAs (the
+//   copy thread runs ahead into the next tile meanwhile). Kept for comparison.
 //
 // Epilogue. In the wgmma accumulator layout a row's 256 columns are spread over a quad of four
 // lanes: lane q holds columns 8j + 2q + e (j < 32, e < 2). Each lane builds a 64-bit mask of its
@@ -37,16 +48,28 @@
 namespace twell {
 namespace hopper {
 
-constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4, GROUP_M = 16;
-constexpr int THREADS = 384;
+constexpr int BM = 128, BN = 256, BK = 64, GROUP_M = 16;
 constexpr int A_BYTES = BM * BK * 2;
 constexpr int B_BYTES = BN * BK * 2;
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int MAX_ROW_SLOTS = 64;                    // slots of one row in one output tile
 constexpr int WARP_STAGE_BYTES = 8 * MAX_ROW_SLOTS * 4;  // 8 rows x slots x (value + index)
-constexpr int BARRIER_BYTES = 2 * STAGES * 8;
-// 1 KB of slack to align the ring to the 128-byte swizzle's 1024-byte pattern.
-constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + BARRIER_BYTES + 8 * WARP_STAGE_BYTES;
+constexpr int HANDOFF_WORDS = BM * BN / 2;               // the tile rounded to T, two per word
+
+// Launch shape and shared memory of each schedule (twellsparse._hopper_producer mirrors them).
+template <int SPLIT> struct Schedule {
+  static constexpr int THREADS = 384;
+  static constexpr int STAGES = SPLIT ? 3 : 4;
+  static constexpr int PACK_WARPS = SPLIT ? 3 : 8;  // warps running the epilogue, a slot stage each
+  static constexpr int HANDOFF_BYTES = SPLIT ? HANDOFF_WORDS * 4 : 0;
+  // full[s], empty[s], then (SPLIT) handed-off and drained
+  static constexpr int BARRIER_BYTES = (2 * STAGES + (SPLIT ? 2 : 0)) * 8;
+  // 1 KB of slack to align the ring to the 128-byte swizzle's 1024-byte pattern.
+  static constexpr int SMEM_BYTES =
+      1024 + STAGES * STAGE_BYTES + HANDOFF_BYTES + BARRIER_BYTES + PACK_WARPS * WARP_STAGE_BYTES;
+};
+static_assert(Schedule<1>::SMEM_BYTES <= 227 * 1024, "the split schedule fits an SM's shared memory");
+static_assert(Schedule<0>::SMEM_BYTES <= 227 * 1024, "the inline schedule fits an SM's shared memory");
 
 // cuTensorMapEncodeTiled's opaque 128-byte descriptor, passed by value (__grid_constant__).
 struct alignas(64) TensorMap {
@@ -177,14 +200,23 @@ struct PackArgs {
   double threshold;
 };
 
-// One half (i) of a consumer warp's 16 rows: 8 rows, each held by a quad.
-template <typename T, int ACT, int I>
-__device__ __forceinline__ void pack_rows(const float* acc, const PackArgs& p, int row0, int nb, unsigned char* stage,
-                                          T* __restrict__ data, short* __restrict__ indices,
-                                          int* __restrict__ counts, int* __restrict__ row_tile_nnz,
-                                          T* __restrict__ h, unsigned* __restrict__ mask, long long mask_ld) {
+// The accumulators of one half (I) of a math warp's 16 rows rounded to T, two per register
+// (e = 0 low, e = 1 high): what the epilogue starts from. Registers are indexed by constants only.
+template <typename T, int I> __device__ __forceinline__ void rounded_pairs(const float* acc, unsigned (&pair)[32]) {
+#pragma unroll
+  for (int j = 0; j < 32; ++j) pair[j] = rounded_pair<T>(acc[4 * j + 2 * I], acc[4 * j + 2 * I + 1]);
+}
+
+// The epilogue of one half (half) of a math warp's 16 rows: 8 rows, each held by a quad of lanes
+// in the accumulator layout, from their values rounded to T (rounded_pairs). Run by the math warp
+// itself (SPLIT = 0) or by a pack warp whose lanes stand for the math warp's (SPLIT = 1).
+template <typename T, int ACT>
+__device__ __forceinline__ void pack_pairs(unsigned (&pair)[32], int half, const PackArgs& p, int row0, int nb,
+                                           unsigned char* stage, T* __restrict__ data, short* __restrict__ indices,
+                                           int* __restrict__ counts, int* __restrict__ row_tile_nnz,
+                                           T* __restrict__ h, unsigned* __restrict__ mask, long long mask_ld) {
   const int lane = threadIdx.x & 31, q = lane & 3, r = lane >> 2;
-  const int row = row0 + I * 8 + r;
+  const int row = row0 + half * 8 + r;
   const int tiles_here = BN / p.tile_n;
   const int tile0 = nb * tiles_here;
   const int row_slots = tiles_here * p.capacity;
@@ -194,20 +226,16 @@ __device__ __forceinline__ void pack_rows(const float* acc, const PackArgs& p, i
   T* s_val = reinterpret_cast<T*>(stage);
   short* s_idx = reinterpret_cast<short*>(stage + 8 * MAX_ROW_SLOTS * sizeof(T));
 
-  // This half's 64 values, rounded and activated, two per register (e = 0 low, e = 1 high):
-  // registers indexed by constants only, and a select chain below for a run-time index, so the
-  // epilogue stays small code (an unrolled branch per entry made it large enough to miss the
-  // instruction cache on every tile).
+  // The activation on the rounded values (the GEMM-then-pack order: z rounded to T, activated in
+  // fp32, rounded again); plain relu keeps positive values as they are. A select chain below
+  // picks a pair by a run-time index, so the epilogue stays small code (an unrolled branch per
+  // entry made it large enough to miss the instruction cache on every tile).
   const bool plain_relu = ACT == ACT_RELU && p.threshold < 0.0;
-  unsigned pair[32];
-  if (plain_relu) {  // kept values are positive: relu leaves them as they round
-#pragma unroll
-    for (int j = 0; j < 32; ++j) pair[j] = rounded_pair<T>(acc[4 * j + 2 * I], acc[4 * j + 2 * I + 1]);
-  } else {
+  if (!plain_relu) {
 #pragma unroll
     for (int j = 0; j < 32; ++j)
-      pair[j] = (unsigned)activated<T, ACT>(acc[4 * j + 2 * I]).bits |
-                ((unsigned)activated<T, ACT>(acc[4 * j + 2 * I + 1]).bits << 16);
+      pair[j] = (unsigned)activated<T, ACT>(to_acc(value_of<T>(pair[j]))).bits |
+                ((unsigned)activated<T, ACT>(to_acc(value_of<T>(pair[j] >> 16))).bits << 16);
   }
   unsigned long long mine = 0;
   if (plain_relu) {
@@ -308,7 +336,7 @@ __device__ __forceinline__ void pack_rows(const float* acc, const PackArgs& p, i
   const int per_row = val_vectors + idx_vectors;  // at most MAX_ROW_SLOTS / 4
   const int k = lane & 15;  // a half-warp per row, two rows per step: no division
   for (int rr = lane >> 4; rr < 8; rr += 2) {
-    const long long grow = row0 + I * 8 + rr;
+    const long long grow = row0 + half * 8 + rr;
     if (grow >= p.M || k >= per_row) continue;
     const long long slot0 = (grow * p.n_tiles + tile0) * p.capacity;
     if (k < val_vectors)
@@ -326,19 +354,24 @@ __device__ __forceinline__ void pack_rows(const float* acc, const PackArgs& p, i
 using namespace twell;
 
 // The fused producer: see the top of this file. Launch: persistent grid (at most one block per
-// SM), hopper::THREADS threads, hopper::SMEM_BYTES of dynamic shared memory.
-template <typename T, int ACT>
-__global__ void __launch_bounds__(hopper::THREADS, 1)
+// SM), hopper::Schedule<SPLIT>::THREADS threads and ::SMEM_BYTES of dynamic shared memory.
+template <typename T, int ACT, int SPLIT>
+__global__ void __launch_bounds__(hopper::Schedule<SPLIT>::THREADS, 1)
     twell_gemm_pack(const __grid_constant__ hopper::TensorMap map_x, const __grid_constant__ hopper::TensorMap map_w,
                     int M, int N, int K, int tile_n, int n_tiles, int capacity, double threshold,
                     T* __restrict__ data, short* __restrict__ indices, int* __restrict__ counts,
                     int* __restrict__ row_tile_nnz, T* __restrict__ h, unsigned* __restrict__ mask, long long mask_ld) {
   using namespace hopper;
+  using S = Schedule<SPLIT>;
+  constexpr int STAGES = S::STAGES;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<unsigned long long>(smem_raw) + 1023) & ~1023ull);
   const unsigned ring = smem_u32(smem);
-  const unsigned bars = ring + STAGES * STAGE_BYTES;  // full[s] at 8 s, empty[s] at 8 (STAGES + s)
-  unsigned char* epilogue_stage = smem + STAGES * STAGE_BYTES + BARRIER_BYTES;
+  unsigned* handoff = reinterpret_cast<unsigned*>(smem + STAGES * STAGE_BYTES);
+  // full[s] at 8 s, empty[s] at 8 (STAGES + s); SPLIT: handed-off at 16 STAGES, drained after it.
+  const unsigned bars = ring + STAGES * STAGE_BYTES + S::HANDOFF_BYTES;
+  const unsigned handed_off = bars + 16 * STAGES, drained = handed_off + 8;
+  unsigned char* epilogue_stage = smem + STAGES * STAGE_BYTES + S::HANDOFF_BYTES + S::BARRIER_BYTES;
 
   const int m_blocks = (M + BM - 1) / BM, n_blocks = (N + BN - 1) / BN, k_blocks = (K + BK - 1) / BK;
   const int tiles = m_blocks * n_blocks;
@@ -347,13 +380,19 @@ __global__ void __launch_bounds__(hopper::THREADS, 1)
       barrier_init(bars + 8 * s, 1);                 // the copy thread's expect_tx arrival
       barrier_init(bars + 8 * (STAGES + s), 8);      // one arrival per math warp
     }
+    if (SPLIT) {
+      barrier_init(handed_off, 256);                 // every math thread, after its stores
+      barrier_init(drained, 96);                     // every pack thread, after its loads
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
 
   const int wg = threadIdx.x / 128;
-  if (wg == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+  const int lane = threadIdx.x & 31;
+  const PackArgs args{M, N, tile_n, n_tiles, capacity, threshold};
+  if (wg == 0 && (!SPLIT || threadIdx.x < 32)) {
+    if (!SPLIT) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x == 0) {
       int it = 0;
       for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
@@ -368,16 +407,14 @@ __global__ void __launch_bounds__(hopper::THREADS, 1)
         }
       }
     }
-  } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  } else if (wg > 0) {
+    if (!SPLIT) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
     const int math = wg - 1;                    // rows 64 math .. 64 math + 63 of the tile
     const int warp = (threadIdx.x >> 5) & 3;    // rows 16 warp .. of those
-    const int lane = threadIdx.x & 31;
-    unsigned char* stage = epilogue_stage + (math * 4 + warp) * WARP_STAGE_BYTES;
-    const PackArgs args{M, N, tile_n, n_tiles, capacity, threshold};
+    const int v = math * 4 + warp;              // the math warp's 16 rows of the tile
     float acc[128];
-    int it = 0;
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    int it = 0, round = 0;
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x, ++round) {
       int mb, nb;
       tile_coords(t, m_blocks, n_blocks, mb, nb);
 #pragma unroll
@@ -397,11 +434,59 @@ __global__ void __launch_bounds__(hopper::THREADS, 1)
       }
       wgmma_wait<0>();
       if (k_blocks > 0 && lane == 0) barrier_arrive(bars + 8 * (STAGES + (it - 1) % STAGES));
-      const int row0 = mb * BM + math * 64 + warp * 16;
 #if TWELL_HOPPER_PACK
-      pack_rows<T, ACT, 0>(acc, args, row0, nb, stage, data, indices, counts, row_tile_nnz, h, mask, mask_ld);
-      pack_rows<T, ACT, 1>(acc, args, row0, nb, stage, data, indices, counts, row_tile_nnz, h, mask, mask_ld);
+      if (SPLIT) {
+        // Hand the tile over: once the pack warpgroup has drained the previous one, this warp's
+        // rounded pairs go to the buffer as 16-byte vectors (consecutive lanes, consecutive
+        // vectors: no bank conflicts), in the order the pack warp reads them back.
+        if (round > 0) barrier_wait(drained, (round - 1) & 1);
+        // Four pairs at a time, both halves, so the accumulators die as they go (no spill).
+        uint4* out = reinterpret_cast<uint4*>(handoff) + v * 2 * 8 * 32 + lane;
+#pragma unroll
+        for (int j4 = 0; j4 < 8; ++j4)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const float* a = acc + 16 * j4 + 2 * half;  // acc[4 j + 2 half + e], j = 4 j4 + jj
+            out[(half * 8 + j4) * 32] = make_uint4(rounded_pair<T>(a[0], a[1]), rounded_pair<T>(a[4], a[5]),
+                                                   rounded_pair<T>(a[8], a[9]), rounded_pair<T>(a[12], a[13]));
+          }
+        barrier_arrive(handed_off);
+      } else {
+        unsigned char* stage = epilogue_stage + v * WARP_STAGE_BYTES;
+        const int row0 = mb * BM + v * 16;
+        unsigned pair[32];
+        rounded_pairs<T, 0>(acc, pair);
+        pack_pairs<T, ACT>(pair, 0, args, row0, nb, stage, data, indices, counts, row_tile_nnz, h, mask, mask_ld);
+        rounded_pairs<T, 1>(acc, pair);
+        pack_pairs<T, ACT>(pair, 1, args, row0, nb, stage, data, indices, counts, row_tile_nnz, h, mask, mask_ld);
+      }
 #endif
     }
+  } else {
+#if TWELL_HOPPER_PACK
+    // The pack warps (SPLIT; warps 1-3): 16 units of work per handed-off tile, a half (8 rows)
+    // of one math warp's 16 rows each, taken round robin; the lanes stand for the math warp's.
+    const int pw = (threadIdx.x >> 5) - 1;
+    unsigned char* stage = epilogue_stage + pw * WARP_STAGE_BYTES;
+    int round = 0;
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x, ++round) {
+      int mb, nb;
+      tile_coords(t, m_blocks, n_blocks, mb, nb);
+      barrier_wait(handed_off, round & 1);
+      for (int u = pw; u < 16; u += 3) {
+        const int v = u >> 1, half = u & 1;
+        const uint4* in = reinterpret_cast<const uint4*>(handoff) + (v * 2 + half) * 8 * 32 + lane;
+        unsigned pair[32];
+#pragma unroll
+        for (int j4 = 0; j4 < 8; ++j4) {
+          const uint4 w4 = in[32 * j4];
+          pair[4 * j4] = w4.x, pair[4 * j4 + 1] = w4.y, pair[4 * j4 + 2] = w4.z, pair[4 * j4 + 3] = w4.w;
+        }
+        pack_pairs<T, ACT>(pair, half, args, mb * BM + v * 16, nb, stage, data, indices, counts, row_tile_nnz, h,
+                           mask, mask_ld);
+      }
+      barrier_arrive(drained);
+    }
+#endif
   }
 }

@@ -38,13 +38,28 @@ if TYPE_CHECKING:
 #: gated plan call 1.160 ms (bench/results/2026-12-03-stages.jsonl, commit fda3e67).
 ENABLED = os.environ.get("TWELL_FUSED_PRODUCER", "1") != "0"
 
+#: Whether the epilogue runs on warps of its own while the math warpgroups go on to the next
+#: tile's MMAs (the kernel's SPLIT schedule; ``TWELL_HOPPER_SPLIT=0`` in the environment at import
+#: keeps the inline epilogue, where the tensor cores wait for it). A module attribute so that one
+#: process can time both (bench/producer_probe.py).
+SPLIT_EPILOGUE = os.environ.get("TWELL_HOPPER_SPLIT", "1") != "0"
+
 #: Output tile of one block (BM x BN in the kernel) and its launch shape.
 BLOCK_ROWS, BLOCK_COLS, BLOCK_K = 128, 256, 64
 THREADS = 384
 MAX_ROW_SLOTS = 64
-#: Dynamic shared memory of one block: 1 KB alignment slack, 4 stages of 48 KB, the stage
-#: barriers and 8 warps' 2 KB slot stages (SMEM_BYTES in the kernel).
-SHARED_MEM = 1024 + 4 * (BLOCK_ROWS + BLOCK_COLS) * BLOCK_K * 2 + 2 * 4 * 8 + 8 * 8 * MAX_ROW_SLOTS * 4
+
+
+def shared_mem(split: bool) -> int:
+    """Dynamic shared memory of one block (``Schedule<SPLIT>::SMEM_BYTES`` in the kernel): 1 KB
+    of alignment slack, the ring of 48 KB stages (3 split, 4 inline), the 64 KB hand-off buffer
+    (split), the barriers, and a 2 KB slot stage per warp that packs (3 split, 8 inline)."""
+    stages, pack_warps = (3, 3) if split else (4, 8)
+    handoff = BLOCK_ROWS * BLOCK_COLS * 2 if split else 0
+    barriers = (2 * stages + (2 if split else 0)) * 8
+    slot_stages = pack_warps * 8 * MAX_ROW_SLOTS * 4  # 8 rows x slots x (value + index)
+    return 1024 + stages * (BLOCK_ROWS + BLOCK_COLS) * BLOCK_K * 2 + handoff + barriers + slot_stages
+
 
 # CUtensorMapDataType values (cuda.h) of the two dtypes served.
 _TENSOR_MAP_TYPE = {np.dtype(np.float16): 6, bfloat16: 9}
@@ -138,14 +153,15 @@ def linear_to_parts_deferred(
     maps = (tensor_map(x, BLOCK_ROWS), tensor_map(w, BLOCK_COLS))
     thr = np.float64(-1.0 if threshold is None else threshold)
     geometry = (np.int32(m), np.int32(n), np.int32(k), np.int32(tile_n), np.int32(nt), np.int32(capacity), thr)
-    gemm = f"twell_gemm_pack<{K.CXX_TYPE[x.dtype]}, {K.ACTIVATION_ID[activation]}>"
+    split = SPLIT_EPILOGUE
+    gemm = f"twell_gemm_pack<{K.CXX_TYPE[x.dtype]}, {K.ACTIVATION_ID[activation]}, {int(split)}>"
     blocks = min(-(-m // BLOCK_ROWS) * -(-n // BLOCK_COLS), K.sm_count())
     spill_pass = _gpu_convert.relu_mask_spill_pass(h, mask, mask_words, tile_n, capacity)
 
     def launch(data: Any, indices: Any, counts: Any, nnz: Any, offsets: Any, spill_idx: Any, spill_data: Any) -> None:
         if K.is_null(offsets):  # pass 1: the GEMM and its packing epilogue
             outputs = (data, indices, counts, nnz, h, mask, np.int64(mask_words))
-            K.launch_arch(gemm, (blocks,), (THREADS,), (*maps, *geometry, *outputs), SHARED_MEM)
+            K.launch_arch(gemm, (blocks,), (THREADS,), (*maps, *geometry, *outputs), shared_mem(split))
         else:
             spill_pass(data, indices, counts, nnz, offsets, spill_idx, spill_data)
 

@@ -184,9 +184,10 @@ ARCH_SOURCES: dict[str, tuple[str, list[str]]] = {
     "twell_hopper_gemm.cu": (
         "sm_90a",
         [
-            f"twell_gemm_pack<{CXX_TYPE[d]}, {ACTIVATION_ID[a]}>"
+            f"twell_gemm_pack<{CXX_TYPE[d]}, {ACTIVATION_ID[a]}, {split}>"
             for d in (np.dtype(np.float16), bfloat16)
             for a in HOPPER_ACTIVATIONS
+            for split in (0, 1)
         ],
     ),
 }
