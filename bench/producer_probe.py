@@ -1,5 +1,5 @@
 """The fused Hopper producer's pass 1 beside the cuBLASLt GEMM (standard problem, 0.5% uniform),
-with the split epilogue (pack warps of its own) and the inline one.
+under each of its schedules (``_hopper_producer.SCHEDULES``).
 
     TWELL_HOPPER_PACK=0 python bench/producer_probe.py   # the fused GEMM without its epilogue
 
@@ -25,12 +25,11 @@ def main() -> None:
     timer = Timer(10, on_gpu=True, flush_l2=True)
     gemm = timer(lambda: _gpu_ops.gemm_nt(x, wg))[1]["median"]
     build = os.environ.get("TWELL_HOPPER_PACK", "default")
-    for split in (True, False):  # the epilogue on warps of its own, then inline
-        _hopper_producer.SPLIT_EPILOGUE = split
+    for schedule in _hopper_producer.SCHEDULES:
+        _hopper_producer.SCHEDULE = schedule
         fused = timer(lambda: _hopper_producer.linear_to_parts_deferred(x, wg, "relu", 256, 32, None))[1]["median"]
-        schedule = "split" if split else "inline"
         print(
-            f"TWELL_HOPPER_PACK={build}, {schedule} epilogue: gemm {gemm:.3f} ms, fused pass 1 {fused:.3f} ms"
+            f"TWELL_HOPPER_PACK={build}, {schedule} schedule: gemm {gemm:.3f} ms, fused pass 1 {fused:.3f} ms"
             f" ({fused / gemm:.2f}x)"
         )
 

@@ -75,17 +75,19 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         "spill layout (CuPy operations)": lambda: fixed_spill_layout(g.parts.counts, 32, m * 64, xp=cp),
         "linear_to_twell": lambda: ts.linear_to_twell(x, wg),
         "fused producer, pass 1": lambda: _hopper_producer.linear_to_parts_deferred(x, wg, "relu", 256, 32, None),
-        # The same GEMM with the epilogue inline (the tensor cores wait for it; the split schedule's
-        # pack warps run it during the next tile's MMAs).
-        "fused producer, pass 1, inline epilogue": lambda: _with(
-            _hopper_producer,
-            "SPLIT_EPILOGUE",
-            False,
-            lambda: _hopper_producer.linear_to_parts_deferred(x, wg, "relu", 256, 32, None),
-        ),
-        "linear_to_twell, inline epilogue": lambda: _with(
-            _hopper_producer, "SPLIT_EPILOGUE", False, lambda: ts.linear_to_twell(x, wg)
-        ),
+        # The other schedules of the same kernel (the default is in the line above).
+        **{
+            f"fused producer, pass 1, {schedule} schedule": (
+                lambda schedule=schedule: _with(
+                    _hopper_producer,
+                    "SCHEDULE",
+                    schedule,
+                    lambda: _hopper_producer.linear_to_parts_deferred(x, wg, "relu", 256, 32, None),
+                )
+            )
+            for schedule in _hopper_producer.SCHEDULES
+            if schedule != _hopper_producer.SCHEDULE
+        },
         "linear_to_twell, cuBLASLt producer": lambda: _without_fused_producer(lambda: ts.linear_to_twell(x, wg)),
         "gated consumer": lambda: _gpu_ops.gated_consumer(g.parts, g.tile_n, x, wu, wd_t),
         "gated consumer (8, 2)": lambda: _gpu_ops.gated_consumer(g.parts, g.tile_n, x, wu, wd_t, variant=(8, 2)),

@@ -114,6 +114,50 @@ __device__ __forceinline__ void tma_load_2d(unsigned dst, const TensorMap* map, 
       : "memory");
 }
 
+// The same copy, delivered to the same shared-memory offset (data and barrier) in every CTA of
+// the cluster named by cta_mask.
+__device__ __forceinline__ void tma_load_2d_multicast(unsigned dst, const TensorMap* map, int c0, int c1, unsigned bar,
+                                                      unsigned short cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(cta_mask)
+      : "memory");
+}
+
+// An arrival on the barrier at this CTA's shared address bar, in the cluster's CTA `rank`.
+__device__ __forceinline__ void barrier_arrive_in(unsigned bar, unsigned rank) {
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+      "}\n" ::"r"(bar),
+      "r"(rank)
+      : "memory");
+}
+
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+// Every thread of every CTA of the cluster (release / acquire: shared-memory writes before it,
+// barrier initialisations included, are visible to the cluster after it).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
+// A math warp's release of a ring stage: an arrival on the stage's empty barrier in every CTA of
+// the cluster (each CTA's copy thread writes into all of them).
+template <int CLUSTER> __device__ __forceinline__ void release_stage(unsigned bar) {
+  if (CLUSTER == 1) barrier_arrive(bar);
+  else
+#pragma unroll
+    for (unsigned c = 0; c < CLUSTER; ++c) barrier_arrive_in(bar, c);
+}
+
 // A K-major operand tile in the 128-byte swizzle: rows of 64 16-bit values (128 bytes), 8-row
 // groups 1024 bytes apart. Advancing 16 values along K adds 32 bytes (2 in the address field).
 __device__ __forceinline__ unsigned long long sw128_descriptor(unsigned saddr) {
@@ -142,11 +186,11 @@ template <> __device__ __forceinline__ void wgmma_m64n256k16<f16>(float* d, unsi
 }
 #undef TWELL_WGMMA_M64N256K16
 
-// Output tile t -> (row block, column block), GROUP_M row blocks at a time.
-__device__ __forceinline__ void tile_coords(int t, int m_blocks, int n_blocks, int& mb, int& nb) {
-  const int per_group = GROUP_M * n_blocks;
-  const int first = (t / per_group) * GROUP_M;
-  const int rows = min(m_blocks - first, GROUP_M);
+// Output tile t -> (row block, column block), `group` row blocks at a time.
+__device__ __forceinline__ void tile_coords(int t, int m_blocks, int n_blocks, int group, int& mb, int& nb) {
+  const int per_group = group * n_blocks;
+  const int first = (t / per_group) * group;
+  const int rows = min(m_blocks - first, group);
   const int r = t % per_group;
   mb = first + r % rows;
   nb = r / rows;
@@ -348,20 +392,19 @@ __device__ __forceinline__ void pack_pairs(unsigned (&pair)[32], int half, const
   __syncwarp();
 }
 
-}  // namespace hopper
-}  // namespace twell
-
-using namespace twell;
-
-// The fused producer: see the top of this file. Launch: persistent grid (at most one block per
-// SM), hopper::Schedule<SPLIT>::THREADS threads and ::SMEM_BYTES of dynamic shared memory.
-template <typename T, int ACT, int SPLIT>
-__global__ void __launch_bounds__(hopper::Schedule<SPLIT>::THREADS, 1)
-    twell_gemm_pack(const __grid_constant__ hopper::TensorMap map_x, const __grid_constant__ hopper::TensorMap map_w,
-                    int M, int N, int K, int tile_n, int n_tiles, int capacity, double threshold,
-                    T* __restrict__ data, short* __restrict__ indices, int* __restrict__ counts,
-                    int* __restrict__ row_tile_nnz, T* __restrict__ h, unsigned* __restrict__ mask, long long mask_ld) {
-  using namespace hopper;
+// The kernel body (see the top of this file) for a cluster of CLUSTER CTAs along M (1 or 2): the
+// CTAs of a cluster compute row blocks CLUSTER p .. CLUSTER p + CLUSTER - 1 of one column block,
+// and each copies 1 / CLUSTER of the shared w tile into every CTA's stage (TMA multicast), so the
+// L2 sends each w tile once per cluster instead of once per CTA. A stage is then refilled only
+// when the math warps of every CTA have released it: each math warp arrives on the stage's
+// barrier in every CTA of the cluster.
+template <typename T, int ACT, int SPLIT, int CLUSTER>
+__device__ __forceinline__ void gemm_pack(const TensorMap& map_x, const TensorMap& map_w, int M, int N, int K,
+                                          int tile_n, int n_tiles, int capacity, double threshold,
+                                          T* __restrict__ data, short* __restrict__ indices, int* __restrict__ counts,
+                                          int* __restrict__ row_tile_nnz, T* __restrict__ h,
+                                          unsigned* __restrict__ mask, long long mask_ld) {
+  static_assert(CLUSTER == 1 || (CLUSTER == 2 && BN % 2 == 0), "clusters of 1 or 2 CTAs");
   using S = Schedule<SPLIT>;
   constexpr int STAGES = S::STAGES;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -374,11 +417,16 @@ __global__ void __launch_bounds__(hopper::Schedule<SPLIT>::THREADS, 1)
   unsigned char* epilogue_stage = smem + STAGES * STAGE_BYTES + S::HANDOFF_BYTES + S::BARRIER_BYTES;
 
   const int m_blocks = (M + BM - 1) / BM, n_blocks = (N + BN - 1) / BN, k_blocks = (K + BK - 1) / BK;
-  const int tiles = m_blocks * n_blocks;
+  // The cluster's work items: CLUSTER row blocks x one column block (rows past M read as zeros
+  // and are not written), visited GROUP_M row blocks at a time.
+  const int m_groups = (m_blocks + CLUSTER - 1) / CLUSTER;
+  const int tiles = m_groups * n_blocks;
+  const int first_tile = blockIdx.x / CLUSTER, tile_step = gridDim.x / CLUSTER;
+  const unsigned rank = CLUSTER > 1 ? cluster_rank() : 0u;
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       barrier_init(bars + 8 * s, 1);                 // the copy thread's expect_tx arrival
-      barrier_init(bars + 8 * (STAGES + s), 8);      // one arrival per math warp
+      barrier_init(bars + 8 * (STAGES + s), 8 * CLUSTER);  // one arrival per math warp of the cluster
     }
     if (SPLIT) {
       barrier_init(handed_off, 256);                 // every math thread, after its stores
@@ -386,7 +434,8 @@ __global__ void __launch_bounds__(hopper::Schedule<SPLIT>::THREADS, 1)
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();
+  if (CLUSTER > 1) cluster_sync();  // the peers' barriers exist before any copy or arrival reaches them
+  else __syncthreads();
 
   const int wg = threadIdx.x / 128;
   const int lane = threadIdx.x & 31;
@@ -395,15 +444,20 @@ __global__ void __launch_bounds__(hopper::Schedule<SPLIT>::THREADS, 1)
     if (!SPLIT) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x == 0) {
       int it = 0;
-      for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-        int mb, nb;
-        tile_coords(t, m_blocks, n_blocks, mb, nb);
+      for (int t = first_tile; t < tiles; t += tile_step) {
+        int mg, nb;
+        tile_coords(t, m_groups, n_blocks, GROUP_M / CLUSTER, mg, nb);
+        const int mb = mg * CLUSTER + (int)rank;
         for (int kb = 0; kb < k_blocks; ++kb, ++it) {
           const int s = it % STAGES;
           barrier_wait(bars + 8 * (STAGES + s), ((it / STAGES) & 1) ^ 1);
-          barrier_expect_bytes(bars + 8 * s, STAGE_BYTES);
+          barrier_expect_bytes(bars + 8 * s, STAGE_BYTES);  // x tile and the whole w tile land here
           tma_load_2d(ring + s * STAGE_BYTES, &map_x, kb * BK, mb * BM, bars + 8 * s);
-          tma_load_2d(ring + s * STAGE_BYTES + A_BYTES, &map_w, kb * BK, nb * BN, bars + 8 * s);
+          if (CLUSTER == 1)
+            tma_load_2d(ring + s * STAGE_BYTES + A_BYTES, &map_w, kb * BK, nb * BN, bars + 8 * s);
+          else  // this CTA's share of the w tile, to every CTA (map_w's boxes are BN / CLUSTER rows)
+            tma_load_2d_multicast(ring + s * STAGE_BYTES + A_BYTES + rank * (B_BYTES / CLUSTER), &map_w, kb * BK,
+                                  nb * BN + (int)rank * (BN / CLUSTER), bars + 8 * s, (1u << CLUSTER) - 1u);
         }
       }
     }
@@ -414,9 +468,10 @@ __global__ void __launch_bounds__(hopper::Schedule<SPLIT>::THREADS, 1)
     const int v = math * 4 + warp;              // the math warp's 16 rows of the tile
     float acc[128];
     int it = 0, round = 0;
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x, ++round) {
-      int mb, nb;
-      tile_coords(t, m_blocks, n_blocks, mb, nb);
+    for (int t = first_tile; t < tiles; t += tile_step, ++round) {
+      int mg, nb;
+      tile_coords(t, m_groups, n_blocks, GROUP_M / CLUSTER, mg, nb);
+      const int mb = mg * CLUSTER + (int)rank;
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] = 0.f;
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
@@ -430,10 +485,10 @@ __global__ void __launch_bounds__(hopper::Schedule<SPLIT>::THREADS, 1)
           wgmma_m64n256k16<T>(acc, sw128_descriptor(a_tile) + 2 * kk, sw128_descriptor(b_tile) + 2 * kk);
         wgmma_commit();
         wgmma_wait<1>();  // the previous k block's products are done: free its stage
-        if (kb > 0 && lane == 0) barrier_arrive(bars + 8 * (STAGES + (it - 1) % STAGES));
+        if (kb > 0 && lane == 0) release_stage<CLUSTER>(bars + 8 * (STAGES + (it - 1) % STAGES));
       }
       wgmma_wait<0>();
-      if (k_blocks > 0 && lane == 0) barrier_arrive(bars + 8 * (STAGES + (it - 1) % STAGES));
+      if (k_blocks > 0 && lane == 0) release_stage<CLUSTER>(bars + 8 * (STAGES + (it - 1) % STAGES));
 #if TWELL_HOPPER_PACK
       if (SPLIT) {
         // Hand the tile over: once the pack warpgroup has drained the previous one, this warp's
@@ -469,9 +524,10 @@ __global__ void __launch_bounds__(hopper::Schedule<SPLIT>::THREADS, 1)
     const int pw = (threadIdx.x >> 5) - 1;
     unsigned char* stage = epilogue_stage + pw * WARP_STAGE_BYTES;
     int round = 0;
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x, ++round) {
-      int mb, nb;
-      tile_coords(t, m_blocks, n_blocks, mb, nb);
+    for (int t = first_tile; t < tiles; t += tile_step, ++round) {
+      int mg, nb;
+      tile_coords(t, m_groups, n_blocks, GROUP_M / CLUSTER, mg, nb);
+      const int mb = mg * CLUSTER + (int)rank;
       barrier_wait(handed_off, round & 1);
       for (int u = pw; u < 16; u += 3) {
         const int v = u >> 1, half = u & 1;
@@ -489,4 +545,37 @@ __global__ void __launch_bounds__(hopper::Schedule<SPLIT>::THREADS, 1)
     }
 #endif
   }
+  // No CTA leaves while a peer may still copy into its shared memory or arrive on its barriers.
+  if (CLUSTER > 1) cluster_sync();
+}
+
+}  // namespace hopper
+}  // namespace twell
+
+using namespace twell;
+
+// The fused producer, one CTA per work item. Launch: persistent grid (at most one block per SM),
+// hopper::Schedule<SPLIT>::THREADS threads and ::SMEM_BYTES of dynamic shared memory.
+template <typename T, int ACT, int SPLIT>
+__global__ void __launch_bounds__(hopper::Schedule<SPLIT>::THREADS, 1)
+    twell_gemm_pack(const __grid_constant__ hopper::TensorMap map_x, const __grid_constant__ hopper::TensorMap map_w,
+                    int M, int N, int K, int tile_n, int n_tiles, int capacity, double threshold,
+                    T* __restrict__ data, short* __restrict__ indices, int* __restrict__ counts,
+                    int* __restrict__ row_tile_nnz, T* __restrict__ h, unsigned* __restrict__ mask, long long mask_ld) {
+  hopper::gemm_pack<T, ACT, SPLIT, 1>(map_x, map_w, M, N, K, tile_n, n_tiles, capacity, threshold, data, indices,
+                                      counts, row_tile_nnz, h, mask, mask_ld);
+}
+
+// The same with the split schedule in clusters of two CTAs sharing each w tile (map_w's boxes are
+// BN / 2 rows). Launch: as twell_gemm_pack<T, ACT, 1>, an even grid of at most twice the GPU's
+// co-resident clusters.
+template <typename T, int ACT>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(hopper::Schedule<1>::THREADS, 1)
+    twell_gemm_pack_pair(const __grid_constant__ hopper::TensorMap map_x,
+                         const __grid_constant__ hopper::TensorMap map_w, int M, int N, int K, int tile_n,
+                         int n_tiles, int capacity, double threshold, T* __restrict__ data,
+                         short* __restrict__ indices, int* __restrict__ counts, int* __restrict__ row_tile_nnz,
+                         T* __restrict__ h, unsigned* __restrict__ mask, long long mask_ld) {
+  hopper::gemm_pack<T, ACT, 1, 2>(map_x, map_w, M, N, K, tile_n, n_tiles, capacity, threshold, data, indices,
+                                  counts, row_tile_nnz, h, mask, mask_ld);
 }

@@ -89,14 +89,16 @@ if _hopper_producer.applies(xin, wg, "relu", None, 32, 8):
     for tile_n, capacity in ((32, 8), (256, 32)):
         ts.linear_to_twell(xh, wh, tile_n=tile_n, capacity=capacity)
     ts.linear_to_twell(xh, wh, activation="silu", threshold=0.5, tile_n=64, capacity=16)
-    # More output tiles (17 x 9) than SMs, under both schedules: the split one's hand-off buffer
-    # is refilled once the pack warps drain it (racecheck watches that exchange).
+    # More output tiles (17 x 9) than SMs, under every schedule: the split ones' hand-off buffer
+    # is refilled once the pack warps drain it (racecheck watches that exchange), and clusters of
+    # two CTAs with an odd number of row blocks.
     xh = cp.asarray(rng.standard_normal((2100, 72)).astype(ts.bfloat16))
     wh = cp.asarray(rng.standard_normal((2300, 72)).astype(ts.bfloat16))
-    for split in (True, False):
-        _hopper_producer.SPLIT_EPILOGUE = split
+    default = _hopper_producer.SCHEDULE
+    for schedule in _hopper_producer.SCHEDULES:
+        _hopper_producer.SCHEDULE = schedule
         ts.linear_to_twell(xh, wh, tile_n=256, capacity=32)
-    _hopper_producer.SPLIT_EPILOGUE = True
+    _hopper_producer.SCHEDULE = default
 Timer(1, on_gpu=True, warmup=0, hide_host=True)(lambda: None)  # twell_spin
 cp.cuda.Device().synchronize()
 print("sanitize smoke: all kernels ran")

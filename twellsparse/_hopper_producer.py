@@ -38,11 +38,16 @@ if TYPE_CHECKING:
 #: gated plan call 1.160 ms (bench/results/2026-12-03-stages.jsonl, commit fda3e67).
 ENABLED = os.environ.get("TWELL_FUSED_PRODUCER", "1") != "0"
 
-#: Whether the epilogue runs on warps of its own while the math warpgroups go on to the next
-#: tile's MMAs (the kernel's SPLIT schedule; ``TWELL_HOPPER_SPLIT=0`` in the environment at import
-#: keeps the inline epilogue, where the tensor cores wait for it). A module attribute so that one
-#: process can time both (bench/producer_probe.py).
-SPLIT_EPILOGUE = os.environ.get("TWELL_HOPPER_SPLIT", "1") != "0"
+#: The kernel's schedule (``TWELL_HOPPER_SCHEDULE`` in the environment at import; a module
+#: attribute, so that one process can time them all, bench/producer_probe.py):
+#: ``"pair"`` (default) the epilogue on pack warps of its own while the math warpgroups go on to
+#: the next tile's MMAs, in clusters of two CTAs that share each w tile by TMA multicast;
+#: ``"split"`` the same without clusters; ``"inline"`` the epilogue run by the math warpgroups
+#: (the tensor cores wait for it), 4 ring stages instead of 3.
+SCHEDULES = ("pair", "split", "inline")
+SCHEDULE = os.environ.get("TWELL_HOPPER_SCHEDULE", "pair")
+if SCHEDULE not in SCHEDULES:
+    raise ValueError(f"TWELL_HOPPER_SCHEDULE: expected one of {SCHEDULES}, got {SCHEDULE!r}")
 
 #: Output tile of one block (BM x BN in the kernel) and its launch shape.
 BLOCK_ROWS, BLOCK_COLS, BLOCK_K = 128, 256, 64
@@ -150,12 +155,20 @@ def linear_to_parts_deferred(
     h = cp.empty((m, n), dtype=x.dtype)  # written only where a row-tile overflows
     mask_words = -(-n // BLOCK_COLS) * (BLOCK_COLS // 32)
     mask = cp.empty(m * mask_words, dtype=cp.uint32)
-    maps = (tensor_map(x, BLOCK_ROWS), tensor_map(w, BLOCK_COLS))
+    schedule = SCHEDULE
+    cluster = 2 if schedule == "pair" else 1
+    maps = (tensor_map(x, BLOCK_ROWS), tensor_map(w, BLOCK_COLS // cluster))
     thr = np.float64(-1.0 if threshold is None else threshold)
     geometry = (np.int32(m), np.int32(n), np.int32(k), np.int32(tile_n), np.int32(nt), np.int32(capacity), thr)
-    split = SPLIT_EPILOGUE
-    gemm = f"twell_gemm_pack<{K.CXX_TYPE[x.dtype]}, {K.ACTIVATION_ID[activation]}, {int(split)}>"
-    blocks = min(-(-m // BLOCK_ROWS) * -(-n // BLOCK_COLS), K.sm_count())
+    split = schedule != "inline"
+    types = f"{K.CXX_TYPE[x.dtype]}, {K.ACTIVATION_ID[activation]}"
+    gemm = f"twell_gemm_pack_pair<{types}>" if cluster == 2 else f"twell_gemm_pack<{types}, {int(split)}>"
+    items = -(-m // (BLOCK_ROWS * cluster)) * -(-n // BLOCK_COLS)  # a cluster's row blocks share a w tile
+    if cluster == 1:
+        blocks = min(items, K.sm_count())
+    else:
+        device = cp.cuda.Device().id
+        blocks = cluster * min(items, K.max_active_clusters(gemm, device, THREADS, shared_mem(split), cluster))
     spill_pass = _gpu_convert.relu_mask_spill_pass(h, mask, mask_words, tile_n, capacity)
 
     def launch(data: Any, indices: Any, counts: Any, nnz: Any, offsets: Any, spill_idx: Any, spill_data: Any) -> None:

@@ -184,10 +184,14 @@ ARCH_SOURCES: dict[str, tuple[str, list[str]]] = {
     "twell_hopper_gemm.cu": (
         "sm_90a",
         [
-            f"twell_gemm_pack<{CXX_TYPE[d]}, {ACTIVATION_ID[a]}, {split}>"
+            name
             for d in (np.dtype(np.float16), bfloat16)
             for a in HOPPER_ACTIVATIONS
-            for split in (0, 1)
+            for name in (
+                f"twell_gemm_pack<{CXX_TYPE[d]}, {ACTIVATION_ID[a]}, 0>",
+                f"twell_gemm_pack<{CXX_TYPE[d]}, {ACTIVATION_ID[a]}, 1>",
+                f"twell_gemm_pack_pair<{CXX_TYPE[d]}, {ACTIVATION_ID[a]}>",
+            )
         ],
     ),
 }
@@ -327,6 +331,35 @@ def _arch_function(expression: str, device_id: int, shared_mem: int) -> Any:
         driver = cp.cuda.driver
         driver.funcSetAttribute(func.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
     return func
+
+
+@functools.cache
+def max_active_clusters(expression: str, device_id: int, threads: int, shared_mem: int, cluster: int) -> int:
+    """How many clusters of an :data:`ARCH_SOURCES` kernel with compile-time cluster dimensions
+    fit on the device at once (cuOccupancyMaxActiveClusters): a persistent grid of more would run
+    its last clusters in a second wave. Falls back to the SM count over the cluster size."""
+    import ctypes
+
+    func = _arch_function(expression, device_id, shared_mem)
+
+    class LaunchConfig(ctypes.Structure):
+        _fields_ = [
+            ("grid", ctypes.c_uint * 3),
+            ("block", ctypes.c_uint * 3),
+            ("shared_mem", ctypes.c_uint),
+            ("stream", ctypes.c_void_p),
+            ("attrs", ctypes.c_void_p),
+            ("n_attrs", ctypes.c_uint),
+        ]
+
+    config = LaunchConfig((ctypes.c_uint * 3)(cluster, 1, 1), (ctypes.c_uint * 3)(threads, 1, 1), shared_mem)
+    count = ctypes.c_int(0)
+    fn = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
+    fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(LaunchConfig)]
+    fn.restype = ctypes.c_int
+    if fn(ctypes.byref(count), ctypes.c_void_p(func.ptr), ctypes.byref(config)) != 0 or count.value <= 0:
+        return sm_count() // cluster
+    return count.value
 
 
 def launch_arch(expression: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int) -> None:

@@ -4,8 +4,9 @@ Bitwise against the GEMM-then-pack path on data whose products are exact in fp32
 every accumulation order gives the same z), across partial tiles, every tile width it serves,
 K not a multiple of the 64-wide k block, the three activations, thresholds and overflowing
 row-tiles under every overflow policy; on random data against float64; and through the plans,
-the fixed spill and a CUDA-graph capture. Each test runs under both schedules of the kernel (the
-epilogue on pack warps of its own, and inline), one of them with more output tiles than SMs."""
+the fixed spill and a CUDA-graph capture. Each test runs under every schedule of the kernel
+(``_hopper_producer.SCHEDULES``), one case with more output tiles than SMs and an odd number
+of row blocks (the last cluster's second CTA has no rows)."""
 
 from __future__ import annotations
 
@@ -23,13 +24,14 @@ pytestmark = pytest.mark.gpu
 DTYPES = [np.float16, ts.bfloat16]
 
 
-@pytest.fixture(autouse=True, params=[True, False], ids=["split", "inline"])
+@pytest.fixture(autouse=True, params=_hopper_producer.SCHEDULES)
 def hopper(cp, monkeypatch, request):
-    """Every test under both schedules: the epilogue on pack warps of its own, and inline."""
+    """Every test under each schedule: pack warps of its own in clusters of two CTAs or alone,
+    and the epilogue inline."""
     if str(cp.cuda.Device().compute_capability) != "90":
         pytest.skip("the fused producer needs a compute-capability 9.0 GPU")
     monkeypatch.setattr(_hopper_producer, "ENABLED", True)  # opt-in in the library
-    monkeypatch.setattr(_hopper_producer, "SPLIT_EPILOGUE", request.param)
+    monkeypatch.setattr(_hopper_producer, "SCHEDULE", request.param)
 
 
 def _integer_problem(cp, rng, m, n, k, dtype, density):
@@ -64,7 +66,8 @@ def _assert_parts_equal(cp, got, want):
         (200, 2300, 520, 128, 16, 0.1, "silu", 0.5),  # thresholded silu (SwiGLU checkpoints)
         (5, 260, 8, 256, 8, 0.5, "relu", None),  # K below one k block, one column past a tile
         # More output tiles (33 x 17) than SMs: every block packs several tiles, so the split
-        # schedule's hand-off buffer is refilled (the math warps wait for the pack warps).
+        # schedules' hand-off buffer is refilled (the math warps wait for the pack warps); 33 row
+        # blocks: in clusters, the last one's second CTA computes rows past M only.
         (4100, 4200, 136, 256, 32, 0.03, "relu", None),
     ],
 )
