@@ -11,15 +11,13 @@
 //
 // Two schedules (the kernel's SPLIT argument):
 // - SPLIT = 1 (the default): the copy warpgroup's other three warps pack. After a tile's last
-//   MMA the math warpgroups round their accumulators to T (two per register) into the block's
-//   64 KB hand-off buffer, arrive on a barrier and start the next tile's MMAs while the pack
-//   warps run the epilogue below on the handed-off tile; the buffer is free again when the pack
-//   warps arrive on a second barrier. The tensor cores no longer wait for the epilogue. The
-//   buffer is in global memory (L2: 128 KB of traffic per tile, 3% of the tile's operands): in
-//   shared memory it cost a ring stage (3 of 48 KB instead of 4), which slowed the main loop by
-//   6% (0.497-0.506 ms against 0.471 for the standard problem's GEMM without epilogue). No
-//   register shift between the warpgroups: every thread keeps the 168 registers a block of 384
-//   threads allows (the pack warps need ~100, the math warps' m64n256 MMAs ~154).
+//   MMA the math warpgroups round their accumulators to T (two per register) into a 64 KB shared
+//   hand-off buffer, arrive on a barrier and start the next tile's MMAs while the pack warps run
+//   the epilogue below on the handed-off tile; the buffer is free again when the pack warps
+//   arrive on a second barrier. The tensor cores no longer wait for the epilogue; the price is
+//   one ring stage (3 of 48 KB instead of 4) for the buffer, and no register shift between the
+//   warpgroups (every thread keeps the 168 registers a block of 384 threads allows: the pack
+//   warps need ~100, the math warps' m64n256 MMAs ~154; 512 threads would leave 128).
 // - SPLIT = 0: 384 threads, 4 stages; the math warpgroups pack their own tile after its MMAs (the
 //   copy thread runs ahead into the next tile meanwhile). Kept for comparison.
 //
@@ -61,12 +59,14 @@ constexpr int HANDOFF_WORDS = BM * BN / 2;               // the tile rounded to 
 // Launch shape and shared memory of each schedule (twellsparse._hopper_producer mirrors them).
 template <int SPLIT> struct Schedule {
   static constexpr int THREADS = 384;
-  static constexpr int STAGES = 4;
+  static constexpr int STAGES = SPLIT ? 3 : 4;
   static constexpr int PACK_WARPS = SPLIT ? 3 : 8;  // warps running the epilogue, a slot stage each
+  static constexpr int HANDOFF_BYTES = SPLIT ? HANDOFF_WORDS * 4 : 0;
   // full[s], empty[s], then (SPLIT) handed-off and drained
   static constexpr int BARRIER_BYTES = (2 * STAGES + (SPLIT ? 2 : 0)) * 8;
   // 1 KB of slack to align the ring to the 128-byte swizzle's 1024-byte pattern.
-  static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + BARRIER_BYTES + PACK_WARPS * WARP_STAGE_BYTES;
+  static constexpr int SMEM_BYTES =
+      1024 + STAGES * STAGE_BYTES + HANDOFF_BYTES + BARRIER_BYTES + PACK_WARPS * WARP_STAGE_BYTES;
 };
 static_assert(Schedule<1>::SMEM_BYTES <= 227 * 1024, "the split schedule fits an SM's shared memory");
 static_assert(Schedule<0>::SMEM_BYTES <= 227 * 1024, "the inline schedule fits an SM's shared memory");
@@ -407,19 +407,18 @@ __device__ __forceinline__ void gemm_pack(const TensorMap& map_x, const TensorMa
                                           int tile_n, int n_tiles, int capacity, double threshold,
                                           T* __restrict__ data, short* __restrict__ indices, int* __restrict__ counts,
                                           int* __restrict__ row_tile_nnz, T* __restrict__ h,
-                                          unsigned* __restrict__ mask, long long mask_ld,
-                                          unsigned* __restrict__ handoff_buffers) {
+                                          unsigned* __restrict__ mask, long long mask_ld) {
   static_assert(CLUSTER == 1 || (CLUSTER == 2 && BN % 2 == 0), "clusters of 1 or 2 CTAs");
   using S = Schedule<SPLIT>;
   constexpr int STAGES = S::STAGES;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<unsigned long long>(smem_raw) + 1023) & ~1023ull);
   const unsigned ring = smem_u32(smem);
-  uint4* handoff = reinterpret_cast<uint4*>(handoff_buffers + (long long)blockIdx.x * HANDOFF_WORDS);
+  unsigned* handoff = reinterpret_cast<unsigned*>(smem + STAGES * STAGE_BYTES);
   // full[s] at 8 s, empty[s] at 8 (STAGES + s); SPLIT: handed-off at 16 STAGES, drained after it.
-  const unsigned bars = ring + STAGES * STAGE_BYTES;
+  const unsigned bars = ring + STAGES * STAGE_BYTES + S::HANDOFF_BYTES;
   const unsigned handed_off = bars + 16 * STAGES, drained = handed_off + 8;
-  unsigned char* epilogue_stage = smem + STAGES * STAGE_BYTES + S::BARRIER_BYTES;
+  unsigned char* epilogue_stage = smem + STAGES * STAGE_BYTES + S::HANDOFF_BYTES + S::BARRIER_BYTES;
 
   const int m_blocks = (M + BM - 1) / BM, n_blocks = (N + BN - 1) / BN, k_blocks = (K + BK - 1) / BK;
   // The cluster's work items: CLUSTER row blocks x one column block (rows past M read as zeros
@@ -473,8 +472,6 @@ __device__ __forceinline__ void gemm_pack(const TensorMap& map_x, const TensorMa
     const int v = math * 4 + warp;              // the math warp's 16 rows of the tile
     float acc[128];
     int it = 0, round = 0;
-    bool handoff_pending = false;  // SPLIT: the last hand-off's stores are out, its arrival is not
-    const int arrive_at = min(1, k_blocks - 1);
     for (int t = first_tile; t < tiles; t += tile_step, ++round) {
       int mg, nb;
       tile_coords(t, m_groups, n_blocks, GROUP_M / CLUSTER, mg, nb);
@@ -493,34 +490,26 @@ __device__ __forceinline__ void gemm_pack(const TensorMap& map_x, const TensorMa
         wgmma_commit();
         wgmma_wait<1>();  // the previous k block's products are done: free its stage
         if (kb > 0 && lane == 0) release_stage<CLUSTER>(bars + 8 * (STAGES + (it - 1) % STAGES));
-        // The previous tile's hand-off is announced here, with this tile's first MMAs in flight:
-        // the arrival (a release) waits until the hand-off's global stores are done, which
-        // right after them stalled the math warps and left the tensor cores idle (0.066 ms
-        // per call, 5920bc9).
-        if (SPLIT && handoff_pending && kb == arrive_at) {
-          barrier_arrive(handed_off);
-          handoff_pending = false;
-        }
       }
       wgmma_wait<0>();
       if (k_blocks > 0 && lane == 0) release_stage<CLUSTER>(bars + 8 * (STAGES + (it - 1) % STAGES));
 #if TWELL_HOPPER_PACK
       if (SPLIT) {
-        // Hand the tile over: once the pack warps have drained the previous one, this warp's
+        // Hand the tile over: once the pack warpgroup has drained the previous one, this warp's
         // rounded pairs go to the buffer as 16-byte vectors (consecutive lanes, consecutive
-        // vectors: whole lines), in the order the pack warp reads them back; cached in L2 only.
+        // vectors: no bank conflicts), in the order the pack warp reads them back.
         if (round > 0) barrier_wait(drained, (round - 1) & 1);
         // Four pairs at a time, both halves, so the accumulators die as they go (no spill).
-        uint4* out = handoff + v * 2 * 8 * 32 + lane;
+        uint4* out = reinterpret_cast<uint4*>(handoff) + v * 2 * 8 * 32 + lane;
 #pragma unroll
         for (int j4 = 0; j4 < 8; ++j4)
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
             const float* a = acc + 16 * j4 + 2 * half;  // acc[4 j + 2 half + e], j = 4 j4 + jj
-            __stcg(out + (half * 8 + j4) * 32, make_uint4(rounded_pair<T>(a[0], a[1]), rounded_pair<T>(a[4], a[5]),
-                                                          rounded_pair<T>(a[8], a[9]), rounded_pair<T>(a[12], a[13])));
+            out[(half * 8 + j4) * 32] = make_uint4(rounded_pair<T>(a[0], a[1]), rounded_pair<T>(a[4], a[5]),
+                                                   rounded_pair<T>(a[8], a[9]), rounded_pair<T>(a[12], a[13]));
           }
-        handoff_pending = true;
+        barrier_arrive(handed_off);
       } else {
         unsigned char* stage = epilogue_stage + v * WARP_STAGE_BYTES;
         const int row0 = mb * BM + v * 16;
@@ -540,7 +529,6 @@ __device__ __forceinline__ void gemm_pack(const TensorMap& map_x, const TensorMa
       }
 #endif
     }
-    if (SPLIT && handoff_pending) barrier_arrive(handed_off);  // the last tile's hand-off
   } else {
 #if TWELL_HOPPER_PACK
     // The pack warps (SPLIT; warps 1-3): 16 units of work per handed-off tile, a half (8 rows)
@@ -555,11 +543,11 @@ __device__ __forceinline__ void gemm_pack(const TensorMap& map_x, const TensorMa
       barrier_wait(handed_off, round & 1);
       for (int u = pw; u < 16; u += 3) {
         const int v = u >> 1, half = u & 1;
-        const uint4* in = handoff + (v * 2 + half) * 8 * 32 + lane;
+        const uint4* in = reinterpret_cast<const uint4*>(handoff) + (v * 2 + half) * 8 * 32 + lane;
         unsigned pair[32];
 #pragma unroll
         for (int j4 = 0; j4 < 8; ++j4) {
-          const uint4 w4 = __ldcg(in + 32 * j4);
+          const uint4 w4 = in[32 * j4];
           pair[4 * j4] = w4.x, pair[4 * j4 + 1] = w4.y, pair[4 * j4 + 2] = w4.z, pair[4 * j4 + 3] = w4.w;
         }
         pack_pairs<T, ACT>(pair, half, args, mb * BM + v * 16, nb, stage, data, indices, counts, row_tile_nnz, h,
@@ -579,17 +567,15 @@ __device__ __forceinline__ void gemm_pack(const TensorMap& map_x, const TensorMa
 using namespace twell;
 
 // The fused producer, one CTA per work item. Launch: persistent grid (at most one block per SM),
-// hopper::Schedule<SPLIT>::THREADS threads and ::SMEM_BYTES of dynamic shared memory;
-// handoff_buffers: SPLIT, hopper::HANDOFF_WORDS words per block (unused, may be null, inline).
+// hopper::Schedule<SPLIT>::THREADS threads and ::SMEM_BYTES of dynamic shared memory.
 template <typename T, int ACT, int SPLIT>
 __global__ void __launch_bounds__(hopper::Schedule<SPLIT>::THREADS, 1)
     twell_gemm_pack(const __grid_constant__ hopper::TensorMap map_x, const __grid_constant__ hopper::TensorMap map_w,
                     int M, int N, int K, int tile_n, int n_tiles, int capacity, double threshold,
                     T* __restrict__ data, short* __restrict__ indices, int* __restrict__ counts,
-                    int* __restrict__ row_tile_nnz, T* __restrict__ h, unsigned* __restrict__ mask, long long mask_ld,
-                    unsigned* __restrict__ handoff_buffers) {
+                    int* __restrict__ row_tile_nnz, T* __restrict__ h, unsigned* __restrict__ mask, long long mask_ld) {
   hopper::gemm_pack<T, ACT, SPLIT, 1>(map_x, map_w, M, N, K, tile_n, n_tiles, capacity, threshold, data, indices,
-                                      counts, row_tile_nnz, h, mask, mask_ld, handoff_buffers);
+                                      counts, row_tile_nnz, h, mask, mask_ld);
 }
 
 // The same with the split schedule in clusters of two CTAs sharing each w tile (map_w's boxes are
@@ -601,8 +587,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(hopper::Schedule<1>:
                          const __grid_constant__ hopper::TensorMap map_w, int M, int N, int K, int tile_n,
                          int n_tiles, int capacity, double threshold, T* __restrict__ data,
                          short* __restrict__ indices, int* __restrict__ counts, int* __restrict__ row_tile_nnz,
-                         T* __restrict__ h, unsigned* __restrict__ mask, long long mask_ld,
-                         unsigned* __restrict__ handoff_buffers) {
+                         T* __restrict__ h, unsigned* __restrict__ mask, long long mask_ld) {
   hopper::gemm_pack<T, ACT, 1, 2>(map_x, map_w, M, N, K, tile_n, n_tiles, capacity, threshold, data, indices,
-                                  counts, row_tile_nnz, h, mask, mask_ld, handoff_buffers);
+                                  counts, row_tile_nnz, h, mask, mask_ld);
 }

@@ -55,19 +55,15 @@ THREADS = 384
 MAX_ROW_SLOTS = 64
 
 
-#: 32-bit words of one block's hand-off buffer in the split schedules (its output tile rounded to
-#: the dtype, two values per word; HANDOFF_WORDS in the kernel).
-HANDOFF_WORDS = BLOCK_ROWS * BLOCK_COLS // 2
-
-
 def shared_mem(split: bool) -> int:
     """Dynamic shared memory of one block (``Schedule<SPLIT>::SMEM_BYTES`` in the kernel): 1 KB
-    of alignment slack, the ring of 4 stages of 48 KB, the barriers, and a 2 KB slot stage per
-    warp that packs (3 split, 8 inline)."""
-    stages, pack_warps = 4, (3 if split else 8)
+    of alignment slack, the ring of 48 KB stages (3 split, 4 inline), the 64 KB hand-off buffer
+    (split), the barriers, and a 2 KB slot stage per warp that packs (3 split, 8 inline)."""
+    stages, pack_warps = (3, 3) if split else (4, 8)
+    handoff = BLOCK_ROWS * BLOCK_COLS * 2 if split else 0
     barriers = (2 * stages + (2 if split else 0)) * 8
     slot_stages = pack_warps * 8 * MAX_ROW_SLOTS * 4  # 8 rows x slots x (value + index)
-    return 1024 + stages * (BLOCK_ROWS + BLOCK_COLS) * BLOCK_K * 2 + barriers + slot_stages
+    return 1024 + stages * (BLOCK_ROWS + BLOCK_COLS) * BLOCK_K * 2 + handoff + barriers + slot_stages
 
 
 # CUtensorMapDataType values (cuda.h) of the two dtypes served.
@@ -177,9 +173,7 @@ def linear_to_parts_deferred(
 
     def launch(data: Any, indices: Any, counts: Any, nnz: Any, offsets: Any, spill_idx: Any, spill_data: Any) -> None:
         if K.is_null(offsets):  # pass 1: the GEMM and its packing epilogue
-            # The split schedules' per-block hand-off buffers (L2-resident scratch, 64 KB each).
-            handoff = cp.empty(blocks * HANDOFF_WORDS if split else 0, dtype=cp.uint32)
-            outputs = (data, indices, counts, nnz, h, mask, np.int64(mask_words), handoff)
+            outputs = (data, indices, counts, nnz, h, mask, np.int64(mask_words))
             K.launch_arch(gemm, (blocks,), (THREADS,), (*maps, *geometry, *outputs), shared_mem(split))
         else:
             spill_pass(data, indices, counts, nnz, offsets, spill_idx, spill_data)
