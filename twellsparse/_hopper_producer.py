@@ -33,9 +33,9 @@ if TYPE_CHECKING:
 
 #: Whether linear_to_twell, the FFN plans and the torch/JAX forwards use this producer where it
 #: applies (``TWELL_FUSED_PRODUCER=0`` in the environment at import turns it off). On the H200,
-#: standard problem at 0.5%: pass 1 takes 0.562 ms against 0.487 ms for the cuBLASLt GEMM alone
-#: (1.15x), linear_to_twell 0.632 against 0.657 ms with the cuBLASLt ReLU-mask producer, the
-#: gated plan call 1.160 ms (bench/results/2026-12-03-stages.jsonl, commit fda3e67).
+#: standard problem at 0.5%: pass 1 takes 0.524 ms against 0.458 ms for the cuBLASLt GEMM alone
+#: (1.14x), linear_to_twell 0.560 against 0.578 ms with the cuBLASLt ReLU-mask producer, the
+#: gated plan call 1.050 ms (bench/results/2026-12-04-stages.jsonl, commit ede40bb).
 ENABLED = os.environ.get("TWELL_FUSED_PRODUCER", "1") != "0"
 
 #: The kernel's schedule (``TWELL_HOPPER_SCHEDULE`` in the environment at import; a module
@@ -43,7 +43,10 @@ ENABLED = os.environ.get("TWELL_FUSED_PRODUCER", "1") != "0"
 #: ``"pair"`` (default) the epilogue on pack warps of its own while the math warpgroups go on to
 #: the next tile's MMAs, in clusters of two CTAs that share each w tile by TMA multicast;
 #: ``"split"`` the same without clusters; ``"inline"`` the epilogue run by the math warpgroups
-#: (the tensor cores wait for it), 4 ring stages instead of 3.
+#: (the tensor cores wait for it), 4 ring stages instead of 3. Pass 1 at 0.5% (ede40bb): 0.524 /
+#: 0.529 / 0.537 ms; the GEMM alone in the same kernel (5921883) 0.497 / 0.506 / 0.471 (3 stages against
+#: 4): the hand-off's overlap gains less than the inline epilogue costs, because the stage it
+#: takes slows the main loop.
 SCHEDULES = ("pair", "split", "inline")
 SCHEDULE = os.environ.get("TWELL_HOPPER_SCHEDULE", "pair")
 if SCHEDULE not in SCHEDULES:
