@@ -57,3 +57,32 @@ def test_every_dtype_has_a_cxx_type():
     from twellsparse._backend import VALUE_DTYPES
 
     assert set(_kernels.CXX_TYPE) == set(VALUE_DTYPES)
+
+
+def test_hopper_launch_shape_matches_the_kernel():
+    """The fused producer's launch (threads, dynamic shared memory, hand-off words) is computed in
+    Python; the kernel's own constants must agree, or a launch would overrun shared memory."""
+    _nvrtc_or_skip()
+    from cupy_backends.cuda.libs import nvrtc
+
+    from twellsparse import _hopper_producer as hp
+
+    checks = "\n".join(
+        f"static_assert(twell::hopper::Schedule<{split}>::SMEM_BYTES == {hp.shared_mem(bool(split))}, "
+        f'"shared memory, SPLIT={split}");\n'
+        f"static_assert(twell::hopper::Schedule<{split}>::THREADS == {hp.THREADS}, "
+        f'"threads, SPLIT={split}");'
+        for split in (0, 1)
+    )
+    checks += (
+        f'\nstatic_assert(twell::hopper::BM == {hp.BLOCK_ROWS} && twell::hopper::BN == {hp.BLOCK_COLS}, "tile");'
+        f'\nstatic_assert(twell::hopper::BK == {hp.BLOCK_K} && twell::hopper::MAX_ROW_SLOTS == {hp.MAX_ROW_SLOTS}, "k");'
+    )
+    source = _kernels.read_source("twell_hopper_gemm.cu") + "\n" + checks + "\n"
+    prog = nvrtc.createProgram(source, "hopper_check.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, ["-arch=compute_90a", *_kernels.compile_options()])
+    except Exception as exc:
+        pytest.fail(f"launch constants disagree with the kernel: {exc}\n{nvrtc.getProgramLog(prog)}")
+    finally:
+        nvrtc.destroyProgram(prog)
