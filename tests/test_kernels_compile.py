@@ -74,10 +74,8 @@ def test_hopper_launch_shape_matches_the_kernel():
         f'"threads, SPLIT={split}");'
         for split in (0, 1)
     )
-    checks += (
-        f'\nstatic_assert(twell::hopper::BM == {hp.BLOCK_ROWS} && twell::hopper::BN == {hp.BLOCK_COLS}, "tile");'
-        f'\nstatic_assert(twell::hopper::BK == {hp.BLOCK_K} && twell::hopper::MAX_ROW_SLOTS == {hp.MAX_ROW_SLOTS}, "k");'
-    )
+    constants = {"BM": hp.BLOCK_ROWS, "BN": hp.BLOCK_COLS, "BK": hp.BLOCK_K, "MAX_ROW_SLOTS": hp.MAX_ROW_SLOTS}
+    checks += "".join(f'\nstatic_assert(twell::hopper::{k} == {v}, "{k}");' for k, v in constants.items())
     source = _kernels.read_source("twell_hopper_gemm.cu") + "\n" + checks + "\n"
     prog = nvrtc.createProgram(source, "hopper_check.cu", [], [])
     try:
