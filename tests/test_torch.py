@@ -313,3 +313,63 @@ def test_module_with_spill_capacity_matches_the_exact_one(gated):
 def test_spill_capacity_is_validated():
     with pytest.raises(ValueError, match="spill_capacity"):
         tt.TwELLMLP(16, 64, spill_capacity=-1)
+
+
+def _decoded_rows(w):
+    """``w``'s rows as fp8 e4m3 codes times their scales, back in float64 (what the plans use)."""
+    import twellsparse as ts
+
+    return torch.from_numpy(ts.quantize_rows(np.ascontiguousarray(w.detach().numpy())).dequantize(np.float64))
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_e4m3_modules_for_inference(gated):
+    x, wg, wu, wd = _problem(21, m=40, d=32, f=300, dtype=torch.float32, requires_grad=False)
+    down = _decoded_rows(wd.T).T  # the down projection's rows are wd's columns
+    if gated:
+        mod = tt.TwELLGatedMLP(32, 300, tile_n=32, capacity=4, down_format="e4m3", up_format="e4m3")
+        mod.gate_proj.weight.data, mod.up_proj.weight.data = wg.clone(), wu.clone()
+        want = _dense(x.double(), wg.double(), _decoded_rows(wu), down, "relu")
+    else:
+        mod = tt.TwELLMLP(32, 300, tile_n=32, capacity=4, down_format="e4m3")
+        mod.up_proj.weight.data = wg.clone()
+        want = _dense(x.double(), wg.double(), None, down, "relu", gated=False)
+    mod.down_proj.weight.data = wd.clone()
+    with torch.no_grad():
+        got = mod(x.reshape(4, 10, 32))  # leading dimensions kept
+    assert got.shape == (4, 10, 32) and got.dtype == torch.float32
+    torch.testing.assert_close(got.reshape(40, 32).double(), want, rtol=1e-5, atol=1e-5)
+    stats = mod.stats()
+    assert not stats["dense_fallback"] and 0 < stats["density"] < 1
+    # Lossy: a few percent away from the module without fp8 rows.
+    plain = tt.TwELLGatedMLP(32, 300, tile_n=32) if gated else tt.TwELLMLP(32, 300, tile_n=32)
+    plain.load_state_dict(mod.state_dict())
+    with torch.no_grad():
+        err = float((mod(x) - plain(x)).norm() / plain(x).norm())
+    assert 0 < err < 6e-2
+    # An in-place update (an optimizer step) is quantized again; a replaced weight rebuilds the plan.
+    with torch.no_grad():
+        mod.down_proj.weight.mul_(2.0)
+        torch.testing.assert_close(mod(x).double(), 2.0 * want, rtol=1e-5, atol=1e-5)
+        mod.down_proj.weight = torch.nn.Parameter(wd.clone() * 3.0)
+        torch.testing.assert_close(mod(x).double(), 3.0 * want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match=r"fp8 weight rows .* serve inference only"):
+        mod(x)  # the weights require gradients and grad mode is on
+    with pytest.raises(RuntimeError, match="l1_penalty: the last forward ran with fp8 weight rows"):
+        with torch.no_grad():
+            mod(x)
+        mod.l1_penalty()
+
+
+def test_e4m3_module_arguments():
+    with pytest.raises(ValueError, match="down_format: expected None or one of 'e4m3', got 'fp8'"):
+        tt.TwELLMLP(16, 64, down_format="fp8")
+    with pytest.raises(ValueError, match="up_format: expected None or one of 'e4m3', got 'int4'"):
+        tt.TwELLGatedMLP(16, 64, up_format="int4")
+    plain = torch.nn.Module()
+    plain.up_proj = torch.nn.Linear(16, 64, bias=False)
+    plain.down_proj = torch.nn.Linear(64, 16, bias=False)
+    with pytest.raises(ValueError, match="up_format: expected None for a non-gated MLP"):
+        tt.from_module(plain, up_format="e4m3")
+    converted = tt.from_module(plain, down_format="e4m3")
+    assert converted.down_format == "e4m3" and converted.up_proj.weight is plain.up_proj.weight

@@ -26,8 +26,9 @@ from ._backend import array_module, as_array, bfloat16, cupy_view, is_cupy_array
 from ._dispatch import breakeven_for
 from ._ffn_autodiff import backward_arrays, forward_arrays, with_values
 from ._parts import TwELLParts, trimmed_spill
-from ._plans import DENSITY_SAMPLE_ROWS, DISPATCH, raise_for_previous, raise_left_out
+from ._plans import DENSITY_SAMPLE_ROWS, DISPATCH, FFN, GatedFFN, raise_for_previous, raise_left_out
 from ._posted import PostedScalar
+from ._quantize import check_format
 from ._twell import twell_array
 from ._validation import check_activation, check_capacity, check_spill_capacity, check_threshold, check_tile_n
 
@@ -461,6 +462,8 @@ class _TwELLMLPBase(nn.Module):
         spill_capacity: int | None,
         device: Any,
         dtype: Any,
+        down_format: str | None = None,
+        up_format: str | None = None,
     ) -> None:
         super().__init__()
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
@@ -481,8 +484,16 @@ class _TwELLMLPBase(nn.Module):
         self._density = PostedScalar()
         self.spill_capacity = check_spill_capacity(spill_capacity)
         self._left_out = PostedScalar()  # entries a fixed spill_capacity could not hold
+        self.down_format = check_format(down_format, "down_format", optional=True)
+        self.up_format = check_format(up_format, "up_format", optional=True)
+        self._plan: FFN | GatedFFN | None = None  # the fp8 forward's plan, and the weights it was built on
+        self._plan_key: tuple | None = None
+        self._plan_ran = False  # whether the last forward was the fp8 one
 
     def _forward(self, x: Tensor, w_act: Tensor, w_lin: Tensor | None, w_down: Tensor) -> Tensor:
+        self._plan_ran = self.down_format is not None or self.up_format is not None
+        if self._plan_ran:
+            return self._quantized_forward(x, w_act, w_lin, w_down)
         if self._path(x.numel() // max(x.shape[-1], 1)) == "dense":
             out, h = _dense_run(x, w_act, w_lin, w_down, self.activation, self.threshold)
             self._hidden, self._dense_hidden = None, h
@@ -506,11 +517,52 @@ class _TwELLMLPBase(nn.Module):
             self._post_density((counts.sum() + spill_indptr[-1]) / max(counts.shape[0] * self.intermediate_size, 1))
         return out
 
+    def _quantized_forward(self, x: Tensor, w_act: Tensor, w_lin: Tensor | None, w_down: Tensor) -> Tensor:
+        """The inference forward with fp8 e4m3 weight rows: a :class:`twellsparse.GatedFFN` /
+        :class:`twellsparse.FFN` plan on the module's weights, built on the first call and again
+        when a weight is replaced or updated in place (its version counter moves)."""
+        weights = (w_act, w_down) if w_lin is None else (w_act, w_lin, w_down)
+        if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+            raise RuntimeError(
+                f"{type(self).__name__}: fp8 weight rows (down_format={self.down_format!r}, "
+                f"up_format={self.up_format!r}) serve inference only: call it under torch.no_grad() or "
+                "torch.inference_mode(), or build the module without them to train"
+            )
+        layout = tuple((w.data_ptr(), w.device, w.dtype, tuple(w.shape)) for w in weights)
+        versions = tuple(w._version for w in weights)
+        with _on_device(x):
+            if self._plan is None or self._plan_key is None or self._plan_key[0] != layout:
+                arrays = [_to_array(w) for w in weights]
+                settings: dict[str, Any] = dict(
+                    activation=self.activation,
+                    tile_n=self.tile_n,
+                    capacity=self.capacity,
+                    threshold=self.threshold,
+                    dispatch=self.dispatch,
+                    breakeven=self.breakeven,
+                    spill_capacity=self.spill_capacity,
+                    down_format=self.down_format,
+                )
+                if w_lin is None:
+                    self._plan = FFN(*arrays, **settings)
+                else:
+                    self._plan = GatedFFN(*arrays, **settings, up_format=self.up_format)
+            elif self._plan_key[1] != versions:
+                self._plan.refresh()  # updated in place: quantize the rows again
+            self._plan_key = (layout, versions)
+            plan = self._plan
+            out = _to_tensor(plan(_to_array(x.reshape(-1, x.shape[-1]))))
+        self._hidden, self._dense_hidden = None, None
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
     def check_spill(self) -> None:
         """Raise :class:`twellsparse.TwELLSpillCapacityError` if the last forward with a fixed
         ``spill_capacity`` left spilled entries out (its output was computed without them).
         Forwards check the previous one themselves; after replaying a captured graph,
         synchronise, then call this."""
+        if self._plan_ran and self._plan is not None:
+            self._plan.check_spill()
+            return
         raise_left_out(self._left_out, self.spill_capacity, "the previous forward")
 
     def _post_density(self, fraction: Tensor) -> None:
@@ -534,6 +586,8 @@ class _TwELLMLPBase(nn.Module):
         if self._dense_hidden is not None:
             h = self._dense_hidden
             return h.abs().sum() / max(h.numel() // max(h.shape[-1], 1), 1)
+        if self._plan_ran:
+            raise RuntimeError("l1_penalty: the last forward ran with fp8 weight rows (inference only)")
         if self._hidden is None:
             raise RuntimeError("l1_penalty: run a forward pass first")
         data, _, counts, spill, *_ = self._hidden
@@ -543,6 +597,10 @@ class _TwELLMLPBase(nn.Module):
         """The last forward: nonzeros per token, density, spilled entries, and whether it ran the
         dense fallback (reads back from the device; call it outside the hot path)."""
         units = self.intermediate_size
+        if self._plan_ran and self._plan is not None:
+            last = self._plan.last_stats
+            keys = ("nnz_per_token", "density", "n_spilled", "dense_fallback")
+            return {k: last[k] for k in keys if k in last}
         if self._dense_hidden is not None:
             tokens = self._dense_hidden.numel() // max(units, 1)
             nnz, n_spilled, dense = int(torch.count_nonzero(self._dense_hidden)), 0, True
@@ -588,6 +646,13 @@ class TwELLMLP(_TwELLMLPBase):
         :meth:`check_spill`; the GPU backward reads nothing back either, so a whole training step
         can be captured. Needs operands the row-gather kernels take (one dtype, rows of a
         multiple of 16 bytes); elsewhere the forward is the exact one.
+    down_format : {None, "e4m3"}, optional
+        Inference only, opt-in and lossy: the forward runs a :class:`twellsparse.FFN` plan whose
+        gathered ``down_proj`` rows are fp8 e4m3 with a float32 scale each (half the bytes per
+        active unit; each weight moves by up to 2**-4 of itself). The plan is built on the
+        module's weights at the first forward and again when one is replaced or updated in
+        place. Forwards that need gradients raise; train without it. ``stats()`` reports the
+        plan's last call; ``l1_penalty()`` is not available after such a forward.
     """
 
     up_proj: nn.Linear
@@ -605,13 +670,14 @@ class TwELLMLP(_TwELLMLPBase):
         dispatch: str = "sparse",
         breakeven: float | None = None,
         spill_capacity: int | None = None,
+        down_format: str | None = None,
         device: Any = None,
         dtype: Any = None,
     ) -> None:
         projections = ("up_proj", "down_proj")
         settings = (activation, tile_n, capacity, threshold, dispatch, breakeven, spill_capacity)
         args = (hidden_size, intermediate_size, *settings, device, dtype)
-        super().__init__(projections, *args)
+        super().__init__(projections, *args, down_format=down_format)
 
     def forward(self, x: Tensor) -> Tensor:
         return self._forward(x, self.up_proj.weight, None, self.down_proj.weight)
@@ -621,7 +687,9 @@ class TwELLGatedMLP(_TwELLMLPBase):
     """Llama-style gated MLP ``down_proj(act(gate_proj(x)) * up_proj(x))`` with a TwELL gate.
 
     Parameter names match Llama/Qwen MLPs (``gate_proj``, ``up_proj``, ``down_proj``), so their
-    state dicts load directly. Arguments as for :class:`TwELLMLP`.
+    state dicts load directly. Arguments as for :class:`TwELLMLP`, and ``up_format`` (inference
+    only, as ``down_format``): ``up_proj``'s rows, gathered at the gate's active units, in fp8
+    e4m3 too (:class:`twellsparse.GatedFFN`'s ``up_format``).
     """
 
     gate_proj: nn.Linear
@@ -640,13 +708,15 @@ class TwELLGatedMLP(_TwELLMLPBase):
         dispatch: str = "sparse",
         breakeven: float | None = None,
         spill_capacity: int | None = None,
+        down_format: str | None = None,
+        up_format: str | None = None,
         device: Any = None,
         dtype: Any = None,
     ) -> None:
         projections = ("gate_proj", "up_proj", "down_proj")
         settings = (activation, tile_n, capacity, threshold, dispatch, breakeven, spill_capacity)
         args = (hidden_size, intermediate_size, *settings, device, dtype)
-        super().__init__(projections, *args)
+        super().__init__(projections, *args, down_format=down_format, up_format=up_format)
 
     def forward(self, x: Tensor) -> Tensor:
         return self._forward(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
@@ -662,13 +732,16 @@ def from_module(
     dispatch: str = "sparse",
     breakeven: float | None = None,
     spill_capacity: int | None = None,
+    down_format: str | None = None,
+    up_format: str | None = None,
 ) -> _TwELLMLPBase:
     """A TwELL MLP sharing the parameters of a Llama/Qwen-style MLP (``gate_proj``, ``up_proj``,
     ``down_proj``) or a non-gated one (``up_proj``, ``down_proj``), without biases.
 
     Use ``activation="relu"`` for ReLU-trained checkpoints, or ``"silu"`` with a ``threshold`` to
     run a SwiGLU checkpoint sparsely (entries with ``|silu(z)| <= threshold`` are dropped);
-    ``dispatch``, ``breakeven`` and ``spill_capacity`` as for :class:`TwELLMLP`.
+    ``dispatch``, ``breakeven``, ``spill_capacity`` and (inference only) ``down_format`` as for
+    :class:`TwELLMLP`, ``up_format`` as for :class:`TwELLGatedMLP` (gated MLPs only).
     """
     linears = {name: getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")}
     if linears["up_proj"] is None or linears["down_proj"] is None:
@@ -678,7 +751,7 @@ def from_module(
             raise ValueError(f"mlp.{name}: expected a Linear without bias, got one with a bias")
     up = linears["up_proj"]
     assert up is not None
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         activation=activation,
         tile_n=tile_n,
         capacity=capacity,
@@ -686,9 +759,15 @@ def from_module(
         dispatch=dispatch,
         breakeven=breakeven,
         spill_capacity=spill_capacity,
+        down_format=down_format,
     )
-    cls = TwELLGatedMLP if linears["gate_proj"] is not None else TwELLMLP
-    new = cls(up.in_features, up.out_features, device="meta", **kwargs)  # type: ignore[arg-type]
+    new: _TwELLMLPBase
+    if linears["gate_proj"] is not None:
+        new = TwELLGatedMLP(up.in_features, up.out_features, device="meta", up_format=up_format, **kwargs)
+    elif up_format is not None:
+        raise ValueError(f"up_format: expected None for a non-gated MLP (no gate), got {up_format!r}")
+    else:
+        new = TwELLMLP(up.in_features, up.out_features, device="meta", **kwargs)
     for name, lin in linears.items():
         if lin is not None:
             setattr(new, name, lin)  # share the caller's Linear (and its parameters)
