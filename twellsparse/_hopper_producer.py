@@ -159,19 +159,20 @@ def linear_to_parts_deferred(
     mask_words = -(-n // BLOCK_COLS) * (BLOCK_COLS // 32)
     mask = cp.empty(m * mask_words, dtype=cp.uint32)
     schedule = SCHEDULE
+    types = f"{K.CXX_TYPE[x.dtype]}, {K.ACTIVATION_ID[activation]}"
+    clusters = 0
+    if schedule == "pair":  # where no cluster of two fits (the query fails), the split schedule
+        pair_kernel = f"twell_gemm_pack_pair<{types}>"
+        clusters = K.max_active_clusters(pair_kernel, cp.cuda.Device().id, THREADS, shared_mem(True), 2)
+        schedule = "pair" if clusters > 0 else "split"
     cluster = 2 if schedule == "pair" else 1
     maps = (tensor_map(x, BLOCK_ROWS), tensor_map(w, BLOCK_COLS // cluster))
     thr = np.float64(-1.0 if threshold is None else threshold)
     geometry = (np.int32(m), np.int32(n), np.int32(k), np.int32(tile_n), np.int32(nt), np.int32(capacity), thr)
     split = schedule != "inline"
-    types = f"{K.CXX_TYPE[x.dtype]}, {K.ACTIVATION_ID[activation]}"
     gemm = f"twell_gemm_pack_pair<{types}>" if cluster == 2 else f"twell_gemm_pack<{types}, {int(split)}>"
     items = -(-m // (BLOCK_ROWS * cluster)) * -(-n // BLOCK_COLS)  # a cluster's row blocks share a w tile
-    if cluster == 1:
-        blocks = min(items, K.sm_count())
-    else:
-        device = cp.cuda.Device().id
-        blocks = cluster * min(items, K.max_active_clusters(gemm, device, THREADS, shared_mem(split), cluster))
+    blocks = cluster * min(items, clusters) if cluster == 2 else min(items, K.sm_count())
     spill_pass = _gpu_convert.relu_mask_spill_pass(h, mask, mask_words, tile_n, capacity)
 
     def launch(data: Any, indices: Any, counts: Any, nnz: Any, offsets: Any, spill_idx: Any, spill_data: Any) -> None:

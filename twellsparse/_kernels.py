@@ -337,7 +337,8 @@ def _arch_function(expression: str, device_id: int, shared_mem: int) -> Any:
 def max_active_clusters(expression: str, device_id: int, threads: int, shared_mem: int, cluster: int) -> int:
     """How many clusters of an :data:`ARCH_SOURCES` kernel with compile-time cluster dimensions
     fit on the device at once (cuOccupancyMaxActiveClusters): a persistent grid of more would run
-    its last clusters in a second wave. Falls back to the SM count over the cluster size."""
+    its last clusters in a second wave. 0 where the query fails (callers then do without
+    clusters)."""
     import ctypes
 
     func = _arch_function(expression, device_id, shared_mem)
@@ -357,9 +358,9 @@ def max_active_clusters(expression: str, device_id: int, threads: int, shared_me
     fn = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
     fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(LaunchConfig)]
     fn.restype = ctypes.c_int
-    if fn(ctypes.byref(count), ctypes.c_void_p(func.ptr), ctypes.byref(config)) != 0 or count.value <= 0:
-        return sm_count() // cluster
-    return count.value
+    if fn(ctypes.byref(count), ctypes.c_void_p(func.ptr), ctypes.byref(config)) != 0:
+        return 0
+    return max(count.value, 0)
 
 
 def launch_arch(expression: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int) -> None:
