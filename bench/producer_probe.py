@@ -2,17 +2,63 @@
 under each of its schedules (``_hopper_producer.SCHEDULES``).
 
     TWELL_HOPPER_PACK=0 python bench/producer_probe.py   # the fused GEMM without its epilogue
+    python bench/producer_probe.py --clocks               # SM clock and power while each runs
 
 Run once per build switch (they are read when the module is compiled): the difference between
-the two runs is the epilogue's share.
+the two runs is the epilogue's share. ``--clocks`` runs each kernel back to back for about a
+second while ``nvidia-smi`` samples the SM clock and the board power every 50 ms: the GEMMs of
+this problem ran at 1.60-1.63 GHz under Nsight Compute (bench/NOTES.md, nineteenth session), so
+whether a kernel is power-limited decides whether overlapping work with its MMAs can pay.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+#: nvidia-smi's sampling period (ms) and the samples dropped at the start of each loop (ramp).
+SAMPLE_MS, RAMP_SAMPLES = 50, 4
 
 
-def main() -> None:
+def clocks_while(fn: Callable[[], Any], sync: Callable[[], Any], seconds: float = 1.2) -> dict[str, float]:
+    """Median SM clock (MHz) and power (W) that ``nvidia-smi`` reports while ``fn`` runs back to
+    back for about ``seconds`` (``sync`` waits for the queued calls), with the number of calls."""
+    sampler = subprocess.Popen(
+        ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", f"-lms={SAMPLE_MS}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    calls, start = 0, time.perf_counter()
+    try:
+        while time.perf_counter() - start < seconds:
+            for _ in range(20):  # queue ahead: the GPU never waits for the host
+                fn()
+            calls += 20
+            sync()
+    finally:
+        sampler.terminate()
+        lines = sampler.communicate()[0].splitlines()
+    samples = [tuple(float(v) for v in line.split(",")) for line in lines[RAMP_SAMPLES:] if "," in line]
+    if not samples:
+        return {"calls": calls}
+    return {
+        "calls": calls,
+        "sm_mhz": statistics.median(s[0] for s in samples),
+        "power_w": statistics.median(s[1] for s in samples),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clocks", action="store_true", help="also sample the SM clock and power while each kernel runs")
+    args = ap.parse_args(argv)
+
     import cupy as cp
 
     import twellsparse as ts
@@ -23,15 +69,26 @@ def main() -> None:
     p = ffn_problem(16384, 2048, 5632, 0.005, "uniform", ts.bfloat16, 0, cp)
     x, wg = p["x"], p["w_gate"]
     timer = Timer(10, on_gpu=True, flush_l2=True)
-    gemm = timer(lambda: _gpu_ops.gemm_nt(x, wg))[1]["median"]
+
+    def gemm_call() -> Any:
+        return _gpu_ops.gemm_nt(x, wg)
+
+    def fused_call() -> Any:
+        return _hopper_producer.linear_to_parts_deferred(x, wg, "relu", 256, 32, None)
+
+    gemm = timer(gemm_call)[1]["median"]
     build = os.environ.get("TWELL_HOPPER_PACK", "default")
+    if args.clocks:
+        print(f"gemm: {clocks_while(gemm_call, cp.cuda.Device().synchronize)}")
     for schedule in _hopper_producer.SCHEDULES:
         _hopper_producer.SCHEDULE = schedule
-        fused = timer(lambda: _hopper_producer.linear_to_parts_deferred(x, wg, "relu", 256, 32, None))[1]["median"]
+        fused = timer(fused_call)[1]["median"]
         print(
             f"TWELL_HOPPER_PACK={build}, {schedule} schedule: gemm {gemm:.3f} ms, fused pass 1 {fused:.3f} ms"
             f" ({fused / gemm:.2f}x)"
         )
+        if args.clocks:
+            print(f"{schedule}: {clocks_while(fused_call, cp.cuda.Device().synchronize)}")
 
 
 if __name__ == "__main__":

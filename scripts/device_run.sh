@@ -198,8 +198,8 @@ for step in $what; do
       # without the epilogue (TWELL_HOPPER_PACK=0), then Nsight Compute on one twell_gemm_pack
       # launch (throughput, warp states, instruction mix) and its SASS with stall samples (CSV,
       # parsed on the host).
-      timeout 60 python3 bench/producer_probe.py 2>&1 | tail -2 | tee -a "$OUT/producer_probe.log"
-      TWELL_HOPPER_PACK=0 timeout 60 python3 bench/producer_probe.py 2>&1 | tail -2 | tee -a "$OUT/producer_probe.log"
+      timeout 90 python3 bench/producer_probe.py --clocks 2>&1 | tail -7 | tee -a "$OUT/producer_probe.log"
+      TWELL_HOPPER_PACK=0 timeout 60 python3 bench/producer_probe.py 2>&1 | tail -3 | tee -a "$OUT/producer_probe.log"
       ncu --kernel-name regex:twell_gemm_pack --launch-skip 2 --launch-count 1 --section SpeedOfLight \
         --section WarpStateStats --section InstructionStats --section SchedulerStats --section Occupancy \
         python3 bench/producer_probe.py 2>&1 | tail -150 | tee -a "$OUT/producer_probe.log" | grep -E "Duration|Throughput|Issued|Stall|Eligible" | head -30

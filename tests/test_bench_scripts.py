@@ -110,3 +110,18 @@ def test_breakeven_crossings_interpolate_the_ratio():
     cross = breakeven_fit.crossings([rec(0.005, 0.8, 1.0), rec(0.01, 1.2, 1.0), rec(0.005, 1.1, 1.0, "skewed")])
     assert cross[("ffn", 4096, 2048, 5632, "uniform")] == pytest.approx(0.0075)
     assert np.isnan(cross[("ffn", 4096, 2048, 5632, "skewed")])  # sparse never ahead
+
+
+def test_producer_probe_reads_nvidia_smi_samples(tmp_path, monkeypatch):
+    """--clocks: the medians of nvidia-smi's samples past the ramp, here from a stand-in that
+    prints ten samples (the first four are dropped)."""
+    fake = tmp_path / "nvidia-smi"
+    rows = ["1980, 120.5"] * 4 + ["1605, 690.0", "1620, 700.0", "1590, 695.0", "1610, 698.0", "1600, 699.0", "oops"]
+    fake.write_text("#!/bin/sh\n" + "".join(f"echo '{r}'\n" for r in rows) + "exec sleep 5\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    probe = _load("producer_probe")
+    calls = []
+    got = probe.clocks_while(lambda: calls.append(1), lambda: None, seconds=0.3)
+    assert got["calls"] == len(calls) > 0
+    assert got["sm_mhz"] == 1605.0 and got["power_w"] == 698.0
