@@ -9,8 +9,9 @@
 // (accumulators in registers, fp32). Output tiles are visited in groups of GROUP_M row blocks so
 // that the x rows and w rows a wave of blocks reads stay in L2.
 //
-// Two schedules (the kernel's SPLIT argument):
-// - SPLIT = 1 (the default): the copy warpgroup's other three warps pack. After a tile's last
+// Two schedules (the kernels' SPLIT argument), the split one also in clusters of two CTAs that
+// share each w tile (twell_gemm_pack_pair, the library's default: see gemm_pack below):
+// - SPLIT = 1: the copy warpgroup's other three warps pack. After a tile's last
 //   MMA the math warpgroups round their accumulators to T (two per register) into a 64 KB shared
 //   hand-off buffer, arrive on a barrier and start the next tile's MMAs while the pack warps run
 //   the epilogue below on the handed-off tile; the buffer is free again when the pack warps
@@ -20,6 +21,9 @@
 //   warps need ~100, the math warps' m64n256 MMAs ~154; 512 threads would leave 128).
 // - SPLIT = 0: 384 threads, 4 stages; the math warpgroups pack their own tile after its MMAs (the
 //   copy thread runs ahead into the next tile meanwhile). Kept for comparison.
+// On the H200 (standard problem, 0.5%): pass 1 0.524 ms in pairs, 0.529 split, 0.537 inline,
+// against 0.458 for cuBLASLt's GEMM; without the epilogue 0.497 / 0.506 / 0.471 (bench/NOTES.md,
+// nineteenth session: the GEMMs run power-limited, so the overlap gains less than expected).
 //
 // Epilogue. In the wgmma accumulator layout a row's 256 columns are spread over a quad of four
 // lanes: lane q holds columns 8j + 2q + e (j < 32, e < 2). Each lane builds a 64-bit mask of its
