@@ -25,6 +25,22 @@ from twellsparse._gpu_ops import gemm_nt
 from twellsparse._timing import Timer
 from twellsparse.testing import ffn_problem, rel_error
 
+#: Speed-ups a record reports: name -> (the baseline's row, the row it is the speed-up of).
+SPEEDUPS = {
+    "producer_vs_gemm": ("dense_gemm", "producer"),
+    "spmm_vs_dense_down": ("dense_down", "spmm_down"),
+    **{name: ("dense_ffn", name) for name in ("ffn", "ffn_auto", "ffn_e4m3", "ffn_e4m3_auto")},
+    **{
+        name: ("dense_gated_ffn", name)
+        for name in ("gated_ffn", "gated_ffn_auto", "gated_ffn_e4m3", "gated_ffn_e4m3_auto")
+    },
+}
+
+
+def speedups(rows: dict[str, dict[str, float]], pairs: dict[str, tuple[str, str]]) -> dict[str, float]:
+    """Baseline median over the row's median for each named pair of timed rows."""
+    return {name: rows[base]["median"] / rows[row]["median"] for name, (base, row) in pairs.items()}
+
 
 def dense_provider() -> tuple[str, Callable[[Any, Any], Any]]:
     """(name, matmul_nt) for the dense baseline: torch if available, else cuBLAS through CuPy."""
@@ -224,26 +240,9 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
         "density": h.nnz / (args.m * args.d_ff),
         "n_spilled": h.n_spilled,
         "ms": rows,
-        "speedup": {
-            "producer_vs_gemm": rows["dense_gemm"]["median"] / rows["producer"]["median"],
-            "spmm_vs_dense_down": rows["dense_down"]["median"] / rows["spmm_down"]["median"],
-            "ffn": rows["dense_ffn"]["median"] / rows["ffn"]["median"],
-            "gated_ffn": rows["dense_gated_ffn"]["median"] / rows["gated_ffn"]["median"],
-            "gated_ffn_auto": rows["dense_gated_ffn"]["median"] / rows["gated_ffn_auto"]["median"],
-            "ffn_auto": rows["dense_ffn"]["median"] / rows["ffn_auto"]["median"],
-            "gated_ffn_e4m3": rows["dense_gated_ffn"]["median"] / rows["gated_ffn_e4m3"]["median"],
-            "ffn_e4m3": rows["dense_ffn"]["median"] / rows["ffn_e4m3"]["median"],
-            "gated_ffn_e4m3_auto": rows["dense_gated_ffn"]["median"] / rows["gated_ffn_e4m3_auto"]["median"],
-            "ffn_e4m3_auto": rows["dense_ffn"]["median"] / rows["ffn_e4m3_auto"]["median"],
-        },
+        "speedup": speedups(rows, SPEEDUPS),
         "ms_gpu_only": gpu_only,
-        "speedup_gpu_only": {
-            "producer_vs_gemm": gpu_only["dense_gemm"]["median"] / gpu_only["producer"]["median"],
-            "ffn": gpu_only["dense_ffn"]["median"] / gpu_only["ffn"]["median"],
-            "gated_ffn": gpu_only["dense_gated_ffn"]["median"] / gpu_only["gated_ffn"]["median"],
-            "gated_ffn_auto": gpu_only["dense_gated_ffn"]["median"] / gpu_only["gated_ffn_auto"]["median"],
-            "ffn_auto": gpu_only["dense_ffn"]["median"] / gpu_only["ffn_auto"]["median"],
-        },
+        "speedup_gpu_only": speedups(gpu_only, {k: v for k, v in SPEEDUPS.items() if v[1] in gpu_only}),
         "auto_path": gated_auto.last_stats.get("path"),
         "ffn_auto_path": plain_auto.last_stats.get("path"),
         "e4m3_auto_paths": [gated_e4m3_auto.last_stats.get("path"), plain_e4m3_auto.last_stats.get("path")],

@@ -788,17 +788,9 @@ __global__ void __launch_bounds__(128) twell_gather_sddmm_gated_bwd(
   zero_padding(h_data, counts, row, n_tiles, capacity, lane);
 }
 
-// The gated FFN's up projection at the gate's pattern, the first half of its consumer: at each
-// stored entry (j, g) of the gate, u = x[row] . w_up[j] rounded to T and h = g * u in fp32
-// rounded to T (the roundings of the unfused path: SDDMM to T, then the value product), written
-// to h_data / h_spill in the gate's layout, and u to u_data / u_spill unless u_data is null.
-// Padding slots are not written (the down projection reads only the stored entries; a kept u
-// comes zeroed). The down projection then runs as its own SpMM: fused in one kernel, the two
-// halves kept both weight matrices (46 MB at the standard widths) in use at once and the L2 hit
-// rate fell to 62% (1 GB read from DRAM at 0.5%), against 90-95% for each half alone
-// (bench/NOTES.md, fourteenth session). 2-byte types: five blocks per SM (96 registers); at four,
-// with the 108 registers it takes unbounded, it ran 25% slower than the plain SDDMM at 0.5%. (The
-// FMA-pipe dots, of any type, would spill at 96.)
+// One row of the gated up projection (twell_gather_gated_up and its e4m3 twin): for each batch
+// of the gate's stored entries, u = dots(n, col) rounded to T, h = g * u, both stored at the
+// gate's positions (u only when u_data is not null).
 template <typename T, typename Dots>
 __device__ __forceinline__ void gated_up_row(const T* __restrict__ gate, const short* __restrict__ indices,
                                              const int* __restrict__ counts, const int* __restrict__ spill_indptr,
@@ -819,6 +811,17 @@ __device__ __forceinline__ void gated_up_row(const T* __restrict__ gate, const s
                        });
 }
 
+// The gated FFN's up projection at the gate's pattern, the first half of its consumer: at each
+// stored entry (j, g) of the gate, u = x[row] . w_up[j] rounded to T and h = g * u in fp32
+// rounded to T (the roundings of the unfused path: SDDMM to T, then the value product), written
+// to h_data / h_spill in the gate's layout, and u to u_data / u_spill unless u_data is null.
+// Padding slots are not written (the down projection reads only the stored entries; a kept u
+// comes zeroed). The down projection then runs as its own SpMM: fused in one kernel, the two
+// halves kept both weight matrices (46 MB at the standard widths) in use at once and the L2 hit
+// rate fell to 62% (1 GB read from DRAM at 0.5%), against 90-95% for each half alone
+// (bench/NOTES.md, fourteenth session). 2-byte types: five blocks per SM (96 registers); at four,
+// with the 108 registers it takes unbounded, it ran 25% slower than the plain SDDMM at 0.5%. (The
+// FMA-pipe dots, of any type, would spill at 96.)
 template <typename T, int KV, int U>
 __global__ void __launch_bounds__(128, sizeof(T) == 2 && TWELL_MMA_DOTS ? 5 : 1) twell_gather_gated_up(
     const T* __restrict__ gate, const short* __restrict__ indices, const int* __restrict__ counts,

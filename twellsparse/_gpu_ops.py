@@ -330,6 +330,16 @@ def sddmm(
     return parts._replace(data=data, spill_data=spill)
 
 
+def mask_consumer_eligible(x: Any, w_lin: Any, w_down_t: Any, dtype: Any) -> bool:
+    """Whether :func:`mask_consumer` takes these operands: dense weights (its kernels gather
+    2-byte rows, not ``_quantize.QuantizedRows``) of ``dtype`` with 16-byte rows (gated: x and
+    both weights; non-gated: ``w_down_t``)."""
+    weights = (w_down_t,) if w_lin is None else (w_lin, w_down_t)
+    if x.dtype != dtype or any(isinstance(w, QuantizedRows) or w.dtype != dtype for w in weights):
+        return False
+    return rows_aligned(*(row_stride(a) for a in (weights if w_lin is None else (x, *weights))))
+
+
 def mask_consumer(
     z: Any, mask: Any, mask_words: int, x: Any, w_lin: Any, w_down_t: Any, variant: tuple[int, int] | None = None
 ) -> Any:
@@ -337,8 +347,8 @@ def mask_consumer(
     bits of ``mask`` (``mask_words`` uint32 words per row) are the active units, ``z`` (M x F)
     holds ``relu(x @ w_act.T)``. Gated (``w_lin`` given): ``out = (z * (x @ w_lin.T)) @ w_down_t``
     at those units, with the TwELL path's roundings; ``z``'s active entries are overwritten with
-    the products. Non-gated: ``out = z @ w_down_t`` at those units. Every operand shares z's
-    dtype with 16-byte rows (``_ops.gather_tail_eligible``)."""
+    the products. Non-gated: ``out = z @ w_down_t`` at those units. Operands as
+    :func:`mask_consumer_eligible` takes them."""
     cp = _cp()
     z, ldz = row_stride(z)
     w_down_t, ldd = row_stride(w_down_t)

@@ -44,9 +44,9 @@ ENABLED = os.environ.get("TWELL_FUSED_PRODUCER", "1") != "0"
 #: the next tile's MMAs, in clusters of two CTAs that share each w tile by TMA multicast;
 #: ``"split"`` the same without clusters; ``"inline"`` the epilogue run by the math warpgroups
 #: (the tensor cores wait for it), 4 ring stages instead of 3. Pass 1 at 0.5% (ede40bb): 0.524 /
-#: 0.529 / 0.537 ms; the GEMM alone in the same kernel (5921883) 0.497 / 0.506 / 0.471 (3 stages against
-#: 4): the hand-off's overlap gains less than the inline epilogue costs, because the stage it
-#: takes slows the main loop.
+#: 0.529 / 0.537 ms; the GEMM alone in the same kernel (5921883): 0.497 / 0.506 / 0.471, so the
+#: hand-off's overlap gains less than the inline epilogue costs: the stage it takes slows the
+#: main loop.
 SCHEDULES = ("pair", "split", "inline")
 SCHEDULE = os.environ.get("TWELL_HOPPER_SCHEDULE", "pair")
 if SCHEDULE not in SCHEDULES:
@@ -158,27 +158,27 @@ def linear_to_parts_deferred(
     h = cp.empty((m, n), dtype=x.dtype)  # written only where a row-tile overflows
     mask_words = -(-n // BLOCK_COLS) * (BLOCK_COLS // 32)
     mask = cp.empty(m * mask_words, dtype=cp.uint32)
-    schedule = SCHEDULE
     types = f"{K.CXX_TYPE[x.dtype]}, {K.ACTIVATION_ID[activation]}"
-    clusters = 0
+    schedule = SCHEDULE  # read once (bench scripts switch it between calls)
+    split = schedule != "inline"
+    smem = shared_mem(split)
+    gemm, clusters = f"twell_gemm_pack<{types}, {int(split)}>", 0
     if schedule == "pair":  # where no cluster of two fits (the query fails), the split schedule
-        pair_kernel = f"twell_gemm_pack_pair<{types}>"
-        clusters = K.max_active_clusters(pair_kernel, cp.cuda.Device().id, THREADS, shared_mem(True), 2)
-        schedule = "pair" if clusters > 0 else "split"
-    cluster = 2 if schedule == "pair" else 1
+        pair = f"twell_gemm_pack_pair<{types}>"
+        clusters = K.max_active_clusters(pair, cp.cuda.Device().id, THREADS, smem, 2)
+        gemm = pair if clusters > 0 else gemm
+    cluster = 2 if clusters > 0 else 1  # a cluster's row blocks share a w tile
     maps = (tensor_map(x, BLOCK_ROWS), tensor_map(w, BLOCK_COLS // cluster))
     thr = np.float64(-1.0 if threshold is None else threshold)
     geometry = (np.int32(m), np.int32(n), np.int32(k), np.int32(tile_n), np.int32(nt), np.int32(capacity), thr)
-    split = schedule != "inline"
-    gemm = f"twell_gemm_pack_pair<{types}>" if cluster == 2 else f"twell_gemm_pack<{types}, {int(split)}>"
-    items = -(-m // (BLOCK_ROWS * cluster)) * -(-n // BLOCK_COLS)  # a cluster's row blocks share a w tile
-    blocks = cluster * min(items, clusters) if cluster == 2 else min(items, K.sm_count())
+    items = -(-m // (BLOCK_ROWS * cluster)) * -(-n // BLOCK_COLS)
+    blocks = cluster * min(items, clusters) if clusters > 0 else min(items, K.sm_count())
     spill_pass = _gpu_convert.relu_mask_spill_pass(h, mask, mask_words, tile_n, capacity)
 
     def launch(data: Any, indices: Any, counts: Any, nnz: Any, offsets: Any, spill_idx: Any, spill_data: Any) -> None:
         if K.is_null(offsets):  # pass 1: the GEMM and its packing epilogue
             outputs = (data, indices, counts, nnz, h, mask, np.int64(mask_words))
-            K.launch_arch(gemm, (blocks,), (THREADS,), (*maps, *geometry, *outputs), shared_mem(split))
+            K.launch_arch(gemm, (blocks,), (THREADS,), (*maps, *geometry, *outputs), smem)
         else:
             spill_pass(data, indices, counts, nnz, offsets, spill_idx, spill_data)
 

@@ -453,9 +453,10 @@ def fused_gated_backward(
 def gather_tail_eligible(x: Any, w_lin: Any, w_down_t: Any, dtype: Any) -> bool:
     """Whether an FFN block's tail can run on the row-gather kernels alone: on the GPU, one
     dtype, 16-byte rows (gated: the gated consumer's operands; non-gated: W_down's rows), or
-    W_down's rows as :class:`QuantizedRows` that the e4m3 SpMM takes. Those
-    tails take parts with a fixed-length spill (read through its row pointers; the other
-    kernels take its length from the arrays) and the ReLU-mask-driven tails."""
+    weight rows as :class:`QuantizedRows` that the e4m3 kernels take. Those tails take parts
+    with a fixed-length spill (read through its row pointers; the other kernels take its length
+    from the arrays). The ReLU-mask-driven tails have their own test
+    (``_gpu_ops.mask_consumer_eligible``: 2-byte rows only)."""
     if not is_cupy_array(x):
         return False
     from . import _gpu_ops

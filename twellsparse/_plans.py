@@ -364,13 +364,11 @@ class _FFNPlanBase:
         return preactivation(x, w_act), None, False
 
     def _mask_consumer_applies(self, x: Any, z: Any, w_lin: Any) -> bool:
-        """Whether the tail runs from the ReLU mask (``_gpu_producer.MASK_CONSUMER``, opt-in): on
-        the operands of the other gather tails (z itself is read an element at a time)."""
-        from . import _gpu_producer
+        """Whether the tail runs from the ReLU mask (``_gpu_producer.MASK_CONSUMER``, opt-in), on
+        operands its kernels take (z itself is read an element at a time)."""
+        from . import _gpu_ops, _gpu_producer
 
-        if self.down_format is not None or self.up_format is not None:  # the mask tails gather 2-byte rows only
-            return False
-        return _gpu_producer.MASK_CONSUMER and gather_tail_eligible(x, w_lin, self._down_rows, z.dtype)
+        return _gpu_producer.MASK_CONSUMER and _gpu_ops.mask_consumer_eligible(x, w_lin, self._down_rows, z.dtype)
 
     def _kept_fraction(self, z: Any) -> tuple[Any, float]:
         """``(kept, scale)``: the kept activations over evenly spaced rows, times ``scale`` their

@@ -488,11 +488,14 @@ class _TwELLMLPBase(nn.Module):
         self.up_format = check_format(up_format, "up_format", optional=True)
         self._plan: FFN | GatedFFN | None = None  # the fp8 forward's plan, and the weights it was built on
         self._plan_key: tuple | None = None
-        self._plan_ran = False  # whether the last forward was the fp8 one
+
+    @property
+    def _fp8_rows(self) -> bool:
+        """Whether the forward runs the fp8 plan (inference only)."""
+        return self.down_format is not None or self.up_format is not None
 
     def _forward(self, x: Tensor, w_act: Tensor, w_lin: Tensor | None, w_down: Tensor) -> Tensor:
-        self._plan_ran = self.down_format is not None or self.up_format is not None
-        if self._plan_ran:
+        if self._fp8_rows:
             return self._quantized_forward(x, w_act, w_lin, w_down)
         if self._path(x.numel() // max(x.shape[-1], 1)) == "dense":
             out, h = _dense_run(x, w_act, w_lin, w_down, self.activation, self.threshold)
@@ -560,7 +563,7 @@ class _TwELLMLPBase(nn.Module):
         ``spill_capacity`` left spilled entries out (its output was computed without them).
         Forwards check the previous one themselves; after replaying a captured graph,
         synchronise, then call this."""
-        if self._plan_ran and self._plan is not None:
+        if self._plan is not None:  # the fp8 forward's plan
             self._plan.check_spill()
             return
         raise_left_out(self._left_out, self.spill_capacity, "the previous forward")
@@ -586,7 +589,7 @@ class _TwELLMLPBase(nn.Module):
         if self._dense_hidden is not None:
             h = self._dense_hidden
             return h.abs().sum() / max(h.numel() // max(h.shape[-1], 1), 1)
-        if self._plan_ran:
+        if self._plan is not None:
             raise RuntimeError("l1_penalty: the last forward ran with fp8 weight rows (inference only)")
         if self._hidden is None:
             raise RuntimeError("l1_penalty: run a forward pass first")
@@ -597,7 +600,7 @@ class _TwELLMLPBase(nn.Module):
         """The last forward: nonzeros per token, density, spilled entries, and whether it ran the
         dense fallback (reads back from the device; call it outside the hot path)."""
         units = self.intermediate_size
-        if self._plan_ran and self._plan is not None:
+        if self._plan is not None:
             last = self._plan.last_stats
             keys = ("nnz_per_token", "density", "n_spilled", "dense_fallback")
             return {k: last[k] for k in keys if k in last}
