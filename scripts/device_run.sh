@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerprobe|stationary|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|producerprobe|stationary|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -192,6 +192,17 @@ for step in $what; do
             | grep -E "twell_|Duration|hit_rate|dram__bytes|inst_executed|Achieved Active|Memory Throughput"
         done
       done
+      ;;&
+    producerab)
+      # A producer candidate checked, then measured in one go: the Hopper tests under a timeout (a
+      # barrier bug hangs), the probe with clocks, the GEMM without its epilogue, and the keep mask
+      # built an entry at a time (TWELL_HOPPER_PACKED_MASK=0), each in its own process.
+      timeout 300 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_gpu_hopper.py 2>&1 \
+        | tee "$OUT/hopper_tests.log" | tail -3
+      status=$((status | ${PIPESTATUS[0]}))
+      timeout 90 python3 bench/producer_probe.py --clocks 2>&1 | tail -7 | tee -a "$OUT/producer_ab.log"
+      TWELL_HOPPER_PACK=0 timeout 60 python3 bench/producer_probe.py 2>&1 | tail -3 | tee -a "$OUT/producer_ab.log"
+      TWELL_HOPPER_PACKED_MASK=0 timeout 60 python3 bench/producer_probe.py 2>&1 | tail -3 | tee -a "$OUT/producer_ab.log"
       ;;&
     producerprobe)
       # Where the fused producer's pass 1 spends its time beyond the GEMM: the probe with and
