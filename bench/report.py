@@ -147,15 +147,15 @@ def fp8_table(records: list[dict[str, Any]]) -> str:
         return ""
     lines = [
         'FFN plans with the gathered weight rows in fp8 e4m3 (opt-in and lossy: `down_format="e4m3"`, and '
-        f'`up_format="e4m3"` for the gated block), bfloat16 otherwise, uniform activations; {_provenance(recs)}; '
+        f'`up_format="e4m3"` for the gated block), bfloat16 otherwise; {_provenance(recs)}; '
         "medians in ms, L2 flushed, speed-up over dense in parentheses, relative error against the dense "
         "bfloat16 block (the 2-byte plans' is 1e-4 or below).",
         "",
-        "| shape (M, d_model, d_ff) | density | non-gated: dense / 2-byte rows / e4m3 rows (error) | "
+        "| shape (M, d_model, d_ff) | pattern | density | non-gated: dense / 2-byte rows / e4m3 rows (error) | "
         "gated: dense / 2-byte rows / e4m3 rows (error) |",
-        "|---|---|---|---|",
+        "|---|---|---|---|---|",
     ]
-    for r in sorted(recs, key=lambda r: (r["shape"], r["density"])):
+    for r in sorted(recs, key=lambda r: (r["shape"], r["pattern"], r["density"])):
         ms = _medians(r)
         err = r["rel_error_vs_dense"]
         cells = []
@@ -165,7 +165,8 @@ def fp8_table(records: list[dict[str, Any]]) -> str:
                 f"{dense:.3f} / {ms[block]:.3f} ({dense / ms[block]:.2f}x) / {ms[f'{block}_e4m3']:.3f} "
                 f"({dense / ms[f'{block}_e4m3']:.2f}x, {err[f'{block}_e4m3']:.1e})"
             )
-        lines.append(f"| {', '.join(map(str, r['shape']))} | {r['density']:.2%} | {cells[0]} | {cells[1]} |")
+        shape = ", ".join(map(str, r["shape"]))
+        lines.append(f"| {shape} | {r['pattern']} | {r['density']:.2%} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines)
 
 
