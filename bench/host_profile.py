@@ -14,6 +14,7 @@ session).
     python bench/host_profile.py --torch-phases [--density 0.005] [--calls 50]
     python bench/host_profile.py --sync-probe [--density 0.005]
     python bench/host_profile.py --adapter-cost [--density 0.005]
+    python bench/host_profile.py --gpu-gaps [--density 0.01] [--calls 5]
 
 ``--adapter-cost`` queues 20 calls of each layer of the torch forward and backward (the CuPy
 core, the adapter's Python body, the custom op without and with autograd) behind a 300 ms spin
@@ -23,6 +24,13 @@ kernel: host time per call with no wait, then cProfile over the op's calls.
 autograd engine's worker thread confuses): the forward alone, the backward alone (one forward
 kept, ``retain_graph``), and the adapter's per-call pieces (tensor to CuPy array and back, the
 device/stream context, torch's current stream), each as host time per call queued ahead.
+
+``--gpu-gaps`` records eager training steps (``gated_ffn`` with the exact spill, the fixed-spill
+module, dense torch) with ``torch.profiler`` and reads the GPU's side: per step the span from
+the first kernel's start to the last kernel's end, the time some kernel ran, and the longest
+idle gaps with the kernels on either side. Idle time in a step is what capturing it in a CUDA
+graph can win back; the gaps' neighbours say which host work (a read-back, the launches after
+it) leaves the GPU waiting.
 """
 
 from __future__ import annotations
@@ -285,6 +293,74 @@ def adapter_cost(args: argparse.Namespace) -> None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
+def gpu_gaps(args: argparse.Namespace) -> None:
+    """The GPU's busy and idle time in eager training steps (see the module docstring)."""
+    import numpy as np
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import twellsparse.torch as tt
+    from twellsparse.testing import ffn_problem
+
+    p = ffn_problem(args.m, args.d_model, args.d_ff, args.density, "uniform", np.float32, 0)
+    names = ("x", "w_gate", "w_up", "w_down")
+    x, wg, wu, wd = (torch.from_numpy(p[k]).cuda().bfloat16().requires_grad_() for k in names)
+    inputs = [x, wg, wu, wd]
+    grad = torch.randn(args.m, args.d_model, device="cuda", dtype=torch.bfloat16)
+    mlp = tt.TwELLGatedMLP(args.d_model, args.d_ff, spill_capacity=args.m * 64, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for lin, w in ((mlp.gate_proj, wg), (mlp.up_proj, wu), (mlp.down_proj, wd)):
+            lin.weight.copy_(w)
+    params = [x, *mlp.parameters()]
+    steps: dict[str, Callable[[], Any]] = {
+        "gated_ffn, exact spill": lambda: torch.autograd.grad(tt.gated_ffn(x, wg, wu, wd), inputs, grad),
+        "TwELLGatedMLP, fixed spill": lambda: torch.autograd.grad(mlp(x), params, grad),
+        "dense (torch)": lambda: torch.autograd.grad(_dense_ffn(x, wg, wu, wd), inputs, grad),
+    }
+    for label, step in steps.items():
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        spans = []
+        for _ in range(args.calls):  # one profile per step: a step's kernels are the whole trace
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+            kernels = sorted(
+                (e.time_range.start, e.time_range.end, e.name)
+                for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+            )
+            spans.append(_busy_and_gaps(kernels))
+        span, busy, gaps = min(spans, key=lambda s: s[0])  # the fastest step's timeline
+        print(
+            f"{label}: span {span / 1e3:.3f} ms, kernels busy {busy / 1e3:.3f} ms, idle {(span - busy) / 1e3:.3f} ms "
+            f"(median span {float(np.median([s[0] for s in spans])) / 1e3:.3f} ms over {len(spans)} steps)",
+            flush=True,
+        )
+        for gap, before, after in gaps[:8]:
+            print(f"    idle {gap:7.1f} us after {before[:70]} / before {after[:70]}", flush=True)
+
+
+def _busy_and_gaps(kernels: list[tuple[float, float, str]]) -> tuple[float, float, list[tuple[float, str, str]]]:
+    """``(span, busy, gaps)`` in us of one timeline of ``(start, end, name)`` kernels sorted by
+    start: busy is the union of the kernels' intervals, gaps the idle stretches (longest first)
+    with the names of the kernels ending before and starting after each."""
+    if not kernels:
+        return 0.0, 0.0, []
+    busy, gaps = 0.0, []
+    start, end, last = kernels[0][0], kernels[0][1], kernels[0][2]
+    for s, e, name in kernels[1:]:
+        if s > end:
+            busy += end - start
+            gaps.append((s - end, last, name))
+            start, end = s, e
+        if e >= end:
+            end, last = e, name
+    busy += end - start
+    return end - kernels[0][0], busy, sorted(gaps, reverse=True)
+
+
 def _no_grad(f: Callable[[], Any]) -> Any:
     import torch
 
@@ -319,7 +395,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-phases", action="store_true", help="the eager step's parts, host time per call")
     ap.add_argument("--sync-probe", action="store_true", help="which calls wait for the GPU")
     ap.add_argument("--adapter-cost", action="store_true", help="host cost of each torch adapter layer")
+    ap.add_argument("--gpu-gaps", action="store_true", help="the GPU's idle time in eager training steps")
     args = ap.parse_args(argv)
+    if args.gpu_gaps:
+        gpu_gaps(args)
+        return 0
     if args.adapter_cost:
         adapter_cost(args)
         return 0

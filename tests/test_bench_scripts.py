@@ -125,3 +125,13 @@ def test_producer_probe_reads_nvidia_smi_samples(tmp_path, monkeypatch):
     got = probe.clocks_while(lambda: calls.append(1), lambda: None, seconds=0.3)
     assert got["calls"] == len(calls) > 0
     assert got["sm_mhz"] == 1605.0 and got["power_w"] == 698.0
+
+
+def test_gpu_gaps_merges_overlapping_kernels_and_ranks_the_idle_stretches():
+    gaps = _load("host_profile")._busy_and_gaps
+    assert gaps([]) == (0.0, 0.0, [])
+    # a: 0-10, b: 5-12 (overlaps a), c: 20-30 (8 us idle), d: 22-25 (inside c), e: 60-61 (30 us idle)
+    kernels = [(0.0, 10.0, "a"), (5.0, 12.0, "b"), (20.0, 30.0, "c"), (22.0, 25.0, "d"), (60.0, 61.0, "e")]
+    span, busy, idle = gaps(kernels)
+    assert (span, busy) == (61.0, 12.0 + 10.0 + 1.0)
+    assert idle == [(30.0, "c", "e"), (8.0, "b", "c")]
