@@ -323,29 +323,43 @@ def gpu_gaps(args: argparse.Namespace) -> None:
         torch.cuda.synchronize()
         spans = []
         for _ in range(args.calls):  # one profile per step: a step's kernels are the whole trace
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 step()
                 torch.cuda.synchronize()
+            events = [e for e in prof.events() if e.time_range.end > e.time_range.start]
             kernels = sorted(
                 (e.time_range.start, e.time_range.end, e.name)
-                for e in prof.events()
-                if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+                for e in events
+                if e.device_type == torch.autograd.DeviceType.CUDA
             )
-            spans.append(_busy_and_gaps(kernels))
-        span, busy, gaps = min(spans, key=lambda s: s[0])  # the fastest step's timeline
+            # The host's waits: runtime calls that block until the GPU reaches a point (the last
+            # one, the probe's own synchronize, left out).
+            waits = sorted(
+                (e.time_range.start, e.time_range.end - e.time_range.start, e.name)
+                for e in events
+                if e.device_type == torch.autograd.DeviceType.CPU
+                and ("Synchronize" in e.name or e.name in ("cudaMemcpy", "cudaMemcpyAsync"))
+            )[:-1]
+            spans.append((*_busy_and_gaps(kernels), waits, kernels[0][0] if kernels else 0.0))
+        span, busy, gaps, waits, t0 = min(spans, key=lambda s: s[0])  # the fastest step's timeline
         print(
             f"{label}: span {span / 1e3:.3f} ms, kernels busy {busy / 1e3:.3f} ms, idle {(span - busy) / 1e3:.3f} ms "
             f"(median span {float(np.median([s[0] for s in spans])) / 1e3:.3f} ms over {len(spans)} steps)",
             flush=True,
         )
-        for gap, before, after in gaps[:8]:
-            print(f"    idle {gap:7.1f} us after {before[:70]} / before {after[:70]}", flush=True)
+        for gap, before, after, at in gaps[:8]:
+            print(f"    idle {gap:7.1f} us at {at:8.1f} us after {before[:60]} / before {after[:60]}", flush=True)
+        for start, length, name in waits:
+            if length > 20.0:
+                print(f"    host waits {length:7.1f} us in {name} at {start - t0:8.1f} us", flush=True)
 
 
-def _busy_and_gaps(kernels: list[tuple[float, float, str]]) -> tuple[float, float, list[tuple[float, str, str]]]:
+def _busy_and_gaps(
+    kernels: list[tuple[float, float, str]],
+) -> tuple[float, float, list[tuple[float, str, str, float]]]:
     """``(span, busy, gaps)`` in us of one timeline of ``(start, end, name)`` kernels sorted by
     start: busy is the union of the kernels' intervals, gaps the idle stretches (longest first)
-    with the names of the kernels ending before and starting after each."""
+    as ``(length, kernel ending before, kernel starting after, start from the first kernel)``."""
     if not kernels:
         return 0.0, 0.0, []
     busy, gaps = 0.0, []
@@ -353,7 +367,7 @@ def _busy_and_gaps(kernels: list[tuple[float, float, str]]) -> tuple[float, floa
     for s, e, name in kernels[1:]:
         if s > end:
             busy += end - start
-            gaps.append((s - end, last, name))
+            gaps.append((s - end, last, name, end - kernels[0][0]))
             start, end = s, e
         if e >= end:
             end, last = e, name

@@ -134,4 +134,4 @@ def test_gpu_gaps_merges_overlapping_kernels_and_ranks_the_idle_stretches():
     kernels = [(0.0, 10.0, "a"), (5.0, 12.0, "b"), (20.0, 30.0, "c"), (22.0, 25.0, "d"), (60.0, 61.0, "e")]
     span, busy, idle = gaps(kernels)
     assert (span, busy) == (61.0, 12.0 + 10.0 + 1.0)
-    assert idle == [(30.0, "c", "e"), (8.0, "b", "c")]
+    assert idle == [(30.0, "c", "e", 30.0), (8.0, "b", "c", 12.0)]
