@@ -4,6 +4,14 @@ Forward + backward of ``(relu(x Wg^T) * (x Wu^T)) Wd^T`` on the standard problem
 (bf16, M 16384, d_model 2048, d_ff 5632) at several gate densities: median time, peak memory,
 and the bytes of activations saved for the backward (parameters and the input excluded); on
 the GPU also both steps captured whole in CUDA graphs (the sparse one with a fixed spill).
+
+Eager steps are timed twice: each step alone (CUDA events around one step, the GPU idle before
+it, so the host's launch time before the first kernels counts in full), and back to back (a
+training loop's throughput: ``--reps`` steps queued, one synchronisation, the time per step),
+where the host queues the next step while the GPU runs the last one, except where a step reads
+back from the device (the exact spill's overflow count, once per forward). Back to back the
+sparse step runs twice: ``gated_ffn`` (the exact spill) and ``TwELLGatedMLP`` with a fixed
+``spill_capacity`` (nothing read back).
 Results as JSON lines (``--out``). ``--quick`` runs a tiny float32 case (CPU smoke test).
 
 Usage: python bench/train_step.py [--quick] [--densities 0.005,0.01,0.02] [--out FILE]
@@ -82,8 +90,47 @@ def case(args: argparse.Namespace, density: float, device: str, dtype: torch.dty
         rec[f"{name}_saved_bytes"] = saved_activation_bytes(fn, params)
     rec["speedup"] = rec["dense_ms"] / rec["twell_ms"]
     rec["saved_ratio"] = rec["twell_saved_bytes"] / max(rec["dense_saved_bytes"], 1)
+    if cuda:
+        rec.update(back_to_back(args, params, grad, {"dense": step(dense), "twell": step(sparse)}))
     if cuda and not args.no_graphs:
         rec.update(captured_steps(args, params, grad))
+    return rec
+
+
+def module_step(args: argparse.Namespace, params: list[torch.Tensor], grad: torch.Tensor) -> tuple[Callable, Any]:
+    """``(step, mlp)``: a training step of ``TwELLGatedMLP`` with a fixed ``spill_capacity`` on
+    copies of ``params``' weights (new leaves: a captured step needs its own), and the module
+    (its ``check_spill`` says whether the timing is valid)."""
+    params = [p.detach().clone().requires_grad_() for p in params]
+    x, wg, wu, wd = params
+    mlp = tt.TwELLGatedMLP(args.d_model, args.d_ff, spill_capacity=args.m * 64, device=x.device, dtype=x.dtype)
+    with torch.no_grad():
+        for lin, w in ((mlp.gate_proj, wg), (mlp.up_proj, wu), (mlp.down_proj, wd)):
+            lin.weight.copy_(w)
+    inputs = [x, *mlp.parameters()]
+    return (lambda: torch.autograd.grad(mlp(x), inputs, grad)), mlp
+
+
+def back_to_back(
+    args: argparse.Namespace, params: list[torch.Tensor], grad: torch.Tensor, steps: dict[str, Callable[[], None]]
+) -> dict[str, Any]:
+    """Time per step of ``--reps`` eager steps queued back to back (one synchronisation), for
+    each of ``steps`` and the fixed-spill module (``twell_module``)."""
+    module, mlp = module_step(args, params, grad)
+    rec: dict[str, Any] = {}
+    for name, run in {**steps, "twell_module": module}.items():
+        run()
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(args.reps):
+            run()
+        stop.record()
+        stop.synchronize()
+        rec[f"{name}_b2b_ms"] = start.elapsed_time(stop) / args.reps
+    mlp.check_spill()
+    for name in ("twell", "twell_module"):
+        rec[f"speedup_{name}_b2b"] = rec["dense_b2b_ms"] / rec[f"{name}_b2b_ms"]
     return rec
 
 
@@ -94,14 +141,10 @@ def captured_steps(args: argparse.Namespace, params: list[torch.Tensor], grad: t
     # New leaves: the eager steps' gradient-accumulator nodes live on the default stream.
     params = [p.detach().clone().requires_grad_() for p in params]
     x, wg, wu, wd = params
-    mlp = tt.TwELLGatedMLP(args.d_model, args.d_ff, spill_capacity=args.m * 64, device=x.device, dtype=x.dtype)
-    with torch.no_grad():
-        for lin, w in ((mlp.gate_proj, wg), (mlp.up_proj, wu), (mlp.down_proj, wd)):
-            lin.weight.copy_(w)
-    sparse_inputs = [x, *mlp.parameters()]
+    sparse, mlp = module_step(args, params, grad)
     steps = {
         "dense": lambda: torch.autograd.grad((torch.relu(x @ wg.T) * (x @ wu.T)) @ wd.T, params, grad),
-        "twell": lambda: torch.autograd.grad(mlp(x), sparse_inputs, grad),
+        "twell": sparse,
     }
     rec = {
         f"{name}_graph_ms": Timer(args.reps, on_gpu=True, warmup=1)(captured(run))[1]["median"]
@@ -162,6 +205,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{rec['dense_saved_bytes']:,} bytes ({rec['saved_ratio']:.2f}x)",
             flush=True,
         )
+        if "speedup_twell_b2b" in rec:
+            print(
+                f"  eager back to back: dense {rec['dense_b2b_ms']:.3f} ms, twell {rec['twell_b2b_ms']:.3f} ms "
+                f"({rec['speedup_twell_b2b']:.2f}x), fixed-spill module {rec['twell_module_b2b_ms']:.3f} ms "
+                f"({rec['speedup_twell_module_b2b']:.2f}x)",
+                flush=True,
+            )
         if "speedup_graph" in rec:
             print(
                 f"  captured in CUDA graphs: dense {rec['dense_graph_ms']:.3f} ms, twell "
