@@ -3,6 +3,7 @@ under each of its schedules (``_hopper_producer.SCHEDULES``).
 
     TWELL_HOPPER_PACK=0 python bench/producer_probe.py   # the fused GEMM without its epilogue
     python bench/producer_probe.py --clocks               # SM clock and power while each runs
+    python bench/producer_probe.py --m 131072             # the model benchmark's tokens per layer
 
 Run once per build switch (they are read when the module is compiled): the difference between
 the two runs is the epilogue's share. ``--clocks`` runs each kernel back to back for about a
@@ -57,6 +58,8 @@ def clocks_while(fn: Callable[[], Any], sync: Callable[[], Any], seconds: float 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clocks", action="store_true", help="also sample the SM clock and power while each kernel runs")
+    ap.add_argument("--m", type=int, default=16384, help="tokens (rows of x); d_model 2048 and d_ff 5632 stay")
+    ap.add_argument("--density", type=float, default=0.005)
     args = ap.parse_args(argv)
 
     import cupy as cp
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     from twellsparse._timing import Timer
     from twellsparse.testing import ffn_problem
 
-    p = ffn_problem(16384, 2048, 5632, 0.005, "uniform", ts.bfloat16, 0, cp)
+    p = ffn_problem(args.m, 2048, 5632, args.density, "uniform", ts.bfloat16, 0, cp)
     x, wg = p["x"], p["w_gate"]
     timer = Timer(10, on_gpu=True, flush_l2=True)
 
@@ -84,8 +87,8 @@ def main(argv: list[str] | None = None) -> None:
         _hopper_producer.SCHEDULE = schedule
         fused = timer(fused_call)[1]["median"]
         print(
-            f"TWELL_HOPPER_PACK={build}, {schedule} schedule: gemm {gemm:.3f} ms, fused pass 1 {fused:.3f} ms"
-            f" ({fused / gemm:.2f}x)"
+            f"m {args.m}, TWELL_HOPPER_PACK={build}, {schedule} schedule: gemm {gemm:.3f} ms, "
+            f"fused pass 1 {fused:.3f} ms ({fused / gemm:.2f}x)"
         )
         if args.clocks:
             print(f"{schedule}: {clocks_while(fused_call, cp.cuda.Device().synchronize)}")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|producerprobe|stationary|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -195,14 +195,26 @@ for step in $what; do
       ;;&
     producerab)
       # A producer candidate checked, then measured in one go: the Hopper tests under a timeout (a
-      # barrier bug hangs), the probe with clocks, the GEMM without its epilogue, and the keep mask
-      # built an entry at a time (TWELL_HOPPER_PACKED_MASK=0), each in its own process.
+      # barrier bug hangs), the probe, the GEMM without its epilogue, the keep mask built an entry
+      # at a time (TWELL_HOPPER_PACKED_MASK=0), each in its own process, and the clocks last (the
+      # nvidia-smi sampling slows the timings of its own run by 0.03-0.05 ms).
       timeout 300 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_gpu_hopper.py 2>&1 \
         | tee "$OUT/hopper_tests.log" | tail -3
       status=$((status | ${PIPESTATUS[0]}))
-      timeout 90 python3 bench/producer_probe.py --clocks 2>&1 | tail -7 | tee -a "$OUT/producer_ab.log"
+      timeout 60 python3 bench/producer_probe.py 2>&1 | tail -3 | tee -a "$OUT/producer_ab.log"
       TWELL_HOPPER_PACK=0 timeout 60 python3 bench/producer_probe.py 2>&1 | tail -3 | tee -a "$OUT/producer_ab.log"
       TWELL_HOPPER_PACKED_MASK=0 timeout 60 python3 bench/producer_probe.py 2>&1 | tail -3 | tee -a "$OUT/producer_ab.log"
+      timeout 90 python3 bench/producer_probe.py --clocks 2>&1 | tail -7 | tee -a "$OUT/producer_ab.log"
+      ;;&
+    modelschedule)
+      # The model benchmark's forward lost 7% between f5b4de0 and 6d2f107 (bench/NOTES.md,
+      # twentieth session): its layers under the pair and inline schedules alternately, and the
+      # producer alone at the model's 131072 tokens per layer.
+      for schedule in pair inline pair inline; do
+        TWELL_HOPPER_SCHEDULE=$schedule timeout 90 python3 bench/model_bench.py --densities 0.005 --no-graphs \
+          --reps 5 2>&1 | grep -i density | sed "s/^/$schedule: /" | tee -a "$OUT/model_schedule.log"
+      done
+      timeout 120 python3 bench/producer_probe.py --m 131072 2>&1 | tail -3 | tee -a "$OUT/model_schedule.log"
       ;;&
     producerprobe)
       # Where the fused producer's pass 1 spends its time beyond the GEMM: the probe with and
