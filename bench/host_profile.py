@@ -69,21 +69,13 @@ def report(calls: int, top: int, runs: dict[str, Callable[[], Any]], sync: Calla
 
 def torch_step(args: argparse.Namespace) -> None:
     """The eager gated training step through ``twellsparse.torch`` (see the module docstring)."""
-    import numpy as np
     import torch
 
     import twellsparse.torch as tt
-    from twellsparse.testing import ffn_problem
 
-    p = ffn_problem(args.m, args.d_model, args.d_ff, args.density, "uniform", np.float32, 0)
-    names = ("x", "w_gate", "w_up", "w_down")
-    x, wg, wu, wd = (torch.from_numpy(p[k]).cuda().bfloat16().requires_grad_() for k in names)
-    grad = torch.randn(args.m, args.d_model, device="cuda", dtype=torch.bfloat16)
+    x, wg, wu, wd, grad = _torch_problem(args)
     if args.fixed:
-        mlp = tt.TwELLGatedMLP(args.d_model, args.d_ff, spill_capacity=args.m * 64, device="cuda", dtype=torch.bfloat16)
-        with torch.no_grad():
-            for lin, w in ((mlp.gate_proj, wg), (mlp.up_proj, wu), (mlp.down_proj, wd)):
-                lin.weight.copy_(w)
+        mlp = _fixed_spill_mlp(args, wg, wu, wd)
         inputs = [x, *mlp.parameters()]
 
         def step() -> None:
@@ -101,23 +93,15 @@ def torch_step(args: argparse.Namespace) -> None:
 
 def torch_phases(args: argparse.Namespace) -> None:
     """Host time per call of the eager step's parts (see the module docstring)."""
-    import numpy as np
     import torch
 
     import twellsparse.torch as tt
-    from twellsparse.testing import ffn_problem
 
-    p = ffn_problem(args.m, args.d_model, args.d_ff, args.density, "uniform", np.float32, 0)
-    names = ("x", "w_gate", "w_up", "w_down")
-    x, wg, wu, wd = (torch.from_numpy(p[k]).cuda().bfloat16().requires_grad_() for k in names)
+    x, wg, wu, wd, grad = _torch_problem(args)
     inputs = [x, wg, wu, wd]
-    grad = torch.randn(args.m, args.d_model, device="cuda", dtype=torch.bfloat16)
     kept = tt.gated_ffn(x, wg, wu, wd)
     a = tt._to_array(wg)
-    mlp = tt.TwELLGatedMLP(args.d_model, args.d_ff, spill_capacity=args.m * 64, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad():
-        for lin, w in ((mlp.gate_proj, wg), (mlp.up_proj, wu), (mlp.down_proj, wd)):
-            lin.weight.copy_(w)
+    mlp = _fixed_spill_mlp(args, wg, wu, wd)
     params = [x, *mlp.parameters()]
     kept_fixed = mlp(x)
     runs: dict[str, Callable[[], Any]] = {
@@ -218,10 +202,7 @@ def sync_probe(args: argparse.Namespace) -> None:
     behind_spin("backward_arrays", bwd, True)
     tx, twg, twu, twd = (torch.from_dlpack(a).requires_grad_() for a in (x, wg, wu, wd))
     tgrad = torch.from_dlpack(grad)
-    mlp = tt.TwELLGatedMLP(args.d_model, args.d_ff, spill_capacity=spill, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad():
-        for lin, w in ((mlp.gate_proj, twg), (mlp.up_proj, twu), (mlp.down_proj, twd)):
-            lin.weight.copy_(w)
+    mlp = _fixed_spill_mlp(args, twg, twu, twd, spill)
     kept = mlp(tx)
     params = [tx, *mlp.parameters()]
     torch.cuda.synchronize()
@@ -300,17 +281,10 @@ def gpu_gaps(args: argparse.Namespace) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     import twellsparse.torch as tt
-    from twellsparse.testing import ffn_problem
 
-    p = ffn_problem(args.m, args.d_model, args.d_ff, args.density, "uniform", np.float32, 0)
-    names = ("x", "w_gate", "w_up", "w_down")
-    x, wg, wu, wd = (torch.from_numpy(p[k]).cuda().bfloat16().requires_grad_() for k in names)
+    x, wg, wu, wd, grad = _torch_problem(args)
     inputs = [x, wg, wu, wd]
-    grad = torch.randn(args.m, args.d_model, device="cuda", dtype=torch.bfloat16)
-    mlp = tt.TwELLGatedMLP(args.d_model, args.d_ff, spill_capacity=args.m * 64, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad():
-        for lin, w in ((mlp.gate_proj, wg), (mlp.up_proj, wu), (mlp.down_proj, wd)):
-            lin.weight.copy_(w)
+    mlp = _fixed_spill_mlp(args, wg, wu, wd)
     params = [x, *mlp.parameters()]
     steps: dict[str, Callable[[], Any]] = {
         "gated_ffn, exact spill": lambda: torch.autograd.grad(tt.gated_ffn(x, wg, wu, wd), inputs, grad),
@@ -391,6 +365,35 @@ def _dense_ffn(x: Any, wg: Any, wu: Any, wd: Any) -> Any:
     import torch
 
     return torch.relu(x @ wg.t()) * (x @ wu.t()) @ wd.t()
+
+
+def _torch_problem(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, Any]:
+    """``(x, w_gate, w_up, w_down, grad)``: the problem as bf16 CUDA tensors requiring grad, and
+    an output gradient."""
+    import numpy as np
+    import torch
+
+    from twellsparse.testing import ffn_problem
+
+    p = ffn_problem(args.m, args.d_model, args.d_ff, args.density, "uniform", np.float32, 0)
+    names = ("x", "w_gate", "w_up", "w_down")
+    x, wg, wu, wd = (torch.from_numpy(p[k]).cuda().bfloat16().requires_grad_() for k in names)
+    return x, wg, wu, wd, torch.randn(args.m, args.d_model, device="cuda", dtype=torch.bfloat16)
+
+
+def _fixed_spill_mlp(args: argparse.Namespace, wg: Any, wu: Any, wd: Any, spill: int | None = None) -> Any:
+    """A ``TwELLGatedMLP`` with a fixed ``spill_capacity`` (default 64 per token) and the given
+    weights."""
+    import torch
+
+    import twellsparse.torch as tt
+
+    spill = args.m * 64 if spill is None else spill
+    mlp = tt.TwELLGatedMLP(args.d_model, args.d_ff, spill_capacity=spill, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for lin, w in ((mlp.gate_proj, wg), (mlp.up_proj, wu), (mlp.down_proj, wd)):
+            lin.weight.copy_(w)
+    return mlp
 
 
 def main(argv: list[str] | None = None) -> int:
