@@ -150,7 +150,9 @@ class _FFNPlanBase:
     @property
     def last_stats(self) -> dict[str, Any]:
         """The last call: the path taken (``"sparse"`` or ``"dense"``), the sampled density that
-        chose it and, for the sparse path, the hidden layer's nonzeros and spilled entries.
+        chose it (under ``dispatch="sparse"`` the previous call's, which chose only the down
+        projection's kernel; NaN where there was none) and, for the sparse path, the hidden
+        layer's nonzeros and spilled entries.
 
         Computed on access (it reads counts back from the GPU), never in the call itself.
         """
@@ -259,8 +261,11 @@ class _FFNPlanBase:
         """``(first parts, finish, density estimate)`` of the pack straight from the GEMM
         (``_hopper_producer``: no dense pre-activations) when it serves the call and the sparse
         path is already chosen: ``dispatch="sparse"``, or ``"auto"`` with the previous call's
-        density at most the break-even (this call's density is then posted from its row-tiles'
-        entry totals). None otherwise (the first ``auto`` call samples the pre-activations)."""
+        density at most the break-even. This call's density is posted from its row-tiles' entry
+        totals for the next call: ``auto`` reads it to choose the path (waiting for it if need
+        be), ``sparse`` only to choose the down projection's kernel, so it takes it only if it
+        has arrived (NaN before: the choice by rows alone). None otherwise (the first ``auto``
+        call samples the pre-activations)."""
         if self.dispatch == "dense" or not is_cupy_array(xx):
             return None
         from . import _gpu_producer, _hopper_producer
@@ -270,14 +275,18 @@ class _FFNPlanBase:
 
         if not _hopper_producer.applies(xx, w_act, self.activation, self.threshold, self.tile_n, self.capacity):
             return None
-        estimate = self._density.value() if self.dispatch == "auto" else float("nan")
-        if estimate is None or estimate > breakeven:
-            return None
+        if self.dispatch == "auto":
+            estimate = self._density.value()
+            if estimate is None or estimate > breakeven:
+                return None
+        else:
+            latest = self._density.latest()
+            estimate = float("nan") if latest is None else latest
         first_parts, finish = _hopper_producer.linear_to_parts_deferred(
             xx, w_act, self.activation, self.tile_n, self.capacity, self.threshold
         )
-        if self.dispatch == "auto":  # the entry count, a fraction once read
-            self._density.post(finish.totals()[0], scale=1.0 / (xx.shape[0] * w_act.shape[0]))
+        # The entry count, a fraction once read.
+        self._density.post(finish.totals()[0], scale=1.0 / (xx.shape[0] * w_act.shape[0]))
         return first_parts, finish, estimate
 
     def _sparse_tail(

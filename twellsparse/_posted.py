@@ -71,6 +71,21 @@ class PostedScalar:
             self._value = self._read()
         return self._value
 
+    def latest(self) -> float | None:
+        """:meth:`value` without waiting: the last posted value if its copy has landed, else the
+        one before it (None before any): for choices that a stale value only makes slower. While
+        the current stream is being captured nothing is queried (the event query is not a
+        capture-safe call): the value known before the capture."""
+        import cupy as cp
+
+        if cp.cuda.get_current_stream().is_capturing():
+            return self._value
+        if self._event is not None and self._event.done:
+            self._value, self._event = self._read(), None
+        elif self._event is None and self._in_graph:
+            self._value = self._read()
+        return self._value
+
     def _read(self) -> float:
         return float(self._host.view(self._dtype)[0]) * self._scale
 

@@ -147,6 +147,32 @@ def test_plans_with_the_fused_producer(cp, rng, monkeypatch, gated):
     assert rel_error(got, before) < 2e-2
 
 
+def test_sparse_plans_choose_the_down_kernel_by_the_previous_density(cp, rng, monkeypatch):
+    """dispatch="sparse" plans post each call's density too (from the pack's entry totals) and
+    the next call hands it to the down projection's kernel choice once it has arrived: NaN on
+    the first call, the first call's density on the second."""
+    from twellsparse import _stationary
+
+    p = ffn_problem(700, 256, 1300, 0.02, "uniform", ts.bfloat16, rng, cp)
+    plan = ts.GatedFFN(p["w_gate"], p["w_up"], p["w_down"], dispatch="sparse")
+    seen = []
+    chosen = _stationary.chosen
+
+    def recording(*args, **kw):
+        seen.append(_stationary._expected_density.get())
+        return chosen(*args, **kw)
+
+    monkeypatch.setattr(_stationary, "chosen", recording)
+    want = plan(p["x"])
+    first = plan.last_stats
+    assert np.isnan(first["sampled_density"]) and seen[-1] is None
+    cp.cuda.Device().synchronize()
+    got = plan(p["x"])
+    assert first["density"] > 0 and plan.last_stats["sampled_density"] == pytest.approx(first["density"])
+    assert seen[-1] == pytest.approx(first["density"])
+    np.testing.assert_array_equal(cp.asnumpy(got).view(np.uint16), cp.asnumpy(want).view(np.uint16))
+
+
 def test_fused_plan_captured_in_a_cuda_graph(cp, rng):
     p = ffn_problem(512, 128, 1024, 0.02, "uniform", ts.bfloat16, rng, cp)
     x, wg, wu, wd = p["x"], p["w_gate"], p["w_up"], p["w_down"]

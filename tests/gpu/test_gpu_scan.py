@@ -140,3 +140,20 @@ def test_posted_count_reads_scaled(cp):
     assert posted.value() is None and popped.take() == 10.0
     posted.post(4, scale=0.25)
     assert posted.value() == 1.0
+
+
+def test_posted_latest_never_waits(cp):
+    """latest() gives the value before one whose copy is still queued (behind a spin kernel),
+    and the new one once it has landed."""
+    from twellsparse._posted import PostedScalar
+
+    posted = PostedScalar()
+    assert posted.latest() is None
+    posted.post(cp.asarray(2.0))
+    cp.cuda.Device().synchronize()
+    assert posted.latest() == 2.0
+    _kernels.get_kernel("twell_spin")((1,), (1,), (np.int64(200_000_000),))  # 0.2 s
+    posted.post(cp.asarray(3.0))
+    assert posted.latest() == 2.0  # still queued: the previous value, no wait
+    cp.cuda.Device().synchronize()
+    assert posted.latest() == 3.0
