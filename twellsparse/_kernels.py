@@ -335,13 +335,11 @@ def _arch_function(expression: str, device_id: int, shared_mem: int) -> Any:
 
 
 @functools.cache
-@functools.lru_cache(maxsize=64)
 def max_active_clusters(expression: str, device_id: int, threads: int, shared_mem: int, cluster: int) -> int:
     """How many clusters of an :data:`ARCH_SOURCES` kernel with compile-time cluster dimensions
     fit on the device at once (cuOccupancyMaxActiveClusters): a persistent grid of more would run
     its last clusters in a second wave. 0 where the query fails (callers then do without
-    clusters). Cached: the answer depends on its arguments alone, and the producer asks at every
-    launch (a ctypes structure built and a driver call made per call otherwise)."""
+    clusters)."""
     import ctypes
 
     func = _arch_function(expression, device_id, shared_mem)

@@ -73,7 +73,7 @@ class PostedScalar:
 
     def latest(self) -> float | None:
         """:meth:`value` without waiting: the last posted value if its copy has landed, else the
-        one before it (None before any): for choices that a stale value only makes slower. While
+        last value read (None before any): for choices that a stale value only makes slower. While
         the current stream is being captured nothing is queried (the event query is not a
         capture-safe call): the value known before the capture."""
         import cupy as cp
