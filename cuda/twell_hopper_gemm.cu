@@ -48,11 +48,6 @@
 #ifndef TWELL_HOPPER_PACK
 #define TWELL_HOPPER_PACK 1
 #endif
-// TWELL_HOPPER_PACKED_MASK=0 builds plain relu's keep mask one entry at a time (a half widened
-// and compared in fp32) instead of by packed compares, for measuring the difference.
-#ifndef TWELL_HOPPER_PACKED_MASK
-#define TWELL_HOPPER_PACKED_MASK 1
-#endif
 
 namespace twell {
 namespace hopper {
@@ -221,38 +216,25 @@ __device__ __forceinline__ unsigned long long shfl_u64(unsigned long long v, int
 // positive and not NaN (+inf included): what plain relu keeps. One packed compare for both
 // halves (setp.gt on bf16x2 / f16x2, without flushing subnormals, so the mask follows the stored
 // bits exactly; NaN compares false) and two predicated ORs, where widening each half to fp32
-// and comparing it took three instructions per entry.
+// and comparing it took three instructions per entry (0.2-0.5% of pass 1, bench/NOTES.md,
+// twentieth session).
 template <typename T> __device__ __forceinline__ void or_positive_bits(unsigned pair, unsigned& mask, unsigned bit);
+#define TWELL_OR_POSITIVE_BITS(TYPE)          \
+  asm("{\n"                                  \
+      ".reg .pred lo, hi;\n"                 \
+      "setp.gt." TYPE "x2 lo|hi, %1, %2;\n"  \
+      "@lo or.b32 %0, %0, %3;\n"             \
+      "@hi or.b32 %0, %0, %4;\n"             \
+      "}\n"                                  \
+      : "+r"(mask)                           \
+      : "r"(pair), "r"(0u), "r"(1u << bit), "r"(2u << bit))
 template <> __device__ __forceinline__ void or_positive_bits<bf16>(unsigned pair, unsigned& mask, unsigned bit) {
-  asm("{\n"
-      ".reg .pred lo, hi;\n"
-      "setp.gt.bf16x2 lo|hi, %1, %2;\n"
-      "@lo or.b32 %0, %0, %3;\n"
-      "@hi or.b32 %0, %0, %4;\n"
-      "}\n"
-      : "+r"(mask)
-      : "r"(pair), "r"(0u), "r"(1u << bit), "r"(2u << bit));
+  TWELL_OR_POSITIVE_BITS("bf16");
 }
 template <> __device__ __forceinline__ void or_positive_bits<f16>(unsigned pair, unsigned& mask, unsigned bit) {
-  asm("{\n"
-      ".reg .pred lo, hi;\n"
-      "setp.gt.f16x2 lo|hi, %1, %2;\n"
-      "@lo or.b32 %0, %0, %3;\n"
-      "@hi or.b32 %0, %0, %4;\n"
-      "}\n"
-      : "+r"(mask)
-      : "r"(pair), "r"(0u), "r"(1u << bit), "r"(2u << bit));
+  TWELL_OR_POSITIVE_BITS("f16");
 }
-
-// The same test for half e alone (TWELL_HOPPER_PACKED_MASK=0): bf16 widened to fp32 and
-// compared; f16 by its bit pattern lying in 1 .. the pattern of +inf.
-template <typename T> __device__ __forceinline__ bool positive_half(unsigned pair, int e);
-template <> __device__ __forceinline__ bool positive_half<bf16>(unsigned pair, int e) {
-  return __uint_as_float(e ? pair & 0xffff0000u : pair << 16) > 0.f;
-}
-template <> __device__ __forceinline__ bool positive_half<f16>(unsigned pair, int e) {
-  return ((pair >> (16 * e)) & 0xFFFFu) - 1u < 0x7C00u;
-}
+#undef TWELL_OR_POSITIVE_BITS
 
 // Two fp32 values rounded to T in one instruction: lo in the low half, hi in the high half.
 template <typename T> __device__ __forceinline__ unsigned rounded_pair(float lo, float hi);
@@ -324,16 +306,8 @@ __device__ __forceinline__ void pack_pairs(unsigned (&pair)[32], int half, const
     // relu without a threshold keeps exactly the entries whose rounded value is positive and
     // not NaN; each half of the mask is built in its own 32-bit register (no 64-bit shifts).
     unsigned half_mask[2] = {0u, 0u};
-#if TWELL_HOPPER_PACKED_MASK
 #pragma unroll
     for (int j = 0; j < 32; ++j) or_positive_bits<T>(pair[j], half_mask[j >> 4], (2 * j) & 31);
-#else
-#pragma unroll
-    for (int j = 0; j < 32; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
-        if (positive_half<T>(pair[j], e)) half_mask[j >> 4] |= 1u << ((2 * j + e) & 31);
-#endif
     mine = ((unsigned long long)half_mask[1] << 32) | half_mask[0];
   } else {
 #pragma unroll

@@ -195,15 +195,13 @@ for step in $what; do
       ;;&
     producerab)
       # A producer candidate checked, then measured in one go: the Hopper tests under a timeout (a
-      # barrier bug hangs), the probe, the GEMM without its epilogue, the keep mask built an entry
-      # at a time (TWELL_HOPPER_PACKED_MASK=0), each in its own process, and the clocks last (the
-      # nvidia-smi sampling slows the timings of its own run by 0.03-0.05 ms).
+      # barrier bug hangs), the probe, the GEMM without its epilogue, each in its own process, and
+      # the clocks last (the nvidia-smi sampling slows the timings of its own run by 0.03-0.05 ms).
       timeout 300 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_gpu_hopper.py 2>&1 \
         | tee "$OUT/hopper_tests.log" | tail -3
       status=$((status | ${PIPESTATUS[0]}))
       timeout 60 python3 bench/producer_probe.py 2>&1 | tail -3 | tee -a "$OUT/producer_ab.log"
       TWELL_HOPPER_PACK=0 timeout 60 python3 bench/producer_probe.py 2>&1 | tail -3 | tee -a "$OUT/producer_ab.log"
-      TWELL_HOPPER_PACKED_MASK=0 timeout 60 python3 bench/producer_probe.py 2>&1 | tail -3 | tee -a "$OUT/producer_ab.log"
       timeout 90 python3 bench/producer_probe.py --clocks 2>&1 | tail -7 | tee -a "$OUT/producer_ab.log"
       ;;&
     modelschedule)

@@ -35,7 +35,13 @@ def row_stride(x: Any) -> tuple[Any, int]:
     unit_cols = x.shape[1] <= 1 or x.strides[1] == item
     if not unit_cols or x.strides[0] % item or x.strides[0] < 0:
         x = cp.ascontiguousarray(x)
-    return x, max(x.strides[0] // item, x.shape[1], 1)
+    return x, leading_dim(x)
+
+
+def leading_dim(x: Any) -> int:
+    """The row stride in elements the kernels take for a 2-D array with unit column stride
+    (never below its row length, 1 for rows of nothing), without copying it."""
+    return max(x.strides[0] // x.itemsize, x.shape[1], 1)
 
 
 def rows_aligned(*operands: tuple[Any, int]) -> bool:

@@ -13,7 +13,7 @@ from . import _kernels as K
 from . import _stationary
 from ._backend import bfloat16, cupy_module, is_cupy_array
 from ._errors import TwELLFallbackWarning
-from ._gpu_convert import TransposedPattern, row_stride, rows_aligned, transposed_pattern
+from ._gpu_convert import TransposedPattern, leading_dim, row_stride, rows_aligned, transposed_pattern
 from ._parts import TwELLParts
 from ._quantize import QuantizedRows
 
@@ -169,7 +169,7 @@ def down_spmm(parts: TwELLParts, tile_n: int, w_down: Any, out: Any) -> Any:
     copied in)."""
     if not isinstance(w_down, QuantizedRows):
         return spmm(parts, tile_n, w_down, out)
-    if rows_aligned((out, max(out.strides[0] // out.itemsize, out.shape[1], 1))) and out.strides[1] == out.itemsize:
+    if out.strides[1] == out.itemsize and rows_aligned((out, leading_dim(out))):
         return spmm_e4m3(parts, tile_n, w_down.data, w_down.scales, out)
     out[...] = spmm_e4m3(parts, tile_n, w_down.data, w_down.scales, _cp().empty(out.shape, dtype=out.dtype))
     return out

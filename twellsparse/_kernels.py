@@ -225,17 +225,16 @@ def source_hash() -> str:
 
 
 def compile_options() -> tuple[str, ...]:
-    """NVRTC options. Five measurement switches are read from the environment when a module is
+    """NVRTC options. Four measurement switches are read from the environment when a module is
     first compiled: ``TWELL_L2_HINTS=0`` turns off the gather kernels' L2 eviction hint
     (cuda/twell_gather.cu), ``TWELL_MMA_DOTS=0`` gives their dot products to the FMA pipes
     instead of the tensor cores, ``TWELL_HOPPER_PACK=0`` leaves the fused producer's epilogue out
-    (cuda/twell_hopper_gemm.cu: wrong results, the GEMM's time alone),
-    ``TWELL_HOPPER_PACKED_MASK=0`` builds its keep mask an entry at a time, and
+    (cuda/twell_hopper_gemm.cu: wrong results, the GEMM's time alone), and
     ``TWELL_GATHER_MIN_BLOCKS=N`` replaces the launch bounds of the 2-byte SpMM and
     transposed-product kernels (by default a minimum of 1 block per SM for the single-output
     ones, none for dX's dual pass): N blocks per SM for all of them, 0 for no minimum."""
     switches = []
-    for name in ("TWELL_L2_HINTS", "TWELL_MMA_DOTS", "TWELL_HOPPER_PACK", "TWELL_HOPPER_PACKED_MASK"):
+    for name in ("TWELL_L2_HINTS", "TWELL_MMA_DOTS", "TWELL_HOPPER_PACK"):
         value = os.environ.get(name, "")
         if value not in ("", "0", "1"):
             raise ValueError(f"{name}: expected 0 or 1, got {value!r}")

@@ -64,12 +64,7 @@ class PostedScalar:
 
     def value(self) -> float | None:
         """The last recorded value (None before the first)."""
-        if self._event is not None:
-            self._event.synchronize()
-            self._value, self._event = self._read(), None
-        elif self._in_graph:
-            self._value = self._read()
-        return self._value
+        return self._settled(wait=True)
 
     def latest(self) -> float | None:
         """:meth:`value` without waiting: the last posted value if its copy has landed, else the
@@ -80,9 +75,19 @@ class PostedScalar:
 
         if cp.cuda.get_current_stream().is_capturing():
             return self._value
-        if self._event is not None and self._event.done:
+        return self._settled(wait=False)
+
+    def _settled(self, wait: bool) -> float | None:
+        """The posted value once its copy has landed (waiting for it if ``wait``, else the last
+        value read while it is in flight); a value a captured graph rewrites is read as it
+        stands."""
+        if self._event is not None:
+            if wait:
+                self._event.synchronize()
+            elif not self._event.done:
+                return self._value
             self._value, self._event = self._read(), None
-        elif self._event is None and self._in_graph:
+        elif self._in_graph:
             self._value = self._read()
         return self._value
 

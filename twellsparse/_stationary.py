@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import _kernels as K
-from ._gpu_convert import row_stride, rows_aligned, two_launch_scan
+from ._gpu_convert import leading_dim, row_stride, rows_aligned, two_launch_scan
 from ._parts import TwELLParts
 
 #: Output columns per block (STATIONARY_COLS in the kernel).
@@ -72,8 +72,7 @@ def applies(n: int, b: Any, out: Any) -> bool:
     if b.dtype.itemsize != 2 or out.dtype != b.dtype or n >= (1 << 16) - 1:
         return False
     _, ldb = row_stride(b)
-    ldo = max(out.strides[0] // out.itemsize, out.shape[1], 1)
-    if not rows_aligned((b, ldb), (out, ldo)):
+    if not rows_aligned((b, ldb), (out, leading_dim(out))):
         return False
     return slice_bytes(n, 2) <= K.device_attribute("MaxSharedMemoryPerBlockOptin")
 

@@ -486,8 +486,8 @@ class _TwELLMLPBase(nn.Module):
         self._left_out = PostedScalar()  # entries a fixed spill_capacity could not hold
         self.down_format = check_format(down_format, "down_format", optional=True)
         self.up_format = check_format(up_format, "up_format", optional=True)
-        self._plan: FFN | GatedFFN | None = None  # the fp8 forward's plan, and the weights it was built on
-        self._plan_key: tuple | None = None
+        self._plan: FFN | GatedFFN | None = None  # the fp8 forward's plan
+        self._plan_key: tuple = ((), ())  # the (layout, versions) of the weights it was built on
 
     @property
     def _fp8_rows(self) -> bool:
@@ -534,7 +534,7 @@ class _TwELLMLPBase(nn.Module):
         layout = tuple((w.data_ptr(), w.device, w.dtype, tuple(w.shape)) for w in weights)
         versions = tuple(w._version for w in weights)
         with _on_device(x):
-            if self._plan is None or self._plan_key is None or self._plan_key[0] != layout:
+            if self._plan is None or self._plan_key[0] != layout:
                 arrays = [_to_array(w) for w in weights]
                 settings: dict[str, Any] = dict(
                     activation=self.activation,
