@@ -8,6 +8,10 @@ same function). Reports forward and training-step tokens per ms for both, per la
 stack, as JSON lines (``--out``). ``--quick`` runs a tiny CPU case (smoke test).
 
 Usage: python bench/model_bench.py [--quick] [--layers 4] [--densities 0.005,0.01] [--out FILE]
+                                   [--profile]
+
+``--profile`` prints, per density, the GPU time of each kernel in one forward of both stacks
+(torch.profiler; summed over the layers, largest first) instead of timing them.
 """
 
 from __future__ import annotations
@@ -103,6 +107,26 @@ def captured_times(
     return rec
 
 
+def kernel_times(blocks: nn.ModuleList, x: torch.Tensor, top: int = 12) -> list[tuple[float, int, str]]:
+    """``(total us, calls, name)`` of the kernels of one forward of ``blocks``, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        run_stack(blocks, x)  # warm: compiled kernels, plans, cached maps
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run_stack(blocks, x)
+            torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start:
+            t = totals.setdefault(e.name, [0.0, 0])
+            t[0] += e.time_range.end - e.time_range.start
+            t[1] += 1
+    rows = sorted(((us, int(n), name) for name, (us, n) in totals.items()), reverse=True)
+    return rows[:top]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
@@ -113,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph-captured runs (GPU)")
     ap.add_argument("--out")
+    ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of one forward (GPU)")
     args = ap.parse_args(argv)
     ex = _example()
     cuda = torch.cuda.is_available() and not args.quick
@@ -132,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
             out_s, out_d = run_stack(sparse, x).float(), run_stack(dense, x).float()
         err = float((out_s - out_d).norm() / out_d.norm())
         measured = [b.mlp.stats()["density"] for b in sparse]
+        if args.profile and cuda:
+            for name, blocks in (("twell", sparse), ("dense", dense)):
+                rows = kernel_times(blocks, x)
+                print(f"{name} forward, density {density:.2%}: kernels by GPU time (us, calls)")
+                for us, calls, kernel in rows:
+                    print(f"  {us:10.1f} {calls:4d}  {kernel[:110]}")
+            continue
         x_train = x.detach().requires_grad_()
 
         def train_step(blocks: nn.ModuleList, x_in: torch.Tensor = x_train) -> None:

@@ -1,11 +1,12 @@
 """The weight-stationary SpMM (``cuda/twell_stationary.cu``): ``out = A @ B`` with a 16-column
 slice of all of B held in one block's shared memory while A's entries stream past it.
 
-It serves 2-byte value types when a slice of B and one zero row fit in shared memory
-(``(N + 1) * 32`` bytes) and every column index, the zero row's N included, fits 16 bits;
-:func:`applies` says whether it does. A TwELL matrix is first packed on the device (no host
-read, so it runs inside a CUDA-graph capture): each row's entries as 32-bit words, padded to a
-multiple of :data:`BATCH`.
+It serves 2-byte value types when a slice of B and four zero rows fit in shared memory
+(``(N + 4) * 32`` bytes) and every column index, the zero rows' N .. N + 3 included, fits 16
+bits; :func:`applies` says whether it does. A TwELL matrix is first packed on the device (no
+host read, so it runs inside a CUDA-graph capture): each row's entries as 32-bit words, padded
+to a multiple of :data:`BATCH`, in an order that spares the kernel's shared-memory reads most
+bank conflicts (the kernel file's header says how).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from ._parts import TwELLParts
 SLICE_COLS = 16
 #: Words per group and step (STATIONARY_BATCH): each packed row is padded to a multiple.
 BATCH = 8
+#: Zero rows after B's in the slice (STATIONARY_ZERO_ROWS): padding words point at them.
+ZERO_ROWS = 4
 #: Threads per block (STATIONARY_WARPS warps of 32).
 THREADS = 1024
 #: Fewest rows of A for which ``matmul`` takes this kernel when nothing says how dense A is:
@@ -63,13 +66,13 @@ def _cp() -> Any:
 
 def slice_bytes(n: int, itemsize: int) -> int:
     """Shared memory one block needs: a ``SLICE_COLS``-wide slice of every one of B's ``n`` rows
-    and one zero row (what padding words read)."""
-    return (n + 1) * SLICE_COLS * itemsize
+    and :data:`ZERO_ROWS` zero rows (what padding words read)."""
+    return (n + ZERO_ROWS) * SLICE_COLS * itemsize
 
 
 def applies(n: int, b: Any, out: Any) -> bool:
     """Whether the stationary kernel serves ``(M x n) @ b -> out`` on the current device."""
-    if b.dtype.itemsize != 2 or out.dtype != b.dtype or n >= (1 << 16) - 1:
+    if b.dtype.itemsize != 2 or out.dtype != b.dtype or n + ZERO_ROWS > 1 << 16:
         return False
     _, ldb = row_stride(b)
     if not rows_aligned((b, ldb), (out, leading_dim(out))):
@@ -111,9 +114,9 @@ def chosen(m: int, n: int, b: Any, out: Any) -> bool:
 
 def pack(parts: TwELLParts, tile_n: int, n: int) -> tuple[Any, Any]:
     """A's rows as packed words (column << 16 | value bits), each row padded to a multiple of
-    :data:`BATCH` with words of the zero row ``n``: (int32 row pointers, uint32 words). The
-    words array has room for every slot and spill entry and the padding; the first
-    ``indptr[-1]`` are written."""
+    :data:`BATCH` with words of the zero rows ``n`` .. ``n + 3``, in the kernel's order against
+    bank conflicts: (int32 row pointers, uint32 words). The words array has room for every slot
+    and spill entry and the padding; the first ``indptr[-1]`` are written."""
     cp = _cp()
     m, nt, cap = parts.data.shape
     indptr = cp.empty(m + 1, dtype=cp.int32)

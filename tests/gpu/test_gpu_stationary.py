@@ -10,6 +10,7 @@ import pytest
 
 import twellsparse as ts
 from twellsparse import _gpu_ops, _stationary
+from twellsparse._parts import TwELLParts
 from twellsparse.testing import ffn_problem, rel_error, sparse_activations
 
 pytestmark = pytest.mark.gpu
@@ -76,20 +77,65 @@ def test_stationary_spmm_refuses_what_it_cannot_serve(cp, rng):
     assert not _stationary.applies(20000, too_tall, cp.empty((8, 16), dtype=ts.bfloat16))
 
 
-def test_pack_holds_every_entry_once_and_pads_with_the_zero_row(cp, rng):
-    h, a = _problem(cp, rng, 300, 2000, 32, 2, 0.08, ts.bfloat16)  # heavy spill
-    indptr, words = _stationary.pack(a.parts, 32, 2000)
+def _walk_order(parts, row, tile_n):
+    """The words of A's row in the pack's walk order: its tiles' slots in order, then its spill."""
+    data, indices, counts = (np.asarray(a) for a in (parts.data, parts.indices, parts.counts))
+    words = []
+    for t in range(counts.shape[1]):
+        for s in range(counts[row, t]):
+            words.append((t * tile_n + int(indices[row, t, s])) << 16 | int(data[row, t, s].view(np.uint16)))
+    s0, s1 = parts.spill_indptr[row], parts.spill_indptr[row + 1]
+    for col, val in zip(parts.spill_indices[s0:s1], parts.spill_data[s0:s1], strict=True):
+        words.append(int(col) << 16 | int(np.asarray(val).view(np.uint16)))
+    return words
+
+
+def _expected_row(words, row, n):
+    """The packed row the kernel's header describes: the greedy order of the slot classes
+    (column - row) % 4 against position % 4 (rows of up to 512 entries), else each class in its
+    own slots with the empty slots removed; then zero words of the position's class."""
+    buckets = [[w for w in words if ((w >> 16) - row) % 4 == q] for q in range(4)]
+    order = []
+    if len(words) <= 512:
+        rem = [len(b) for b in buckets]
+        taken = [0] * 4
+        for p in range(len(words)):
+            q = p % 4
+            if rem[q] == 0:
+                q = int(np.argmax(rem))
+            order.append(buckets[q][taken[q]])
+            taken[q] += 1
+            rem[q] -= 1
+    else:
+        slots = sorted((4 * k + q, b[k]) for q, b in enumerate(buckets) for k in range(len(b)))
+        order = [w for _, w in slots]
+    size = -(-len(order) // _stationary.BATCH) * _stationary.BATCH
+    order += [(n + (row + p - n) % 4) << 16 for p in range(len(order), size)]
+    return np.array(order, dtype=np.uint32)
+
+
+@pytest.mark.parametrize(
+    "m, n, tile_n, capacity, density",
+    [(300, 2000, 32, 2, 0.08), (40, 3000, 64, 8, 0.3)],  # heavy spill; rows over 512 entries
+)
+def test_pack_orders_each_row_by_slot_class(cp, rng, m, n, tile_n, capacity, density):
+    h, a = _problem(cp, rng, m, n, tile_n, capacity, density, ts.bfloat16)
+    indptr, words = _stationary.pack(a.parts, tile_n, n)
     indptr, words = cp.asnumpy(indptr), cp.asnumpy(words)
-    for row in (0, 1, 150, 299):
+    host = TwELLParts(*(cp.asnumpy(p) for p in a.parts))
+    aligned = 0
+    for row in range(m):
         got = words[indptr[row] : indptr[row + 1]]
-        assert got.size % _stationary.BATCH == 0
+        walk = _walk_order(host, row, tile_n)
+        assert np.array_equal(got, _expected_row(walk, row, n)), f"row {row}"
         cols, bits = got >> 16, (got & 0xFFFF).astype(np.uint16)
-        real = cols != 2000
+        real = cols < n
         want_cols = np.flatnonzero(h[row])
-        assert sorted(cols[real].tolist()) == want_cols.tolist()
+        assert sorted(cols[real].tolist()) == want_cols.tolist()  # every entry once, its value
+        assert (bits[real].view(ts.bfloat16)[np.argsort(cols[real])] == h[row, want_cols]).all()
         assert (bits[~real] == 0).all() and got.size - real.sum() < _stationary.BATCH
-        vals = bits[real].view(ts.bfloat16)[np.argsort(cols[real])]
-        assert (vals == h[row, want_cols]).all()
+        aligned += int(((cols - row) % 4 == np.arange(got.size) % 4).sum())
+    assert aligned > 0.6 * words[: indptr[-1]].size  # most words sit in their class's slots
 
 
 @pytest.mark.parametrize("spill_capacity", [None, 20000])
