@@ -213,13 +213,15 @@ __device__ __forceinline__ unsigned long long shfl_u64(unsigned long long v, int
 }
 
 // Sets bits `bit` and `bit` + 1 of mask where the low and the high half of a rounded pair are
-// positive and not NaN (+inf included): what plain relu keeps. One packed compare for both
-// halves (setp.gt on bf16x2 / f16x2, without flushing subnormals, so the mask follows the stored
-// bits exactly; NaN compares false) and two predicated ORs, where widening each half to fp32
-// and comparing it took three instructions per entry (0.2-0.5% of pass 1, bench/NOTES.md,
-// twentieth session).
-template <typename T> __device__ __forceinline__ void or_positive_bits(unsigned pair, unsigned& mask, unsigned bit);
-#define TWELL_OR_POSITIVE_BITS(TYPE)          \
+// greater than the matching half of `floor2` and not NaN (+inf included): what relu keeps, with
+// floor2 = 0 (plain relu) or the threshold rounded down to T (relu_floor). One packed compare
+// for both halves (setp.gt on bf16x2 / f16x2, without flushing subnormals, so the mask follows
+// the stored bits exactly; NaN compares false) and two predicated ORs, where widening each half
+// to fp32 and comparing it took three instructions per entry (0.2-0.5% of pass 1,
+// bench/NOTES.md, twentieth session).
+template <typename T>
+__device__ __forceinline__ void or_greater_bits(unsigned pair, unsigned floor2, unsigned& mask, unsigned bit);
+#define TWELL_OR_GREATER_BITS(TYPE)           \
   asm("{\n"                                  \
       ".reg .pred lo, hi;\n"                 \
       "setp.gt." TYPE "x2 lo|hi, %1, %2;\n"  \
@@ -227,14 +229,34 @@ template <typename T> __device__ __forceinline__ void or_positive_bits(unsigned 
       "@hi or.b32 %0, %0, %4;\n"             \
       "}\n"                                  \
       : "+r"(mask)                           \
-      : "r"(pair), "r"(0u), "r"(1u << bit), "r"(2u << bit))
-template <> __device__ __forceinline__ void or_positive_bits<bf16>(unsigned pair, unsigned& mask, unsigned bit) {
-  TWELL_OR_POSITIVE_BITS("bf16");
+      : "r"(pair), "r"(floor2), "r"(1u << bit), "r"(2u << bit))
+template <>
+__device__ __forceinline__ void or_greater_bits<bf16>(unsigned pair, unsigned floor2, unsigned& mask, unsigned bit) {
+  TWELL_OR_GREATER_BITS("bf16");
 }
-template <> __device__ __forceinline__ void or_positive_bits<f16>(unsigned pair, unsigned& mask, unsigned bit) {
-  TWELL_OR_POSITIVE_BITS("f16");
+template <>
+__device__ __forceinline__ void or_greater_bits<f16>(unsigned pair, unsigned floor2, unsigned& mask, unsigned bit) {
+  TWELL_OR_GREATER_BITS("f16");
 }
-#undef TWELL_OR_POSITIVE_BITS
+#undef TWELL_OR_GREATER_BITS
+
+// What relu keeps against a threshold t >= 0, as a packed pair for or_greater_bits: relu(h) > t
+// is h > t, and for h in T that is h > t rounded towards zero to T (through fp32, both roundings
+// towards zero: the result is the largest T value <= t, or t itself). So the thresholded relu
+// keeps the packed compare instead of widening every entry and comparing it in fp64 (the model
+// benchmark's layers, thresholded, ran the pair schedule's pack warps 1.5x slower than the math
+// warps' GEMM).
+template <typename T> __device__ __forceinline__ unsigned relu_floor(double t);
+template <> __device__ __forceinline__ unsigned relu_floor<bf16>(double t) {
+  unsigned short b;
+  asm("cvt.rz.bf16.f32 %0, %1;" : "=h"(b) : "f"(__double2float_rz(t)));
+  return (unsigned)b * 0x10001u;
+}
+template <> __device__ __forceinline__ unsigned relu_floor<f16>(double t) {
+  unsigned short b;
+  asm("cvt.rz.f16.f32 %0, %1;" : "=h"(b) : "f"(__double2float_rz(t)));
+  return (unsigned)b * 0x10001u;
+}
 
 // Two fp32 values rounded to T in one instruction: lo in the low half, hi in the high half.
 template <typename T> __device__ __forceinline__ unsigned rounded_pair(float lo, float hi);
@@ -291,30 +313,34 @@ __device__ __forceinline__ void pack_pairs(unsigned (&pair)[32], int half, const
   short* s_idx = reinterpret_cast<short*>(stage + 8 * MAX_ROW_SLOTS * sizeof(T));
 
   // The activation on the rounded values (the GEMM-then-pack order: z rounded to T, activated in
-  // fp32, rounded again); plain relu keeps positive values as they are. A select chain below
+  // fp32, rounded again); relu keeps the kept (positive) values as they are. A select chain below
   // picks a pair by a run-time index, so the epilogue stays small code (an unrolled branch per
   // entry made it large enough to miss the instruction cache on every tile).
-  const bool plain_relu = ACT == ACT_RELU && p.threshold < 0.0;
-  if (!plain_relu) {
+  if (ACT != ACT_RELU) {
 #pragma unroll
     for (int j = 0; j < 32; ++j)
       pair[j] = (unsigned)activated<T, ACT>(to_acc(value_of<T>(pair[j]))).bits |
                 ((unsigned)activated<T, ACT>(to_acc(value_of<T>(pair[j] >> 16))).bits << 16);
   }
   unsigned long long mine = 0;
-  if (plain_relu) {
-    // relu without a threshold keeps exactly the entries whose rounded value is positive and
-    // not NaN; each half of the mask is built in its own 32-bit register (no 64-bit shifts).
+  if (ACT == ACT_RELU) {
+    // relu keeps exactly the entries whose rounded value is above its floor (0 without a
+    // threshold) and not NaN; each half of the mask in its own 32-bit register (no 64-bit shifts).
+    const unsigned floor2 = p.threshold < 0.0 ? 0u : relu_floor<T>(p.threshold);
     unsigned half_mask[2] = {0u, 0u};
 #pragma unroll
-    for (int j = 0; j < 32; ++j) or_positive_bits<T>(pair[j], half_mask[j >> 4], (2 * j) & 31);
+    for (int j = 0; j < 32; ++j) or_greater_bits<T>(pair[j], floor2, half_mask[j >> 4], (2 * j) & 31);
     mine = ((unsigned long long)half_mask[1] << 32) | half_mask[0];
   } else {
+    // keep() in fp32: for an fp32 h, |h| > t is |h| > t rounded towards zero to fp32.
+    const float floor_f = p.threshold < 0.0 ? -1.f : __double2float_rz(p.threshold);
 #pragma unroll
     for (int j = 0; j < 32; ++j)
 #pragma unroll
-      for (int e = 0; e < 2; ++e)
-        if (keep(to_acc(value_of<T>(pair[j] >> (16 * e))), p.threshold)) mine |= 1ull << (2 * j + e);
+      for (int e = 0; e < 2; ++e) {
+        const float v = to_acc(value_of<T>(pair[j] >> (16 * e)));
+        if (floor_f < 0.f ? v != 0.f : fabsf(v) > floor_f) mine |= 1ull << (2 * j + e);
+      }
   }
   unsigned long long quad[4];
 #pragma unroll

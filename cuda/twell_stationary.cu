@@ -41,7 +41,7 @@ constexpr int STATIONARY_WARPS = 32;  // one block of 1024 threads per SM (the s
 constexpr int STATIONARY_BATCH = 8;   // words per group and step; rows are padded to a multiple
 constexpr int STATIONARY_ZERO_ROWS = 4;     // zero rows N .. N + 3 of the slice, one per class
 constexpr int STATIONARY_PACK_WARPS = 8;    // warps per pack block, one row each
-constexpr int STATIONARY_STAGE_WORDS = 512;  // rows up to this long are ordered in shared memory
+constexpr int STATIONARY_STAGE_WORDS = 512;  // packed rows up to this long are ordered in shared memory
 
 __device__ __forceinline__ void unpack2(unsigned w, bf16, float& lo, float& hi) {
   lo = __uint_as_float(w << 16);
@@ -179,6 +179,20 @@ __device__ __forceinline__ int pick4(const int (&a)[4], int q) {
   return q == 0 ? a[0] : q == 1 ? a[1] : q == 2 ? a[2] : a[3];
 }
 
+// The rank of this lane's entry (of class q, if live) among the warp's live entries of its class
+// in lane order, after the `base` ones before them; base moves past the warp's entries.
+__device__ __forceinline__ int ballot_rank(bool live, int q, unsigned long long& base) {
+  const unsigned below = (1u << (threadIdx.x & 31)) - 1u;
+  int k = 0;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const unsigned same = __ballot_sync(0xffffffffu, live && q == c);
+    if (q == c) k = class_field(base, c) + __popc(same & below);
+    base += class_unit(c) * __popc(same);
+  }
+  return k;
+}
+
 // Visit every entry of A's row `row` (its tiles' slots in order, then its spill entries) as
 // visit(q, k, word): the entry's slot class q = (column - row) % 4, its rank k among the row's
 // entries of that class, and its packed word. Returns the row's four class totals.
@@ -207,18 +221,12 @@ __device__ __forceinline__ unsigned long long walk_row(
     base += __shfl_sync(0xffffffffu, incl, 31);
   }
   const int s0 = spill_indptr[row], s1 = spill_indptr[row + 1];
-  for (int i0 = s0; i0 < s1; i0 += 32) {  // a lane per entry, ranked by ballots
+  for (int i0 = s0; i0 < s1; i0 += 32) {  // a lane per entry
     const int i = i0 + lane;
     const bool live = i < s1;
     const int col = live ? spill_cols[i] : 0;
     const int q = (col - row) & 3;
-    int k = 0;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const unsigned same = __ballot_sync(0xffffffffu, live && q == c);
-      if (q == c) k = class_field(base, c) + __popc(same & ((1u << lane) - 1u));
-      base += class_unit(c) * __popc(same);
-    }
+    const int k = ballot_rank(live, q, base);
     if (live) visit(q, k, ((unsigned)col << 16) | spill_vals[i].bits);
   }
   return base;
@@ -263,9 +271,10 @@ __global__ void __launch_bounds__(twell::SCAN_THREADS) stationary_row_place(
 }
 
 // Pack A's rows as words at the scanned pointers, in the order of the slot classes (see the top
-// of this file); one warp per row. A row of up to STATIONARY_STAGE_WORDS entries is bucketed by
-// class in shared memory, then the greedy order is read out; a longer one goes straight to
-// compact_position's order.
+// of this file); one warp per row. A row of up to STATIONARY_STAGE_WORDS words is read once into
+// shared memory in walk order (its tiles' slots, then its spill), bucketed there by class, and
+// read out in the greedy order; a longer one is walked twice (class totals, then each entry to
+// compact_position's place).
 template <typename T>
 __global__ void __launch_bounds__(twell::STATIONARY_PACK_WARPS * 32) stationary_pack(
     const T* __restrict__ data, const short* __restrict__ indices, const int* __restrict__ counts,
@@ -273,29 +282,64 @@ __global__ void __launch_bounds__(twell::STATIONARY_PACK_WARPS * 32) stationary_
     const T* __restrict__ spill_vals, int M, int n_tiles, int tile_n, int capacity, int N,
     const int* __restrict__ indptr, unsigned* __restrict__ words) {
   using namespace twell;
-  __shared__ unsigned staged[STATIONARY_PACK_WARPS][STATIONARY_STAGE_WORDS];
+  __shared__ unsigned staged[STATIONARY_PACK_WARPS][2][STATIONARY_STAGE_WORDS];
   const int row = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5);
   const int lane = threadIdx.x & 31;
   if (row >= M) return;
-  const unsigned long long totals = walk_row(data, indices, counts, spill_indptr, spill_cols, spill_vals, row,
-                                             n_tiles, tile_n, capacity, [](int, int, unsigned) {});
-  int n[4], start[4], rem[4], taken[4];
+  const int pos = indptr[row], size = indptr[row + 1] - pos;  // entries rounded up to a batch
+  unsigned* walked = staged[threadIdx.x >> 5][0];
+  unsigned* bucketed = staged[threadIdx.x >> 5][1];
+  const bool staging = size <= STATIONARY_STAGE_WORDS;
+  unsigned long long totals = 0;
   int entries = 0;
+  if (staging) {
+    for (int t0 = 0; t0 < n_tiles; t0 += 32) {  // a lane per tile
+      const int t = t0 + lane;
+      const long long rt = (long long)row * n_tiles + t;
+      const int n = t < n_tiles ? counts[rt] : 0;
+      const int at = entries + (int)warp_inclusive_sum(n) - n;
+      for (int s = 0; s < n; ++s) {
+        const long long slot = rt * capacity + s;
+        walked[at + s] = ((unsigned)(t * tile_n + indices[slot]) << 16) | data[slot].bits;
+      }
+      entries = __shfl_sync(0xffffffffu, at + n, 31);
+    }
+    const int s0 = spill_indptr[row], s1 = spill_indptr[row + 1];
+    for (int i = s0 + lane; i < s1; i += 32) walked[entries + i - s0] = ((unsigned)spill_cols[i] << 16) | spill_vals[i].bits;
+    entries += s1 - s0;
+    __syncwarp();
+    unsigned long long mine = 0;
+    for (int i = lane; i < entries; i += 32) mine += class_unit(((int)(walked[i] >> 16) - row) & 3);
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, d);
+    totals = mine;
+  } else {
+    totals = walk_row(data, indices, counts, spill_indptr, spill_cols, spill_vals, row, n_tiles, tile_n, capacity,
+                      [](int, int, unsigned) {});
+  }
+  int n[4], start[4], rem[4], taken[4];
+  entries = 0;
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     n[c] = class_field(totals, c);
     start[c] = entries;
     entries += n[c];
   }
-  const int pos = indptr[row], size = indptr[row + 1] - pos;
-  unsigned* stage = staged[threadIdx.x >> 5];
-  const bool staging = entries <= STATIONARY_STAGE_WORDS;
-  walk_row(data, indices, counts, spill_indptr, spill_cols, spill_vals, row, n_tiles, tile_n, capacity,
-           [&](int q, int k, unsigned word) {
-             if (staging) stage[pick4(start, q) + k] = word;
-             else words[pos + compact_position(n, q, k)] = word;
-           });
-  __syncwarp();
+  if (staging) {
+    unsigned long long base = 0;
+    for (int i0 = 0; i0 < entries; i0 += 32) {  // bucketed by class, walk order within each
+      const int i = i0 + lane;
+      const bool live = i < entries;
+      const unsigned word = live ? walked[i] : 0u;
+      const int q = ((int)(word >> 16) - row) & 3;
+      const int k = ballot_rank(live, q, base);
+      if (live) bucketed[pick4(start, q) + k] = word;
+    }
+    __syncwarp();
+  } else {
+    walk_row(data, indices, counts, spill_indptr, spill_cols, spill_vals, row, n_tiles, tile_n, capacity,
+             [&](int q, int k, unsigned word) { words[pos + compact_position(n, q, k)] = word; });
+  }
   // The greedy order: while every class lasts (the first 4 * m positions) position P takes entry
   // P / 4 of class P % 4; after that the warp walks the positions in step (the same state in
   // every lane) and each lane keeps the source of its own position.
@@ -327,7 +371,7 @@ __global__ void __launch_bounds__(twell::STATIONARY_PACK_WARPS * 32) stationary_
     if (p_mine >= size || (!staging && p_mine < entries)) continue;
     // Padding: a zero row of the position's class (rows N .. N + 3 cover the four).
     const unsigned zero = (unsigned)(N + ((row + p_mine - N) & 3)) << 16;
-    words[pos + p_mine] = p_mine < entries ? stage[src] : zero;
+    words[pos + p_mine] = p_mine < entries ? bucketed[src] : zero;
   }
 }
 

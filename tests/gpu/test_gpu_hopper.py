@@ -64,6 +64,11 @@ def _assert_parts_equal(cp, got, want):
         (37, 301, 72, 32, 8, 0.3, "relu", None),  # 8 tiles per block, tiny capacity, spills
         (129, 700, 136, 64, 16, 0.25, "relu2", None),
         (200, 2300, 520, 128, 16, 0.1, "silu", 0.5),  # thresholded silu (SwiGLU checkpoints)
+        # Thresholded relu (the packed compare against the threshold rounded down to the dtype):
+        # on a value of z, just under one (rounded down to 2.984375 in bf16), and relu2's fp32 path.
+        (300, 1000, 200, 256, 32, 0.05, "relu", 2.0),
+        (129, 700, 136, 64, 16, 0.25, "relu", 2.9999999),
+        (129, 700, 136, 64, 16, 0.25, "relu2", 4.5),
         (5, 260, 8, 256, 8, 0.5, "relu", None),  # K below one k block, one column past a tile
         # More output tiles (33 x 17) than SMs: every block packs several tiles, so the split
         # schedules' hand-off buffer is refilled (the math warps wait for the pack warps); 33 row
