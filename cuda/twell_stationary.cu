@@ -56,15 +56,6 @@ template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float 
   return (unsigned)from_acc<T>(lo).bits | ((unsigned)from_acc<T>(hi).bits << 16);
 }
 
-// A row's packed length: its entries (slots and spill), rounded up to the batch.
-__device__ __forceinline__ int packed_row_size(const int* __restrict__ counts,
-                                               const int* __restrict__ spill_indptr, int n_tiles,
-                                               long long row) {
-  int n = spill_indptr[row + 1] - spill_indptr[row];
-  for (int t = 0; t < n_tiles; ++t) n += counts[row * n_tiles + t];
-  return (n + STATIONARY_BATCH - 1) / STATIONARY_BATCH * STATIONARY_BATCH;
-}
-
 struct ReadSize {
   const int* sizes;
   __device__ long long operator()(long long i) const { return sizes[i]; }
@@ -244,12 +235,18 @@ __device__ __forceinline__ int compact_position(const int (&n)[4], int q, int k)
 
 }  // namespace twell
 
-// Each row's packed length, one thread per row (the scan below then reads one value per row).
+// Each row's packed length (its slot and spill entries, rounded up to a batch), one warp per row
+// (the scan below then reads one value per row).
 __global__ void __launch_bounds__(256) stationary_row_sizes(
     const int* __restrict__ counts, const int* __restrict__ spill_indptr, int n_tiles, int M,
     int* __restrict__ sizes) {
-  const long long row = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-  if (row < M) sizes[row] = twell::packed_row_size(counts, spill_indptr, n_tiles, row);
+  const int row = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= M) return;
+  int n = 0;
+  for (int t = lane; t < n_tiles; t += 32) n += counts[(long long)row * n_tiles + t];
+  n = __reduce_add_sync(0xffffffffu, n) + spill_indptr[row + 1] - spill_indptr[row];
+  if (lane == 0) sizes[row] = (n + twell::STATIONARY_BATCH - 1) / twell::STATIONARY_BATCH * twell::STATIONARY_BATCH;
 }
 
 // Launch 1 of the row-size scan (cuda/twell_scan.cuh): each chunk's total packed length.
@@ -353,19 +350,24 @@ __global__ void __launch_bounds__(twell::STATIONARY_PACK_WARPS * 32) stationary_
     const int p_mine = w0 + lane;
     int src = pick4(start, p_mine & 3) + (p_mine >> 2);
     if (staging) {
-      for (int p = max(w0, 4 * m); p < min(w0 + 32, entries); ++p) {
-        int q = p & 3;
-        if (pick4(rem, q) == 0) {  // the class with the most entries left (the first of equals)
-          int best = rem[0];
-          q = 0;
+      // The tail starts at a multiple of 4, so each step of a round wants a class known here.
+      for (int p0 = max(w0, 4 * m); p0 < min(w0 + 32, entries); p0 += 4) {
 #pragma unroll
-          for (int c = 1; c < 4; ++c)
-            if (rem[c] > best) best = rem[c], q = c;
+        for (int want = 0; want < 4; ++want) {
+          if (p0 + want >= entries) break;
+          int q = want;
+          if (rem[want] == 0) {  // the class with the most entries left (the first of equals)
+            int best = rem[0];
+            q = 0;
+#pragma unroll
+            for (int c = 1; c < 4; ++c)
+              if (rem[c] > best) best = rem[c], q = c;
+          }
+          if (p0 + want == p_mine) src = pick4(start, q) + pick4(taken, q);
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            if (c == q) --rem[c], ++taken[c];
         }
-        if (p == p_mine) src = pick4(start, q) + pick4(taken, q);
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-          if (c == q) --rem[c], ++taken[c];
       }
     }
     if (p_mine >= size || (!staging && p_mine < entries)) continue;

@@ -125,7 +125,7 @@ def pack(parts: TwELLParts, tile_n: int, n: int) -> tuple[Any, Any]:
         indptr[0] = 0
         return indptr, words
     sizes = cp.empty(m, dtype=cp.int32)
-    K.launch("stationary_row_sizes", m, 256, (parts.counts, parts.spill_indptr, np.int32(nt), np.int32(m), sizes))
+    K.launch("stationary_row_sizes", 32 * m, 256, (parts.counts, parts.spill_indptr, np.int32(nt), np.int32(m), sizes))
     head = (sizes, np.int64(m))
     two_launch_scan(m, "stationary_row_sums", head, "stationary_row_place", head, (indptr,))
     t = K.CXX_TYPE[parts.data.dtype]
