@@ -213,12 +213,12 @@ def training_table(steps: list[dict[str, Any]], models: list[dict[str, Any]]) ->
         lines += [
             "",
             f"Decoder stack of the 2B shape ({r0['layers']} layers, {r0['tokens']} tokens, d_model {r0['d_model']}, "
-            f"d_ff {r0['d_ff']}, {r0['dtype']}), TwELL MLPs vs dense MLPs; {r0['gpu']}, {r0['date'][:10]}, commit "
-            f"{r0['commit'][:10]}.",
+            f"d_ff {r0['d_ff']}, {r0['dtype']}), TwELL MLPs vs dense MLPs; {_provenance(models)}; the newest run "
+            "per density, its commit in the last column.",
             "",
             "| density | run | forward tokens/ms: dense / TwELL (speed-up) | train step tokens/ms: dense / TwELL "
-            "(speed-up) |",
-            "|---|---|---|---|",
+            "(speed-up) | commit |",
+            "|---|---|---|---|---|",
         ]
         for r in sorted(models, key=lambda r: r["density_target"]):
             for run, key in (("eager", ""), ("captured", "_graph")):
@@ -228,7 +228,7 @@ def training_table(steps: list[dict[str, Any]], models: list[dict[str, Any]]) ->
                     f"| {r['density_target']:.2%} | {run} | {r[f'dense_forward{key}_tokens_per_ms']:.0f} / "
                     f"{r[f'twell_forward{key}_tokens_per_ms']:.0f} ({r[f'forward{key}_speedup']:.2f}x) | "
                     f"{r[f'dense_train{key}_tokens_per_ms']:.0f} / {r[f'twell_train{key}_tokens_per_ms']:.0f} "
-                    f"({r[f'train{key}_speedup']:.2f}x) |"
+                    f"({r[f'train{key}_speedup']:.2f}x) | {r['commit'][:7]} |"
                 )
     return "\n".join(lines)
 
@@ -329,7 +329,8 @@ def tables(records: list[dict[str, Any]]) -> str:
     ffn = latest_per_case(records, "ffn", ("shape", "pattern", "density_target"))
     shapes = sorted({tuple(r["shape"]) for r in ffn}, key=lambda s: (s != STANDARD_SHAPE, s))
     parts = [ffn_table([r for r in ffn if tuple(r["shape"]) == shape]) for shape in shapes] or [ffn_table([])]
-    training = training_table(latest(records, "train_step"), latest(records, "model"))
+    models = latest_per_case(records, "model", ("density_target", "layers", "tokens"))
+    training = training_table(latest(records, "train_step"), models)
     text = "\n\n".join(parts) + ("\n" + training if training else "")
     for extra in (fp8_table(ffn), micro_tables(records), jax_table(records)):
         if extra:

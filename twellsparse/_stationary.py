@@ -36,18 +36,19 @@ THREADS = 1024
 #: every block stages its slice of all of B and reads all of A, a fixed cost that the row
 #: gathers do not pay, so it pays off only with many rows. Measured on the H200 with the
 #: standard widths (bench/results/2026-12-04-down-choice.jsonl, bench/down_choice.py, with the
-#: row gathers' launch bounds of the seventeenth session): at 16384 rows it wins at 1% and 2%
-#: density (0.423 / 0.445, 0.758 / 0.857 ms) and loses by 5-15% at 0.5% and 0.25% (0.251 /
-#: 0.238, 0.162 / 0.138); at 65536 rows it wins from 0.5%; at 8192 and 4096 rows it loses
-#: below 1%.
+#: pack's slot-class order of the twenty-first session): at 16384 rows it wins from 0.5%
+#: density (0.227 / 0.238 ms at 0.5%, 0.365 / 0.445 at 1%, 0.621 / 0.859 at 2%) and loses by
+#: 14% at 0.25% (0.157 / 0.138); at 65536 rows it wins from 0.25%; at 8192 and 4096 rows it
+#: loses at 0.5% and wins from 1%.
 MIN_ROWS = 16384
 #: Entries per row of A from which the kernel beats the row gathers, at 16384 rows of A and
 #: 2048 columns of B, when the caller says how dense A is (:func:`expected_density`). The same
-#: data put the crossing (linear between the measured densities) near 39 entries per row at
-#: 16384 rows, 51 at 8192, 20 at 65536 (it falls as the square root of the rows: the fixed cost
-#: is paid once per call), 61 at 4096, and near 15 at 16384 rows with 4096 columns (the
-#: gathers' rows are twice as long).
-BREAKEVEN_ENTRIES = 38.0
+#: data put the crossing (linear between the measured densities) near 23 entries per row at
+#: 16384 rows, 33 at 8192 and 45 at 4096 (it falls as the square root of the rows: the fixed
+#: cost is paid once per call); at 65536 rows the kernel already wins at 14 (0.25%). The
+#: scaling by columns (the gathers' rows are longer) is from the eleventh session's 4096-column
+#: runs, not measured again.
+BREAKEVEN_ENTRIES = 23.0
 _expected_density: contextvars.ContextVar[float | None] = contextvars.ContextVar("expected_density", default=None)
 _SWITCH = {"": None, "1": True, "0": False}
 _switch = os.environ.get("TWELL_STATIONARY", "")
