@@ -130,15 +130,16 @@ def test_stationary_breakeven_falls_with_rows_and_columns():
     assert _stationary.breakeven_entries(0, 0) > 0  # empty shapes: no division by zero
 
 
-def test_auto_leaves_the_dual_stationary_form_off_until_measured(monkeypatch):
+def test_the_dual_stationary_form_follows_the_single_forms_rule(monkeypatch):
     from twellsparse import _stationary
 
     b = np.zeros((5632, 2048), dtype=np.float16)
     monkeypatch.setattr(_stationary, "PREFERRED", None)
-    with _stationary.expected_density(0.05):  # far above the single form's break-even
+    assert not _stationary.chosen(4096, 5632, b, b, b2=b)  # fewer rows than MIN_ROWS, no density
+    with _stationary.expected_density(1e-5):  # far below the break-even
         assert not _stationary.chosen(65536, 5632, b, b, b2=b)
     monkeypatch.setattr(_stationary, "PREFERRED", False)
-    assert not _stationary.chosen(65536, 5632, b, b)
+    assert not _stationary.chosen(65536, 5632, b, b, b2=b)
 
 
 def test_default_breakeven_follows_the_measured_crossings():

@@ -103,10 +103,14 @@ def breakeven_entries(m: int, k: int) -> float:
 
 def chosen(m: int, n: int, b: Any, out: Any, b2: Any = None) -> bool:
     """Whether ``matmul``'s "auto" path takes the stationary kernel for ``(m x n) @ b -> out``
-    (:data:`PREFERRED`; then the expected density against :func:`breakeven_entries`, or without
-    one :data:`MIN_ROWS`; then :func:`applies`). The dual form (``b2``) is taken only when
-    :data:`PREFERRED` is True: it has not been measured against the row gathers yet."""
-    if PREFERRED is False or (b2 is not None and PREFERRED is None):
+    (with ``b2``: its dual form, ``+ (m x n) @ b2``): :data:`PREFERRED`; then the expected
+    density against :func:`breakeven_entries`, or without one :data:`MIN_ROWS`; then
+    :func:`applies`. The dual form follows the same rule: against the row gathers' dual pass at
+    16384 rows it was as fast or faster from 0.25% density (0.313 / 0.320 ms at 0.25%, 0.466 /
+    0.553 at 0.5%, 0.750 / 1.020 at 1%, the backward's dX of the standard problem, with its
+    pack; bench/stage_times.py, bench/results/2026-12-04-stages.jsonl); fewer rows were not
+    measured."""
+    if PREFERRED is False:
         return False
     if PREFERRED is None:
         density = _expected_density.get()

@@ -163,7 +163,8 @@ def test_dual_stationary_sums_two_products(cp, rng, monkeypatch, dtype, m, n, k,
     assert rel_error(got, expected) <= _bound(dtype, expected)
     gathered = _gpu_ops.spmm(a.parts, tile_n, b_gpu, cp.empty_like(out), path="gather", second=(a2.parts, b2_gpu))
     assert rel_error(got, cp.asnumpy(gathered).astype(np.float64)) <= 2 * _bound(dtype, expected)
-    # "auto" takes the dual form only when told to (it has not been measured against the gathers).
+    # "auto" takes the dual form by the single form's rule: not at these rows (< MIN_ROWS)
+    # unless told to.
     calls = []
     real = _stationary.spmm
     monkeypatch.setattr(_stationary, "spmm", lambda *args: calls.append(args) or real(*args))
