@@ -25,6 +25,12 @@
 // on the H200 (1% density, 16384 x 5632 @ 5632 x 2048): 2.1 wavefronts per shared load request
 // in arbitrary order; a simulation of the greedy order gives 1.3.
 //
+// The dual form (DUAL = 1) computes out = A @ B + A2 @ B2 for an A2 of A's structure (other
+// values; the backward's dX = dZ W_gate + dU W_up): a slice holds 8 columns of B and the same 8
+// of B2 side by side (still 32 bytes per row, so the same bank-quarter argument holds), a batch
+// holds 8 entries as 16 words [A values x 8 | A2 values x 8], each lane of a group loads and sums
+// one product's 8 words (no shuffle), and the group adds its two lanes' sums at the row's end.
+//
 // Work split: block (slice, row part), 32 warps; a warp owns a contiguous run of the part's
 // rows, and its 16 groups of 2 lanes take rows g, g + 16, ... of that run (static, so a row's
 // bounds are read one row ahead). Lane h of a group accumulates output columns 8h .. 8h + 7 of
@@ -61,10 +67,11 @@ struct ReadSize {
   __device__ long long operator()(long long i) const { return sizes[i]; }
 };
 
-// One group's batch: the 16-byte vector of words this lane loaded, the row, and whether the
-// batch ends it.
-struct Batch {
-  uint4 words;
+// One group's batch: the V 16-byte vectors of words this lane loaded (the group's batch is
+// 8 V words: 8 entries, or in the dual form 8 entries of A then the same 8 of A2), the row, and
+// whether the batch ends it.
+template <int V> struct Batch {
+  uint4 words[V];
   int row;
   bool last;
 };
@@ -75,17 +82,21 @@ struct Cursor {
   int row, p, end, next_p, next_end;
 };
 
-// The group's next batch (this lane's vector, number h of the batch), and the cursor moved
-// past it; groups step 16 rows at a time.
-__device__ __forceinline__ Batch next_batch(Cursor& c, const int* __restrict__ indptr,
-                                            const uint4* __restrict__ words, unsigned zero_word,
-                                            int h, int run_hi) {
-  Batch b;
+// The group's next batch (this lane's vectors, numbers V h .. V h + V - 1 of the batch), and the
+// cursor moved past it; groups step 16 rows at a time.
+template <int V>
+__device__ __forceinline__ Batch<V> next_batch(Cursor& c, const int* __restrict__ indptr,
+                                               const uint4* __restrict__ words, unsigned zero_word, int h,
+                                               int run_hi) {
+  constexpr int batch_words = STATIONARY_BATCH * V;
+  Batch<V> b;
   // An empty row (or a group past its run) still takes one batch: all zero words.
-  b.words = c.p < c.end ? __ldg(words + (c.p >> 2) + h)
-                        : make_uint4(zero_word, zero_word, zero_word, zero_word);
+#pragma unroll
+  for (int i = 0; i < V; ++i)
+    b.words[i] = c.p < c.end ? __ldg(words + (c.p >> 2) + V * h + i)
+                             : make_uint4(zero_word, zero_word, zero_word, zero_word);
   b.row = c.row;
-  b.last = c.end - c.p <= STATIONARY_BATCH;
+  b.last = c.end - c.p <= batch_words;
   if (b.last) {
     c.row += 16;
     c.p = c.next_p;
@@ -96,7 +107,7 @@ __device__ __forceinline__ Batch next_batch(Cursor& c, const int* __restrict__ i
       c.next_end = indptr[c.row + 17];
     }
   } else {
-    c.p += STATIONARY_BATCH;
+    c.p += batch_words;
   }
   return b;
 }
@@ -115,16 +126,17 @@ __device__ __forceinline__ Cursor first_cursor(const int* __restrict__ indptr, i
   return c;
 }
 
-// B[:, c0 : c0 + 16] into shared memory, row j's two 16-byte halves at slice[2j], slice[2j + 1],
-// rows N .. N + 3 zeros. K is a multiple of 8: a half is all in or all out.
-template <typename T>
+// The block's slice into shared memory, row j's two 16-byte halves at slice[2j], slice[2j + 1]:
+// B[j, c0 : c0 + 16], or (DUAL) B[j, c0 : c0 + 8] and B2[j, c0 : c0 + 8]; rows N .. N + 3
+// zeros. K is a multiple of 8: a half is all in or all out.
+template <typename T, int DUAL>
 __device__ __forceinline__ void stage_slice(uint4* slice, const T* __restrict__ b, long long ldb,
-                                            int N, int K, int c0) {
+                                            const T* __restrict__ b2, long long ldb2, int N, int K, int c0) {
   for (int i = threadIdx.x; i < 2 * (N + STATIONARY_ZERO_ROWS); i += blockDim.x) {
     const int row = i >> 1, half = i & 1;
-    const int col = c0 + 8 * half;
-    slice[i] = (col < K && row < N) ? __ldg(reinterpret_cast<const uint4*>(b + row * ldb + col))
-                                     : make_uint4(0u, 0u, 0u, 0u);
+    const int col = DUAL ? c0 : c0 + 8 * half;
+    const T* src = DUAL && half ? b2 + row * ldb2 : b + row * ldb;
+    slice[i] = (col < K && row < N) ? __ldg(reinterpret_cast<const uint4*>(src + col)) : make_uint4(0u, 0u, 0u, 0u);
   }
   __syncthreads();
 }
@@ -141,19 +153,19 @@ __device__ __forceinline__ void warp_run(int M, int rows_per_part, int& run_lo, 
 
 // Run `sum` over a warp's batches in order, three buffers deep: a buffer is refilled right after
 // its sums, so two batches' loads are always in flight, and no batch is copied between buffers.
-template <typename Sum>
+template <int V, typename Sum>
 __device__ __forceinline__ void for_each_batch(Cursor& c, const int* __restrict__ indptr,
                                                const uint4* __restrict__ words, unsigned zero_word,
                                                int h, int run_hi, Sum sum) {
-  Batch b[3];
+  Batch<V> b[3];
 #pragma unroll
-  for (int i = 0; i < 3; ++i) b[i] = next_batch(c, indptr, words, zero_word, h, run_hi);
+  for (int i = 0; i < 3; ++i) b[i] = next_batch<V>(c, indptr, words, zero_word, h, run_hi);
   for (;;) {
 #pragma unroll
     for (int i = 0; i < 3; ++i) {
       if (!__any_sync(0xffffffffu, b[i].row < run_hi)) return;
       sum(b[i]);
-      b[i] = next_batch(c, indptr, words, zero_word, h, run_hi);
+      b[i] = next_batch<V>(c, indptr, words, zero_word, h, run_hi);
     }
   }
 }
@@ -185,13 +197,15 @@ __device__ __forceinline__ int ballot_rank(bool live, int q, unsigned long long&
 }
 
 // Visit every entry of A's row `row` (its tiles' slots in order, then its spill entries) as
-// visit(q, k, word): the entry's slot class q = (column - row) % 4, its rank k among the row's
-// entries of that class, and its packed word. Returns the row's four class totals.
-template <typename T, typename Visit>
+// visit(q, k, word, bits2): the entry's slot class q = (column - row) % 4, its rank k among the
+// row's entries of that class, its packed word, and (DUAL) A2's value bits there. Returns the
+// row's four class totals.
+template <typename T, int DUAL, typename Visit>
 __device__ __forceinline__ unsigned long long walk_row(
-    const T* __restrict__ data, const short* __restrict__ indices, const int* __restrict__ counts,
-    const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
-    const T* __restrict__ spill_vals, int row, int n_tiles, int tile_n, int capacity, Visit visit) {
+    const T* __restrict__ data, const T* __restrict__ data2, const short* __restrict__ indices,
+    const int* __restrict__ counts, const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
+    const T* __restrict__ spill_vals, const T* __restrict__ spill_vals2, int row, int n_tiles, int tile_n,
+    int capacity, Visit visit) {
   const int lane = threadIdx.x & 31;
   unsigned long long base = 0;  // entries of each class before the current chunk
   for (int t0 = 0; t0 < n_tiles; t0 += 32) {  // a lane per tile
@@ -206,7 +220,7 @@ __device__ __forceinline__ unsigned long long walk_row(
       const long long slot = rt * capacity + s;
       const int col = t * tile_n + indices[slot];
       const int q = (col - row) & 3;
-      visit(q, class_field(rank, q), ((unsigned)col << 16) | data[slot].bits);
+      visit(q, class_field(rank, q), ((unsigned)col << 16) | data[slot].bits, DUAL ? data2[slot].bits : 0);
       rank += class_unit(q);
     }
     base += __shfl_sync(0xffffffffu, incl, 31);
@@ -218,7 +232,7 @@ __device__ __forceinline__ unsigned long long walk_row(
     const int col = live ? spill_cols[i] : 0;
     const int q = (col - row) & 3;
     const int k = ballot_rank(live, q, base);
-    if (live) visit(q, k, ((unsigned)col << 16) | spill_vals[i].bits);
+    if (live) visit(q, k, ((unsigned)col << 16) | spill_vals[i].bits, DUAL ? spill_vals2[i].bits : 0);
   }
   return base;
 }
@@ -235,10 +249,11 @@ __device__ __forceinline__ int compact_position(const int (&n)[4], int q, int k)
 
 }  // namespace twell
 
-// Each row's packed length (its slot and spill entries, rounded up to a batch), one warp per row
-// (the scan below then reads one value per row).
+// Each row's packed length in words (its slot and spill entries rounded up to a batch of 8; dual:
+// two words per entry), one warp per row (the scan below then reads one value per
+// row).
 __global__ void __launch_bounds__(256) stationary_row_sizes(
-    const int* __restrict__ counts, const int* __restrict__ spill_indptr, int n_tiles, int M,
+    const int* __restrict__ counts, const int* __restrict__ spill_indptr, int n_tiles, int M, int dual,
     int* __restrict__ sizes) {
   const int row = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5);
   const int lane = threadIdx.x & 31;
@@ -246,7 +261,8 @@ __global__ void __launch_bounds__(256) stationary_row_sizes(
   int n = 0;
   for (int t = lane; t < n_tiles; t += 32) n += counts[(long long)row * n_tiles + t];
   n = __reduce_add_sync(0xffffffffu, n) + spill_indptr[row + 1] - spill_indptr[row];
-  if (lane == 0) sizes[row] = (n + twell::STATIONARY_BATCH - 1) / twell::STATIONARY_BATCH * twell::STATIONARY_BATCH;
+  constexpr int B = twell::STATIONARY_BATCH;  // entries per batch
+  if (lane == 0) sizes[row] = (dual ? 2 : 1) * ((n + B - 1) / B * B);
 }
 
 // Launch 1 of the row-size scan (cuda/twell_scan.cuh): each chunk's total packed length.
@@ -268,25 +284,31 @@ __global__ void __launch_bounds__(twell::SCAN_THREADS) stationary_row_place(
 }
 
 // Pack A's rows as words at the scanned pointers, in the order of the slot classes (see the top
-// of this file); one warp per row. A row of up to STATIONARY_STAGE_WORDS words is read once into
-// shared memory in walk order (its tiles' slots, then its spill), bucketed there by class, and
-// read out in the greedy order; a longer one is walked twice (class totals, then each entry to
-// compact_position's place).
-template <typename T>
+// of this file); one warp per row. A row of up to STATIONARY_STAGE_WORDS entries is read once
+// into shared memory in walk order (its tiles' slots, then its spill), bucketed there by class,
+// and read out in the greedy order; a longer one is walked twice (class totals, then each entry
+// to compact_position's place). Entry position P is word P, or (DUAL) word P % 8 of the 16-word
+// batch P / 8, with A2's word 8 after it.
+template <typename T, int DUAL>
 __global__ void __launch_bounds__(twell::STATIONARY_PACK_WARPS * 32) stationary_pack(
-    const T* __restrict__ data, const short* __restrict__ indices, const int* __restrict__ counts,
-    const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
-    const T* __restrict__ spill_vals, int M, int n_tiles, int tile_n, int capacity, int N,
-    const int* __restrict__ indptr, unsigned* __restrict__ words) {
+    const T* __restrict__ data, const T* __restrict__ data2, const short* __restrict__ indices,
+    const int* __restrict__ counts, const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
+    const T* __restrict__ spill_vals, const T* __restrict__ spill_vals2, int M, int n_tiles, int tile_n,
+    int capacity, int N, const int* __restrict__ indptr, unsigned* __restrict__ words) {
   using namespace twell;
-  __shared__ unsigned staged[STATIONARY_PACK_WARPS][2][STATIONARY_STAGE_WORDS];
+  constexpr int W = STATIONARY_PACK_WARPS, S = STATIONARY_STAGE_WORDS;
+  __shared__ unsigned staged[W][2][S];
+  __shared__ unsigned short staged2[DUAL ? W : 1][2][DUAL ? S : 1];  // A2's value bits (DUAL)
   const int row = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5);
-  const int lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (row >= M) return;
-  const int pos = indptr[row], size = indptr[row + 1] - pos;  // entries rounded up to a batch
-  unsigned* walked = staged[threadIdx.x >> 5][0];
-  unsigned* bucketed = staged[threadIdx.x >> 5][1];
-  const bool staging = size <= STATIONARY_STAGE_WORDS;
+  const int pos = indptr[row];
+  const int size = (indptr[row + 1] - pos) / (DUAL ? 2 : 1);  // entry positions, rounded up to a batch
+  unsigned *walked = staged[warp][0], *bucketed = staged[warp][1];
+  unsigned short *walked2 = staged2[DUAL ? warp : 0][0], *bucketed2 = staged2[DUAL ? warp : 0][1];
+  const bool staging = size <= S;
+  // Word offset of entry position P (its A2 word is 8 further in the dual form).
+  auto at = [](int P) { return DUAL ? 16 * (P >> 3) + (P & 7) : P; };
   unsigned long long totals = 0;
   int entries = 0;
   if (staging) {
@@ -294,15 +316,19 @@ __global__ void __launch_bounds__(twell::STATIONARY_PACK_WARPS * 32) stationary_
       const int t = t0 + lane;
       const long long rt = (long long)row * n_tiles + t;
       const int n = t < n_tiles ? counts[rt] : 0;
-      const int at = entries + (int)warp_inclusive_sum(n) - n;
+      const int first = entries + (int)warp_inclusive_sum(n) - n;
       for (int s = 0; s < n; ++s) {
         const long long slot = rt * capacity + s;
-        walked[at + s] = ((unsigned)(t * tile_n + indices[slot]) << 16) | data[slot].bits;
+        walked[first + s] = ((unsigned)(t * tile_n + indices[slot]) << 16) | data[slot].bits;
+        if (DUAL) walked2[first + s] = data2[slot].bits;
       }
-      entries = __shfl_sync(0xffffffffu, at + n, 31);
+      entries = __shfl_sync(0xffffffffu, first + n, 31);
     }
     const int s0 = spill_indptr[row], s1 = spill_indptr[row + 1];
-    for (int i = s0 + lane; i < s1; i += 32) walked[entries + i - s0] = ((unsigned)spill_cols[i] << 16) | spill_vals[i].bits;
+    for (int i = s0 + lane; i < s1; i += 32) {
+      walked[entries + i - s0] = ((unsigned)spill_cols[i] << 16) | spill_vals[i].bits;
+      if (DUAL) walked2[entries + i - s0] = spill_vals2[i].bits;
+    }
     entries += s1 - s0;
     __syncwarp();
     unsigned long long mine = 0;
@@ -311,8 +337,8 @@ __global__ void __launch_bounds__(twell::STATIONARY_PACK_WARPS * 32) stationary_
     for (int d = 16; d > 0; d >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, d);
     totals = mine;
   } else {
-    totals = walk_row(data, indices, counts, spill_indptr, spill_cols, spill_vals, row, n_tiles, tile_n, capacity,
-                      [](int, int, unsigned) {});
+    totals = walk_row<T, DUAL>(data, data2, indices, counts, spill_indptr, spill_cols, spill_vals, spill_vals2, row,
+                               n_tiles, tile_n, capacity, [](int, int, unsigned, unsigned) {});
   }
   int n[4], start[4], rem[4], taken[4];
   entries = 0;
@@ -330,12 +356,19 @@ __global__ void __launch_bounds__(twell::STATIONARY_PACK_WARPS * 32) stationary_
       const unsigned word = live ? walked[i] : 0u;
       const int q = ((int)(word >> 16) - row) & 3;
       const int k = ballot_rank(live, q, base);
-      if (live) bucketed[pick4(start, q) + k] = word;
+      if (live) {
+        bucketed[pick4(start, q) + k] = word;
+        if (DUAL) bucketed2[pick4(start, q) + k] = walked2[i];
+      }
     }
     __syncwarp();
   } else {
-    walk_row(data, indices, counts, spill_indptr, spill_cols, spill_vals, row, n_tiles, tile_n, capacity,
-             [&](int q, int k, unsigned word) { words[pos + compact_position(n, q, k)] = word; });
+    walk_row<T, DUAL>(data, data2, indices, counts, spill_indptr, spill_cols, spill_vals, spill_vals2, row, n_tiles,
+                      tile_n, capacity, [&](int q, int k, unsigned word, unsigned bits2) {
+                        const int w = pos + at(compact_position(n, q, k));
+                        words[w] = word;
+                        if (DUAL) words[w + 8] = (word & 0xffff0000u) | bits2;
+                      });
   }
   // The greedy order: while every class lasts (the first 4 * m positions) position P takes entry
   // P / 4 of class P % 4; after that the warp walks the positions in step (the same state in
@@ -371,55 +404,90 @@ __global__ void __launch_bounds__(twell::STATIONARY_PACK_WARPS * 32) stationary_
       }
     }
     if (p_mine >= size || (!staging && p_mine < entries)) continue;
-    // Padding: a zero row of the position's class (rows N .. N + 3 cover the four).
+    // Padding: a zero row of the position's class (rows N .. N + 3 cover the four), value 0.
     const unsigned zero = (unsigned)(N + ((row + p_mine - N) & 3)) << 16;
-    words[pos + p_mine] = p_mine < entries ? bucketed[src] : zero;
+    const int w = pos + at(p_mine);
+    const bool real = p_mine < entries;
+    words[w] = real ? bucketed[src] : zero;
+    if (DUAL) words[w + 8] = real ? (bucketed[src] & 0xffff0000u) | bucketed2[src] : zero;
   }
 }
 
-template <typename T>
+template <typename T, int DUAL>
 __global__ void __launch_bounds__(twell::STATIONARY_WARPS * 32, 1) twell_stationary_spmm(
     const int* __restrict__ indptr, const uint4* __restrict__ words, int M, int N,
-    const T* __restrict__ b, long long ldb, int K, T* __restrict__ out, long long ldo,
-    int rows_per_part) {
+    const T* __restrict__ b, long long ldb, const T* __restrict__ b2, long long ldb2, int K,
+    T* __restrict__ out, long long ldo, int rows_per_part) {
   using namespace twell;
   extern __shared__ uint4 slice[];  // stage_slice's layout
-  const int c0 = blockIdx.x * STATIONARY_COLS;
-  stage_slice(slice, b, ldb, N, K, c0);
+  const int c0 = blockIdx.x * (DUAL ? STATIONARY_COLS / 2 : STATIONARY_COLS);
+  stage_slice<T, DUAL>(slice, b, ldb, b2, ldb2, N, K, c0);
   const int lane = threadIdx.x & 31, h = lane & 1;
   int run_lo, run_hi;
   warp_run(M, rows_per_part, run_lo, run_hi);
-  const bool writes = c0 + 8 * h < K;
+  const bool writes = DUAL ? c0 < K : c0 + 8 * h < K;
+  // The dual form's lane h sums A's (h = 0) or A2's (h = 1) product from its half of each row.
   const char* lane_slice = reinterpret_cast<const char*>(slice) + 16 * h;
   const unsigned zero_word = (unsigned)N << 16;
 
   Cursor c = first_cursor(indptr, run_lo + (lane >> 1), run_hi);
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  for_each_batch(c, indptr, words, zero_word, h, run_hi, [&](const Batch& bt) {
-    const unsigned mine[4] = {bt.words.x, bt.words.y, bt.words.z, bt.words.w};
+  // One word's product: its B row's 8 columns (this lane's 16 bytes) times its value.
+  auto add_word = [&](unsigned w, const uint4& bv) {
+    const float a = to_acc(T{(unsigned short)(w & 0xffffu)});
+    const unsigned parts[4] = {bv.x, bv.y, bv.z, bv.w};
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      unsigned w[4];
-      uint4 bv[4];
+    for (int k = 0; k < 4; ++k) {
+      float lo, hi;
+      unpack2(parts[k], T{}, lo, hi);
+      acc[2 * k] = fmaf(a, lo, acc[2 * k]);
+      acc[2 * k + 1] = fmaf(a, hi, acc[2 * k + 1]);
+    }
+  };
+  for_each_batch<1 + DUAL>(c, indptr, words, zero_word, h, run_hi, [&](const Batch<1 + DUAL>& bt) {
+    const unsigned mine[4] = {bt.words[0].x, bt.words[0].y, bt.words[0].z, bt.words[0].w};
+    if (DUAL) {  // this lane's own 8 words: the batch's 8 entries of its product
 #pragma unroll
-      for (int s = 0; s < 4; ++s) w[s] = __shfl_sync(0xffffffffu, mine[s], (lane & ~1) | half);
+      for (int v = 0; v < 2; ++v) {
+        const unsigned w[4] = {bt.words[v].x, bt.words[v].y, bt.words[v].z, bt.words[v].w};
+        uint4 bv[4];
 #pragma unroll
-      for (int s = 0; s < 4; ++s) bv[s] = *reinterpret_cast<const uint4*>(lane_slice + (w[s] >> 16) * 32);
+        for (int s = 0; s < 4; ++s) bv[s] = *reinterpret_cast<const uint4*>(lane_slice + (w[s] >> 16) * 32);
 #pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        const float a = to_acc(T{(unsigned short)(w[s] & 0xffffu)});
-        const unsigned parts[4] = {bv[s].x, bv[s].y, bv[s].z, bv[s].w};
+        for (int s = 0; s < 4; ++s) add_word(w[s], bv[s]);
+      }
+    } else {  // the group's 8 words, 4 from each lane
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          float lo, hi;
-          unpack2(parts[k], T{}, lo, hi);
-          acc[2 * k] = fmaf(a, lo, acc[2 * k]);
-          acc[2 * k + 1] = fmaf(a, hi, acc[2 * k + 1]);
-        }
+      for (int half = 0; half < 2; ++half) {
+        unsigned w[4];
+        uint4 bv[4];
+#pragma unroll
+        for (int s = 0; s < 4; ++s) w[s] = __shfl_sync(0xffffffffu, mine[s], (lane & ~1) | half);
+#pragma unroll
+        for (int s = 0; s < 4; ++s) bv[s] = *reinterpret_cast<const uint4*>(lane_slice + (w[s] >> 16) * 32);
+#pragma unroll
+        for (int s = 0; s < 4; ++s) add_word(w[s], bv[s]);
+      }
+    }
+    // The dual form's two products summed, lane h keeping columns 4h .. 4h + 3 of the 8: in
+    // every batch, by the whole warp (at a row's end only, the shuffle would run divergent).
+    float sum[4];
+    if (DUAL) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float other = __shfl_xor_sync(0xffffffffu, h ? acc[k] : acc[k + 4], 1);
+        sum[k] = (h ? acc[k + 4] : acc[k]) + other;
       }
     }
     if (bt.last) {
-      if (bt.row < run_hi && writes) {
+      if (DUAL) {
+        if (bt.row < run_hi && writes) {
+          uint2 o;
+          o.x = pack2<T>(sum[0], sum[1]);
+          o.y = pack2<T>(sum[2], sum[3]);
+          *reinterpret_cast<uint2*>(out + bt.row * ldo + c0 + 4 * h) = o;
+        }
+      } else if (bt.row < run_hi && writes) {
         uint4 o;
         o.x = pack2<T>(acc[0], acc[1]);
         o.y = pack2<T>(acc[2], acc[3]);

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -163,6 +163,20 @@ for step in $what; do
           python3 scripts/sanitize_smoke.py 2>&1 | tail -4 | sed "s/^/$tool  /" | tee -a "$OUT/stationary.log"
         status=$((status | ${PIPESTATUS[0]}))
       done
+      ;;&
+    dual)
+      # The stationary SpMM's dual form (dX = dZ W_gate + dU W_up in one pass, opt-in): its
+      # tests, the backward's dX by the row gathers and by it, and the training step with the
+      # stationary kernels forced on (TWELL_STATIONARY=1, recorded as a setting) after the default.
+      timeout 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_gpu_stationary.py 2>&1 \
+        | tee -a "$OUT/dual.log" | tail -3
+      status=$((status | ${PIPESTATUS[0]}))
+      for d in 0.005 0.01; do
+        timeout 120 python3 bench/stage_times.py --density $d --only "dX" --out "$OUT/stages.jsonl" 2>&1 | tee -a "$OUT/dual.log"
+      done
+      timeout 200 python3 bench/train_step.py --out "$OUT/train_step.jsonl" 2>&1 | tee -a "$OUT/dual.log" | tail -4
+      TWELL_STATIONARY=1 timeout 200 python3 bench/train_step.py --out "$OUT/train_step.jsonl" 2>&1 \
+        | tee -a "$OUT/dual.log" | tail -4
       ;;&
     downchoice)
       # The down projection's two kernels (row gathers, stationary with its pack) over token

@@ -130,6 +130,18 @@ def test_stationary_breakeven_falls_with_rows_and_columns():
     assert _stationary.breakeven_entries(0, 0) > 0  # empty shapes: no division by zero
 
 
+def test_the_dual_stationary_form_follows_the_single_forms_rule(monkeypatch):
+    from twellsparse import _stationary
+
+    b = np.zeros((5632, 2048), dtype=np.float16)
+    monkeypatch.setattr(_stationary, "PREFERRED", None)
+    assert not _stationary.chosen(4096, 5632, b, b, b2=b)  # fewer rows than MIN_ROWS, no density
+    with _stationary.expected_density(1e-5):  # far below the break-even
+        assert not _stationary.chosen(65536, 5632, b, b, b2=b)
+    monkeypatch.setattr(_stationary, "PREFERRED", False)
+    assert not _stationary.chosen(65536, 5632, b, b, b2=b)
+
+
 def test_default_breakeven_follows_the_measured_crossings():
     from twellsparse import _dispatch
 

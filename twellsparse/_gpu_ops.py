@@ -87,21 +87,22 @@ def spmm(
 ) -> Any:
     """``out = A @ b``; ``b`` (N x K) and ``out`` (M x K) share A's dtype, out has unit column stride.
 
-    ``path``: one of :data:`PATHS` or "stationary" (``_stationary``, one product only; "auto"
-    takes it where ``_stationary.chosen`` says so). ``variant``: the gather kernel's (KV, U)
+    ``path``: one of :data:`PATHS` or "stationary" (``_stationary``; with ``second`` its dual
+    form; "auto" takes it where ``_stationary.chosen`` says so). ``variant``: the gather kernel's (KV, U)
     instantiation (one of ``_kernels.GATHER_VARIANTS``; default ``GATHER_DEFAULT["spmm"]``). ``second``:
     ``(parts2, b2)``, a matrix of A's structure (other values) and its dense operand:
     ``out = A @ b + A2 @ b2``, summed in the same fp32 accumulators on the gather path.
     """
     m = parts.data.shape[0]
     b, ldb = row_stride(b)  # once: the stationary check and kernel then take b as it is
-    if second is None and path == "stationary" and not _stationary.applies(b.shape[0], b, out):
+    b2 = None if second is None else second[1]
+    if path == "stationary" and not _stationary.applies(b.shape[0], b, out, b2):
         raise ValueError(
             "path: 'stationary' needs 2-byte values, 16-byte-aligned rows and a 16-column slice of b "
             f"(b.shape[0] * 32 bytes) that fits in shared memory; got {b.dtype} b of shape {b.shape}"
         )
-    if second is None and (path == "stationary" or (path == "auto" and _stationary.chosen(m, b.shape[0], b, out))):
-        return _stationary.spmm(parts, tile_n, b, out)
+    if path == "stationary" or (path == "auto" and _stationary.chosen(m, b.shape[0], b, out, b2)):
+        return _stationary.spmm(parts, tile_n, b, out, second)
     k = b.shape[1]
     ldo = np.int64(max(out.strides[0] // out.itemsize, k, 1))
     b2, ldb2 = row_stride(second[1]) if second is not None else (None, 0)

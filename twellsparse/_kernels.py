@@ -163,10 +163,11 @@ def _instantiations() -> dict[str, list[str]]:
         "twell_elementwise.cu": elementwise,
         "twell_quantize.cu": [f"twell_quantize_rows_e4m3<{t}>" for t in types],
         "twell_stationary.cu": [
-            f"{kernel}<{CXX_TYPE[d]}>"
+            f"{kernel}<{CXX_TYPE[d]}, {dual}>"
             for d in VALUE_DTYPES
             if d.itemsize == 2  # the packed words hold 16-bit values
             for kernel in ("stationary_pack", "twell_stationary_spmm")
+            for dual in (0, 1)  # one product, or the sum of two (A @ B + A2 @ B2)
         ]
         + ["stationary_row_sizes", "stationary_row_sums", "stationary_row_place"],
     }

@@ -71,12 +71,15 @@ def slice_bytes(n: int, itemsize: int) -> int:
     return (n + ZERO_ROWS) * SLICE_COLS * itemsize
 
 
-def applies(n: int, b: Any, out: Any) -> bool:
-    """Whether the stationary kernel serves ``(M x n) @ b -> out`` on the current device."""
+def applies(n: int, b: Any, out: Any, b2: Any = None) -> bool:
+    """Whether the stationary kernel serves ``(M x n) @ b -> out`` (``+ (M x n) @ b2``, the dual
+    form, when ``b2`` is given) on the current device."""
     if b.dtype.itemsize != 2 or out.dtype != b.dtype or n + ZERO_ROWS > 1 << 16:
         return False
-    _, ldb = row_stride(b)
-    if not rows_aligned((b, ldb), (out, leading_dim(out))):
+    if b2 is not None and (b2.dtype != b.dtype or b2.shape != b.shape):
+        return False
+    rows = [row_stride(b), (out, leading_dim(out))] + ([row_stride(b2)] if b2 is not None else [])
+    if not rows_aligned(*rows):
         return False
     return slice_bytes(n, 2) <= K.device_attribute("MaxSharedMemoryPerBlockOptin")
 
@@ -98,10 +101,15 @@ def breakeven_entries(m: int, k: int) -> float:
     return BREAKEVEN_ENTRIES * math.sqrt(16384 / max(m, 1)) * (2048 / max(k, 1))
 
 
-def chosen(m: int, n: int, b: Any, out: Any) -> bool:
+def chosen(m: int, n: int, b: Any, out: Any, b2: Any = None) -> bool:
     """Whether ``matmul``'s "auto" path takes the stationary kernel for ``(m x n) @ b -> out``
-    (:data:`PREFERRED`; then the expected density against :func:`breakeven_entries`, or without
-    one :data:`MIN_ROWS`; then :func:`applies`)."""
+    (with ``b2``: its dual form, ``+ (m x n) @ b2``): :data:`PREFERRED`; then the expected
+    density against :func:`breakeven_entries`, or without one :data:`MIN_ROWS`; then
+    :func:`applies`. The dual form follows the same rule: against the row gathers' dual pass at
+    16384 rows it was as fast or faster from 0.25% density (0.313 / 0.320 ms at 0.25%, 0.466 /
+    0.553 at 0.5%, 0.750 / 1.020 at 1%, the backward's dX of the standard problem, with its
+    pack; bench/stage_times.py, bench/results/2026-12-04-stages.jsonl); fewer rows were not
+    measured."""
     if PREFERRED is False:
         return False
     if PREFERRED is None:
@@ -110,52 +118,65 @@ def chosen(m: int, n: int, b: Any, out: Any) -> bool:
             return False
         if density is not None and density * n < breakeven_entries(m, b.shape[1]):
             return False
-    return applies(n, b, out)
+    return applies(n, b, out, b2)
 
 
-def pack(parts: TwELLParts, tile_n: int, n: int) -> tuple[Any, Any]:
+def pack(parts: TwELLParts, tile_n: int, n: int, second: TwELLParts | None = None) -> tuple[Any, Any]:
     """A's rows as packed words (column << 16 | value bits), each row padded to a multiple of
     :data:`BATCH` with words of the zero rows ``n`` .. ``n + 3``, in the kernel's order against
-    bank conflicts: (int32 row pointers, uint32 words). The words array has room for every slot
-    and spill entry and the padding; the first ``indptr[-1]`` are written."""
+    bank conflicts: (int32 row pointers, uint32 words). With ``second`` (an A2 of A's structure,
+    other values) the dual form: each batch holds 4 entries, A's words then A2's. The words array
+    has room for every slot and spill entry and the padding; the first ``indptr[-1]`` are
+    written."""
     cp = _cp()
     m, nt, cap = parts.data.shape
+    per_entry = 1 if second is None else 2
     indptr = cp.empty(m + 1, dtype=cp.int32)
-    words = cp.empty(m * nt * cap + int(parts.spill_data.size) + m * (BATCH - 1), dtype=cp.uint32)
+    words = cp.empty(per_entry * (m * nt * cap + int(parts.spill_data.size) + m * (BATCH - 1)), dtype=cp.uint32)
     if m == 0:
         indptr[0] = 0
         return indptr, words
     sizes = cp.empty(m, dtype=cp.int32)
-    K.launch("stationary_row_sizes", 32 * m, 256, (parts.counts, parts.spill_indptr, np.int32(nt), np.int32(m), sizes))
+    dual = np.int32(second is not None)
+    K.launch(
+        "stationary_row_sizes", 32 * m, 256, (parts.counts, parts.spill_indptr, np.int32(nt), np.int32(m), dual, sizes)
+    )
     head = (sizes, np.int64(m))
     two_launch_scan(m, "stationary_row_sums", head, "stationary_row_place", head, (indptr,))
     t = K.CXX_TYPE[parts.data.dtype]
-    args = (parts.data, parts.indices, parts.counts, parts.spill_indptr, parts.spill_indices, parts.spill_data)
+    data2, spill2 = (K.null_pointer(),) * 2 if second is None else (second.data, second.spill_data)
+    args = (parts.data, data2, parts.indices, parts.counts, parts.spill_indptr, parts.spill_indices)
     geometry = (np.int32(m), np.int32(nt), np.int32(tile_n), np.int32(cap), np.int32(n))
-    K.launch(f"stationary_pack<{t}>", 32 * m, 256, (*args, *geometry, indptr, words))
+    K.launch(
+        f"stationary_pack<{t}, {int(dual)}>", 32 * m, 256, (*args, parts.spill_data, spill2, *geometry, indptr, words)
+    )
     return indptr, words
 
 
-def packed_spmm(indptr: Any, words: Any, n: int, b: Any, out: Any) -> Any:
-    """``out = A @ b`` for A packed by :func:`pack` (``n`` columns); the caller has checked
-    :func:`applies`."""
+def packed_spmm(indptr: Any, words: Any, n: int, b: Any, out: Any, b2: Any = None) -> Any:
+    """``out = A @ b`` (``+ A2 @ b2`` when ``b2`` is given: A packed in the dual form) for A
+    packed by :func:`pack` (``n`` columns); the caller has checked :func:`applies`."""
     m = indptr.shape[0] - 1
     b, ldb = row_stride(b)
+    b2, ldb2 = (K.null_pointer(), 0) if b2 is None else row_stride(b2)
+    dual = int(ldb2 > 0)
     k = b.shape[1]
     ldo = max(out.strides[0] // out.itemsize, k, 1)
-    slices = -(-k // SLICE_COLS)
+    slices = -(-k // (SLICE_COLS // (1 + dual)))
     # Enough row parts that slices x parts fills the machine once (one block per SM).
     parts = max(1, min(K.sm_count() // slices, -(-m // THREADS)))
     rows_per_part = -(-m // parts)
-    expr = f"twell_stationary_spmm<{K.CXX_TYPE[b.dtype]}>"
-    args = (indptr, words, np.int32(m), np.int32(n), b, np.int64(ldb), np.int32(k), out, np.int64(ldo))
-    K.launch_grid(expr, (slices, parts), (THREADS,), (*args, np.int32(rows_per_part)), slice_bytes(n, b.itemsize))
+    expr = f"twell_stationary_spmm<{K.CXX_TYPE[b.dtype]}, {dual}>"
+    operands = (b, np.int64(ldb), b2, np.int64(ldb2), np.int32(k), out, np.int64(ldo))
+    args = (indptr, words, np.int32(m), np.int32(n), *operands, np.int32(rows_per_part))
+    K.launch_grid(expr, (slices, parts), (THREADS,), args, slice_bytes(n, b.itemsize))
     return out
 
 
-def spmm(parts: TwELLParts, tile_n: int, b: Any, out: Any) -> Any:
-    """``out = A @ b`` for a TwELL ``A`` with ``b.shape[0]`` columns: :func:`pack`, then
-    :func:`packed_spmm`."""
+def spmm(parts: TwELLParts, tile_n: int, b: Any, out: Any, second: tuple[TwELLParts, Any] | None = None) -> Any:
+    """``out = A @ b`` for a TwELL ``A`` with ``b.shape[0]`` columns, or with ``second = (A2,
+    b2)`` (A2 of A's structure) ``out = A @ b + A2 @ b2`` in one pass (the dual form: a slice of
+    8 columns of b and of b2): :func:`pack`, then :func:`packed_spmm`."""
     n = b.shape[0]
-    indptr, words = pack(parts, tile_n, n)
-    return packed_spmm(indptr, words, n, b, out)
+    indptr, words = pack(parts, tile_n, n, None if second is None else second[0])
+    return packed_spmm(indptr, words, n, b, out, None if second is None else second[1])

@@ -138,6 +138,61 @@ def test_pack_orders_each_row_by_slot_class(cp, rng, m, n, tile_n, capacity, den
     assert aligned > 0.6 * words[: indptr[-1]].size  # most words sit in their class's slots
 
 
+def _twin(cp, rng, h, a, dtype):
+    """A TwELL matrix of ``a``'s structure with other values (the backward's second operand)."""
+    h2 = np.where(h != 0, rng.uniform(0.5, 2.0, h.shape) * rng.choice([-1, 1], h.shape), 0).astype(dtype)
+    a2 = ts.twell_array(cp.asarray(h2), tile_n=a.tile_n, capacity=a.capacity)
+    for p, q in zip(a.parts[1:3] + a.parts[4:], a2.parts[1:3] + a2.parts[4:], strict=True):
+        assert (cp.asnumpy(p) == cp.asnumpy(q)).all()  # indices, counts, spill columns and pointers
+    return h2, a2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, n, k, tile_n, capacity, density", SHAPES)
+def test_dual_stationary_sums_two_products(cp, rng, monkeypatch, dtype, m, n, k, tile_n, capacity, density):
+    h, a = _problem(cp, rng, m, n, tile_n, capacity, density, dtype)
+    h2, a2 = _twin(cp, rng, h, a, dtype)
+    b, b2 = (rng.standard_normal((n, k)).astype(dtype) for _ in range(2))
+    expected = h.astype(np.float64) @ b.astype(np.float64) + h2.astype(np.float64) @ b2.astype(np.float64)
+    b_gpu, b2_gpu = cp.asarray(b), cp.asarray(b2)
+    assert _stationary.applies(n, b_gpu, cp.empty((m, k), dtype=dtype), b2_gpu)
+    out = cp.full((m, k), np.nan, dtype=dtype)  # poisoned
+    _gpu_ops.spmm(a.parts, tile_n, b_gpu, out, path="stationary", second=(a2.parts, b2_gpu))
+    got = cp.asnumpy(out).astype(np.float64)
+    assert np.isfinite(got).all()
+    assert rel_error(got, expected) <= _bound(dtype, expected)
+    gathered = _gpu_ops.spmm(a.parts, tile_n, b_gpu, cp.empty_like(out), path="gather", second=(a2.parts, b2_gpu))
+    assert rel_error(got, cp.asnumpy(gathered).astype(np.float64)) <= 2 * _bound(dtype, expected)
+    # "auto" takes the dual form by the single form's rule: not at these rows (< MIN_ROWS)
+    # unless told to.
+    calls = []
+    real = _stationary.spmm
+    monkeypatch.setattr(_stationary, "spmm", lambda *args: calls.append(args) or real(*args))
+    for preferred in (None, True):
+        monkeypatch.setattr(_stationary, "PREFERRED", preferred)
+        again = _gpu_ops.spmm(a.parts, tile_n, b_gpu, cp.empty_like(out), second=(a2.parts, b2_gpu))
+        assert rel_error(again, expected) <= _bound(dtype, expected)
+    assert len(calls) == 1
+
+
+def test_dual_pack_pairs_each_batch_with_its_twin(cp, rng):
+    h, a = _problem(cp, rng, 300, 2000, 32, 2, 0.08, ts.bfloat16)  # heavy spill
+    h2, a2 = _twin(cp, rng, h, a, ts.bfloat16)
+    indptr, words = (cp.asnumpy(v) for v in _stationary.pack(a.parts, 32, 2000))
+    indptr2, words2 = (cp.asnumpy(v) for v in _stationary.pack(a.parts, 32, 2000, second=a2.parts))
+    assert (indptr2 == 2 * indptr).all()
+    for row in range(300):
+        single = words[indptr[row] : indptr[row + 1]].reshape(-1, _stationary.BATCH)
+        dual = words2[indptr2[row] : indptr2[row + 1]].reshape(-1, 2 * _stationary.BATCH)
+        first, second = dual[:, : _stationary.BATCH], dual[:, _stationary.BATCH :]
+        assert (first == single).all()  # A's words in the single form's order
+        assert ((second >> 16) == (first >> 16)).all()
+        cols = (second >> 16).ravel()
+        bits = (second & 0xFFFF).astype(np.uint16).ravel()
+        real = cols < 2000
+        assert (bits[real].view(ts.bfloat16) == h2[row, cols[real]]).all() and (bits[~real] == 0).all()
+
+
 @pytest.mark.parametrize("spill_capacity", [None, 20000])
 def test_ffn_plan_takes_it_when_preferred(cp, rng, monkeypatch, spill_capacity):
     p = ffn_problem(700, 256, 1000, 0.05, "skewed", ts.bfloat16, rng, cp)
