@@ -125,9 +125,9 @@ def pack(parts: TwELLParts, tile_n: int, n: int, second: TwELLParts | None = Non
     """A's rows as packed words (column << 16 | value bits), each row padded to a multiple of
     :data:`BATCH` with words of the zero rows ``n`` .. ``n + 3``, in the kernel's order against
     bank conflicts: (int32 row pointers, uint32 words). With ``second`` (an A2 of A's structure,
-    other values) the dual form: each batch holds 4 entries, A's words then A2's. The words array
-    has room for every slot and spill entry and the padding; the first ``indptr[-1]`` are
-    written."""
+    other values) the dual form: batches of 16 words, 8 entries' words of A then the same 8 of
+    A2. The words array has room for every slot and spill entry and the padding; the first
+    ``indptr[-1]`` are written."""
     cp = _cp()
     m, nt, cap = parts.data.shape
     per_entry = 1 if second is None else 2
@@ -157,9 +157,9 @@ def packed_spmm(indptr: Any, words: Any, n: int, b: Any, out: Any, b2: Any = Non
     """``out = A @ b`` (``+ A2 @ b2`` when ``b2`` is given: A packed in the dual form) for A
     packed by :func:`pack` (``n`` columns); the caller has checked :func:`applies`."""
     m = indptr.shape[0] - 1
+    dual = int(b2 is not None)
     b, ldb = row_stride(b)
-    b2, ldb2 = (K.null_pointer(), 0) if b2 is None else row_stride(b2)
-    dual = int(ldb2 > 0)
+    b2, ldb2 = row_stride(b2) if dual else (K.null_pointer(), 0)
     k = b.shape[1]
     ldo = max(out.strides[0] // out.itemsize, k, 1)
     slices = -(-k // (SLICE_COLS // (1 + dual)))
