@@ -322,13 +322,13 @@ def csr_to_parts(
 def parts_to_dense(parts: TwELLParts, shape: tuple[int, int], tile_n: int, out: Any = None) -> Any:
     """Dense copy; ``out`` (zero-filled here) may be given, with unit column stride."""
     cp = _cp()
-    m, n = shape
+    m = shape[0]
     nt, cap = parts.data.shape[1], parts.data.shape[2]
     if out is None:
         out = cp.zeros(shape, dtype=parts.data.dtype)
     else:
         out.fill(0)
-    ld = np.int64(max(out.strides[0] // out.itemsize, n, 1))
+    ld = np.int64(leading_dim(out))
     t = K.CXX_TYPE[parts.data.dtype]
     K.launch(
         f"twell_scatter_dense<{t}>",

@@ -104,7 +104,7 @@ def spmm(
     if path == "stationary" or (path == "auto" and _stationary.chosen(m, b.shape[0], b, out, b2)):
         return _stationary.spmm(parts, tile_n, b, out, second)
     k = b.shape[1]
-    ldo = np.int64(max(out.strides[0] // out.itemsize, k, 1))
+    ldo = np.int64(leading_dim(out))
     b2, ldb2 = row_stride(second[1]) if second is not None else (None, 0)
     gather_ok = rows_aligned((b, ldb), (out, int(ldo)), *([(b2, ldb2)] if second is not None else []))
     path = _choose_path(path, gather_ok, "matmul")
@@ -148,7 +148,7 @@ def spmm_e4m3(
     2-byte dtype, ``out`` with 16-byte-aligned rows of unit column stride (the caller checks)."""
     m = parts.data.shape[0]
     k = q.shape[1]
-    ldo = np.int64(max(out.strides[0] // out.itemsize, k, 1))
+    ldo = np.int64(leading_dim(out))
     kv, u = _variant(variant, "spmm_e4m3")
     nt, cap = parts.data.shape[1:]
     geometry = (np.int32(m), np.int32(nt), np.int32(tile_n), np.int32(cap))
@@ -230,7 +230,7 @@ def spmm_transposed(
     m = parts.data.shape[0]
     g, ldg = row_stride(g)
     k = g.shape[1]
-    ldo_out = max(out.strides[0] // out.itemsize, k, 1)
+    ldo_out = leading_dim(out)
     operands, outs = ([parts], [out]) if second is None else ([parts, second[0]], [out, second[1]])
     if (
         rows_aligned((g, ldg), *((o, ldo_out) for o in outs))
@@ -262,7 +262,7 @@ def spmm_transposed(
         (K.SPMM_THREADS,),
         (*_geometry(parts, tile_n), g, np.int64(ldg), np.int32(k), ws),
     )
-    ldo = np.int64(max(out.strides[0] // out.itemsize, k, 1))
+    ldo = np.int64(leading_dim(out))
     K.launch(f"twell_cast_from_acc<{t}>", n_cols * k, 256, (ws, np.int64(n_cols), np.int32(k), out, ldo))
     return out
 
@@ -509,7 +509,7 @@ def kept_count(z: Any, step: int, activation: str, threshold: float | None) -> t
     rows = -(-m // step)
     if rows and n:
         expr = f"ffn_kept_count<{K.CXX_TYPE[z.dtype]}, {K.ACTIVATION_ID[activation]}>"
-        ld = max(z.strides[0] // z.itemsize, n)
+        ld = leading_dim(z)
         thr = np.float64(-1.0 if threshold is None else threshold)
         K.launch_grid(expr, (rows,), (256,), (z, np.int64(ld), np.int64(step), np.int32(n), thr, count))
     return count, rows * n

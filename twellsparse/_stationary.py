@@ -161,7 +161,7 @@ def packed_spmm(indptr: Any, words: Any, n: int, b: Any, out: Any, b2: Any = Non
     b, ldb = row_stride(b)
     b2, ldb2 = row_stride(b2) if dual else (K.null_pointer(), 0)
     k = b.shape[1]
-    ldo = max(out.strides[0] // out.itemsize, k, 1)
+    ldo = leading_dim(out)
     slices = -(-k // (SLICE_COLS // (1 + dual)))
     # Enough row parts that slices x parts fills the machine once (one block per SM).
     parts = max(1, min(K.sm_count() // slices, -(-m // THREADS)))
