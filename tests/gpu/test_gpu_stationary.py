@@ -175,13 +175,17 @@ def test_dual_stationary_sums_two_products(cp, rng, monkeypatch, dtype, m, n, k,
     assert len(calls) == 1
 
 
-def test_dual_pack_pairs_each_batch_with_its_twin(cp, rng):
-    h, a = _problem(cp, rng, 300, 2000, 32, 2, 0.08, ts.bfloat16)  # heavy spill
+@pytest.mark.parametrize(
+    "m, n, tile_n, capacity, density",
+    [(300, 2000, 32, 2, 0.08), (40, 3000, 64, 8, 0.3)],  # heavy spill; rows over 512 entries
+)
+def test_dual_pack_pairs_each_batch_with_its_twin(cp, rng, m, n, tile_n, capacity, density):
+    h, a = _problem(cp, rng, m, n, tile_n, capacity, density, ts.bfloat16)
     h2, a2 = _twin(cp, rng, h, a, ts.bfloat16)
-    indptr, words = (cp.asnumpy(v) for v in _stationary.pack(a.parts, 32, 2000))
-    indptr2, words2 = (cp.asnumpy(v) for v in _stationary.pack(a.parts, 32, 2000, second=a2.parts))
+    indptr, words = (cp.asnumpy(v) for v in _stationary.pack(a.parts, tile_n, n))
+    indptr2, words2 = (cp.asnumpy(v) for v in _stationary.pack(a.parts, tile_n, n, second=a2.parts))
     assert (indptr2 == 2 * indptr).all()
-    for row in range(300):
+    for row in range(m):
         single = words[indptr[row] : indptr[row + 1]].reshape(-1, _stationary.BATCH)
         dual = words2[indptr2[row] : indptr2[row + 1]].reshape(-1, 2 * _stationary.BATCH)
         first, second = dual[:, : _stationary.BATCH], dual[:, _stationary.BATCH :]
@@ -189,7 +193,7 @@ def test_dual_pack_pairs_each_batch_with_its_twin(cp, rng):
         assert ((second >> 16) == (first >> 16)).all()
         cols = (second >> 16).ravel()
         bits = (second & 0xFFFF).astype(np.uint16).ravel()
-        real = cols < 2000
+        real = cols < n
         assert (bits[real].view(ts.bfloat16) == h2[row, cols[real]]).all() and (bits[~real] == 0).all()
 
 
