@@ -4,6 +4,7 @@ under each of its schedules (``_hopper_producer.SCHEDULES``).
     TWELL_HOPPER_PACK=0 python bench/producer_probe.py   # the fused GEMM without its epilogue
     python bench/producer_probe.py --clocks               # SM clock and power while each runs
     python bench/producer_probe.py --m 131072             # the model benchmark's tokens per layer
+    python bench/producer_probe.py --threshold 0          # relu with a threshold (its keep path)
 
 Run once per build switch (they are read when the module is compiled): the difference between
 the two runs is the epilogue's share. ``--clocks`` runs each kernel back to back for about a
@@ -60,6 +61,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--clocks", action="store_true", help="also sample the SM clock and power while each kernel runs")
     ap.add_argument("--m", type=int, default=16384, help="tokens (rows of x); d_model 2048 and d_ff 5632 stay")
     ap.add_argument("--density", type=float, default=0.005)
+    ap.add_argument(
+        "--threshold", type=float, help="relu keeping only values above it (the thresholded keep path; 0 keeps as relu)"
+    )
     args = ap.parse_args(argv)
 
     import cupy as cp
@@ -77,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         return _gpu_ops.gemm_nt(x, wg)
 
     def fused_call() -> Any:
-        return _hopper_producer.linear_to_parts_deferred(x, wg, "relu", 256, 32, None)
+        return _hopper_producer.linear_to_parts_deferred(x, wg, "relu", 256, 32, args.threshold)
 
     gemm = timer(gemm_call)[1]["median"]
     build = os.environ.get("TWELL_HOPPER_PACK", "default")
@@ -87,8 +91,8 @@ def main(argv: list[str] | None = None) -> None:
         _hopper_producer.SCHEDULE = schedule
         fused = timer(fused_call)[1]["median"]
         print(
-            f"m {args.m}, TWELL_HOPPER_PACK={build}, {schedule} schedule: gemm {gemm:.3f} ms, "
-            f"fused pass 1 {fused:.3f} ms ({fused / gemm:.2f}x)"
+            f"m {args.m}, threshold {args.threshold}, TWELL_HOPPER_PACK={build}, {schedule} schedule: "
+            f"gemm {gemm:.3f} ms, fused pass 1 {fused:.3f} ms ({fused / gemm:.2f}x)"
         )
         if args.clocks:
             print(f"{schedule}: {clocks_while(fused_call, cp.cuda.Device().synchronize)}")
