@@ -219,14 +219,16 @@ for step in $what; do
       timeout 90 python3 bench/producer_probe.py --clocks 2>&1 | tail -7 | tee -a "$OUT/producer_ab.log"
       ;;&
     modelschedule)
-      # The model benchmark's forward lost 7% between f5b4de0 and 6d2f107 (bench/NOTES.md,
-      # twentieth session): its layers under the pair and inline schedules alternately, and the
-      # producer alone at the model's 131072 tokens per layer.
+      # The model's layers under the pair and inline schedules alternately, and the producer
+      # alone at the model's 131072 tokens per layer, plain and thresholded (the twentieth
+      # session's 7% forward regression was the thresholded epilogue under the pair schedule).
       for schedule in pair inline pair inline; do
         TWELL_HOPPER_SCHEDULE=$schedule timeout 90 python3 bench/model_bench.py --densities 0.005 --no-graphs \
           --reps 5 2>&1 | grep -i density | sed "s/^/$schedule: /" | tee -a "$OUT/model_schedule.log"
       done
-      timeout 120 python3 bench/producer_probe.py --m 131072 2>&1 | tail -3 | tee -a "$OUT/model_schedule.log"
+      for thr in "" "--threshold 0"; do  # plain relu, and the thresholded keep path the model takes
+        timeout 120 python3 bench/producer_probe.py --m 131072 $thr 2>&1 | tail -3 | tee -a "$OUT/model_schedule.log"
+      done
       ;;&
     producerprobe)
       # Where the fused producer's pass 1 spends its time beyond the GEMM: the probe with and
