@@ -56,7 +56,7 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
     _, u = gated_product(x, wu, wd_t, g, keep_up=True)
     d_h = sddmm(go, wd_t, g)
     h, d_z, d_u = product_values(g, u), product_values(d_h, u), product_values(d_h, g)
-    dx_out = cp.empty((m, d_model), dtype=x.dtype)
+    dx_out, dual = cp.empty((m, d_model), dtype=x.dtype), (d_u.parts, wu)  # dX's output and second product
 
     def three_products() -> Any:  # the backward's dW_down, dW_gate and dW_up on one pattern
         return transposed_products(g, [(h, go), (d_z, x), (d_u, x)])
@@ -117,9 +117,10 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         "bwd 3 transposed products, columns split": lambda: _with(
             _gpu_ops, "TRANSPOSED_COLUMN_SPLIT", 2, three_products
         ),
-        "bwd dX": lambda: matmul_sum(d_z, wg, d_u, wu),  # the backward's one dual pass
-        # The same sum by the stationary kernel's dual form (opt-in until measured).
-        "bwd dX, stationary dual": lambda: _stationary.spmm(d_z.parts, d_z.tile_n, wg, dx_out, second=(d_u.parts, wu)),
+        "bwd dX": lambda: matmul_sum(d_z, wg, d_u, wu),  # the backward's one dual pass, as chosen
+        # Its two kernels, each forced: the row gathers' dual pass and the stationary dual form.
+        "bwd dX, gather": lambda: _gpu_ops.spmm(d_z.parts, d_z.tile_n, wg, dx_out, path="gather", second=dual),
+        "bwd dX, stationary dual": lambda: _stationary.spmm(d_z.parts, d_z.tile_n, wg, dx_out, second=dual),
     }
 
 

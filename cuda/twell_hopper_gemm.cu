@@ -332,15 +332,11 @@ __device__ __forceinline__ void pack_pairs(unsigned (&pair)[32], int half, const
     for (int j = 0; j < 32; ++j) or_greater_bits<T>(pair[j], floor2, half_mask[j >> 4], (2 * j) & 31);
     mine = ((unsigned long long)half_mask[1] << 32) | half_mask[0];
   } else {
-    // keep() in fp32: for an fp32 h, |h| > t is |h| > t rounded towards zero to fp32.
-    const float floor_f = p.threshold < 0.0 ? -1.f : __double2float_rz(p.threshold);
 #pragma unroll
     for (int j = 0; j < 32; ++j)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float v = to_acc(value_of<T>(pair[j] >> (16 * e)));
-        if (floor_f < 0.f ? v != 0.f : fabsf(v) > floor_f) mine |= 1ull << (2 * j + e);
-      }
+      for (int e = 0; e < 2; ++e)
+        if (keep(to_acc(value_of<T>(pair[j] >> (16 * e))), p.threshold)) mine |= 1ull << (2 * j + e);
   }
   unsigned long long quad[4];
 #pragma unroll

@@ -178,5 +178,6 @@ def spmm(parts: TwELLParts, tile_n: int, b: Any, out: Any, second: tuple[TwELLPa
     b2)`` (A2 of A's structure) ``out = A @ b + A2 @ b2`` in one pass (the dual form: a slice of
     8 columns of b and of b2): :func:`pack`, then :func:`packed_spmm`."""
     n = b.shape[0]
-    indptr, words = pack(parts, tile_n, n, None if second is None else second[0])
-    return packed_spmm(indptr, words, n, b, out, None if second is None else second[1])
+    parts2, b2 = (None, None) if second is None else second
+    indptr, words = pack(parts, tile_n, n, parts2)
+    return packed_spmm(indptr, words, n, b, out, b2)
