@@ -30,7 +30,7 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
     import cupy as cp
 
     import twellsparse as ts
-    from twellsparse import _gpu_convert, _gpu_ops, _gpu_producer, _hopper_producer, _stationary
+    from twellsparse import _gpu_convert, _gpu_ops, _gpu_producer, _hopper_producer, _stationary, _tiled_up
     from twellsparse._ops import gated_product, matmul, matmul_sum, product_values, sddmm, transposed_products
     from twellsparse._reference import fixed_spill_layout
 
@@ -97,6 +97,17 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
             g.parts, g.tile_n, x, wu_e4m3, wd_t, variant=(8, 2)
         ),
         "up sddmm": lambda: sddmm(x, wu, g),
+        # The gated consumer's up projection alone, by each kernel (the tiled one per block size).
+        "gated up, gather": lambda: _gpu_ops.gated_up(g.parts, g.tile_n, x, wu, path="gather"),
+        **{
+            f"gated up, tiled {tokens}": (
+                lambda tokens=tokens: _with(
+                    _tiled_up, "TOKENS", tokens, lambda: _gpu_ops.gated_up(g.parts, g.tile_n, x, wu, path="tiled")
+                )
+            )
+            for tokens in (256, 512, 1024)
+        },
+        "tiled up pack": lambda: _tiled_up.pack(g.parts, g.tile_n, d_ff, *_tiled_up.geometry(m, d_ff)),
         "down spmm": lambda: matmul(g, wd_t),
         "down spmm, gather": lambda: _gpu_ops.spmm(g.parts, g.tile_n, wd_t, down_out, path="gather"),
         "down spmm, gather (4, 4)": lambda: _gpu_ops.spmm(

@@ -38,6 +38,7 @@
 // flight), hands each word to both lanes with one shuffle, and each lane loads its 16 bytes of
 // that B row from shared memory.
 #include "twell_scan.cuh"
+#include "twell_slot_class.cuh"
 #include "twell_types.cuh"
 
 namespace twell {
@@ -170,30 +171,9 @@ __device__ __forceinline__ void for_each_batch(Cursor& c, const int* __restrict_
   }
 }
 
-// The pack's per-class counts: four 16-bit fields of one 64-bit value (a row has fewer than
-// 2^16 entries: its columns are 16-bit), so one warp scan ranks all four classes at once.
-__device__ __forceinline__ unsigned long long class_unit(int q) { return 1ull << (16 * q); }
-__device__ __forceinline__ int class_field(unsigned long long v, int q) {
-  return (int)((v >> (16 * q)) & 0xffffu);
-}
-
 // a[q] for a run-time q without local memory.
 __device__ __forceinline__ int pick4(const int (&a)[4], int q) {
   return q == 0 ? a[0] : q == 1 ? a[1] : q == 2 ? a[2] : a[3];
-}
-
-// The rank of this lane's entry (of class q, if live) among the warp's live entries of its class
-// in lane order, after the `base` ones before them; base moves past the warp's entries.
-__device__ __forceinline__ int ballot_rank(bool live, int q, unsigned long long& base) {
-  const unsigned below = (1u << (threadIdx.x & 31)) - 1u;
-  int k = 0;
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const unsigned same = __ballot_sync(0xffffffffu, live && q == c);
-    if (q == c) k = class_field(base, c) + __popc(same & below);
-    base += class_unit(c) * __popc(same);
-  }
-  return k;
 }
 
 // Visit every entry of A's row `row` (its tiles' slots in order, then its spill entries) as

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -163,6 +163,22 @@ for step in $what; do
           python3 scripts/sanitize_smoke.py 2>&1 | tail -4 | sed "s/^/$tool  /" | tee -a "$OUT/stationary.log"
         status=$((status | ${PIPESTATUS[0]}))
       done
+      ;;&
+    tiled)
+      # The tiled up projection (cuda/twell_tiled_up.cu): its tests, the up projection's stage
+      # times by each kernel (and the tiled one per block size, its pack alone), Nsight Compute
+      # on one launch (throughput, shared-memory wavefronts per request, warp states).
+      timeout 240 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_gpu_tiled_up.py 2>&1 \
+        | tee -a "$OUT/tiled.log" | tail -15
+      status=$((status | ${PIPESTATUS[0]}))
+      for d in 0.005 0.01 0.02; do
+        timeout 120 python3 bench/stage_times.py --density $d --only "gated up,tiled up pack" --out "$OUT/stages.jsonl" 2>&1 \
+          | tee -a "$OUT/tiled.log"
+      done
+      timeout 120 ncu --kernel-name regex:twell_tiled_gated_up --launch-skip 3 --launch-count 1 --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section SchedulerStats \
+        python3 bench/stage_times.py --density 0.01 --reps 3 --only "gated up, tiled 512" 2>&1 | tail -90 \
+        | tee -a "$OUT/tiled_ncu.log" | grep -E "Duration|Throughput|Issued|Stall|Wavefronts|Bank|Eligible" | head -30
       ;;&
     dual)
       # The stationary SpMM's dual form (dX = dZ W_gate + dU W_up in one pass, opt-in): its

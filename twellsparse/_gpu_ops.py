@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from . import _kernels as K
-from . import _stationary
+from . import _stationary, _tiled_up
 from ._backend import bfloat16, cupy_module, is_cupy_array
 from ._errors import TwELLFallbackWarning
 from ._gpu_convert import TransposedPattern, leading_dim, row_stride, rows_aligned, transposed_pattern
@@ -430,30 +430,43 @@ def gated_consumer(
     out: Any = None,
 ) -> tuple[Any, TwELLParts | None]:
     """The gated FFN after its gate (:func:`gated_consumer_eligible` operands): ``u = x @ w_up.T``
-    at the gate's pattern and ``h = gate * u`` in one kernel (``twell_gather_gated_up``, or
-    ``twell_gather_gated_up_e4m3`` for ``w_up`` as ``_quantize.QuantizedRows``: u = the row's
-    scale times x . its codes, in fp32), then ``out = h @ w_down_t`` (:func:`down_spmm`: the
-    "auto" SpMM, or the e4m3 one for quantized rows).
+    at the gate's pattern and ``h = gate * u`` (:func:`gated_up`), then ``out = h @ w_down_t``
+    (:func:`down_spmm`: the "auto" SpMM, or the e4m3 one for quantized rows).
 
     Returns ``(out, u)``; ``u`` (parts with the gate's structure and zero padding, what the
     backward pass needs) only when ``keep_up``, else None. ``out``, when given, is written in
     place: (M, d_model) in x's dtype with unit column stride (the caller checks). ``variant``:
-    the up projection's (KV, U) instantiation.
+    the row gathers' (KV, U) instantiation for the up projection.
+    """
+    h, up = gated_up(gate, tile_n, x, w_up, keep_up, variant)
+    if out is None:
+        out = _cp().empty((gate.data.shape[0], w_down_t.shape[1]), dtype=x.dtype)
+    down_spmm(h, tile_n, w_down_t, out)
+    return out, up
+
+
+def gated_up(
+    gate: TwELLParts,
+    tile_n: int,
+    x: Any,
+    w_up: Any,
+    keep_up: bool = False,
+    variant: tuple[int, int] | None = None,
+    path: str = "auto",
+) -> tuple[TwELLParts, TwELLParts | None]:
+    """The gated consumer's first half: ``u = x @ w_up.T`` at the gate's pattern and ``h = gate
+    * u``, as parts in the gate's layout: ``(h, u)``, u (zero padding) only when ``keep_up``.
+
+    ``path``: "gather" (``twell_gather_gated_up``, or ``twell_gather_gated_up_e4m3`` for
+    ``w_up`` as ``_quantize.QuantizedRows``: u = the row's scale times x . its codes, in fp32),
+    "tiled" (``_tiled_up``: blocks of tokens x units staged in shared memory; 2-byte rows only),
+    or "auto" (:func:`_tiled_up.chosen`). ``variant``: the row gathers' (KV, U) instantiation.
     """
     cp = _cp()
     m, nt, cap = gate.data.shape
     x, ldx = row_stride(x)
-    up_rows: tuple[Any, ...]
-    if isinstance(w_up, QuantizedRows):  # codes (C-contiguous), scales, row stride
-        kind, up_rows = "gated_up_e4m3", (w_up.data, w_up.scales, np.int64(w_up.shape[1]))
-    else:
-        w_up, ldu = row_stride(w_up)
-        kind, up_rows = "gated_up", (w_up, np.int64(ldu))
-    kv, u = _variant(variant, kind)
-    if out is None:
-        out = cp.empty((m, w_down_t.shape[1]), dtype=x.dtype)
 
-    # The kernel writes the stored slots only: h's padding is never read (the SpMMs walk the
+    # The kernels write the stored slots only: h's padding is never read (the SpMMs walk the
     # counts), a kept u is handed out and so starts zeroed.
     def values(fill: Any) -> TwELLParts:
         return gate._replace(
@@ -462,6 +475,17 @@ def gated_consumer(
 
     h = values(cp.empty)
     up = values(cp.zeros) if keep_up else None
+    quantized = isinstance(w_up, QuantizedRows)
+    if path == "tiled" or (path == "auto" and not quantized and _tiled_up.chosen(gate, x, w_up)):
+        _tiled_up.gated_up(gate, tile_n, x, w_up, h, up)
+        return h, up
+    up_rows: tuple[Any, ...]
+    if quantized:  # codes (C-contiguous), scales, row stride
+        kind, up_rows = "gated_up_e4m3", (w_up.data, w_up.scales, np.int64(w_up.shape[1]))
+    else:
+        w_up, ldu = row_stride(w_up)
+        kind, up_rows = "gated_up", (w_up, np.int64(ldu))
+    kv, u = _variant(variant, kind)
     args = (
         *_matrix_args(gate),
         np.int32(m),
@@ -478,8 +502,7 @@ def gated_consumer(
     )
     stage = _x_stage_bytes(x.shape[1]) if kind == "gated_up_e4m3" else 0
     K.launch_grid(K.gather_expression(kind, x.dtype, kv, u), *_gather_grid(m), args, stage)
-    down_spmm(h, tile_n, w_down_t, out)
-    return out, up
+    return h, up
 
 
 def act_mul(z_act: Any, z_lin: Any, activation: str, threshold: float | None) -> Any:

@@ -1,0 +1,142 @@
+"""The tiled up projection (cuda/twell_tiled_up.cu) against the float64 reference: a partial
+token block, a partial unit part, a partial last slice, spill entries, empty rows, boxes that
+take many rounds, poisoned outputs, NaN in an x row and Inf in a W_up row that no entry uses;
+and its pack against the gate's entries."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import twellsparse as ts
+from twellsparse import _gpu_ops, _tiled_up
+from twellsparse.testing import rel_error, sparse_activations
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [np.float16, ts.bfloat16]
+
+# (m, n, k, tile_n, capacity, density, tokens per block)
+SHAPES = [
+    (1, 40, 16, 32, None, 0.5, None),
+    (67, 5632, 2048, 256, None, 0.01, None),  # the standard widths: 8 parts of 704 units
+    (300, 2000, 1048, 32, 2, 0.08, 64),  # heavy spill; 32.75 slices: a partial last one
+    (1000, 1500, 200, 64, 4, 0.3, None),  # ~110K entries per box: many rounds of 512 tiles
+    (4100, 5632, 64, 256, 32, 0.005, 1024),  # a partial last token block
+]
+
+
+def _round(x, dtype):
+    return np.asarray(x, dtype=np.float64).astype(dtype).astype(np.float64)
+
+
+def _bound(dtype, expected):
+    rounded = _round(expected, dtype)
+    return 2.0 * rel_error(rounded, expected) + 1e-4
+
+
+def _dense(cp, parts, shape, tile_n):
+    return cp.asnumpy(ts.twell_array._from_parts(parts, shape, tile_n).toarray()).astype(np.float64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, n, k, tile_n, capacity, density, tokens", SHAPES)
+def test_tiled_gated_up_matches_float64(cp, rng, dtype, m, n, k, tile_n, capacity, density, tokens):
+    """u against the exact dot rounded to the value type, h bitwise round(gate * u) from the
+    kernel's own u, both against the row gathers' u within rounding; every stored slot written
+    (outputs poisoned with NaN), padding left alone."""
+    g = sparse_activations(m, n, density, "skewed", dtype, rng)
+    g[m // 2] = 0  # an empty row
+    gate = ts.twell_array(cp.asarray(g), tile_n=tile_n, capacity=capacity)
+    x = rng.standard_normal((m, k)).astype(dtype)
+    w_up = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(dtype)
+    x[m // 2] = np.nan  # the empty row's x: its octet's other tokens must not see it
+    unused = np.flatnonzero(~g.any(axis=0))
+    if unused.size:  # a W_up row no entry uses (padding entries may read it; never kept)
+        w_up[unused[0]] = np.inf
+    expected = np.where(g != 0, x.astype(np.float64) @ np.where(np.isinf(w_up), 0, w_up).astype(np.float64).T, 0.0)
+    expected = np.where(g != 0, expected, 0.0)
+    x_gpu, w_gpu = cp.asarray(x), cp.asarray(w_up)
+    assert _tiled_up.applies(gate.parts, x_gpu, w_gpu)
+    poison = gate.parts._replace(
+        data=cp.full(gate.parts.data.shape, np.nan, dtype=dtype),
+        spill_data=cp.full(gate.parts.spill_data.shape, np.nan, dtype=dtype),
+    )
+    up = poison._replace(data=poison.data.copy(), spill_data=poison.spill_data.copy())
+    _tiled_up.gated_up(gate.parts, tile_n, x_gpu, w_gpu, poison, up, tokens=tokens)
+    got_u, got_h = _dense(cp, up, (m, n), tile_n), _dense(cp, poison, (m, n), tile_n)
+    assert np.isfinite(got_u).all() and np.isfinite(got_h).all()
+    assert rel_error(got_u, _round(expected, dtype)) <= _bound(dtype, expected)
+    np.testing.assert_array_equal(got_h, np.where(g != 0, _round(g.astype(np.float64) * got_u, dtype), 0.0))
+    # Padding slots (past each row-tile's count) untouched.
+    counts = cp.asnumpy(gate.parts.counts)
+    slots = np.arange(gate.parts.data.shape[2])[None, None, :] >= counts[:, :, None]
+    assert np.isnan(cp.asnumpy(up.data).astype(np.float64)[slots]).all()
+    h_gather, u_gather = _gpu_ops.gated_up(gate.parts, tile_n, x_gpu, w_gpu, True, path="gather")
+    assert rel_error(got_u, _dense(cp, u_gather, (m, n), tile_n)) <= 2 * _bound(dtype, expected)
+
+
+def test_tiled_gated_up_without_u_and_strided_x(cp, rng):
+    """u not kept (a null pointer), x a column slice of a wider array; the auto path with the
+    kernel forced gives the same bits."""
+    m, n, k = 520, 1408, 96
+    g = sparse_activations(m, n, 0.02, "uniform", ts.bfloat16, rng)
+    gate = ts.twell_array(cp.asarray(g), tile_n=256)
+    wide = cp.asarray(rng.standard_normal((m, k + 32)).astype(ts.bfloat16))
+    x = wide[:, :k]
+    w_up = cp.asarray((rng.standard_normal((n, k)) / 10).astype(ts.bfloat16))
+    h, none = _gpu_ops.gated_up(gate.parts, 256, x, w_up, False, path="tiled")
+    assert none is None
+    h_kept, u = _gpu_ops.gated_up(gate.parts, 256, x, w_up, True, path="tiled")
+    got = _dense(cp, h, (m, n), 256)
+    np.testing.assert_array_equal(got, _dense(cp, h_kept, (m, n), 256))
+    u_exact = cp.asnumpy(x).astype(np.float64) @ cp.asnumpy(w_up).astype(np.float64).T
+    expected = np.where(g != 0, g.astype(np.float64) * _round(u_exact, ts.bfloat16), 0.0)
+    assert rel_error(got, expected) <= 2 * _bound(ts.bfloat16, expected)
+    saved = _tiled_up.PREFERRED
+    _tiled_up.PREFERRED = True
+    try:
+        h_auto, _ = _gpu_ops.gated_up(gate.parts, 256, x, w_up, False)
+    finally:
+        _tiled_up.PREFERRED = saved
+    np.testing.assert_array_equal(_dense(cp, h_auto, (m, n), 256), got)
+
+
+@pytest.mark.parametrize("capacity", [None, 2])
+def test_tiled_pack_holds_every_entry_once_in_parity_order(cp, rng, capacity):
+    m, n, tile_n, tokens = 203, 1500, 64, 64
+    g = sparse_activations(m, n, 0.05, "skewed", ts.bfloat16, rng)
+    gate = ts.twell_array(cp.asarray(g), tile_n=tile_n, capacity=capacity)
+    parts = gate.parts
+    t, units, n_parts = _tiled_up.geometry(m, n, tokens)
+    tile_ptr, codes, dests, octets = (cp.asnumpy(a) for a in _tiled_up.pack(parts, tile_n, n, t, units, n_parts))
+    nt, cap = parts.data.shape[1:]
+    indices = cp.asnumpy(parts.indices).astype(np.int64)
+    spill_cols = cp.asnumpy(parts.spill_indices)
+    spill_rows = np.repeat(np.arange(m), np.diff(cp.asnumpy(parts.spill_indptr)))
+    octets_per_block = t // _tiled_up.OCTET
+    seen = []
+    for item in range(tile_ptr.size - 1):
+        octet, blk = item % octets_per_block, item // octets_per_block
+        up, tb = blk % n_parts, blk // n_parts
+        tok0, u_lo = tb * t + octet * _tiled_up.OCTET, up * units
+        first, last = tile_ptr[item], tile_ptr[item + 1]
+        assert (octets[first:last] == octet).all()
+        item_codes = codes[first * 16 : last * 16].astype(np.int64)
+        item_dests = dests[first * 16 : last * 16]
+        real = item_dests != np.int32(-(2**31))
+        n_real = int(real.sum())
+        assert real[:n_real].all() and last - first == -(-n_real // 16)  # padding only at the end
+        parity = item_codes[:n_real] & 1
+        two_m = 2 * min(int((parity == 0).sum()), int((parity == 1).sum()))
+        assert (parity[:two_m] == np.arange(two_m) % 2).all()
+        for code, dest in zip(item_codes[:n_real], item_dests[:n_real]):
+            token, unit = tok0 + (code >> 12), u_lo + (code & 0xFFF)
+            if dest >= 0:
+                row, tile = dest // (nt * cap), dest // cap % nt
+                col = tile * tile_n + indices.reshape(-1)[dest]
+            else:
+                row, col = spill_rows[~dest], spill_cols[~dest]
+            assert (row, col) == (token, unit)
+            seen.append((token, unit))
+    assert sorted(seen) == sorted(zip(*np.nonzero(g)))

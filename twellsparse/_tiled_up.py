@@ -1,0 +1,157 @@
+"""The tiled up projection of the gated FFN (``cuda/twell_tiled_up.cu``): ``u = x @ w_up.T`` at
+the gate's pattern and ``h = gate * u``, what ``twell_gather_gated_up`` computes, with blocks of
+tokens x units whose operands are staged in shared memory slice by slice instead of one whole
+weight row gathered from L2 per entry.
+
+The gate is first packed on the device (four launches, no host read, so it runs inside a CUDA
+graph capture): its entries grouped per (token block, unit part, octet of tokens) into tiles of
+16 in the kernel's order against bank conflicts. :func:`applies` says whether the kernel serves
+the operands; :func:`gated_up` runs it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from . import _kernels as K
+from ._gpu_convert import row_stride, rows_aligned, two_launch_scan
+from ._parts import TwELLParts
+
+#: d columns per staged slice (TILED_COLS): 64 bytes of each row.
+SLICE_COLS = 32
+#: Warps per block (TILED_WARPS) and tiles each warp sums per round (TILED_MAX_TILES).
+WARPS = 16
+MAX_TILES = 32
+#: Tokens per B fragment (TILED_OCTET) and entries per tile (TILED_TILE).
+OCTET = 8
+TILE = 16
+#: Units per part at most (TILED_MAX_UNITS: staged-row offsets are 12-bit fields).
+MAX_UNITS = 1024
+#: Units per part aimed at: the standard widths' 5632 units in 8 parts of 704.
+TARGET_UNITS = 704
+#: Tokens per block: with 704 units, 512 tokens hold about 4K entries at 1% density (half the
+#: round's 8192), 1024 tokens 8K (one round only up to about 0.9%).
+TOKENS = int(os.environ.get("TWELL_TILED_TOKENS", "512"))
+
+
+def _cp() -> Any:
+    import cupy
+
+    return cupy
+
+
+def geometry(m: int, n: int, tokens: int | None = None) -> tuple[int, int, int]:
+    """``(tokens per block, units per part, parts)`` for ``m`` tokens and ``n`` units: parts of
+    about :data:`TARGET_UNITS` units (an even count, at most :data:`MAX_UNITS`), blocks of
+    ``tokens`` (default :data:`TOKENS`, a multiple of :data:`OCTET`), no more than ``m`` needs."""
+    parts = max(1, round(n / TARGET_UNITS), -(-n // MAX_UNITS))
+    units = -(-n // parts)
+    units += units % 2
+    parts = -(-n // units)
+    t = TOKENS if tokens is None else tokens
+    t = min(t, -(-max(m, 1) // OCTET) * OCTET)
+    return t, units, parts
+
+
+def shared_bytes(tokens: int, units: int) -> int:
+    """Dynamic shared memory of one block: two buffers of 64-byte rows (the part's units, then
+    the block's tokens) and each warp's tiles' octets."""
+    return 2 * (units + tokens) * SLICE_COLS * 2 + WARPS * MAX_TILES * 4
+
+
+def applies(gate: TwELLParts, x: Any, w_up: Any) -> bool:
+    """Whether the tiled kernel serves the up projection of ``gate`` (its structure, x's dtype)
+    with ``x`` and ``w_up`` on the current device: 2-byte values, 16-byte-aligned rows of a
+    multiple of 16 bytes, slot positions that fit 31 bits and the shared memory."""
+    if x.dtype.itemsize != 2 or w_up.dtype != x.dtype or gate.data.dtype != x.dtype:
+        return False
+    if gate.data.size + gate.spill_data.size >= 1 << 31:
+        return False
+    if not rows_aligned(row_stride(x), row_stride(w_up)):
+        return False
+    tokens, units, _ = geometry(x.shape[0], w_up.shape[0])
+    return shared_bytes(tokens, units) <= K.device_attribute("MaxSharedMemoryPerBlockOptin")
+
+
+def pack(gate: TwELLParts, tile_n: int, n: int, tokens: int, units: int, parts: int) -> tuple[Any, Any, Any, Any]:
+    """The gate's entries as the kernel's tiles: (int32 tile pointers per item, uint16 codes,
+    int32 destinations, int32 octet per tile). An item is an octet of tokens in one unit part of
+    one token block, in the order (block, part, octet); the arrays have room for every slot and
+    spill entry plus each item's padding, and the first ``tile_ptr[-1]`` tiles are written."""
+    cp = _cp()
+    m, nt, cap = gate.data.shape
+    items = -(-m // tokens) * parts * (tokens // OCTET)
+    bound = (gate.data.size + gate.spill_data.size + (TILE - 1) * items) // TILE + 1
+    tile_ptr = cp.empty(items + 1, dtype=cp.int32)
+    codes = cp.empty(bound * TILE, dtype=cp.uint16)
+    dests = cp.empty(bound * TILE, dtype=cp.int32)
+    octets = cp.empty(bound, dtype=cp.int32)
+    sizes = cp.empty(items, dtype=cp.int32)
+    classes = cp.empty(items, dtype=cp.uint32)
+    shape = (np.int32(m), np.int32(n), np.int32(nt), np.int32(tile_n), np.int32(cap))
+    boxes = (np.int32(tokens), np.int32(units), np.int32(parts), np.int32(items))
+    structure = (gate.indices, gate.counts, gate.spill_indptr, gate.spill_indices, *shape, *boxes)
+    K.launch("tiled_up_count", 32 * items, 256, (*structure, sizes, classes))
+    head = (sizes, np.int64(items))
+    two_launch_scan(items, "stationary_row_sums", head, "stationary_row_place", head, (tile_ptr,))
+    K.launch("tiled_up_place", 32 * items, 256, (*structure, tile_ptr, classes, codes, dests, octets))
+    return tile_ptr, codes, dests, octets
+
+
+def gated_up(
+    gate: TwELLParts, tile_n: int, x: Any, w_up: Any, h: TwELLParts, up: TwELLParts | None, tokens: int | None = None
+) -> None:
+    """Write ``u = x @ w_up.T`` at ``gate``'s stored entries (rounded to x's dtype) into ``up``'s
+    values (when given) and ``h = gate * u`` (fp32 product, rounded) into ``h``'s, both in the
+    gate's layout; padding slots are not written. The caller has checked :func:`applies`.
+    ``tokens``: tokens per block (default :data:`TOKENS`)."""
+    m = gate.data.shape[0]
+    n, k = w_up.shape
+    if m == 0 or n == 0:
+        return
+    x, ldx = row_stride(x)
+    w_up, ldu = row_stride(w_up)
+    t, units, parts = geometry(m, n, tokens)
+    tile_ptr, codes, dests, octets = pack(gate, tile_n, n, t, units, parts)
+    blocks = -(-m // t) * parts
+    kept = (up.data, up.spill_data) if up is not None else (K.null_pointer(), K.null_pointer())
+    args = (
+        tile_ptr,
+        codes,
+        dests,
+        octets,
+        gate.data,
+        gate.spill_data,
+        np.int32(m),
+        np.int32(n),
+        np.int32(k),
+        x,
+        np.int64(ldx),
+        w_up,
+        np.int64(ldu),
+        np.int32(t),
+        np.int32(units),
+        np.int32(parts),
+        h.data,
+        h.spill_data,
+        *kept,
+    )
+    expr = f"twell_tiled_gated_up<{K.CXX_TYPE[x.dtype]}>"
+    K.launch_grid(expr, (blocks,), (WARPS * 32,), args, shared_bytes(t, units))
+
+
+_SWITCH = {"": None, "1": True, "0": False}
+_switch = os.environ.get("TWELL_TILED_UP", "")
+if _switch not in _SWITCH:
+    raise ValueError(f"TWELL_TILED_UP: expected 0 or 1, got {_switch!r}")
+#: Whether the gated consumer's "auto" up projection takes this kernel where it applies: True
+#: (``TWELL_TILED_UP=1``), False (``TWELL_TILED_UP=0``), None (unset: not yet, until measured).
+PREFERRED: bool | None = _SWITCH[_switch]
+
+
+def chosen(gate: TwELLParts, x: Any, w_up: Any) -> bool:
+    """Whether the gated consumer's "auto" up projection takes the tiled kernel."""
+    return bool(PREFERRED) and applies(gate, x, w_up)
