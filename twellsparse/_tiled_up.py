@@ -4,8 +4,8 @@ tokens x units whose operands are staged in shared memory slice by slice instead
 weight row gathered from L2 per entry.
 
 The gate is first packed on the device (four launches, no host read, so it runs inside a CUDA
-graph capture): its entries grouped per (token block, unit part, octet of tokens) into tiles of
-16 in the kernel's order against bank conflicts. :func:`applies` says whether the kernel serves
+graph capture): its entries grouped per (token block, unit part, quad of tokens) into tiles of
+8 in the kernel's order against bank conflicts. :func:`applies` says whether the kernel serves
 the operands; :func:`gated_up` runs it.
 """
 
@@ -25,15 +25,15 @@ SLICE_COLS = 32
 #: Warps per block (TILED_WARPS) and tiles each warp sums per round (TILED_MAX_TILES).
 WARPS = 16
 MAX_TILES = 32
-#: Tokens per B fragment (TILED_OCTET) and entries per tile (TILED_TILE).
-OCTET = 8
-TILE = 16
+#: Tokens per B fragment (TILED_QUAD) and entries per tile (TILED_TILE).
+QUAD = 4
+TILE = 8
 #: Units per part at most (TILED_MAX_UNITS: staged-row offsets are 12-bit fields).
 MAX_UNITS = 1024
 #: Units per part aimed at: the standard widths' 5632 units in 8 parts of 704.
 TARGET_UNITS = 704
-#: Tokens per block: with 704 units, 512 tokens hold about 4K entries at 1% density (half the
-#: round's 8192), 1024 tokens 8K (one round only up to about 0.9%).
+#: Tokens per block: with 704 units, 512 tokens hold about 3.6K entries at 1% density (a round
+#: holds WARPS * MAX_TILES * TILE = 4096), 1024 tokens 7.2K.
 TOKENS = int(os.environ.get("TWELL_TILED_TOKENS", "512"))
 
 
@@ -46,20 +46,20 @@ def _cp() -> Any:
 def geometry(m: int, n: int, tokens: int | None = None) -> tuple[int, int, int]:
     """``(tokens per block, units per part, parts)`` for ``m`` tokens and ``n`` units: parts of
     about :data:`TARGET_UNITS` units (an even count, at most :data:`MAX_UNITS`), blocks of
-    ``tokens`` (default :data:`TOKENS`, a multiple of :data:`OCTET`), no more than ``m`` needs."""
+    ``tokens`` (default :data:`TOKENS`, a multiple of :data:`QUAD`), no more than ``m`` needs."""
     parts = max(1, round(n / TARGET_UNITS), -(-n // MAX_UNITS))
     units = -(-n // parts)
     units += units % 2
     parts = -(-n // units)
     t = TOKENS if tokens is None else tokens
-    t = min(t, -(-max(m, 1) // OCTET) * OCTET)
+    t = min(t, -(-max(m, 1) // QUAD) * QUAD)
     return t, units, parts
 
 
 def shared_bytes(tokens: int, units: int) -> int:
     """Dynamic shared memory of one block: two buffers of 64-byte rows (the part's units, then
-    the block's tokens) and each warp's tiles' octets."""
-    return 2 * (units + tokens) * SLICE_COLS * 2 + WARPS * MAX_TILES * 4
+    the block's tokens)."""
+    return 2 * (units + tokens) * SLICE_COLS * 2
 
 
 def applies(gate: TwELLParts, x: Any, w_up: Any) -> bool:
@@ -78,17 +78,17 @@ def applies(gate: TwELLParts, x: Any, w_up: Any) -> bool:
 
 def pack(gate: TwELLParts, tile_n: int, n: int, tokens: int, units: int, parts: int) -> tuple[Any, Any, Any, Any]:
     """The gate's entries as the kernel's tiles: (int32 tile pointers per item, uint16 codes,
-    int32 destinations, int32 octet per tile). An item is an octet of tokens in one unit part of
-    one token block, in the order (block, part, octet); the arrays have room for every slot and
+    int32 destinations, int32 quad per tile). An item is a quad of tokens in one unit part of
+    one token block, in the order (block, part, quad); the arrays have room for every slot and
     spill entry plus each item's padding, and the first ``tile_ptr[-1]`` tiles are written."""
     cp = _cp()
     m, nt, cap = gate.data.shape
-    items = -(-m // tokens) * parts * (tokens // OCTET)
+    items = -(-m // tokens) * parts * (tokens // QUAD)
     bound = (gate.data.size + gate.spill_data.size + (TILE - 1) * items) // TILE + 1
     tile_ptr = cp.empty(items + 1, dtype=cp.int32)
     codes = cp.empty(bound * TILE, dtype=cp.uint16)
     dests = cp.empty(bound * TILE, dtype=cp.int32)
-    octets = cp.empty(bound, dtype=cp.int32)
+    quads = cp.empty(bound, dtype=cp.int32)
     sizes = cp.empty(items, dtype=cp.int32)
     classes = cp.empty(items, dtype=cp.uint32)
     shape = (np.int32(m), np.int32(n), np.int32(nt), np.int32(tile_n), np.int32(cap))
@@ -97,8 +97,8 @@ def pack(gate: TwELLParts, tile_n: int, n: int, tokens: int, units: int, parts: 
     K.launch("tiled_up_count", 32 * items, 256, (*structure, sizes, classes))
     head = (sizes, np.int64(items))
     two_launch_scan(items, "stationary_row_sums", head, "stationary_row_place", head, (tile_ptr,))
-    K.launch("tiled_up_place", 32 * items, 256, (*structure, tile_ptr, classes, codes, dests, octets))
-    return tile_ptr, codes, dests, octets
+    K.launch("tiled_up_place", 32 * items, 256, (*structure, tile_ptr, classes, codes, dests, quads))
+    return tile_ptr, codes, dests, quads
 
 
 def gated_up(
@@ -115,14 +115,14 @@ def gated_up(
     x, ldx = row_stride(x)
     w_up, ldu = row_stride(w_up)
     t, units, parts = geometry(m, n, tokens)
-    tile_ptr, codes, dests, octets = pack(gate, tile_n, n, t, units, parts)
+    tile_ptr, codes, dests, quads = pack(gate, tile_n, n, t, units, parts)
     blocks = -(-m // t) * parts
     kept = (up.data, up.spill_data) if up is not None else (K.null_pointer(), K.null_pointer())
     args = (
         tile_ptr,
         codes,
         dests,
-        octets,
+        quads,
         gate.data,
         gate.spill_data,
         np.int32(m),

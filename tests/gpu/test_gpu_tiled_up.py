@@ -21,7 +21,7 @@ SHAPES = [
     (1, 40, 16, 32, None, 0.5, None),
     (67, 5632, 2048, 256, None, 0.01, None),  # the standard widths: 8 parts of 704 units
     (300, 2000, 1048, 32, 2, 0.08, 64),  # heavy spill; 32.75 slices: a partial last one
-    (1000, 1500, 200, 64, 4, 0.3, None),  # ~110K entries per box: many rounds of 512 tiles
+    (1000, 1500, 200, 64, 4, 0.3, None),  # ~110K entries per box: many rounds of 512 tiles of 8
     (4100, 5632, 64, 256, 32, 0.005, 1024),  # a partial last token block
 ]
 
@@ -50,7 +50,7 @@ def test_tiled_gated_up_matches_float64(cp, rng, dtype, m, n, k, tile_n, capacit
     gate = ts.twell_array(cp.asarray(g), tile_n=tile_n, capacity=capacity)
     x = rng.standard_normal((m, k)).astype(dtype)
     w_up = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(dtype)
-    x[m // 2] = np.nan  # the empty row's x: its octet's other tokens must not see it
+    x[m // 2] = np.nan  # the empty row's x: its quad's other tokens must not see it
     unused = np.flatnonzero(~g.any(axis=0))
     if unused.size:  # a W_up row no entry uses (padding entries may read it; never kept)
         w_up[unused[0]] = np.inf
@@ -72,7 +72,7 @@ def test_tiled_gated_up_matches_float64(cp, rng, dtype, m, n, k, tile_n, capacit
     counts = cp.asnumpy(gate.parts.counts)
     slots = np.arange(gate.parts.data.shape[2])[None, None, :] >= counts[:, :, None]
     assert np.isnan(cp.asnumpy(up.data).astype(np.float64)[slots]).all()
-    h_gather, u_gather = _gpu_ops.gated_up(gate.parts, tile_n, x_gpu, w_gpu, True, path="gather")
+    _, u_gather = _gpu_ops.gated_up(gate.parts, tile_n, x_gpu, w_gpu, True, path="gather")
     assert rel_error(got_u, _dense(cp, u_gather, (m, n), tile_n)) <= 2 * _bound(dtype, expected)
 
 
@@ -87,7 +87,7 @@ def test_tiled_gated_up_without_u_and_strided_x(cp, rng):
     w_up = cp.asarray((rng.standard_normal((n, k)) / 10).astype(ts.bfloat16))
     h, none = _gpu_ops.gated_up(gate.parts, 256, x, w_up, False, path="tiled")
     assert none is None
-    h_kept, u = _gpu_ops.gated_up(gate.parts, 256, x, w_up, True, path="tiled")
+    h_kept, _ = _gpu_ops.gated_up(gate.parts, 256, x, w_up, True, path="tiled")
     got = _dense(cp, h, (m, n), 256)
     np.testing.assert_array_equal(got, _dense(cp, h_kept, (m, n), 256))
     u_exact = cp.asnumpy(x).astype(np.float64) @ cp.asnumpy(w_up).astype(np.float64).T
@@ -109,28 +109,28 @@ def test_tiled_pack_holds_every_entry_once_in_parity_order(cp, rng, capacity):
     gate = ts.twell_array(cp.asarray(g), tile_n=tile_n, capacity=capacity)
     parts = gate.parts
     t, units, n_parts = _tiled_up.geometry(m, n, tokens)
-    tile_ptr, codes, dests, octets = (cp.asnumpy(a) for a in _tiled_up.pack(parts, tile_n, n, t, units, n_parts))
+    tile_ptr, codes, dests, quads = (cp.asnumpy(a) for a in _tiled_up.pack(parts, tile_n, n, t, units, n_parts))
     nt, cap = parts.data.shape[1:]
     indices = cp.asnumpy(parts.indices).astype(np.int64)
     spill_cols = cp.asnumpy(parts.spill_indices)
     spill_rows = np.repeat(np.arange(m), np.diff(cp.asnumpy(parts.spill_indptr)))
-    octets_per_block = t // _tiled_up.OCTET
+    quads_per_block = t // _tiled_up.QUAD
     seen = []
     for item in range(tile_ptr.size - 1):
-        octet, blk = item % octets_per_block, item // octets_per_block
+        quad, blk = item % quads_per_block, item // quads_per_block
         up, tb = blk % n_parts, blk // n_parts
-        tok0, u_lo = tb * t + octet * _tiled_up.OCTET, up * units
+        tok0, u_lo = tb * t + quad * _tiled_up.QUAD, up * units
         first, last = tile_ptr[item], tile_ptr[item + 1]
-        assert (octets[first:last] == octet).all()
-        item_codes = codes[first * 16 : last * 16].astype(np.int64)
-        item_dests = dests[first * 16 : last * 16]
+        assert (quads[first:last] == quad).all()
+        item_codes = codes[first * 8 : last * 8].astype(np.int64)
+        item_dests = dests[first * 8 : last * 8]
         real = item_dests != np.int32(-(2**31))
         n_real = int(real.sum())
-        assert real[:n_real].all() and last - first == -(-n_real // 16)  # padding only at the end
+        assert real[:n_real].all() and last - first == -(-n_real // 8)  # padding only at the end
         parity = item_codes[:n_real] & 1
         two_m = 2 * min(int((parity == 0).sum()), int((parity == 1).sum()))
         assert (parity[:two_m] == np.arange(two_m) % 2).all()
-        for code, dest in zip(item_codes[:n_real], item_dests[:n_real]):
+        for code, dest in zip(item_codes[:n_real], item_dests[:n_real], strict=True):
             token, unit = tok0 + (code >> 12), u_lo + (code & 0xFFF)
             if dest >= 0:
                 row, tile = dest // (nt * cap), dest // cap % nt
@@ -139,4 +139,4 @@ def test_tiled_pack_holds_every_entry_once_in_parity_order(cp, rng, capacity):
                 row, col = spill_rows[~dest], spill_cols[~dest]
             assert (row, col) == (token, unit)
             seen.append((token, unit))
-    assert sorted(seen) == sorted(zip(*np.nonzero(g)))
+    assert sorted(seen) == sorted(zip(*np.nonzero(g), strict=True))
