@@ -4,7 +4,8 @@
 // Why tiles: the row gathers read a whole W_up row from L2 for every entry (4 KB at d = 2048 in
 // bf16; 3.7 GB at 1% density on the 2B-class FFN), and are bound by the L2's gather rate. Here a
 // block owns a box of T tokens x U units and steps over d in slices of 32 columns, staging
-// W_up[its U units, slice] and x[its T tokens, slice] in shared memory (cp.async, two buffers).
+// W_up[its U units, slice] and x[its T tokens, slice] in shared memory (cp.async, a ring of
+// two or three buffers).
 // Every entry of the box then reads its unit's 64-byte piece from shared memory, and L2 carries
 // (1/T + 1/U) of the dense product's operands instead of 4 KB per entry.
 //
@@ -38,7 +39,7 @@
 namespace twell {
 
 constexpr int TILED_COLS = 32;        // d columns per slice: 64 bytes of each staged row
-constexpr int TILED_WARPS = 16;       // 512 threads, one block per SM (the two buffers fill it)
+constexpr int TILED_WARPS = 16;       // 512 threads, one block per SM (the buffers fill it)
 constexpr int TILED_MAX_TILES = 32;   // tiles per warp and round (2 registers each)
 constexpr int TILED_GROUP = 4;        // tiles summed together (their loads and MMAs interleave)
 constexpr int TILED_QUAD = 4;         // tokens per B fragment
@@ -189,11 +190,11 @@ __global__ void __launch_bounds__(256) tiled_up_place(
 
 // The tiled up projection (see the top of this file). Block b = tb * parts + up owns tokens
 // [tb T, tb T + T) and units [up U, up U + U); its tiles are tile_ptr[b * T / 4] ..
-// tile_ptr[(b + 1) * T / 4]. Dynamic shared memory: two buffers of (U + T) 64-byte rows (W_up's
-// then x's). K (d) a multiple of 8, x and W_up rows 16-byte aligned (a 16-byte piece is all in
+// tile_ptr[(b + 1) * T / 4]. Dynamic shared memory: STAGES buffers of (U + T) 64-byte rows
+// (W_up's then x's). K (d) a multiple of 8, x and W_up rows 16-byte aligned (a 16-byte piece is all in
 // or all out), U at most TILED_MAX_UNITS, T a multiple of 4 and at most 1024. u_data null: u is
 // not kept.
-template <typename T>
+template <typename T, int STAGES>
 __global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_up(
     const int* __restrict__ tile_ptr, const unsigned short* __restrict__ codes, const int* __restrict__ dests,
     const int* __restrict__ quads, const T* __restrict__ gate, const T* __restrict__ gate_spill, int M, int N,
@@ -218,13 +219,15 @@ __global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_
   auto stage = [&](int s, int buf) {
     const int col = s * TILED_COLS + 8 * piece;
     const bool in_k = col < K;
-    unsigned dst = smem_base + buf * buffer_bytes + row0 * 64 + piece * 16;
+    const unsigned buffer = smem_base + buf * buffer_bytes + row0 * 64 + piece * 16;
+    unsigned dst = buffer;
     const T* src = w_up + (long long)(u_lo + row0) * ldu + col;
     for (int row = row0; row < units; row += row_step) {
       copy16_async(dst, in_k && row < unit_rows ? src : w_up, in_k && row < unit_rows);
       dst += row_step * 64;
       src += row_step * ldu;
     }
+    dst = buffer + units * 64;  // x's rows follow all of W_up's
     src = x + (long long)(tok_lo + row0) * ldx + col;
     for (int row = row0; row < tokens; row += row_step) {
       copy16_async(dst, in_k && row < token_rows ? src : x, in_k && row < token_rows);
@@ -258,16 +261,19 @@ __global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_
       }
     }
     const bool high = g >= 4;  // B's columns 4-7: the second pair of each half
-    stage(0, 0);
+    // A ring of STAGES buffers, STAGES - 1 slices in flight; every step commits one group (empty
+    // past the last slice), so waiting for all but the newest STAGES - 1 groups finds slice s.
+    for (int p = 0; p < STAGES - 1; ++p) {
+      if (p < n_slices) stage(p, p);
+      else commit_copies();
+    }
     for (int s = 0; s < n_slices; ++s) {
-      if (s + 1 < n_slices) {
-        stage(s + 1, (s + 1) & 1);
-        wait_copies<1>();
-      } else {
-        wait_copies<0>();
-      }
+      const int ahead = s + STAGES - 1;
+      if (ahead < n_slices) stage(ahead, ahead % STAGES);
+      else commit_copies();
+      wait_copies<STAGES - 1>();
       __syncthreads();
-      const char* w_rows = reinterpret_cast<const char*>(staged) + (s & 1) * buffer_bytes;
+      const char* w_rows = reinterpret_cast<const char*>(staged) + (s % STAGES) * buffer_bytes;
       const uint4* x_rows = reinterpret_cast<const uint4*>(w_rows + units * 64);
       unsigned b0 = 0, b1 = 0;
       // GROUP tiles at a time with no branch between them, so their loads and MMAs overlap.

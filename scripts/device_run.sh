@@ -176,9 +176,10 @@ for step in $what; do
           | tee -a "$OUT/tiled.log"
       done
       timeout 120 ncu --kernel-name regex:twell_tiled_gated_up --launch-skip 3 --launch-count 1 --section SpeedOfLight \
-        --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section SchedulerStats \
-        python3 bench/stage_times.py --density 0.01 --reps 3 --only "gated up, tiled 512" 2>&1 | tail -90 \
-        | tee -a "$OUT/tiled_ncu.log" | grep -E "Duration|Throughput|Issued|Stall|Wavefronts|Bank|Eligible" | head -30
+        --section SchedulerStats --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+        --metrics smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum \
+        python3 bench/stage_times.py --density 0.01 --reps 3 --only "gated up, tiled 256" 2>&1 | tail -120 \
+        | tee -a "$OUT/tiled_ncu.log" | grep -E "Duration|Throughput|Issued|stalled|wavefronts|conflicts|inst_executed|Eligible" | head -50
       ;;&
     dual)
       # The stationary SpMM's dual form (dX = dZ W_gate + dU W_up in one pass, opt-in): its

@@ -56,10 +56,17 @@ def geometry(m: int, n: int, tokens: int | None = None) -> tuple[int, int, int]:
     return t, units, parts
 
 
-def shared_bytes(tokens: int, units: int) -> int:
-    """Dynamic shared memory of one block: two buffers of 64-byte rows (the part's units, then
-    the block's tokens)."""
-    return 2 * (units + tokens) * SLICE_COLS * 2
+def shared_bytes(tokens: int, units: int, stages: int = 2) -> int:
+    """Dynamic shared memory of one block: ``stages`` buffers of 64-byte rows (the part's
+    units, then the block's tokens)."""
+    return stages * (units + tokens) * SLICE_COLS * 2
+
+
+def stages_that_fit(tokens: int, units: int) -> int:
+    """Buffers in the kernel's ring: three where they fit in one block's shared memory, else two
+    (0: not even two fit)."""
+    limit = K.device_attribute("MaxSharedMemoryPerBlockOptin")
+    return next((s for s in (3, 2) if shared_bytes(tokens, units, s) <= limit), 0)
 
 
 def applies(gate: TwELLParts, x: Any, w_up: Any) -> bool:
@@ -73,7 +80,7 @@ def applies(gate: TwELLParts, x: Any, w_up: Any) -> bool:
     if not rows_aligned(row_stride(x), row_stride(w_up)):
         return False
     tokens, units, _ = geometry(x.shape[0], w_up.shape[0])
-    return shared_bytes(tokens, units) <= K.device_attribute("MaxSharedMemoryPerBlockOptin")
+    return stages_that_fit(tokens, units) > 0
 
 
 def pack(gate: TwELLParts, tile_n: int, n: int, tokens: int, units: int, parts: int) -> tuple[Any, Any, Any, Any]:
@@ -139,8 +146,9 @@ def gated_up(
         h.spill_data,
         *kept,
     )
-    expr = f"twell_tiled_gated_up<{K.CXX_TYPE[x.dtype]}>"
-    K.launch_grid(expr, (blocks,), (WARPS * 32,), args, shared_bytes(t, units))
+    stages = stages_that_fit(t, units)
+    expr = f"twell_tiled_gated_up<{K.CXX_TYPE[x.dtype]}, {stages}>"
+    K.launch_grid(expr, (blocks,), (WARPS * 32,), args, shared_bytes(t, units, stages))
 
 
 _SWITCH = {"": None, "1": True, "0": False}
