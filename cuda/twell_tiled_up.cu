@@ -44,7 +44,8 @@ constexpr int TILED_MAX_TILES = 32;   // tiles per warp and round (2 registers e
 constexpr int TILED_GROUP = 4;        // tiles summed together (their loads and MMAs interleave)
 constexpr int TILED_QUAD = 4;         // tokens per B fragment
 constexpr int TILED_TILE = 8;         // entries per tile (each two rows of A)
-constexpr int TILED_MAX_UNITS = 1024; // staged-row offsets (4 per unit) are 12-bit fields
+constexpr int TILED_MAX_UNITS = 1024; // staged-row byte offsets (64 per unit) are 16-bit fields
+constexpr int TILED_MAX_TOKENS = 1024;  // x-piece offsets (4 per token) are 12-bit fields
 constexpr int TILED_PAD = (int)0x80000000;  // destination of a padding entry
 
 // The box of work item `item` (a quad of tokens in one unit part of one token block), in the
@@ -77,8 +78,7 @@ __device__ __forceinline__ unsigned long long walk_item(const Item& it, const sh
                                                         const int* __restrict__ spill_cols, int M, int n_tiles,
                                                         int tile_n, int capacity, Visit visit) {
   const int lane = threadIdx.x & 31;
-  unsigned long long base = 0;
-  if (it.u_lo >= it.u_hi) return base;
+  unsigned long long base = 0;  // every part holds at least one unit (_tiled_up.geometry)
   const int t_lo = it.u_lo / tile_n, span = (it.u_hi - 1) / tile_n - t_lo + 1;
   const int pairs = TILED_QUAD * span;
   for (int p0 = 0; p0 < pairs; p0 += 32) {
@@ -192,8 +192,8 @@ __global__ void __launch_bounds__(256) tiled_up_place(
 // [tb T, tb T + T) and units [up U, up U + U); its tiles are tile_ptr[b * T / 4] ..
 // tile_ptr[(b + 1) * T / 4]. Dynamic shared memory: STAGES buffers of (U + T) 64-byte rows
 // (W_up's then x's). K (d) a multiple of 8, x and W_up rows 16-byte aligned (a 16-byte piece is all in
-// or all out), U at most TILED_MAX_UNITS, T a multiple of 4 and at most 1024. u_data null: u is
-// not kept.
+// or all out), U at most TILED_MAX_UNITS, T a multiple of 4 and at most TILED_MAX_TOKENS. u_data
+// null: u is not kept.
 template <typename T, int STAGES>
 __global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_up(
     const int* __restrict__ tile_ptr, const unsigned short* __restrict__ codes, const int* __restrict__ dests,

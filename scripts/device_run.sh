@@ -20,6 +20,20 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 -m pip install --no-deps --no-build-isolation -q -e . 2>&1 | tail -3
+# One GPU test file (stopping at the first failure; a hang ends at the timeout, default 240 s),
+# appended to $OUT/<log>.log; its exit status joins the run's. Usage: gpu_test_file FILE LOG [SECONDS]
+gpu_test_file() {
+  timeout "${3:-240}" python3 -m pytest -m gpu -q -x -p no:cacheprovider "$1" 2>&1 | tee -a "$OUT/$2.log" | tail -15
+  status=$((status | ${PIPESTATUS[0]}))
+}
+# bench/stage_times.py for the stages named ONLY at each density, appended to $OUT/<log>.log and
+# $OUT/stages.jsonl; exit statuses join the run's. Usage: stage_rows ONLY "DENSITIES" LOG
+stage_rows() {
+  for d in $2; do
+    timeout 200 python3 bench/stage_times.py --density "$d" --only "$1" --out "$OUT/stages.jsonl" 2>&1 | tee -a "$OUT/$3.log"
+    status=$((status | ${PIPESTATUS[0]}))
+  done
+}
 for step in $what; do
   case $step in
     tests|all)
@@ -67,10 +81,7 @@ for step in $what; do
       ;;&
     stages)
       # Every stage, or those TWELL_STAGES names (stage_times.py --only).
-      for d in 0.005 0.01; do
-        python3 bench/stage_times.py --density $d --only "${TWELL_STAGES:-}" --out "$OUT/stages.jsonl" 2>&1 | tee -a "$OUT/stages.log"
-        status=$((status | ${PIPESTATUS[0]}))
-      done
+      stage_rows "${TWELL_STAGES:-}" "0.005 0.01" stages
       ;;&
     hints)
       # The gather kernels' L2 eviction hint off and on (TWELL_L2_HINTS 0 / 1,
@@ -148,13 +159,8 @@ for step in $what; do
       # The weight-stationary SpMM (cuda/twell_stationary.cu): its tests, the down projection's
       # stage times (with its pack, and the pack alone), the FFN benchmark (the kernel alone
       # beside the row gathers, and the plan taking it), memcheck and racecheck.
-      timeout 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_gpu_stationary.py 2>&1 \
-        | tee -a "$OUT/stationary.log" | tail -15
-      status=$((status | ${PIPESTATUS[0]}))
-      for d in 0.005 0.01; do
-        timeout 200 python3 bench/stage_times.py --density $d --only "down spmm,stationary" --out "$OUT/stages.jsonl" 2>&1 \
-          | tee -a "$OUT/stationary.log"
-      done
+      gpu_test_file tests/gpu/test_gpu_stationary.py stationary
+      stage_rows "down spmm,stationary" "0.005 0.01" stationary
       timeout 300 python3 bench/ffn_bench.py --densities 0.005,0.01,0.02 --patterns uniform --out "$OUT/ffn_bench.jsonl" 2>&1 \
         | tee -a "$OUT/stationary.log"
       # memcheck and racecheck on the stationary kernels alone (the smoke's calls of them).
@@ -168,13 +174,8 @@ for step in $what; do
       # The tiled up projection (cuda/twell_tiled_up.cu): its tests, the up projection's stage
       # times by each kernel (and the tiled one per block size, its pack alone), Nsight Compute
       # on one launch (throughput, shared-memory wavefronts per request, warp states).
-      timeout 240 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_gpu_tiled_up.py 2>&1 \
-        | tee -a "$OUT/tiled.log" | tail -15
-      status=$((status | ${PIPESTATUS[0]}))
-      for d in 0.005 0.01 0.02; do
-        timeout 120 python3 bench/stage_times.py --density $d --only "gated up,tiled up pack" --out "$OUT/stages.jsonl" 2>&1 \
-          | tee -a "$OUT/tiled.log"
-      done
+      gpu_test_file tests/gpu/test_gpu_tiled_up.py tiled
+      stage_rows "gated up,tiled up pack" "0.005 0.01 0.02" tiled
       timeout 120 ncu --kernel-name regex:twell_tiled_gated_up --launch-skip 3 --launch-count 1 --section SpeedOfLight \
         --section SchedulerStats --section WarpStateStats \
         --metrics smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio,smsp__average_warps_issue_stalled_dispatch_stall_per_issue_active.ratio,smsp__average_warps_issue_stalled_tex_throttle_per_issue_active.ratio \
@@ -185,12 +186,8 @@ for step in $what; do
       # The stationary SpMM's dual form (dX = dZ W_gate + dU W_up in one pass, opt-in): its
       # tests, the backward's dX by the row gathers and by it, and the training step with the
       # stationary kernels forced on (TWELL_STATIONARY=1, recorded as a setting) after the default.
-      timeout 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_gpu_stationary.py 2>&1 \
-        | tee -a "$OUT/dual.log" | tail -3
-      status=$((status | ${PIPESTATUS[0]}))
-      for d in 0.005 0.01; do
-        timeout 120 python3 bench/stage_times.py --density $d --only "dX" --out "$OUT/stages.jsonl" 2>&1 | tee -a "$OUT/dual.log"
-      done
+      gpu_test_file tests/gpu/test_gpu_stationary.py dual
+      stage_rows dX "0.005 0.01" dual
       timeout 200 python3 bench/train_step.py --out "$OUT/train_step.jsonl" 2>&1 | tee -a "$OUT/dual.log" | tail -4
       TWELL_STATIONARY=1 timeout 200 python3 bench/train_step.py --out "$OUT/train_step.jsonl" 2>&1 \
         | tee -a "$OUT/dual.log" | tail -4
@@ -228,9 +225,7 @@ for step in $what; do
       # A producer candidate checked, then measured in one go: the Hopper tests under a timeout (a
       # barrier bug hangs), the probe, the GEMM without its epilogue, each in its own process, and
       # the clocks last (the nvidia-smi sampling slows the timings of its own run by 0.03-0.05 ms).
-      timeout 300 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_gpu_hopper.py 2>&1 \
-        | tee "$OUT/hopper_tests.log" | tail -3
-      status=$((status | ${PIPESTATUS[0]}))
+      gpu_test_file tests/gpu/test_gpu_hopper.py hopper_tests 300
       timeout 60 python3 bench/producer_probe.py 2>&1 | tail -3 | tee -a "$OUT/producer_ab.log"
       TWELL_HOPPER_PACK=0 timeout 60 python3 bench/producer_probe.py 2>&1 | tail -3 | tee -a "$OUT/producer_ab.log"
       timeout 90 python3 bench/producer_probe.py --clocks 2>&1 | tail -7 | tee -a "$OUT/producer_ab.log"

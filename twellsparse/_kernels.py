@@ -243,15 +243,22 @@ def compile_options() -> tuple[str, ...]:
     ones, none for dX's dual pass): N blocks per SM for all of them, 0 for no minimum."""
     switches = []
     for name in ("TWELL_L2_HINTS", "TWELL_MMA_DOTS", "TWELL_HOPPER_PACK"):
-        value = os.environ.get(name, "")
-        if value not in ("", "0", "1"):
-            raise ValueError(f"{name}: expected 0 or 1, got {value!r}")
-        switches += [f"-D{name}={value}"] if value else []
+        value = env_switch(name)
+        switches += [f"-D{name}={int(value)}"] if value is not None else []
     blocks = os.environ.get("TWELL_GATHER_MIN_BLOCKS", "")
     if blocks not in ("", "0", "1", "2", "3", "4", "5", "6"):
         raise ValueError(f"TWELL_GATHER_MIN_BLOCKS: expected a block count from 0 to 6, got {blocks!r}")
     switches += [f"-DTWELL_GATHER_MIN_BLOCKS={blocks}"] if blocks else []
     return ("-std=c++17", f"-DTWELL_SOURCES_SHA=0x{source_hash()}", *switches)
+
+
+def env_switch(name: str) -> bool | None:
+    """An on/off switch from the environment: ``1`` True, ``0`` False, unset or empty None;
+    anything else raises ``ValueError`` naming the variable."""
+    value = os.environ.get(name, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name}: expected 0 or 1, got {value!r}")
+    return None if value == "" else value == "1"
 
 
 @functools.cache

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,13 +49,9 @@ MIN_ROWS = 16384
 #: runs, not measured again.
 BREAKEVEN_ENTRIES = 23.0
 _expected_density: contextvars.ContextVar[float | None] = contextvars.ContextVar("expected_density", default=None)
-_SWITCH = {"": None, "1": True, "0": False}
-_switch = os.environ.get("TWELL_STATIONARY", "")
-if _switch not in _SWITCH:
-    raise ValueError(f"TWELL_STATIONARY: expected 0 or 1, got {_switch!r}")
 #: Whether ``matmul`` takes this kernel where it applies: True (``TWELL_STATIONARY=1``: always),
 #: False (``TWELL_STATIONARY=0``: never), None (unset: from :data:`MIN_ROWS` rows on).
-PREFERRED: bool | None = _SWITCH[_switch]
+PREFERRED: bool | None = K.env_switch("TWELL_STATIONARY")
 
 
 def _cp() -> Any:

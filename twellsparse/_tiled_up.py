@@ -11,7 +11,6 @@ the operands; :func:`gated_up` runs it.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -28,13 +27,15 @@ MAX_TILES = 32
 #: Tokens per B fragment (TILED_QUAD) and entries per tile (TILED_TILE).
 QUAD = 4
 TILE = 8
-#: Units per part at most (TILED_MAX_UNITS: staged-row offsets are 12-bit fields).
+#: Units per part at most (TILED_MAX_UNITS: staged-row byte offsets are 16-bit fields).
 MAX_UNITS = 1024
 #: Units per part aimed at: the standard widths' 5632 units in 8 parts of 704.
 TARGET_UNITS = 704
 #: Tokens per block: with 704 units, 512 tokens hold about 3.6K entries at 1% density (a round
 #: holds WARPS * MAX_TILES * TILE = 4096), 1024 tokens 7.2K.
-TOKENS = int(os.environ.get("TWELL_TILED_TOKENS", "512"))
+TOKENS = 512
+#: Tokens per block at most (TILED_MAX_TOKENS: x-piece offsets are 12-bit fields).
+MAX_TOKENS = 1024
 
 
 def _cp() -> Any:
@@ -46,13 +47,14 @@ def _cp() -> Any:
 def geometry(m: int, n: int, tokens: int | None = None) -> tuple[int, int, int]:
     """``(tokens per block, units per part, parts)`` for ``m`` tokens and ``n`` units: parts of
     about :data:`TARGET_UNITS` units (an even count, at most :data:`MAX_UNITS`), blocks of
-    ``tokens`` (default :data:`TOKENS`, a multiple of :data:`QUAD`), no more than ``m`` needs."""
+    ``tokens`` (default :data:`TOKENS`; a multiple of :data:`QUAD`, at most :data:`MAX_TOKENS`),
+    no more than ``m`` needs."""
     parts = max(1, round(n / TARGET_UNITS), -(-n // MAX_UNITS))
     units = -(-n // parts)
     units += units % 2
     parts = -(-n // units)
     t = TOKENS if tokens is None else tokens
-    t = min(t, -(-max(m, 1) // QUAD) * QUAD)
+    t = min(t, MAX_TOKENS, -(-max(m, 1) // QUAD) * QUAD)
     return t, units, parts
 
 
@@ -147,17 +149,15 @@ def gated_up(
         *kept,
     )
     stages = stages_that_fit(t, units)
+    if stages == 0:
+        raise ValueError(f"tokens: expected a block whose buffers fit in shared memory, got {t} tokens")
     expr = f"twell_tiled_gated_up<{K.CXX_TYPE[x.dtype]}, {stages}>"
     K.launch_grid(expr, (blocks,), (WARPS * 32,), args, shared_bytes(t, units, stages))
 
 
-_SWITCH = {"": None, "1": True, "0": False}
-_switch = os.environ.get("TWELL_TILED_UP", "")
-if _switch not in _SWITCH:
-    raise ValueError(f"TWELL_TILED_UP: expected 0 or 1, got {_switch!r}")
-#: Whether the gated consumer's "auto" up projection takes this kernel where it applies: True
-#: (``TWELL_TILED_UP=1``), False (``TWELL_TILED_UP=0``), None (unset: not yet, until measured).
-PREFERRED: bool | None = _SWITCH[_switch]
+#: Whether the gated consumer's "auto" up projection takes this kernel where it applies: only
+#: with ``TWELL_TILED_UP=1`` (slower than the row gathers so far; bench/NOTES.md).
+PREFERRED: bool | None = K.env_switch("TWELL_TILED_UP")
 
 
 def chosen(gate: TwELLParts, x: Any, w_up: Any) -> bool:
