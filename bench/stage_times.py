@@ -105,7 +105,7 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
                     _tiled_up, "TOKENS", tokens, lambda: _gpu_ops.gated_up(g.parts, g.tile_n, x, wu, path="tiled")
                 )
             )
-            for tokens in (256, 512, 1024)
+            for tokens in (256, 384, 512)
         },
         "tiled up pack": lambda: _tiled_up.pack(g.parts, g.tile_n, d_ff, *_tiled_up.geometry(m, d_ff)),
         "down spmm": lambda: matmul(g, wd_t),

@@ -4,23 +4,23 @@
 // Why tiles: the row gathers read a whole W_up row from L2 for every entry (4 KB at d = 2048 in
 // bf16; 3.7 GB at 1% density on the 2B-class FFN), and are bound by the L2's gather rate. Here a
 // block owns a box of T tokens x U units and steps over d in slices of 32 columns, staging
-// W_up[its U units, slice] and x[its T tokens, slice] in shared memory (cp.async, a ring of
-// two or three buffers).
+// W_up[its U units, slice] and x[its T tokens, slice] in shared memory (cp.async into two
+// buffers: one slice summed while the next loads).
 // Every entry of the box then reads its unit's 64-byte piece from shared memory, and L2 carries
 // (1/T + 1/U) of the dense product's operands instead of 4 KB per entry.
 //
 // Dot products on the tensor cores (mma.sync m16n8k16): the box's entries are grouped by quad
 // of tokens (4 consecutive tokens) into tiles of 8 entries. Entry g of a tile is both row g and
-// row g + 8 of A, each with half of the slice's 32 columns, and B's columns n and n + 4 hold
-// the same halves of token n's x: D[g][n] + D[g + 8][n + 4] = W_up[unit g] . x[token n] over
-// the slice. Lane 4g + t loads the 16 bytes at columns 8t .. 8t + 7 of entry g's row; they are
-// its A fragment as they stand (a0 = columns 8t, 8t + 1 of row g, a1 = 8t + 2, 8t + 3 of row
-// g + 8, a2 = 8t + 4, 8t + 5 of row g, a3 = 8t + 6, 8t + 7 of row g + 8: no register moves), and
-// the same 16 bytes of token g % 4's x give B (columns 8t, 8t + 1 and 8t + 4, 8t + 5 for g < 4,
-// the other two pairs for g >= 4). Each entry keeps 1 of the MMA's 8 columns (an 8-fold waste
-// of tensor-core products, cheap beside the shared-memory reads a warp would otherwise issue);
-// the two halves are added across lanes t and t ^ 2 by one shuffle and kept in one fp32 sum per
-// lane and tile, which lane t = (token >> 1) writes at the end.
+// row g + 8 of A, each with half of the slice's 32 columns, and B's columns 2j and 2j + 1 hold
+// the matching halves of token j's x, so D[g][2j] + D[g + 8][2j + 1] = W_up[unit g] . x[token j]
+// over the slice. Lane 4g + t holds exactly D[g][2t] and D[g + 8][2t + 1] (its d0 and d3): every
+// lane keeps the sum of entry g with token t in one fp32 register per tile, without shuffles or
+// selects (two adds per tile and slice), and at the end the lane whose t is the entry's token
+// writes it. Each entry keeps 2 of the MMA's 16 products per row pair (an 8-fold waste of
+// tensor-core work, cheap beside the shared-memory reads CUDA-core dots would issue). Lane 4g + t
+// loads the 16 bytes at columns 8t .. 8t + 7 of entry g's row (its A fragment as they stand)
+// and 2 x 4 bytes of token g >> 1's x (B: the pairs of the same columns that match row g or row
+// g + 8, by g & 1).
 //
 // Bank conflicts: a 16-byte shared load is served a quarter-warp at a time; lanes 0-7 read the
 // rows of entries 0 and 1 (64 bytes each), which share a 128-byte bank line when their units
@@ -45,7 +45,9 @@ constexpr int TILED_GROUP = 4;        // tiles summed together (their loads and 
 constexpr int TILED_QUAD = 4;         // tokens per B fragment
 constexpr int TILED_TILE = 8;         // entries per tile (each two rows of A)
 constexpr int TILED_MAX_UNITS = 1024; // staged-row byte offsets (64 per unit) are 16-bit fields
-constexpr int TILED_MAX_TOKENS = 1024;  // x-piece offsets (4 per token) are 12-bit fields
+constexpr int TILED_MAX_TOKENS = 512;  // x rows per buffer: offsets below 2^15 (15-bit fields)
+constexpr int TILED_X_BYTE = TILED_MAX_UNITS * 64;  // x's rows in a buffer, after W_up's
+constexpr int TILED_BUFFER_BYTES = TILED_X_BYTE + TILED_MAX_TOKENS * 64;  // 96 KB; two of them
 constexpr int TILED_PAD = (int)0x80000000;  // destination of a padding entry
 
 // The box of work item `item` (a quad of tokens in one unit part of one token block), in the
@@ -135,6 +137,64 @@ template <int N> __device__ __forceinline__ void wait_copies() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// 16 and 4 bytes from the shared window at address + OFF (OFF folded into the instruction:
+// the two buffers' reads differ only in it).
+template <int OFF> __device__ __forceinline__ uint4 load_shared16(unsigned address) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4 + %5];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(address), "n"(OFF));
+  return v;
+}
+template <int OFF> __device__ __forceinline__ uint2 load_shared8(unsigned address) {
+  uint2 v;
+  asm volatile("ld.shared.v2.b32 {%0, %1}, [%2 + %3];" : "=r"(v.x), "=r"(v.y) : "r"(address), "n"(OFF));
+  return v;
+}
+template <int OFF> __device__ __forceinline__ unsigned load_shared4(unsigned address) {
+  unsigned v;
+  asm volatile("ld.shared.b32 %0, [%1 + %2];" : "=r"(v) : "r"(address), "n"(OFF));
+  return v;
+}
+
+// One slice from the buffer SHIFT bytes past the first: every tile's MMA, TILED_GROUP tiles at
+// a time with no branch between them so that their loads and MMAs overlap. This lane's 16 bytes
+// of entry g (columns 8t .. 8t + 7) are its A fragment as they stand: a0 and a2 (columns 8t,
+// 8t + 1 and 8t + 4, 8t + 5) row g at k = 2t, 2t + 1 and 2t + 8, 2t + 9, a1 and a3 (the other
+// two pairs) row g + 8. B's column 2j holds token j's columns matching row g, column 2j + 1
+// those matching row g + 8; this lane's b0, b1 are 4 bytes each of its token's 16 at offsets
+// 0 and 8 (column 2j) or 4 and 12 (column 2j + 1). So d0 + d3 = D[g][2t] + D[g + 8][2t + 1] is
+// entry g's dot with token t of the quad over the slice.
+template <typename T, int FORM, int SHIFT>
+__device__ __forceinline__ void sum_tiles(const unsigned (&where)[TILED_MAX_TILES], float (&acc)[TILED_MAX_TILES],
+                                          int cnt, unsigned x_base) {
+#pragma unroll
+  for (int i0 = 0; i0 < TILED_MAX_TILES; i0 += TILED_GROUP) {
+    if (i0 >= cnt) break;
+#pragma unroll
+    for (int i = i0; i < i0 + TILED_GROUP; ++i) {
+      // Unpacked here, not once before the slice loop: two addresses per tile would not fit in
+      // the registers (an empty asm hides that the packed word does not change).
+      unsigned w = where[i];
+      asm volatile("" : "+r"(w));
+      const uint4 a = load_shared16<SHIFT>(w & 0x1ffffu);
+      const unsigned xb = x_base + (w >> 17);
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+      if constexpr (FORM == 0) {
+        const unsigned b0 = load_shared4<SHIFT + TILED_X_BYTE>(xb), b1 = load_shared4<SHIFT + TILED_X_BYTE + 8>(xb);
+        mma_m16n8k16<T>(d, a.x, a.y, a.z, a.w, b0, b1);
+      } else if constexpr (FORM == 1) {
+        const uint2 b = load_shared8<SHIFT + TILED_X_BYTE>(xb);
+        mma_m16n8k16<T>(d, a.x, a.z, a.y, a.w, b.x, b.y);
+      } else {
+        const uint2 b = load_shared8<SHIFT + TILED_X_BYTE>(xb);
+        mma_m16n8k16<T>(d, a.x, a.y, a.z, a.w, b.x, b.y);
+      }
+      acc[i] += d[0] + d[3];
+    }
+  }
+}
+
 }  // namespace twell
 
 // Pack, launch 1: each item's tile count (its entries rounded up to whole tiles) and its two
@@ -190,20 +250,19 @@ __global__ void __launch_bounds__(256) tiled_up_place(
 
 // The tiled up projection (see the top of this file). Block b = tb * parts + up owns tokens
 // [tb T, tb T + T) and units [up U, up U + U); its tiles are tile_ptr[b * T / 4] ..
-// tile_ptr[(b + 1) * T / 4]. Dynamic shared memory: STAGES buffers of (U + T) 64-byte rows
-// (W_up's then x's). K (d) a multiple of 8, x and W_up rows 16-byte aligned (a 16-byte piece is all in
-// or all out), U at most TILED_MAX_UNITS, T a multiple of 4 and at most TILED_MAX_TOKENS. u_data
-// null: u is not kept.
-template <typename T, int STAGES>
+// tile_ptr[(b + 1) * T / 4]. Dynamic shared memory: two buffers of TILED_BUFFER_BYTES, each
+// W_up's U 64-byte rows from byte 0 and x's T rows from TILED_X_BYTE. K (d) a multiple of 8, x
+// and W_up rows 16-byte aligned (a 16-byte piece is all in or all out), U at most
+// TILED_MAX_UNITS, T a multiple of 4 and at most TILED_MAX_TOKENS. u_data null: u is not kept.
+template <typename T, int FORM>
 __global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_up(
     const int* __restrict__ tile_ptr, const unsigned short* __restrict__ codes, const int* __restrict__ dests,
     const int* __restrict__ quads, const T* __restrict__ gate, const T* __restrict__ gate_spill, int M, int N,
     int K, const T* __restrict__ x, long long ldx, const T* __restrict__ w_up, long long ldu, int tokens, int units,
     int parts, T* __restrict__ h_data, T* __restrict__ h_spill, T* __restrict__ u_data, T* __restrict__ u_spill) {
   using namespace twell;
-  constexpr int MAXT = TILED_MAX_TILES, GROUP = TILED_GROUP;
+  constexpr int MAXT = TILED_MAX_TILES;
   extern __shared__ uint4 staged[];
-  const int buffer_bytes = (units + tokens) * 64;
   const int blk = blockIdx.x, up = blk % parts, tb = blk / parts;
   const int u_lo = up * units, tok_lo = tb * tokens;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -211,6 +270,9 @@ __global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_
   const int t_begin = tile_ptr[blk * quads_per_block], t_end = tile_ptr[(blk + 1) * quads_per_block];
   const int n_slices = (K + TILED_COLS - 1) / TILED_COLS;
   const unsigned smem_base = shared_address(staged);
+  // The tiles' packed addresses hold W_up's in 17 bits: the window's base is far below 64 KB
+  // (no static shared memory), checked rather than assumed.
+  if (smem_base + TILED_X_BYTE > (1u << 17)) __trap();
 
   // Slice s of W_up's and x's rows into buffer `buf`, zeros past the matrices. Thread i copies
   // piece i % 4 of rows i / 4, i / 4 + 128, ... (the piece and the pointer steps stay fixed).
@@ -219,7 +281,7 @@ __global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_
   auto stage = [&](int s, int buf) {
     const int col = s * TILED_COLS + 8 * piece;
     const bool in_k = col < K;
-    const unsigned buffer = smem_base + buf * buffer_bytes + row0 * 64 + piece * 16;
+    const unsigned buffer = smem_base + buf * TILED_BUFFER_BYTES + row0 * 64 + piece * 16;
     unsigned dst = buffer;
     const T* src = w_up + (long long)(u_lo + row0) * ldu + col;
     for (int row = row0; row < units; row += row_step) {
@@ -227,7 +289,7 @@ __global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_
       dst += row_step * 64;
       src += row_step * ldu;
     }
-    dst = buffer + units * 64;  // x's rows follow all of W_up's
+    dst = buffer + TILED_X_BYTE;
     src = x + (long long)(tok_lo + row0) * ldx + col;
     for (int row = row0; row < tokens; row += row_step) {
       copy16_async(dst, in_k && row < token_rows ? src : x, in_k && row < token_rows);
@@ -240,71 +302,48 @@ __global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_
   for (int r0 = t_begin; r0 < t_end; r0 += TILED_WARPS * MAXT) {
     const int n = min(TILED_WARPS * MAXT, t_end - r0);
     const int lo = r0 + warp * n / TILED_WARPS, cnt = r0 + (warp + 1) * n / TILED_WARPS - lo;
-    // Per tile i, for this lane's entry g: bits 0-15 the byte offset of its 16 bytes in a
-    // buffer's W_up rows (unit * 64 + t * 16); bit 16 its token's parity; bit 17 whether this
-    // lane writes it (t == token >> 1); bit 18 whether the tile's quad differs from tile i - 1's
-    // (B is loaded again); bits 19-30 the offset of this lane's x piece of the quad in a buffer's
-    // x rows, in 16-byte units. Tiles past cnt keep zeros (valid offsets, never written).
+    // Per tile i, the shared addresses this lane reads in buffer 0 (buffer 1's are
+    // TILED_BUFFER_BYTES further): bits 0-16 its 16 bytes of entry g's W_up row (columns 8t ..
+    // 8t + 7 of the slice), bits 17-31 the offset of its 8 bytes of x past TILED_X_BYTE (token
+    // g >> 1 of the tile's quad: bytes 16t + 4 (g & 1) and 8 past them). Tiles past cnt keep the last's
+    // (valid addresses; their sums are never written).
     unsigned where[MAXT];
     float acc[MAXT];
-    int prev = -1;
 #pragma unroll
     for (int i = 0; i < MAXT; ++i) {
-      where[i] = 0;
+      const int tile = lo + min(i, max(cnt - 1, 0));
+      const unsigned c = cnt > 0 ? codes[(long long)tile * TILED_TILE + g] : 0u;
+      const int quad = cnt > 0 ? quads[tile] : 0;
+      const unsigned x_off = (unsigned)(((quad * TILED_QUAD + (g >> 1)) * 4 + t) * 16 + (g & 1) * (FORM == 0 ? 4 : 8));
+      where[i] = (smem_base + (c & 0xfffu) * 64 + t * 16) | (x_off << 17);
       acc[i] = 0.f;
-      if (i < cnt) {
-        const unsigned c = codes[(long long)(lo + i) * TILED_TILE + g], n_g = (c >> 12) & 3u;
-        const int quad = quads[lo + i];
-        where[i] = ((c & 0xfffu) * 64 + t * 16) | ((n_g & 1u) << 16) | ((unsigned)(t == (int)(n_g >> 1)) << 17) |
-                   (quad != prev ? 1u << 18 : 0u) | ((unsigned)((quad * TILED_QUAD + (g & 3)) * 4 + t) << 19);
-        prev = quad;
-      }
     }
-    const bool high = g >= 4;  // B's columns 4-7: the second pair of each half
-    // A ring of STAGES buffers, STAGES - 1 slices in flight; every step commits one group (empty
-    // past the last slice), so waiting for all but the newest STAGES - 1 groups finds slice s.
-    for (int p = 0; p < STAGES - 1; ++p) {
-      if (p < n_slices) stage(p, p);
+    const unsigned x_base = smem_base;  // x's rows: TILED_X_BYTE past each buffer
+    // Two buffers, one slice in flight: slice s + 1 is loaded while slice s is summed.
+    stage(0, 0);
+    for (int s = 0; s < n_slices; s += 2) {
+      // Slice s + 1 into buffer 1 while buffer 0 is summed, then slice s + 2 into buffer 0.
+      if (s + 1 < n_slices) stage(s + 1, 1);
       else commit_copies();
-    }
-    for (int s = 0; s < n_slices; ++s) {
-      const int ahead = s + STAGES - 1;
-      if (ahead < n_slices) stage(ahead, ahead % STAGES);
-      else commit_copies();
-      wait_copies<STAGES - 1>();
+      wait_copies<1>();
       __syncthreads();
-      const char* w_rows = reinterpret_cast<const char*>(staged) + (s % STAGES) * buffer_bytes;
-      const uint4* x_rows = reinterpret_cast<const uint4*>(w_rows + units * 64);
-      unsigned b0 = 0, b1 = 0;
-      // GROUP tiles at a time with no branch between them, so their loads and MMAs overlap.
-#pragma unroll
-      for (int i0 = 0; i0 < MAXT; i0 += GROUP) {
-        if (i0 >= cnt) break;
-#pragma unroll
-        for (int i = i0; i < i0 + GROUP; ++i) {
-          if ((where[i] & 0x40000u) != 0u) {
-            const uint4 xb = x_rows[where[i] >> 19];
-            b0 = high ? xb.y : xb.x;
-            b1 = high ? xb.w : xb.z;
-          }
-          const uint4 a = *reinterpret_cast<const uint4*>(w_rows + (where[i] & 0xffffu));
-          float d[4] = {0.f, 0.f, 0.f, 0.f};
-          mma_m16n8k16<T>(d, a.x, a.y, a.z, a.w, b0, b1);
-          // Lane 4g + (token >> 1) has D[g][token] in d[token & 1], lane 4g + 2 + (token >> 1)
-          // D[g + 8][token + 4] in d[2 + (token & 1)]: each lane picks by its t, and the pair adds.
-          const bool odd = (where[i] & 0x10000u) != 0u;
-          const float v = t < 2 ? (odd ? d[1] : d[0]) : (odd ? d[3] : d[2]);
-          acc[i] += v + __shfl_xor_sync(0xffffffffu, v, 2);
-        }
-      }
+      sum_tiles<T, FORM, 0>(where, acc, cnt, x_base);
+      __syncthreads();
+      if (s + 1 >= n_slices) break;
+      if (s + 2 < n_slices) stage(s + 2, 0);
+      else commit_copies();
+      wait_copies<1>();
+      __syncthreads();
+      sum_tiles<T, FORM, TILED_BUFFER_BYTES>(where, acc, cnt, x_base);
       __syncthreads();
     }
-    // The lane holding entry g's sum writes it: u rounded, h = g * u rounded.
+    // The lane whose t is entry g's token writes its sum: u rounded, h = g * u rounded.
 #pragma unroll
     for (int i = 0; i < MAXT; ++i) {
-      if (i < cnt && (where[i] & 0x20000u) != 0u) {
-        const int dest = dests[(long long)(lo + i) * TILED_TILE + g];
-        if (dest != TILED_PAD) {
+      if (i < cnt) {
+        const long long e = (long long)(lo + i) * TILED_TILE + g;
+        const int dest = dests[e];
+        if (dest != TILED_PAD && (int)((codes[e] >> 12) & 3u) == t) {
           const bool spilled = dest < 0;
           const int at = spilled ? ~dest : dest;
           const T u = from_acc<T>(acc[i]);

@@ -179,7 +179,7 @@ for step in $what; do
       timeout 120 ncu --kernel-name regex:twell_tiled_gated_up --launch-skip 3 --launch-count 1 --section SpeedOfLight \
         --section SchedulerStats --section WarpStateStats \
         --metrics smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio,smsp__average_warps_issue_stalled_dispatch_stall_per_issue_active.ratio,smsp__average_warps_issue_stalled_tex_throttle_per_issue_active.ratio \
-        python3 bench/stage_times.py --density 0.01 --reps 3 --only "gated up, tiled 256" 2>&1 | tail -120 \
+        python3 bench/stage_times.py --density 0.01 --reps 3 --only "gated up, tiled 512" 2>&1 | tail -120 \
         | tee -a "$OUT/tiled_ncu.log" | grep -E "Duration|Throughput|Issued|stalled|wavefronts|conflicts|inst_executed|Eligible" | head -50
       ;;&
     dual)

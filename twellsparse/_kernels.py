@@ -171,10 +171,10 @@ def _instantiations() -> dict[str, list[str]]:
         ]
         + ["stationary_row_sizes", "stationary_row_sums", "stationary_row_place"],
         "twell_tiled_up.cu": [
-            f"twell_tiled_gated_up<{CXX_TYPE[d]}, {stages}>"
+            f"twell_tiled_gated_up<{CXX_TYPE[d]}, {form}>"
             for d in VALUE_DTYPES
             if d.itemsize == 2
-            for stages in (2, 3)  # buffers in the ring: three where they fit in shared memory
+            for form in (0, 1, 2)  # EXPERIMENT: B's loads (see the kernel)
         ]
         + ["tiled_up_count", "tiled_up_place"],
     }

@@ -32,10 +32,13 @@ MAX_UNITS = 1024
 #: Units per part aimed at: the standard widths' 5632 units in 8 parts of 704.
 TARGET_UNITS = 704
 #: Tokens per block: with 704 units, 512 tokens hold about 3.6K entries at 1% density (a round
-#: holds WARPS * MAX_TILES * TILE = 4096), 1024 tokens 7.2K.
+#: holds WARPS * MAX_TILES * TILE = 4096).
 TOKENS = 512
-#: Tokens per block at most (TILED_MAX_TOKENS: x-piece offsets are 12-bit fields).
-MAX_TOKENS = 1024
+#: Tokens per block at most (TILED_MAX_TOKENS: the x rows' room in a buffer).
+MAX_TOKENS = 512
+#: Bytes of one of the kernel's two shared buffers (TILED_BUFFER_BYTES): room for
+#: MAX_UNITS rows of W_up and MAX_TOKENS of x, 64 bytes each, at fixed places.
+BUFFER_BYTES = (MAX_UNITS + MAX_TOKENS) * SLICE_COLS * 2
 
 
 def _cp() -> Any:
@@ -58,17 +61,9 @@ def geometry(m: int, n: int, tokens: int | None = None) -> tuple[int, int, int]:
     return t, units, parts
 
 
-def shared_bytes(tokens: int, units: int, stages: int = 2) -> int:
-    """Dynamic shared memory of one block: ``stages`` buffers of 64-byte rows (the part's
-    units, then the block's tokens)."""
-    return stages * (units + tokens) * SLICE_COLS * 2
-
-
-def stages_that_fit(tokens: int, units: int) -> int:
-    """Buffers in the kernel's ring: three where they fit in one block's shared memory, else two
-    (0: not even two fit)."""
-    limit = K.device_attribute("MaxSharedMemoryPerBlockOptin")
-    return next((s for s in (3, 2) if shared_bytes(tokens, units, s) <= limit), 0)
+def shared_bytes() -> int:
+    """Dynamic shared memory of one block: two buffers of :data:`BUFFER_BYTES` (192 KB)."""
+    return 2 * BUFFER_BYTES
 
 
 def applies(gate: TwELLParts, x: Any, w_up: Any) -> bool:
@@ -81,8 +76,7 @@ def applies(gate: TwELLParts, x: Any, w_up: Any) -> bool:
         return False
     if not rows_aligned(row_stride(x), row_stride(w_up)):
         return False
-    tokens, units, _ = geometry(x.shape[0], w_up.shape[0])
-    return stages_that_fit(tokens, units) > 0
+    return shared_bytes() <= K.device_attribute("MaxSharedMemoryPerBlockOptin")
 
 
 def pack(gate: TwELLParts, tile_n: int, n: int, tokens: int, units: int, parts: int) -> tuple[Any, Any, Any, Any]:
@@ -148,11 +142,15 @@ def gated_up(
         h.spill_data,
         *kept,
     )
-    stages = stages_that_fit(t, units)
-    if stages == 0:
-        raise ValueError(f"tokens: expected a block whose buffers fit in shared memory, got {t} tokens")
-    expr = f"twell_tiled_gated_up<{K.CXX_TYPE[x.dtype]}, {stages}>"
-    K.launch_grid(expr, (blocks,), (WARPS * 32,), args, shared_bytes(t, units, stages))
+    import os
+
+    form = int(os.environ.get("TWELL_TILED_FORM", "2"))  # EXPERIMENT
+    if form == 2:  # W_up's 4-byte words 1 and 2 of every 16 bytes swapped
+        cp = _cp()
+        w_up = cp.ascontiguousarray(w_up.reshape(n, k // 8, 8)[:, :, [0, 1, 4, 5, 2, 3, 6, 7]]).reshape(n, k)
+        args = (*args[:11], w_up, np.int64(k), *args[13:])
+    expr = f"twell_tiled_gated_up<{K.CXX_TYPE[x.dtype]}, {form}>"
+    K.launch_grid(expr, (blocks,), (WARPS * 32,), args, shared_bytes())
 
 
 #: Whether the gated consumer's "auto" up projection takes this kernel where it applies: only

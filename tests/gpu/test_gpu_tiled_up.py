@@ -22,7 +22,7 @@ SHAPES = [
     (67, 5632, 2048, 256, None, 0.01, None),  # the standard widths: 8 parts of 704 units
     (300, 2000, 1048, 32, 2, 0.08, 64),  # heavy spill; 32.75 slices: a partial last one
     (1000, 1500, 200, 64, 4, 0.3, None),  # ~110K entries per box: many rounds of 512 tiles of 8
-    (4100, 5632, 64, 256, 32, 0.005, 1024),  # a partial last token block
+    (4100, 5632, 64, 256, 32, 0.005, 512),  # a partial last token block
 ]
 
 
