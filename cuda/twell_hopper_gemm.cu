@@ -41,6 +41,7 @@
 // Requirements (checked by twellsparse._hopper_producer): T 16-bit, K a multiple of 8, x and w
 // 16-byte aligned with unit column stride; tile_n in {32, 64, 128, 256}; capacity a multiple of
 // 8 with (256 / tile_n) * capacity <= MAX_ROW_SLOTS.
+#include "twell_tma.cuh"
 #include "twell_types.cuh"
 
 // TWELL_HOPPER_PACK=0 (TWELL_HOPPER_PACK=0 in the environment) leaves the epilogue out: the GEMM
@@ -74,49 +75,6 @@ template <int SPLIT> struct Schedule {
 };
 static_assert(Schedule<1>::SMEM_BYTES <= 227 * 1024, "the split schedule fits an SM's shared memory");
 static_assert(Schedule<0>::SMEM_BYTES <= 227 * 1024, "the inline schedule fits an SM's shared memory");
-
-// cuTensorMapEncodeTiled's opaque 128-byte descriptor, passed by value (__grid_constant__).
-struct alignas(64) TensorMap {
-  unsigned long long opaque[16];
-};
-
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-  unsigned long long a;
-  asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
-  return (unsigned)a;
-}
-
-__device__ __forceinline__ void barrier_init(unsigned bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void barrier_expect_bytes(unsigned bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void barrier_arrive(unsigned bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void barrier_wait(unsigned bar, unsigned parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-
-__device__ __forceinline__ void tma_load_2d(unsigned dst, const TensorMap* map, int c0, int c1, unsigned bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
-          dst),
-      "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar)
-      : "memory");
-}
 
 // The same copy, delivered to the same shared-memory offset (data and barrier) in every CTA of
 // the cluster named by cta_mask.
@@ -604,7 +562,7 @@ using namespace twell;
 // hopper::Schedule<SPLIT>::THREADS threads and ::SMEM_BYTES of dynamic shared memory.
 template <typename T, int ACT, int SPLIT>
 __global__ void __launch_bounds__(hopper::Schedule<SPLIT>::THREADS, 1)
-    twell_gemm_pack(const __grid_constant__ hopper::TensorMap map_x, const __grid_constant__ hopper::TensorMap map_w,
+    twell_gemm_pack(const __grid_constant__ TensorMap map_x, const __grid_constant__ TensorMap map_w,
                     int M, int N, int K, int tile_n, int n_tiles, int capacity, double threshold,
                     T* __restrict__ data, short* __restrict__ indices, int* __restrict__ counts,
                     int* __restrict__ row_tile_nnz, T* __restrict__ h, unsigned* __restrict__ mask, long long mask_ld) {
@@ -617,8 +575,8 @@ __global__ void __launch_bounds__(hopper::Schedule<SPLIT>::THREADS, 1)
 // co-resident clusters.
 template <typename T, int ACT>
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(hopper::Schedule<1>::THREADS, 1)
-    twell_gemm_pack_pair(const __grid_constant__ hopper::TensorMap map_x,
-                         const __grid_constant__ hopper::TensorMap map_w, int M, int N, int K, int tile_n,
+    twell_gemm_pack_pair(const __grid_constant__ TensorMap map_x,
+                         const __grid_constant__ TensorMap map_w, int M, int N, int K, int tile_n,
                          int n_tiles, int capacity, double threshold, T* __restrict__ data,
                          short* __restrict__ indices, int* __restrict__ counts, int* __restrict__ row_tile_nnz,
                          T* __restrict__ h, unsigned* __restrict__ mask, long long mask_ld) {

@@ -4,8 +4,9 @@
 // Why tiles: the row gathers read a whole W_up row from L2 for every entry (4 KB at d = 2048 in
 // bf16; 3.7 GB at 1% density on the 2B-class FFN), and are bound by the L2's gather rate. Here a
 // block owns a box of T tokens x U units and steps over d in slices of 32 columns, staging
-// W_up[its U units, slice] and x[its T tokens, slice] in shared memory (cp.async into two
-// buffers: one slice summed while the next loads).
+// W_up[its U units, slice] and x[its T tokens, slice] in shared memory (TMA boxes into two
+// buffers: one slice summed while the next loads; per-thread cp.async copies took half of the
+// kernel's instructions).
 // Every entry of the box then reads its unit's 64-byte piece from shared memory, and L2 carries
 // (1/T + 1/U) of the dense product's operands instead of 4 KB per entry.
 //
@@ -34,6 +35,7 @@
 #include "twell_mma.cuh"
 #include "twell_scan.cuh"
 #include "twell_slot_class.cuh"
+#include "twell_tma.cuh"
 #include "twell_types.cuh"
 
 namespace twell {
@@ -48,6 +50,7 @@ constexpr int TILED_MAX_UNITS = 1024; // staged-row byte offsets (64 per unit) a
 constexpr int TILED_MAX_TOKENS = 512;  // x rows per buffer: offsets below 2^15 (15-bit fields)
 constexpr int TILED_X_BYTE = TILED_MAX_UNITS * 64;  // x's rows in a buffer, after W_up's
 constexpr int TILED_BUFFER_BYTES = TILED_X_BYTE + TILED_MAX_TOKENS * 64;  // 96 KB; two of them
+constexpr int TILED_SHARED_BYTES = 2 * TILED_BUFFER_BYTES + 16;            // and their two barriers
 constexpr int TILED_PAD = (int)0x80000000;  // destination of a padding entry
 
 // The box of work item `item` (a quad of tokens in one unit part of one token block), in the
@@ -119,25 +122,7 @@ __device__ __forceinline__ unsigned long long walk_item(const Item& it, const sh
   return base;
 }
 
-__device__ __forceinline__ unsigned shared_address(const void* p) {
-  unsigned long long a;
-  asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
-  return (unsigned)a;
-}
-
-// 16 bytes global -> shared (a shared-window address) without a register round trip; zeros
-// when !full.
-__device__ __forceinline__ void copy16_async(unsigned dst, const void* src, bool full) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
-               "r"(full ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wait_copies() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-// 16 and 4 bytes from the shared window at address + OFF (OFF folded into the instruction:
+// 16 and 8 bytes from the shared window at address + OFF (OFF folded into the instruction:
 // the two buffers' reads differ only in it).
 template <int OFF> __device__ __forceinline__ uint4 load_shared16(unsigned address) {
   uint4 v;
@@ -151,21 +136,16 @@ template <int OFF> __device__ __forceinline__ uint2 load_shared8(unsigned addres
   asm volatile("ld.shared.v2.b32 {%0, %1}, [%2 + %3];" : "=r"(v.x), "=r"(v.y) : "r"(address), "n"(OFF));
   return v;
 }
-template <int OFF> __device__ __forceinline__ unsigned load_shared4(unsigned address) {
-  unsigned v;
-  asm volatile("ld.shared.b32 %0, [%1 + %2];" : "=r"(v) : "r"(address), "n"(OFF));
-  return v;
-}
 
 // One slice from the buffer SHIFT bytes past the first: every tile's MMA, TILED_GROUP tiles at
 // a time with no branch between them so that their loads and MMAs overlap. This lane's 16 bytes
-// of entry g (columns 8t .. 8t + 7) are its A fragment as they stand: a0 and a2 (columns 8t,
-// 8t + 1 and 8t + 4, 8t + 5) row g at k = 2t, 2t + 1 and 2t + 8, 2t + 9, a1 and a3 (the other
-// two pairs) row g + 8. B's column 2j holds token j's columns matching row g, column 2j + 1
-// those matching row g + 8; this lane's b0, b1 are 4 bytes each of its token's 16 at offsets
-// 0 and 8 (column 2j) or 4 and 12 (column 2j + 1). So d0 + d3 = D[g][2t] + D[g + 8][2t + 1] is
-// entry g's dot with token t of the quad over the slice.
-template <typename T, int FORM, int SHIFT>
+// of entry g (columns 8t .. 8t + 7) give A's fragment with the middle registers swapped: a0
+// and a2 (row g at k = 2t, 2t + 1 and 2t + 8, 2t + 9) are columns 8t .. 8t + 3, a1 and a3 (row
+// g + 8) columns 8t + 4 .. 8t + 7. B's column 2j holds token j's columns matching row g, column
+// 2j + 1 those matching row g + 8: this lane's 8 bytes of its token, the first or the second
+// half of the same 16 (g & 1). So d0 + d3 = D[g][2t] + D[g + 8][2t + 1] is entry g's dot with
+// token t of the quad over the slice.
+template <typename T, int SHIFT>
 __device__ __forceinline__ void sum_tiles(const unsigned (&where)[TILED_MAX_TILES], float (&acc)[TILED_MAX_TILES],
                                           int cnt, unsigned x_base) {
 #pragma unroll
@@ -179,17 +159,9 @@ __device__ __forceinline__ void sum_tiles(const unsigned (&where)[TILED_MAX_TILE
       asm volatile("" : "+r"(w));
       const uint4 a = load_shared16<SHIFT>(w & 0x1ffffu);
       const unsigned xb = x_base + (w >> 17);
+      const uint2 b = load_shared8<SHIFT + TILED_X_BYTE>(xb);
       float d[4] = {0.f, 0.f, 0.f, 0.f};
-      if constexpr (FORM == 0) {
-        const unsigned b0 = load_shared4<SHIFT + TILED_X_BYTE>(xb), b1 = load_shared4<SHIFT + TILED_X_BYTE + 8>(xb);
-        mma_m16n8k16<T>(d, a.x, a.y, a.z, a.w, b0, b1);
-      } else if constexpr (FORM == 1) {
-        const uint2 b = load_shared8<SHIFT + TILED_X_BYTE>(xb);
-        mma_m16n8k16<T>(d, a.x, a.z, a.y, a.w, b.x, b.y);
-      } else {
-        const uint2 b = load_shared8<SHIFT + TILED_X_BYTE>(xb);
-        mma_m16n8k16<T>(d, a.x, a.y, a.z, a.w, b.x, b.y);
-      }
+      mma_m16n8k16<T>(d, a.x, a.z, a.y, a.w, b.x, b.y);
       acc[i] += d[0] + d[3];
     }
   }
@@ -250,63 +222,68 @@ __global__ void __launch_bounds__(256) tiled_up_place(
 
 // The tiled up projection (see the top of this file). Block b = tb * parts + up owns tokens
 // [tb T, tb T + T) and units [up U, up U + U); its tiles are tile_ptr[b * T / 4] ..
-// tile_ptr[(b + 1) * T / 4]. Dynamic shared memory: two buffers of TILED_BUFFER_BYTES, each
-// W_up's U 64-byte rows from byte 0 and x's T rows from TILED_X_BYTE. K (d) a multiple of 8, x
-// and W_up rows 16-byte aligned (a 16-byte piece is all in or all out), U at most
-// TILED_MAX_UNITS, T a multiple of 4 and at most TILED_MAX_TOKENS. u_data null: u is not kept.
-template <typename T, int FORM>
+// tile_ptr[(b + 1) * T / 4]. map_w and map_x: TMA descriptors of W_up [N, K] and x [M, K]
+// (boxes of 32 columns x box_w and box_x rows, no swizzle; out-of-bounds rows and columns read
+// as zeros). Dynamic shared memory (TILED_SHARED_BYTES): two buffers of TILED_BUFFER_BYTES,
+// each W_up's U 64-byte rows from byte 0 and x's T rows from TILED_X_BYTE, then a barrier per
+// buffer. U at most TILED_MAX_UNITS, T a multiple of 4 and at most TILED_MAX_TOKENS, box_w and
+// box_x at most 256 with ceil(U / box_w) box_w <= TILED_MAX_UNITS and ceil(T / box_x) box_x <=
+// TILED_MAX_TOKENS. u_data null: u is not kept.
+template <typename T>
 __global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_up(
-    const int* __restrict__ tile_ptr, const unsigned short* __restrict__ codes, const int* __restrict__ dests,
-    const int* __restrict__ quads, const T* __restrict__ gate, const T* __restrict__ gate_spill, int M, int N,
-    int K, const T* __restrict__ x, long long ldx, const T* __restrict__ w_up, long long ldu, int tokens, int units,
-    int parts, T* __restrict__ h_data, T* __restrict__ h_spill, T* __restrict__ u_data, T* __restrict__ u_spill) {
+    const __grid_constant__ twell::TensorMap map_w, const __grid_constant__ twell::TensorMap map_x, int box_w,
+    int box_x, const int* __restrict__ tile_ptr, const unsigned short* __restrict__ codes,
+    const int* __restrict__ dests, const int* __restrict__ quads, const T* __restrict__ gate,
+    const T* __restrict__ gate_spill, int K, int tokens, int units, int parts, T* __restrict__ h_data,
+    T* __restrict__ h_spill, T* __restrict__ u_data, T* __restrict__ u_spill) {
   using namespace twell;
   constexpr int MAXT = TILED_MAX_TILES;
-  extern __shared__ uint4 staged[];
+  extern __shared__ __align__(128) uint4 staged[];
   const int blk = blockIdx.x, up = blk % parts, tb = blk / parts;
   const int u_lo = up * units, tok_lo = tb * tokens;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int quads_per_block = tokens / TILED_QUAD;
   const int t_begin = tile_ptr[blk * quads_per_block], t_end = tile_ptr[(blk + 1) * quads_per_block];
   const int n_slices = (K + TILED_COLS - 1) / TILED_COLS;
-  const unsigned smem_base = shared_address(staged);
+  const unsigned smem_base = smem_u32(staged), bars = smem_base + 2 * TILED_BUFFER_BYTES;
   // The tiles' packed addresses hold W_up's in 17 bits: the window's base is far below 64 KB
   // (no static shared memory), checked rather than assumed.
   if (smem_base + TILED_X_BYTE > (1u << 17)) __trap();
+  if (threadIdx.x == 0) {
+    barrier_init(bars, 1);  // the copying thread's expect_tx arrival, per buffer
+    barrier_init(bars + 8, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
 
-  // Slice s of W_up's and x's rows into buffer `buf`, zeros past the matrices. Thread i copies
-  // piece i % 4 of rows i / 4, i / 4 + 128, ... (the piece and the pointer steps stay fixed).
-  const int piece = threadIdx.x & 3, row0 = threadIdx.x >> 2, row_step = blockDim.x >> 2;
-  const int unit_rows = min(units, N - u_lo), token_rows = min(tokens, M - tok_lo);
+  // Slice s of W_up's and x's rows into buffer `buf` by the copy engine: whole boxes (the
+  // last may reach past the part or the block into rows nobody reads, or past the matrices:
+  // zeros), all counted by the buffer's barrier. Thread 0 only.
+  const int w_boxes = (units + box_w - 1) / box_w, x_boxes = (tokens + box_x - 1) / box_x;
+  const unsigned slice_bytes = (unsigned)(w_boxes * box_w + x_boxes * box_x) * TILED_COLS * 2;
   auto stage = [&](int s, int buf) {
-    const int col = s * TILED_COLS + 8 * piece;
-    const bool in_k = col < K;
-    const unsigned buffer = smem_base + buf * TILED_BUFFER_BYTES + row0 * 64 + piece * 16;
-    unsigned dst = buffer;
-    const T* src = w_up + (long long)(u_lo + row0) * ldu + col;
-    for (int row = row0; row < units; row += row_step) {
-      copy16_async(dst, in_k && row < unit_rows ? src : w_up, in_k && row < unit_rows);
-      dst += row_step * 64;
-      src += row_step * ldu;
-    }
-    dst = buffer + TILED_X_BYTE;
-    src = x + (long long)(tok_lo + row0) * ldx + col;
-    for (int row = row0; row < tokens; row += row_step) {
-      copy16_async(dst, in_k && row < token_rows ? src : x, in_k && row < token_rows);
-      dst += row_step * 64;
-      src += row_step * ldx;
-    }
-    commit_copies();
+    const unsigned bar = bars + 8 * buf, dst = smem_base + buf * TILED_BUFFER_BYTES;
+    barrier_expect_bytes(bar, slice_bytes);
+    for (int i = 0; i < w_boxes; ++i)
+      tma_load_2d(dst + i * box_w * 64, &map_w, s * TILED_COLS, u_lo + i * box_w, bar);
+    for (int i = 0; i < x_boxes; ++i)
+      tma_load_2d(dst + TILED_X_BYTE + i * box_x * 64, &map_x, s * TILED_COLS, tok_lo + i * box_x, bar);
   };
 
+  unsigned phase0 = 0, phase1 = 0;  // each buffer's barrier phase to wait for
   for (int r0 = t_begin; r0 < t_end; r0 += TILED_WARPS * MAXT) {
     const int n = min(TILED_WARPS * MAXT, t_end - r0);
     const int lo = r0 + warp * n / TILED_WARPS, cnt = r0 + (warp + 1) * n / TILED_WARPS - lo;
+    // Both buffers are free here (every thread passed the last slice's __syncthreads).
+    if (threadIdx.x == 0) {
+      stage(0, 0);
+      if (n_slices > 1) stage(1, 1);
+    }
     // Per tile i, the shared addresses this lane reads in buffer 0 (buffer 1's are
     // TILED_BUFFER_BYTES further): bits 0-16 its 16 bytes of entry g's W_up row (columns 8t ..
     // 8t + 7 of the slice), bits 17-31 the offset of its 8 bytes of x past TILED_X_BYTE (token
-    // g >> 1 of the tile's quad: bytes 16t + 4 (g & 1) and 8 past them). Tiles past cnt keep the last's
-    // (valid addresses; their sums are never written).
+    // g >> 1 of the tile's quad, the first or second 8 of its 16 bytes by g & 1). Tiles past
+    // cnt keep the last's (valid addresses; their sums are never written).
     unsigned where[MAXT];
     float acc[MAXT];
 #pragma unroll
@@ -314,28 +291,25 @@ __global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_
       const int tile = lo + min(i, max(cnt - 1, 0));
       const unsigned c = cnt > 0 ? codes[(long long)tile * TILED_TILE + g] : 0u;
       const int quad = cnt > 0 ? quads[tile] : 0;
-      const unsigned x_off = (unsigned)(((quad * TILED_QUAD + (g >> 1)) * 4 + t) * 16 + (g & 1) * (FORM == 0 ? 4 : 8));
+      const unsigned x_off = (unsigned)(((quad * TILED_QUAD + (g >> 1)) * 4 + t) * 16 + (g & 1) * 8);
       where[i] = (smem_base + (c & 0xfffu) * 64 + t * 16) | (x_off << 17);
       acc[i] = 0.f;
     }
     const unsigned x_base = smem_base;  // x's rows: TILED_X_BYTE past each buffer
-    // Two buffers, one slice in flight: slice s + 1 is loaded while slice s is summed.
-    stage(0, 0);
+    // Slices s and s + 1 from buffers 0 and 1; each buffer is refilled with the slice two ahead
+    // once every warp has summed it.
     for (int s = 0; s < n_slices; s += 2) {
-      // Slice s + 1 into buffer 1 while buffer 0 is summed, then slice s + 2 into buffer 0.
-      if (s + 1 < n_slices) stage(s + 1, 1);
-      else commit_copies();
-      wait_copies<1>();
+      barrier_wait(bars, phase0);
+      phase0 ^= 1u;
+      sum_tiles<T, 0>(where, acc, cnt, x_base);
       __syncthreads();
-      sum_tiles<T, FORM, 0>(where, acc, cnt, x_base);
-      __syncthreads();
+      if (threadIdx.x == 0 && s + 2 < n_slices) stage(s + 2, 0);
       if (s + 1 >= n_slices) break;
-      if (s + 2 < n_slices) stage(s + 2, 0);
-      else commit_copies();
-      wait_copies<1>();
+      barrier_wait(bars + 8, phase1);
+      phase1 ^= 1u;
+      sum_tiles<T, TILED_BUFFER_BYTES>(where, acc, cnt, x_base);
       __syncthreads();
-      sum_tiles<T, FORM, TILED_BUFFER_BYTES>(where, acc, cnt, x_base);
-      __syncthreads();
+      if (threadIdx.x == 0 && s + 3 < n_slices) stage(s + 3, 1);
     }
     // The lane whose t is entry g's token writes its sum: u rounded, h = g * u rounded.
 #pragma unroll

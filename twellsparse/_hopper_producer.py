@@ -16,16 +16,14 @@ a compute-capability 9.0 GPU. Elsewhere the cuBLASLt or GEMM-then-pack producers
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import _kernels as K
-from ._backend import bfloat16
 from ._parts import TwELLParts
+from ._tensor_map import SWIZZLE_128B, TENSOR_MAP_TYPE, tensor_map, tma_ready
 from ._validation import n_tiles
 
 if TYPE_CHECKING:
@@ -69,79 +67,23 @@ def shared_mem(split: bool) -> int:
     return 1024 + stages * (BLOCK_ROWS + BLOCK_COLS) * BLOCK_K * 2 + handoff + barriers + slot_stages
 
 
-# CUtensorMapDataType values (cuda.h) of the two dtypes served.
-_TENSOR_MAP_TYPE = {np.dtype(np.float16): 6, bfloat16: 9}
-_SWIZZLE_128B, _L2_PROMOTION_256B = 3, 3
-_TENSOR_MAP = np.dtype([("opaque", np.uint64, (16,))])
-
-
 def applies(x: Any, w: Any, activation: str, threshold: float | None, tile_n: int, capacity: int) -> bool:
     """Whether this producer can serve the call on the current GPU."""
     del threshold  # every threshold is served
     if not ENABLED or activation not in K.HOPPER_ACTIVATIONS or x.dtype != w.dtype:
         return False
-    if np.dtype(x.dtype) not in _TENSOR_MAP_TYPE or x.ndim != 2 or w.ndim != 2:
+    if np.dtype(x.dtype) not in TENSOR_MAP_TYPE or x.ndim != 2 or w.ndim != 2:
         return False
     (m, k), n = x.shape, w.shape[0]
     if min(m, n, k) == 0 or k % 8 or tile_n not in (32, 64, 128, 256):
         return False
     if capacity % 8 or (BLOCK_COLS // tile_n) * capacity > MAX_ROW_SLOTS:
         return False
-    if not (_tma_ready(x) and _tma_ready(w)):
+    if not (tma_ready(x) and tma_ready(w)):
         return False
     import cupy as cp
 
     return str(cp.cuda.Device().compute_capability) == "90"
-
-
-def _tma_ready(a: Any) -> bool:
-    """Unit column stride, a 16-byte row stride and a 16-byte aligned start (TMA's rules)."""
-    return a.strides[1] == a.itemsize and a.strides[0] % 16 == 0 and a.strides[0] > 0 and a.data.ptr % 16 == 0
-
-
-@functools.cache
-def _encoder() -> Any:
-    fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
-    fn.restype = ctypes.c_int
-    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p]
-    fn.argtypes += [ctypes.c_int] * 4
-    return fn
-
-
-def tensor_map(a: Any, box_rows: int) -> np.void:
-    """The TMA descriptor of a row-major 2-D CuPy array read in ``box_rows`` x 64 boxes with the
-    128-byte swizzle (out-of-bounds rows and columns read as zeros), as a by-value kernel
-    argument. It depends only on the array's address, shape, row stride and dtype, so plans
-    calling with the same weights (and the same x buffers) reuse it."""
-    return _encoded_map(a.data.ptr, *a.shape, a.strides[0], np.dtype(a.dtype), box_rows)
-
-
-@functools.lru_cache(maxsize=256)
-def _encoded_map(ptr: int, rows: int, cols: int, row_bytes: int, dtype: np.dtype, box_rows: int) -> np.void:
-    storage = np.zeros(32, dtype=np.uint64)  # CUtensorMap is 64-byte aligned: find such a spot
-    start = (-storage.ctypes.data % 64) // 8
-    dims = (ctypes.c_uint64 * 2)(cols, rows)
-    strides = (ctypes.c_uint64 * 1)(row_bytes)
-    box = (ctypes.c_uint32 * 2)(BLOCK_K, box_rows)
-    unit = (ctypes.c_uint32 * 2)(1, 1)
-    code = _encoder()(
-        storage.ctypes.data + 8 * start,
-        _TENSOR_MAP_TYPE[dtype],
-        2,
-        ptr,
-        dims,
-        strides,
-        box,
-        unit,
-        0,
-        _SWIZZLE_128B,
-        _L2_PROMOTION_256B,
-        0,
-    )
-    if code != 0:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {code}) for an array of shape {(rows, cols)}")
-    return np.frombuffer(storage[start : start + 16].tobytes(), dtype=_TENSOR_MAP)[0]
 
 
 def linear_to_parts_deferred(
@@ -168,7 +110,10 @@ def linear_to_parts_deferred(
         clusters = K.max_active_clusters(pair, cp.cuda.Device().id, THREADS, smem, 2)
         gemm = pair if clusters > 0 else gemm
     cluster = 2 if clusters > 0 else 1  # a cluster's row blocks share a w tile
-    maps = (tensor_map(x, BLOCK_ROWS), tensor_map(w, BLOCK_COLS // cluster))
+    maps = (
+        tensor_map(x, BLOCK_ROWS, BLOCK_K, SWIZZLE_128B),
+        tensor_map(w, BLOCK_COLS // cluster, BLOCK_K, SWIZZLE_128B),
+    )
     thr = np.float64(-1.0 if threshold is None else threshold)
     geometry = (np.int32(m), np.int32(n), np.int32(k), np.int32(tile_n), np.int32(nt), np.int32(capacity), thr)
     items = -(-m // (BLOCK_ROWS * cluster)) * -(-n // BLOCK_COLS)

@@ -170,12 +170,7 @@ def _instantiations() -> dict[str, list[str]]:
             for dual in (0, 1)  # one product, or the sum of two (A @ B + A2 @ B2)
         ]
         + ["stationary_row_sizes", "stationary_row_sums", "stationary_row_place"],
-        "twell_tiled_up.cu": [
-            f"twell_tiled_gated_up<{CXX_TYPE[d]}, {form}>"
-            for d in VALUE_DTYPES
-            if d.itemsize == 2
-            for form in (0, 1, 2)  # EXPERIMENT: B's loads (see the kernel)
-        ]
+        "twell_tiled_up.cu": [f"twell_tiled_gated_up<{CXX_TYPE[d]}>" for d in VALUE_DTYPES if d.itemsize == 2]
         + ["tiled_up_count", "tiled_up_place"],
     }
 

@@ -18,6 +18,7 @@ import numpy as np
 from . import _kernels as K
 from ._gpu_convert import row_stride, rows_aligned, two_launch_scan
 from ._parts import TwELLParts
+from ._tensor_map import SWIZZLE_NONE, tensor_map
 
 #: d columns per staged slice (TILED_COLS): 64 bytes of each row.
 SLICE_COLS = 32
@@ -62,8 +63,16 @@ def geometry(m: int, n: int, tokens: int | None = None) -> tuple[int, int, int]:
 
 
 def shared_bytes() -> int:
-    """Dynamic shared memory of one block: two buffers of :data:`BUFFER_BYTES` (192 KB)."""
-    return 2 * BUFFER_BYTES
+    """Dynamic shared memory of one block (TILED_SHARED_BYTES): two buffers of
+    :data:`BUFFER_BYTES` (192 KB) and a barrier for each."""
+    return 2 * BUFFER_BYTES + 16
+
+
+def box_rows(rows: int) -> int:
+    """Rows of the TMA boxes that stage ``rows`` rows: as few boxes of at most 256 rows as
+    cover them, as even as may be (704 units: four boxes of 176)."""
+    boxes = -(-rows // 256)
+    return -(-rows // boxes)
 
 
 def applies(gate: TwELLParts, x: Any, w_up: Any) -> bool:
@@ -74,7 +83,7 @@ def applies(gate: TwELLParts, x: Any, w_up: Any) -> bool:
         return False
     if gate.data.size + gate.spill_data.size >= 1 << 31:
         return False
-    if not rows_aligned(row_stride(x), row_stride(w_up)):
+    if not rows_aligned(row_stride(x), row_stride(w_up)):  # TMA's rules too, K a multiple of 8
         return False
     return shared_bytes() <= K.device_attribute("MaxSharedMemoryPerBlockOptin")
 
@@ -115,41 +124,18 @@ def gated_up(
     n, k = w_up.shape
     if m == 0 or n == 0:
         return
-    x, ldx = row_stride(x)
-    w_up, ldu = row_stride(w_up)
+    x, _ = row_stride(x)
+    w_up, _ = row_stride(w_up)
     t, units, parts = geometry(m, n, tokens)
     tile_ptr, codes, dests, quads = pack(gate, tile_n, n, t, units, parts)
     blocks = -(-m // t) * parts
     kept = (up.data, up.spill_data) if up is not None else (K.null_pointer(), K.null_pointer())
-    args = (
-        tile_ptr,
-        codes,
-        dests,
-        quads,
-        gate.data,
-        gate.spill_data,
-        np.int32(m),
-        np.int32(n),
-        np.int32(k),
-        x,
-        np.int64(ldx),
-        w_up,
-        np.int64(ldu),
-        np.int32(t),
-        np.int32(units),
-        np.int32(parts),
-        h.data,
-        h.spill_data,
-        *kept,
-    )
-    import os
-
-    form = int(os.environ.get("TWELL_TILED_FORM", "2"))  # EXPERIMENT
-    if form == 2:  # W_up's 4-byte words 1 and 2 of every 16 bytes swapped
-        cp = _cp()
-        w_up = cp.ascontiguousarray(w_up.reshape(n, k // 8, 8)[:, :, [0, 1, 4, 5, 2, 3, 6, 7]]).reshape(n, k)
-        args = (*args[:11], w_up, np.int64(k), *args[13:])
-    expr = f"twell_tiled_gated_up<{K.CXX_TYPE[x.dtype]}, {form}>"
+    box_w, box_x = box_rows(units), box_rows(t)
+    maps = (tensor_map(w_up, box_w, SLICE_COLS, SWIZZLE_NONE), tensor_map(x, box_x, SLICE_COLS, SWIZZLE_NONE))
+    pattern = (tile_ptr, codes, dests, quads, gate.data, gate.spill_data)
+    boxes = (np.int32(k), np.int32(t), np.int32(units), np.int32(parts))
+    args = (*maps, np.int32(box_w), np.int32(box_x), *pattern, *boxes, h.data, h.spill_data, *kept)
+    expr = f"twell_tiled_gated_up<{K.CXX_TYPE[x.dtype]}>"
     K.launch_grid(expr, (blocks,), (WARPS * 32,), args, shared_bytes())
 
 
