@@ -459,7 +459,8 @@ def gated_up(
 
     ``path``: "gather" (``twell_gather_gated_up``, or ``twell_gather_gated_up_e4m3`` for
     ``w_up`` as ``_quantize.QuantizedRows``: u = the row's scale times x . its codes, in fp32),
-    "tiled" (``_tiled_up``: blocks of tokens x units staged in shared memory; 2-byte rows only),
+    "tiled" (``_tiled_up``: blocks of tokens x units staged in shared memory; 2-byte rows on
+    Hopper only),
     or "auto" (:func:`_tiled_up.chosen`). ``variant``: the row gathers' (KV, U) instantiation.
     """
     cp = _cp()
@@ -476,6 +477,8 @@ def gated_up(
     h = values(cp.empty)
     up = values(cp.zeros) if keep_up else None
     quantized = isinstance(w_up, QuantizedRows)
+    if path == "tiled" and (quantized or not _tiled_up.applies(gate, x, w_up)):
+        raise ValueError("path: 'tiled' needs 2-byte x and w_up with 16-byte rows on a compute-capability 9.0 GPU")
     if path == "tiled" or (path == "auto" and not quantized and _tiled_up.chosen(gate, x, w_up)):
         _tiled_up.gated_up(gate, tile_n, x, w_up, h, up)
         return h, up

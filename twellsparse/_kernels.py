@@ -170,8 +170,6 @@ def _instantiations() -> dict[str, list[str]]:
             for dual in (0, 1)  # one product, or the sum of two (A @ B + A2 @ B2)
         ]
         + ["stationary_row_sizes", "stationary_row_sums", "stationary_row_place"],
-        "twell_tiled_up.cu": [f"twell_tiled_gated_up<{CXX_TYPE[d]}>" for d in VALUE_DTYPES if d.itemsize == 2]
-        + ["tiled_up_count", "tiled_up_place"],
     }
 
 
@@ -181,7 +179,7 @@ INSTANTIATIONS: dict[str, list[str]] = _instantiations()
 #: magnitude threshold.
 HOPPER_ACTIVATIONS = ("relu", "relu2", "silu")
 
-#: Sources built for one target only, whose instructions (wgmma, setmaxnreg) exist nowhere else:
+#: Sources built for one target only, whose instructions (wgmma, setmaxnreg, TMA) exist nowhere else:
 #: source -> (NVRTC target, instantiations). Compiled here with NVRTC and loaded as a cubin.
 ARCH_SOURCES: dict[str, tuple[str, list[str]]] = {
     "twell_hopper_gemm.cu": (
@@ -196,6 +194,12 @@ ARCH_SOURCES: dict[str, tuple[str, list[str]]] = {
                 f"twell_gemm_pack_pair<{CXX_TYPE[d]}, {ACTIVATION_ID[a]}>",
             )
         ],
+    ),
+    # The tiled up projection (its slices staged by TMA) and its gate pack.
+    "twell_tiled_up.cu": (
+        "sm_90a",
+        [f"twell_tiled_gated_up<{CXX_TYPE[d]}>" for d in (np.dtype(np.float16), bfloat16)]
+        + ["tiled_up_count", "tiled_up_place"],
     ),
 }
 

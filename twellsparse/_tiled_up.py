@@ -78,12 +78,16 @@ def box_rows(rows: int) -> int:
 def applies(gate: TwELLParts, x: Any, w_up: Any) -> bool:
     """Whether the tiled kernel serves the up projection of ``gate`` (its structure, x's dtype)
     with ``x`` and ``w_up`` on the current device: 2-byte values, 16-byte-aligned rows of a
-    multiple of 16 bytes, slot positions that fit 31 bits and the shared memory."""
+    multiple of 16 bytes, slot positions that fit 31 bits, on a compute-capability 9.0 GPU (TMA;
+    the kernel is built for sm_90a only)."""
     if x.dtype.itemsize != 2 or w_up.dtype != x.dtype or gate.data.dtype != x.dtype:
         return False
     if gate.data.size + gate.spill_data.size >= 1 << 31:
         return False
     if not rows_aligned(row_stride(x), row_stride(w_up)):  # TMA's rules too, K a multiple of 8
+        return False
+    cp = _cp()
+    if str(cp.cuda.Device().compute_capability) != "90":
         return False
     return shared_bytes() <= K.device_attribute("MaxSharedMemoryPerBlockOptin")
 
@@ -106,10 +110,11 @@ def pack(gate: TwELLParts, tile_n: int, n: int, tokens: int, units: int, parts: 
     shape = (np.int32(m), np.int32(n), np.int32(nt), np.int32(tile_n), np.int32(cap))
     boxes = (np.int32(tokens), np.int32(units), np.int32(parts), np.int32(items))
     structure = (gate.indices, gate.counts, gate.spill_indptr, gate.spill_indices, *shape, *boxes)
-    K.launch("tiled_up_count", 32 * items, 256, (*structure, sizes, classes))
+    warps_grid = (-(-32 * items // 256),)
+    K.launch_arch("tiled_up_count", warps_grid, (256,), (*structure, sizes, classes), 0)
     head = (sizes, np.int64(items))
     two_launch_scan(items, "stationary_row_sums", head, "stationary_row_place", head, (tile_ptr,))
-    K.launch("tiled_up_place", 32 * items, 256, (*structure, tile_ptr, classes, codes, dests, quads))
+    K.launch_arch("tiled_up_place", warps_grid, (256,), (*structure, tile_ptr, classes, codes, dests, quads), 0)
     return tile_ptr, codes, dests, quads
 
 
@@ -136,7 +141,7 @@ def gated_up(
     boxes = (np.int32(k), np.int32(t), np.int32(units), np.int32(parts))
     args = (*maps, np.int32(box_w), np.int32(box_x), *pattern, *boxes, h.data, h.spill_data, *kept)
     expr = f"twell_tiled_gated_up<{K.CXX_TYPE[x.dtype]}>"
-    K.launch_grid(expr, (blocks,), (WARPS * 32,), args, shared_bytes())
+    K.launch_arch(expr, (blocks,), (WARPS * 32,), args, shared_bytes())
 
 
 #: Whether the gated consumer's "auto" up projection takes this kernel where it applies: only
