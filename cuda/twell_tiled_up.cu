@@ -227,8 +227,8 @@ __global__ void __launch_bounds__(256) tiled_up_place(
 // as zeros). Dynamic shared memory (TILED_SHARED_BYTES): two buffers of TILED_BUFFER_BYTES,
 // each W_up's U 64-byte rows from byte 0 and x's T rows from TILED_X_BYTE, then a barrier per
 // buffer. U at most TILED_MAX_UNITS, T a multiple of 4 and at most TILED_MAX_TOKENS, box_w and
-// box_x at most 256 with ceil(U / box_w) box_w <= TILED_MAX_UNITS and ceil(T / box_x) box_x <=
-// TILED_MAX_TOKENS. u_data null: u is not kept.
+// box_x even (TMA's 128-byte aligned destinations) and at most 256, with ceil(U / box_w) box_w <=
+// TILED_MAX_UNITS and ceil(T / box_x) box_x <= TILED_MAX_TOKENS. u_data null: u is not kept.
 template <typename T>
 __global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_up(
     const __grid_constant__ twell::TensorMap map_w, const __grid_constant__ twell::TensorMap map_x, int box_w,

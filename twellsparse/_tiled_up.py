@@ -70,9 +70,11 @@ def shared_bytes() -> int:
 
 def box_rows(rows: int) -> int:
     """Rows of the TMA boxes that stage ``rows`` rows: as few boxes of at most 256 rows as
-    cover them, as even as may be (704 units: four boxes of 176)."""
+    cover them, of an even row count (each box's 64-byte rows then fill whole 128-byte lines,
+    and TMA writes only to 128-byte aligned shared addresses; 704 units: three boxes of 236)."""
     boxes = -(-rows // 256)
-    return -(-rows // boxes)
+    per_box = -(-rows // boxes)
+    return per_box + per_box % 2
 
 
 def applies(gate: TwELLParts, x: Any, w_up: Any) -> bool:

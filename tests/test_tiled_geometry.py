@@ -1,0 +1,28 @@
+"""The tiled up projection's block geometry and TMA boxes (twellsparse/_tiled_up.py), checked
+on the CPU for every part and block size the kernel can be given: the boxes must land on
+128-byte aligned shared addresses and stay inside the buffer regions the kernel reserves."""
+
+from __future__ import annotations
+
+import pytest
+
+from twellsparse import _tiled_up
+
+
+@pytest.mark.parametrize("region", [_tiled_up.MAX_UNITS, _tiled_up.MAX_TOKENS])
+def test_boxes_are_aligned_cover_the_rows_and_fit_the_region(region):
+    for rows in range(1, region + 1):
+        box = _tiled_up.box_rows(rows)
+        boxes = -(-rows // box)
+        assert box % 2 == 0, rows  # 64-byte rows: every box starts 128-byte aligned
+        assert 0 < box <= 256, rows  # TMA's box limit
+        assert rows <= boxes * box <= region, rows  # all rows, nothing past the region
+
+
+@pytest.mark.parametrize("m", [1, 3, 67, 512, 4100, 16384])
+@pytest.mark.parametrize("n", [1, 40, 704, 1408, 5632, 14336, 20000])
+def test_geometry_parts_cover_the_units_within_the_kernel_limits(m, n):
+    tokens, units, parts = _tiled_up.geometry(m, n)
+    assert tokens % _tiled_up.QUAD == 0 and 0 < tokens <= _tiled_up.MAX_TOKENS
+    assert units % 2 == 0 and units <= _tiled_up.MAX_UNITS
+    assert parts * units >= n > (parts - 1) * units
