@@ -46,12 +46,13 @@ constexpr int TILED_MAX_TILES = 32;   // tiles per warp and round (2 registers e
 constexpr int TILED_GROUP = 4;        // tiles summed together (their loads and MMAs interleave)
 constexpr int TILED_QUAD = 4;         // tokens per B fragment
 constexpr int TILED_TILE = 8;         // entries per tile (each two rows of A)
-constexpr int TILED_MAX_UNITS = 1024; // staged-row byte offsets (64 per unit) are 16-bit fields
+constexpr int TILED_MAX_UNITS = 1024; // W_up rows per buffer (64 KB: the tiles' 17-bit addresses)
 constexpr int TILED_MAX_TOKENS = 512;  // x rows per buffer: offsets below 2^15 (15-bit fields)
 constexpr int TILED_X_BYTE = TILED_MAX_UNITS * 64;  // x's rows in a buffer, after W_up's
 constexpr int TILED_BUFFER_BYTES = TILED_X_BYTE + TILED_MAX_TOKENS * 64;  // 96 KB; two of them
 constexpr int TILED_SHARED_BYTES = 2 * TILED_BUFFER_BYTES + 16;            // and their two barriers
 constexpr int TILED_PAD = (int)0x80000000;  // destination of a padding entry
+static_assert(TILED_SHARED_BYTES <= 227 * 1024, "the two buffers fit one block's shared memory");
 
 // The box of work item `item` (a quad of tokens in one unit part of one token block), in the
 // order the pack and the kernel share: item = (block * quads) + quad, block = tb * parts + up.

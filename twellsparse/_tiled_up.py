@@ -28,7 +28,7 @@ MAX_TILES = 32
 #: Tokens per B fragment (TILED_QUAD) and entries per tile (TILED_TILE).
 QUAD = 4
 TILE = 8
-#: Units per part at most (TILED_MAX_UNITS: staged-row byte offsets are 16-bit fields).
+#: Units per part at most (TILED_MAX_UNITS: the W_up rows' room in a buffer, 64 KB).
 MAX_UNITS = 1024
 #: Units per part aimed at: the standard widths' 5632 units in 8 parts of 704.
 TARGET_UNITS = 704
