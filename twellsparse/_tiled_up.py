@@ -147,7 +147,8 @@ def gated_up(
 
 
 #: Whether the gated consumer's "auto" up projection takes this kernel where it applies: only
-#: with ``TWELL_TILED_UP=1`` (slower than the row gathers so far; bench/NOTES.md).
+#: with ``TWELL_TILED_UP=1`` (faster than the row gathers at 1% and 2%, not at 0.5%, and not
+#: yet run inside the FFN tests; bench/NOTES.md).
 PREFERRED: bool | None = K.env_switch("TWELL_TILED_UP")
 
 
