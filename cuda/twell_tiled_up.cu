@@ -148,7 +148,7 @@ template <int OFF> __device__ __forceinline__ uint2 load_shared8(unsigned addres
 // token t of the quad over the slice.
 template <typename T, int SHIFT>
 __device__ __forceinline__ void sum_tiles(const unsigned (&where)[TILED_MAX_TILES], float (&acc)[TILED_MAX_TILES],
-                                          int cnt, unsigned x_base) {
+                                          int cnt, unsigned smem_base) {
 #pragma unroll
   for (int i0 = 0; i0 < TILED_MAX_TILES; i0 += TILED_GROUP) {
     if (i0 >= cnt) break;
@@ -159,7 +159,7 @@ __device__ __forceinline__ void sum_tiles(const unsigned (&where)[TILED_MAX_TILE
       unsigned w = where[i];
       asm volatile("" : "+r"(w));
       const uint4 a = load_shared16<SHIFT>(w & 0x1ffffu);
-      const unsigned xb = x_base + (w >> 17);
+      const unsigned xb = smem_base + (w >> 17);  // x's rows: TILED_X_BYTE further
       const uint2 b = load_shared8<SHIFT + TILED_X_BYTE>(xb);
       float d[4] = {0.f, 0.f, 0.f, 0.f};
       mma_m16n8k16<T>(d, a.x, a.z, a.y, a.w, b.x, b.y);
@@ -296,19 +296,18 @@ __global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_
       where[i] = (smem_base + (c & 0xfffu) * 64 + t * 16) | (x_off << 17);
       acc[i] = 0.f;
     }
-    const unsigned x_base = smem_base;  // x's rows: TILED_X_BYTE past each buffer
     // Slices s and s + 1 from buffers 0 and 1; each buffer is refilled with the slice two ahead
     // once every warp has summed it.
     for (int s = 0; s < n_slices; s += 2) {
       barrier_wait(bars, phase0);
       phase0 ^= 1u;
-      sum_tiles<T, 0>(where, acc, cnt, x_base);
+      sum_tiles<T, 0>(where, acc, cnt, smem_base);
       __syncthreads();
       if (threadIdx.x == 0 && s + 2 < n_slices) stage(s + 2, 0);
       if (s + 1 >= n_slices) break;
       barrier_wait(bars + 8, phase1);
       phase1 ^= 1u;
-      sum_tiles<T, TILED_BUFFER_BYTES>(where, acc, cnt, x_base);
+      sum_tiles<T, TILED_BUFFER_BYTES>(where, acc, cnt, smem_base);
       __syncthreads();
       if (threadIdx.x == 0 && s + 3 < n_slices) stage(s + 3, 1);
     }

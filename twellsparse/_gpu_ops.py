@@ -460,8 +460,8 @@ def gated_up(
     ``path``: "gather" (``twell_gather_gated_up``, or ``twell_gather_gated_up_e4m3`` for
     ``w_up`` as ``_quantize.QuantizedRows``: u = the row's scale times x . its codes, in fp32),
     "tiled" (``_tiled_up``: blocks of tokens x units staged in shared memory; 2-byte rows on
-    Hopper only),
-    or "auto" (:func:`_tiled_up.chosen`). ``variant``: the row gathers' (KV, U) instantiation.
+    Hopper only) or "auto" (:func:`_tiled_up.chosen`). ``variant``: the row gathers' (KV, U)
+    instantiation.
     """
     cp = _cp()
     m, nt, cap = gate.data.shape

@@ -81,9 +81,7 @@ def applies(x: Any, w: Any, activation: str, threshold: float | None, tile_n: in
         return False
     if not (tma_ready(x) and tma_ready(w)):
         return False
-    import cupy as cp
-
-    return str(cp.cuda.Device().compute_capability) == "90"
+    return K.runs_here("twell_hopper_gemm.cu")
 
 
 def linear_to_parts_deferred(

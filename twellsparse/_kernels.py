@@ -442,6 +442,14 @@ def device_attribute(name: str) -> int:
     return _attribute(cp.cuda.Device().id, name)
 
 
+def runs_here(source: str) -> bool:
+    """Whether the current device is the one target of the :data:`ARCH_SOURCES` source
+    ``source`` (sm_90a: compute capability 9.0 exactly; its "a" features exist nowhere else)."""
+    cp = cupy_module()
+    assert cp is not None
+    return str(cp.cuda.Device().compute_capability) == ARCH_SOURCES[source][0].removeprefix("sm_").rstrip("a")
+
+
 def sm_count() -> int:
     """Multiprocessors of the current device (for persistent grids)."""
     return device_attribute("MultiProcessorCount")

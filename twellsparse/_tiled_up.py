@@ -88,8 +88,7 @@ def applies(gate: TwELLParts, x: Any, w_up: Any) -> bool:
         return False
     if not rows_aligned(row_stride(x), row_stride(w_up)):  # TMA's rules too, K a multiple of 8
         return False
-    cp = _cp()
-    if str(cp.cuda.Device().compute_capability) != "90":
+    if not K.runs_here("twell_tiled_up.cu"):
         return False
     return shared_bytes() <= K.device_attribute("MaxSharedMemoryPerBlockOptin")
 
