@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -35,6 +35,28 @@ stage_rows() {
   done
 }
 for step in $what; do
+  case $step in
+    branch=*)
+      # branch=NAME:STEP,STEP: those steps of a branch packed by scripts/bundle_branches.sh, in
+      # its own tree and with its own device_run.sh (logs under $OUT/NAME), then this tree again.
+      spec=${step#branch=}
+      name=${spec%%:*}
+      steps=${spec#*:}
+      here=$PWD
+      tree=/tmp/branches/$name
+      if [ ! -f ".branches/$name.tar.gz" ]; then
+        echo "branch $name: .branches/$name.tar.gz missing (bundle_branches.sh, carry .branches)" | tee -a "$OUT/branches.log"
+        status=1
+        continue
+      fi
+      rm -rf "$tree" && mkdir -p "$tree" && tar -xzf ".branches/$name.tar.gz" -C "$tree"
+      (cd "$tree" && TWELL_COMMIT=$(cat "$here/.branches/$name.commit") OUT="$OUT/$name" \
+        bash scripts/device_run.sh ${steps//,/ }) 2>&1 | tee -a "$OUT/branches.log" | tail -40
+      status=$((status | ${PIPESTATUS[0]}))
+      python3 -m pip install --no-deps --no-build-isolation -q -e . 2>&1 | tail -3
+      continue
+      ;;
+  esac
   case $step in
     tests|all)
       python3 -m pytest -m gpu -q --maxfail=40 --durations=10 -p no:cacheprovider ${TWELL_TESTS:-} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
