@@ -12,8 +12,15 @@ up and down products over those H columns for every token: 4 M d_model H FLOP at
 tensor rate) and the other units' pairs by per-pair gathers (8 KB each at an assumed gather rate),
 for the H that minimises the sum; the consumer time against gathers alone.
 
+Third table, the packed tensor-core kernels (branches tiled-spmm / tiled-ffn, bench/NOTES.md,
+twenty-fourth session): the gate packed per (8 rows, 512 columns) into k-groups of 16 entries;
+the padding that whole k-groups add, the one-pack up kernel's rounds per block (4 k-groups per
+row group and round; more re-stream the slices), the transposed products' warp imbalance (a warp
+owns 4 groups of 8 units: the block waits for its busiest warp), and the shared-memory bytes and
+time each kernel needs at an assumed shared-memory rate (their bound if nothing else binds).
+
 Usage: python bench/model.py [--m 16384] [--d-model 2048] [--d-ff 5632] [--l2-tbs 9.0]
-       [--tflops 700] [--gather-tbs 6.4]
+       [--tflops 700] [--gather-tbs 6.4] [--smem-tbs 29.6]
 """
 
 from __future__ import annotations
@@ -47,6 +54,44 @@ def hot_split(fire: np.ndarray, row_bytes: int, d_model: int, tflops: float, gat
     return best, float(ms[best])
 
 
+def packed_stats(fire: np.ndarray, d_model: int, rows: int = 8, chunk: int = 512, kgroup: int = 16) -> dict:
+    """The packed kernels' geometry on one activation pattern (tokens x units, padded to whole
+    groups and chunks): padding of the k-groups, the up kernel's rounds per (512 tokens, chunk)
+    block, the transposed products' busiest-warp factor, and each kernel's shared-memory bytes
+    (2-byte values: 128 bytes of a B row per entry and 64 columns; W_up's 64 bytes per entry and
+    32 columns plus x's rows once per group, slice and round)."""
+    m, n = fire.shape
+    pad_m, pad_n = -(-m // 512) * 512, -(-n // chunk) * chunk
+    full = np.zeros((pad_m, pad_n), dtype=bool)
+    full[:m, :n] = fire
+    entries = full.reshape(pad_m // rows, rows, pad_n // chunk, chunk).sum(axis=(1, 3))  # (group, chunk)
+    kgs = -(-entries // kgroup)
+    per_block = kgs.reshape(-1, 64, kgs.shape[1])  # 64 row groups a block of 512 tokens
+    rounds = np.maximum((-(-per_block // 4)).max(axis=1), 0)  # (part, chunk)
+    groups_busy = (per_block > 0).sum(axis=1)  # groups reading x, per (part, chunk)
+    slices = -(-d_model // 32)
+    up_bytes = kgs.sum() * kgroup * 2 * d_model + (rounds * groups_busy).sum() * slices * 8 * 64
+    spmm_bytes = kgs.sum() * kgroup * 2 * d_model
+    # A.T: groups of 8 units x chunks of 512 tokens; blocks of 512 units (16 warps x 4 groups).
+    entries_t = full.reshape(pad_m // chunk, chunk, pad_n // rows, rows).sum(axis=(1, 3)).T
+    kgs_t = -(-entries_t // kgroup)
+    units_groups = -(-kgs_t.shape[0] // 64) * 64
+    padded_t = np.zeros((units_groups, kgs_t.shape[1]), dtype=kgs_t.dtype)
+    padded_t[: kgs_t.shape[0]] = kgs_t
+    warp_load = padded_t.sum(axis=1).reshape(-1, 16, 4).sum(axis=2)  # (block, warp)
+    # The blocks' time is their busiest warps' loads: against the mean warps', over all blocks.
+    busy = warp_load.max(axis=1).sum() / max(warp_load.mean(axis=1).sum(), 1e-9)
+    return {
+        "padding": float(kgs.sum() * kgroup / max(entries.sum(), 1) - 1),
+        "rounds": float(rounds.mean()),
+        "two_rounds": float((rounds >= 2).mean()),
+        "busiest_warp": float(busy),
+        "spmm_gb": spmm_bytes / 1e9,
+        "up_gb": up_bytes / 1e9,
+        "transposed_gb": float(kgs_t.sum() * kgroup * 2 * d_model / 1e9),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", type=int, default=16384)
@@ -57,11 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--densities", default="0.005,0.01,0.02")
     ap.add_argument("--tflops", type=float, default=700.0, help="assumed dense bf16 rate, TFLOP/s")
     ap.add_argument("--gather-tbs", type=float, default=6.4, help="the gated consumer's measured gather rate, TB/s")
+    ap.add_argument("--smem-tbs", type=float, default=29.6, help="assumed shared-memory rate, TB/s")
     args = ap.parse_args(argv)
     row_bytes = 2 * args.d_model  # one bf16 weight row
     rng = np.random.default_rng(0)
     print("pattern  density  block  union  reuse  per-pair GB (ms)  staged GB (ms)")
-    splits = []
+    splits, packed = [], []
     for pattern in ("uniform", "skewed"):
         for density in (float(d) for d in args.densities.split(",")):
             rates = firing_rates(args.d_ff, density, pattern, rng)
@@ -69,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             gathers_ms = 2 * int(fire.sum()) * row_bytes / (args.gather_tbs * 1e9)
             hot, split_ms = hot_split(fire, row_bytes, args.d_model, args.tflops, args.gather_tbs)
             splits.append((pattern, density, hot, split_ms, gathers_ms))
+            packed.append((pattern, density, packed_stats(fire, args.d_model)))
             pairs = int(fire.sum())
             per_pair = 2 * pairs * row_bytes / 1e9  # W_up and W_down rows
             for block in (int(b) for b in args.blocks.split(",")):
@@ -81,6 +128,17 @@ def main(argv: list[str] | None = None) -> int:
     print("\npattern  density  hot units H  split consumer ms  gathers alone ms")
     for pattern, density, hot, split_ms, gathers_ms in splits:
         print(f"{pattern:>7}  {density:6.2%}  {hot:11d}  {split_ms:16.3f}  {gathers_ms:16.3f}")
+    print(
+        "\npattern  density  padding  up rounds (2+)  busiest warp (A.T)  "
+        f"shared-memory GB (ms at {args.smem_tbs} TB/s): down, up, each transposed"
+    )
+    for pattern, density, st in packed:
+        t = {k: st[k] / args.smem_tbs for k in ("spmm_gb", "up_gb", "transposed_gb")}
+        print(
+            f"{pattern:>7}  {density:6.2%}  {st['padding']:7.1%}  {st['rounds']:5.2f} ({st['two_rounds']:4.0%})"
+            f"  {st['busiest_warp']:18.2f}  {st['spmm_gb']:.2f} ({t['spmm_gb']:.3f}), {st['up_gb']:.2f}"
+            f" ({t['up_gb']:.3f}), {st['transposed_gb']:.2f} ({t['transposed_gb']:.3f})"
+        )
     return 0
 
 
