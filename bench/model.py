@@ -16,7 +16,8 @@ Third table, the packed tensor-core kernels (branches tiled-spmm / tiled-ffn, be
 twenty-fourth session): the gate packed per (8 rows, 512 columns) into k-groups of 16 entries;
 the padding that whole k-groups add, the one-pack up kernel's rounds per block (4 k-groups per
 row group and round; more re-stream the slices), the transposed products' warp imbalance (a warp
-owns 4 groups of 8 units: the block waits for its busiest warp), and the shared-memory bytes and
+owns 4 groups of 8 units: the block waits for its busiest warp; as they come and as dealt by
+load), and the shared-memory bytes and
 time each kernel needs at an assumed shared-memory rate (their bound if nothing else binds).
 
 Usage: python bench/model.py [--m 16384] [--d-model 2048] [--d-ff 5632] [--l2-tbs 9.0]
@@ -54,6 +55,20 @@ def hot_split(fire: np.ndarray, row_bytes: int, d_model: int, tflops: float, gat
     return best, float(ms[best])
 
 
+def dealt_loads(loads: np.ndarray) -> np.ndarray:
+    """The loads of 64 x blocks warp slots after ``tiled_spmm_balance``'s deal of the groups
+    (``loads``, a multiple of 64 long): heaviest first (ties: the smaller group), the k-th to
+    block k % blocks, pass (k // blocks) // 16, warp p or 15 - p on alternate passes."""
+    blocks = loads.size // 64
+    order = sorted(range(loads.size), key=lambda g: (-int(loads[g]), g))
+    slots = np.zeros(loads.size, dtype=loads.dtype)
+    for k, g in enumerate(order):
+        b, r = k % blocks, k // blocks
+        step, p = divmod(r, 16)
+        slots[(b * 16 + (15 - p if step & 1 else p)) * 4 + step] = loads[g]
+    return slots
+
+
 def packed_stats(fire: np.ndarray, d_model: int, rows: int = 8, chunk: int = 512, kgroup: int = 16) -> dict:
     """The packed kernels' geometry on one activation pattern (tokens x units, padded to whole
     groups and chunks): padding of the k-groups, the up kernel's rounds per (512 tokens, chunk)
@@ -78,14 +93,18 @@ def packed_stats(fire: np.ndarray, d_model: int, rows: int = 8, chunk: int = 512
     units_groups = -(-kgs_t.shape[0] // 64) * 64
     padded_t = np.zeros((units_groups, kgs_t.shape[1]), dtype=kgs_t.dtype)
     padded_t[: kgs_t.shape[0]] = kgs_t
-    warp_load = padded_t.sum(axis=1).reshape(-1, 16, 4).sum(axis=2)  # (block, warp)
+    loads = padded_t.sum(axis=1)
+    warp_load = loads.reshape(-1, 16, 4).sum(axis=2)  # (block, warp)
     # The blocks' time is their busiest warps' loads: against the mean warps', over all blocks.
     busy = warp_load.max(axis=1).sum() / max(warp_load.mean(axis=1).sum(), 1e-9)
+    dealt = dealt_loads(loads).reshape(-1, 16, 4).sum(axis=2)
+    busy_dealt = dealt.max(axis=1).sum() / max(dealt.mean(axis=1).sum(), 1e-9)
     return {
         "padding": float(kgs.sum() * kgroup / max(entries.sum(), 1) - 1),
         "rounds": float(rounds.mean()),
         "two_rounds": float((rounds >= 2).mean()),
         "busiest_warp": float(busy),
+        "busiest_warp_dealt": float(busy_dealt),
         "spmm_gb": spmm_bytes / 1e9,
         "up_gb": up_bytes / 1e9,
         "transposed_gb": float(kgs_t.sum() * kgroup * 2 * d_model / 1e9),
@@ -129,15 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     for pattern, density, hot, split_ms, gathers_ms in splits:
         print(f"{pattern:>7}  {density:6.2%}  {hot:11d}  {split_ms:16.3f}  {gathers_ms:16.3f}")
     print(
-        "\npattern  density  padding  up rounds (2+)  busiest warp (A.T)  "
+        "\npattern  density  padding  up rounds (2+)  busiest warp (A.T, dealt)  "
         f"shared-memory GB (ms at {args.smem_tbs} TB/s): down, up, each transposed"
     )
     for pattern, density, st in packed:
         t = {k: st[k] / args.smem_tbs for k in ("spmm_gb", "up_gb", "transposed_gb")}
         print(
             f"{pattern:>7}  {density:6.2%}  {st['padding']:7.1%}  {st['rounds']:5.2f} ({st['two_rounds']:4.0%})"
-            f"  {st['busiest_warp']:18.2f}  {st['spmm_gb']:.2f} ({t['spmm_gb']:.3f}), {st['up_gb']:.2f}"
-            f" ({t['up_gb']:.3f}), {st['transposed_gb']:.2f} ({t['transposed_gb']:.3f})"
+            f"  {st['busiest_warp']:14.2f} ({st['busiest_warp_dealt']:.2f})"
+            f"  {st['spmm_gb']:.2f} ({t['spmm_gb']:.3f}), {st['up_gb']:.2f} ({t['up_gb']:.3f}),"
+            f" {st['transposed_gb']:.2f} ({t['transposed_gb']:.3f})"
         )
     return 0
 

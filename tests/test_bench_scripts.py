@@ -91,6 +91,20 @@ def test_packed_stats_counts_kgroups_rounds_and_warps():
     assert st["spmm_gb"] == 9 * 16 * 2 * 64 / 1e9
     assert st["transposed_gb"] == 9 * 16 * 2 * 64 / 1e9
     assert st["busiest_warp"] == 16.0  # warp 0 has all 9 k-groups: 16x the mean of 16 warps
+    # dealt over the two blocks of 64 groups: 4 to block 0's warp 0, 4 to block 1's, 1 to block
+    # 0's warp 1: busiest warps 4 + 4 against means (4 + 1) / 16 + 4 / 16
+    assert st["busiest_warp_dealt"] == 8 / (9 / 16)
+
+
+def test_deal_spreads_the_heaviest_groups_over_blocks_and_warps():
+    import numpy as np
+
+    model = _load("model")
+    loads = np.arange(128)[::-1].copy()  # group g weighs 127 - g; two blocks
+    slots = model.dealt_loads(loads)
+    assert sorted(slots.tolist()) == sorted(loads.tolist())
+    assert slots[0] == 127 and slots[64] == 126  # the two heaviest open block 0 and block 1
+    assert slots[(0 * 16 + 15) * 4 + 1] == 127 - 32  # pass 1 snakes back: warp 15 of block 0
 
 
 def test_train_step_quick(capsys):
