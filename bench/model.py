@@ -17,8 +17,8 @@ twenty-fourth session): the gate packed per (8 rows, 512 columns) into k-groups 
 the padding that whole k-groups add, the one-pack up kernel's rounds per block (4 k-groups per
 row group and round; more re-stream the slices), the transposed products' warp imbalance (a warp
 owns 4 groups of 8 units: the block waits for its busiest warp; as they come and as dealt by
-load), and the shared-memory bytes and
-time each kernel needs at an assumed shared-memory rate (their bound if nothing else binds).
+load), and the shared-memory bytes and time each kernel needs at an assumed shared-memory rate
+(their bound if nothing else binds).
 
 Usage: python bench/model.py [--m 16384] [--d-model 2048] [--d-ff 5632] [--l2-tbs 9.0]
        [--tflops 700] [--gather-tbs 6.4] [--smem-tbs 29.6]
@@ -82,11 +82,12 @@ def packed_stats(fire: np.ndarray, d_model: int, rows: int = 8, chunk: int = 512
     entries = full.reshape(pad_m // rows, rows, pad_n // chunk, chunk).sum(axis=(1, 3))  # (group, chunk)
     kgs = -(-entries // kgroup)
     per_block = kgs.reshape(-1, 64, kgs.shape[1])  # 64 row groups a block of 512 tokens
-    rounds = np.maximum((-(-per_block // 4)).max(axis=1), 0)  # (part, chunk)
+    rounds = (-(-per_block // 4)).max(axis=1)  # (part, chunk)
     groups_busy = (per_block > 0).sum(axis=1)  # groups reading x, per (part, chunk)
     slices = -(-d_model // 32)
-    up_bytes = kgs.sum() * kgroup * 2 * d_model + (rounds * groups_busy).sum() * slices * 8 * 64
-    spmm_bytes = kgs.sum() * kgroup * 2 * d_model
+    kgroup_bytes = kgroup * 2 * d_model  # a k-group's entries' whole 2-byte rows
+    spmm_bytes = kgs.sum() * kgroup_bytes
+    up_bytes = spmm_bytes + (rounds * groups_busy).sum() * slices * 8 * 64
     # A.T: groups of 8 units x chunks of 512 tokens; blocks of 512 units (16 warps x 4 groups).
     entries_t = full.reshape(pad_m // chunk, chunk, pad_n // rows, rows).sum(axis=(1, 3)).T
     kgs_t = -(-entries_t // kgroup)
@@ -107,7 +108,7 @@ def packed_stats(fire: np.ndarray, d_model: int, rows: int = 8, chunk: int = 512
         "busiest_warp_dealt": float(busy_dealt),
         "spmm_gb": spmm_bytes / 1e9,
         "up_gb": up_bytes / 1e9,
-        "transposed_gb": float(kgs_t.sum() * kgroup * 2 * d_model / 1e9),
+        "transposed_gb": float(kgs_t.sum() * kgroup_bytes / 1e9),
     }
 
 
