@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from . import _kernels as K
-from . import _stationary, _tiled_up
+from . import _stationary, _tiled_spmm, _tiled_up
 from ._backend import bfloat16, cupy_module, is_cupy_array
 from ._errors import TwELLFallbackWarning
 from ._gpu_convert import TransposedPattern, leading_dim, row_stride, rows_aligned, transposed_pattern
@@ -87,8 +87,9 @@ def spmm(
 ) -> Any:
     """``out = A @ b``; ``b`` (N x K) and ``out`` (M x K) share A's dtype, out has unit column stride.
 
-    ``path``: one of :data:`PATHS` or "stationary" (``_stationary``; with ``second`` its dual
-    form; "auto" takes it where ``_stationary.chosen`` says so). ``variant``: the gather kernel's (KV, U)
+    ``path``: one of :data:`PATHS`, "stationary" (``_stationary``; with ``second`` its dual
+    form; "auto" takes it where ``_stationary.chosen`` says so) or "tiled" (``_tiled_spmm``, the
+    tensor cores; Hopper only; "auto" takes it only where ``_tiled_spmm.chosen`` says so). ``variant``: the gather kernel's (KV, U)
     instantiation (one of ``_kernels.GATHER_VARIANTS``; default ``GATHER_DEFAULT["spmm"]``). ``second``:
     ``(parts2, b2)``, a matrix of A's structure (other values) and its dense operand:
     ``out = A @ b + A2 @ b2``, summed in the same fp32 accumulators on the gather path.
@@ -96,6 +97,13 @@ def spmm(
     m = parts.data.shape[0]
     b, ldb = row_stride(b)  # once: the stationary check and kernel then take b as it is
     b2 = None if second is None else second[1]
+    if path == "tiled" and not _tiled_spmm.applies(b, out, b2):
+        raise ValueError(
+            "path: 'tiled' needs 2-byte values of one dtype and 16-byte-aligned rows of a multiple of 16 bytes "
+            f"on a compute-capability 9.0 GPU; got {b.dtype} b of shape {b.shape} and {out.dtype} out"
+        )
+    if path == "tiled" or (path == "auto" and _tiled_spmm.chosen(b, out, b2)):
+        return _tiled_spmm.spmm(parts, tile_n, b, out, second)
     if path == "stationary" and not _stationary.applies(b.shape[0], b, out, b2):
         raise ValueError(
             "path: 'stationary' needs 2-byte values, 16-byte-aligned rows and a 16-column slice of b "

@@ -201,6 +201,12 @@ ARCH_SOURCES: dict[str, tuple[str, list[str]]] = {
         [f"twell_tiled_gated_up<{CXX_TYPE[d]}>" for d in (np.dtype(np.float16), bfloat16)]
         + ["tiled_up_count", "tiled_up_place"],
     ),
+    # The tiled SpMM on the tensor cores (B's chunks staged by TMA) and its pack.
+    "twell_tiled_spmm.cu": (
+        "sm_90a",
+        [f"twell_tiled_spmm<{CXX_TYPE[d]}>" for d in (np.dtype(np.float16), bfloat16)]
+        + ["tiled_spmm_count", "tiled_spmm_place"],
+    ),
 }
 
 

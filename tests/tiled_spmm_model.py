@@ -1,0 +1,165 @@
+"""A model of the tiled SpMM (cuda/twell_tiled_spmm.cu) for the tests: its pack written
+independently of the kernels (the round order over the swizzle's row classes, stated as rounds
+rather than as the kernel's position formula), and a lane-by-lane emulation of one product on
+that pack which follows the kernel's address and register algebra against the PTX ISA's
+definitions of ldmatrix (.trans), the m16n8k16 fragments and the 128-byte TMA swizzle. The
+emulation runs on the CPU, so CI checks the algebra without a GPU; the GPU tests compare the
+device's pack with :func:`reference_pack` word for word."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from twellsparse import _tiled_spmm as T
+
+LANES = np.arange(32)
+G, TQ = LANES >> 2, LANES & 3  # the MMA fragments' row (g) and column pair (t) per lane
+
+
+def _bits(values) -> np.ndarray:
+    return np.asarray(values).view(np.uint16).astype(np.uint32)
+
+
+def _item_entries(parts, values, tile_n, row0, m, c0, c1):
+    """(row in group, column - c0, value bits) of the stored entries of rows row0 .. row0 + 7 in
+    columns [c0, c1): each row's slots in tile order, then its spill (the kernel's walk)."""
+    data, spill_data = values
+    out = []
+    for r in range(T.GROUP):
+        row = row0 + r
+        if row >= m:
+            break
+        for t in range(c0 // tile_n, (c1 - 1) // tile_n + 1):
+            for s in range(int(parts.counts[row, t])):
+                col = t * tile_n + int(parts.indices[row, t, s])
+                if c0 <= col < c1:
+                    out.append((r, col - c0, int(_bits(data[row, t, s]))))
+        for i in range(int(parts.spill_indptr[row]), int(parts.spill_indptr[row + 1])):
+            col = int(parts.spill_indices[i])
+            if c0 <= col < c1:
+                out.append((r, col - c0, int(_bits(spill_data[i]))))
+    return out
+
+
+def reference_pack(parts, tile_n: int, k: int, second=None) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """``(kg_ptr, words, n_chunks, n_first)`` as ``_tiled_spmm.pack`` must write them, from host
+    parts: per item (group of 8 rows, chunk of 512 columns; A2's chunks after A's), the entries
+    bucketed by class (column in chunk % 8) in walk order and read out in rounds (round i takes
+    the i-th entry of every class that has one, classes in order), then padding words (the
+    item's first word with value zero) to a multiple of 16."""
+    m = parts.data.shape[0]
+    n_first = -(-k // T.CHUNK)
+    sources = [(parts.data, parts.spill_data)] + ([(second.data, second.spill_data)] if second is not None else [])
+    n_chunks = n_first * len(sources)
+    kg_ptr, words = [0], []
+    for grp in range(-(-m // T.GROUP)):
+        for c in range(n_chunks):
+            c0 = (c % n_first) * T.CHUNK
+            entries = _item_entries(parts, sources[c // n_first], tile_n, grp * T.GROUP, m, c0, min(k, c0 + T.CHUNK))
+            buckets = [[e for e in entries if e[1] % 8 == q] for q in range(8)]
+            ordered = [b[i] for i in range(max(map(len, buckets))) for b in buckets if i < len(b)]
+            item = [bits << 16 | r << 9 | col for r, col, bits in ordered]
+            padded = -(-len(item) // T.KGROUP) * T.KGROUP
+            item += [item[0] & 0xFFFF if item else 0] * (padded - len(item))
+            words += item
+            kg_ptr.append(kg_ptr[-1] + padded // T.KGROUP)
+    return np.array(kg_ptr, dtype=np.int64), np.array(words, dtype=np.uint32), n_chunks, n_first
+
+
+def _staged(b: np.ndarray, k0: int, col0: int) -> np.ndarray:
+    """One stage as TMA writes it: rows k0 .. k0 + 511 and columns col0 .. col0 + 63 of b (zeros
+    past its edges) as 512 rows of 128 bytes, the 16-byte piece p of row r stored at piece p ^
+    (r % 8) (the 128-byte swizzle on a 1024-byte aligned stage). Float64 of b's values."""
+    logical = np.zeros((T.CHUNK, T.COLS))
+    part = b[k0 : k0 + T.CHUNK, col0 : col0 + T.COLS].astype(np.float64)
+    logical[: part.shape[0], : part.shape[1]] = part
+    physical = np.empty_like(logical)
+    for p in range(T.COLS // 8):
+        for r in range(T.CHUNK):
+            q = p ^ (r % 8)
+            physical[r, 8 * q : 8 * q + 8] = logical[r, 8 * p : 8 * p + 8]
+    return physical
+
+
+def _ldmatrix_x4_trans(stage: np.ndarray, rows: np.ndarray, pieces: np.ndarray) -> np.ndarray:
+    """ldmatrix.sync.aligned.m8n8.x4.trans.b16 (PTX ISA): lanes 8i .. 8i + 7 address the 8 rows of
+    matrix i (16 bytes each); with .trans, lane 4g + t receives in register i the matrix's
+    elements (row 2t, column g) and (row 2t + 1, column g). Returns [lane, register, half]."""
+    fetched = np.stack([stage[rows[lane], 8 * pieces[lane] : 8 * pieces[lane] + 8] for lane in range(32)])
+    regs = np.empty((32, 4, 2))
+    for i in range(4):
+        matrix = fetched[8 * i : 8 * i + 8]  # [row][column]
+        regs[:, i, 0] = matrix[2 * TQ, G]
+        regs[:, i, 1] = matrix[2 * TQ + 1, G]
+    return regs
+
+
+def _mma_m16n8k16(a_regs: np.ndarray, b_regs: np.ndarray) -> np.ndarray:
+    """D = A B of one m16n8k16 from the lanes' fragments (PTX ISA layout, lane = 4g + t): a0 = A[g]
+    [2t, 2t + 1], a1 = A[g + 8][2t, 2t + 1], a2 = A[g][2t + 8, 2t + 9], a3 = A[g + 8][2t + 8, 2t + 9];
+    b0 = B[2t, 2t + 1][g], b1 = B[2t + 8, 2t + 9][g]; returns d per lane: D[g][2t], D[g][2t + 1],
+    D[g + 8][2t], D[g + 8][2t + 1]."""
+    a, bm = np.zeros((16, 16)), np.zeros((16, 8))
+    for lane in range(32):
+        g, t = G[lane], TQ[lane]
+        for reg, (row, kk) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
+            a[row, kk : kk + 2] = a_regs[lane, reg]
+        for reg, kk in enumerate((2 * t, 2 * t + 8)):
+            bm[kk : kk + 2, g] = b_regs[lane, reg]
+    d = a @ bm
+    return np.stack([d[G, 2 * TQ], d[G, 2 * TQ + 1], d[G + 8, 2 * TQ], d[G + 8, 2 * TQ + 1]], axis=1)
+
+
+def _value(bits: np.ndarray, dtype) -> np.ndarray:
+    return np.asarray(bits, dtype=np.uint16).view(dtype).astype(np.float64)
+
+
+def emulate(kg_ptr, words, n_chunks: int, n_first: int, m: int, b: np.ndarray, b2=None) -> np.ndarray:
+    """The kernel's sums (float64, before rounding) for an ``m``-row A packed as given, lane by
+    lane: its ldmatrix addresses into swizzled stages, its one-hot registers, the MMAs and the
+    epilogue's exchange of lanes g and g ^ 1 and 4-byte pair stores."""
+    k, n = b.shape
+    out = np.full((m, n), np.nan)
+    entry, piece = (LANES >> 4) * 8 + (LANES & 7), (LANES >> 3) & 1
+    for by in range(-(-m // T.ROWS)):
+        for bx in range(-(-n // T.COLS)):
+            col0 = bx * T.COLS
+            acc = np.zeros((T.WARPS, 4, 4, 32, 4))  # [warp][group][column step][lane][d]
+            for c in range(n_chunks):
+                source = b if c < n_first else b2
+                stage = _staged(source, (c % n_first) * T.CHUNK, col0)
+                for warp in range(T.WARPS):
+                    for i in range(4):
+                        grp = by * T.ROWS // T.GROUP + warp * 4 + i
+                        if grp >= -(-m // T.GROUP):
+                            continue
+                        item = grp * n_chunks + c
+                        for kg in range(int(kg_ptr[item]), int(kg_ptr[item + 1])):
+                            w = words[kg * T.KGROUP : (kg + 1) * T.KGROUP].astype(np.int64)
+                            rows_in_group, vals = (w >> 9) & 7, _value(w >> 16, source.dtype)
+                            one_hot = np.where(rows_in_group[None, :] == G[:, None], vals[None, :], 0.0)
+                            b_regs = np.stack(
+                                [one_hot[LANES, [2 * TQ, 2 * TQ + 1]].T, one_hot[LANES, [2 * TQ + 8, 2 * TQ + 9]].T],
+                                axis=1,
+                            )
+                            b_row = w[entry] & 511
+                            for j in range(4):
+                                regs = _ldmatrix_x4_trans(stage, b_row, (2 * j + piece) ^ (b_row & 7))
+                                acc[warp, i, j] += _mma_m16n8k16(regs, b_regs)
+            odd = (G & 1) == 1
+            for warp in range(T.WARPS):
+                for i in range(4):
+                    row = (by * T.ROWS // T.GROUP + warp * 4 + i) * T.GROUP + 2 * TQ + odd
+                    for j in range(4):
+                        for h in range(2):
+                            d = acc[warp, i, j][:, 2 * h : 2 * h + 2]
+                            sent = np.where(odd, d[:, 0], d[:, 1])
+                            got = sent[LANES ^ 4]  # __shfl_xor_sync(..., 4): lane g ^ 1, same t
+                            v0, v1 = np.where(odd, got, d[:, 0]), np.where(odd, d[:, 1], got)
+                            col = col0 + 16 * j + 8 * h + (G & ~1)
+                            for lane in range(32):
+                                if row[lane] < m and col[lane] < n:
+                                    out[row[lane], col[lane]] = v0[lane]
+                                    if col[lane] + 1 < n:
+                                        out[row[lane], col[lane] + 1] = v1[lane]
+    return out
