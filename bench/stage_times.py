@@ -30,7 +30,15 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
     import cupy as cp
 
     import twellsparse as ts
-    from twellsparse import _gpu_convert, _gpu_ops, _gpu_producer, _hopper_producer, _stationary, _tiled_up
+    from twellsparse import (
+        _gpu_convert,
+        _gpu_ops,
+        _gpu_producer,
+        _hopper_producer,
+        _stationary,
+        _tiled_spmm,
+        _tiled_up,
+    )
     from twellsparse._ops import gated_product, matmul, matmul_sum, product_values, sddmm, transposed_products
     from twellsparse._reference import fixed_spill_layout
 
@@ -57,6 +65,13 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
     d_h = sddmm(go, wd_t, g)
     h, d_z, d_u = product_values(g, u), product_values(d_h, u), product_values(d_h, g)
     dx_out, dual = cp.empty((m, d_model), dtype=x.dtype), (d_u.parts, wu)  # dX's output and second product
+
+    packs: dict[str, Any] = {}
+
+    def down_pack() -> Any:  # the tiled SpMM's pack of g, made once (the packed row times the kernel alone)
+        if "down" not in packs:
+            packs["down"] = _tiled_spmm.pack(g.parts, g.tile_n, g.shape[1])
+        return packs["down"]
 
     def three_products() -> Any:  # the backward's dW_down, dW_gate and dW_up on one pattern
         return transposed_products(g, [(h, go), (d_z, x), (d_u, x)])
@@ -120,6 +135,10 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         ),
         "down spmm, stationary": lambda: _stationary.spmm(g.parts, g.tile_n, wd_t, down_out),
         "stationary pack": lambda: _stationary.pack(g.parts, g.tile_n, g.shape[1]),
+        # The tensor-core SpMM (opt-in): with its pack, the pack alone, the product on a pack.
+        "down spmm, tiled": lambda: _tiled_spmm.spmm(g.parts, g.tile_n, wd_t, down_out),
+        "tiled spmm pack": lambda: _tiled_spmm.pack(g.parts, g.tile_n, g.shape[1]),
+        "down spmm, tiled, packed": lambda: _tiled_spmm.packed_spmm(down_pack(), m, wd_t, down_out),
         **{f"plan {name}": (lambda plan=plan: plan(x)) for name, plan in plans.items()},
         "bwd sddmm": lambda: sddmm(go, wd_t, g),
         "bwd value products": lambda: (product_values(g, u), product_values(d_h, u), product_values(d_h, g)),
@@ -132,6 +151,7 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         # Its two kernels, each forced: the row gathers' dual pass and the stationary dual form.
         "bwd dX, gather": lambda: _gpu_ops.spmm(d_z.parts, d_z.tile_n, wg, dx_out, path="gather", second=dual),
         "bwd dX, stationary dual": lambda: _stationary.spmm(d_z.parts, d_z.tile_n, wg, dx_out, second=dual),
+        "bwd dX, tiled dual": lambda: _tiled_spmm.spmm(d_z.parts, d_z.tile_n, wg, dx_out, second=dual),
     }
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -203,6 +203,30 @@ for step in $what; do
         --metrics smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio,smsp__average_warps_issue_stalled_dispatch_stall_per_issue_active.ratio,smsp__average_warps_issue_stalled_tex_throttle_per_issue_active.ratio \
         python3 bench/stage_times.py --density 0.01 --reps 3 --only "gated up, tiled 512" 2>&1 | tail -120 \
         | tee -a "$OUT/tiled_ncu.log" | grep -E "Duration|Throughput|Issued|stalled|wavefronts|conflicts|inst_executed|Eligible" | head -50
+      ;;&
+    tiledspmm)
+      # The tensor-core SpMM (cuda/twell_tiled_spmm.cu, opt-in): its tests (a hang ends at the
+      # timeout), the down projection and dX by each kernel with their packs, the tiled pack and
+      # product alone, the FFN tests and rows with it forced on (TWELL_TILED_SPMM=1), memcheck
+      # and racecheck on its tests' smallest cases, Nsight Compute on one product.
+      gpu_test_file tests/gpu/test_gpu_tiled_spmm.py tiledspmm 300
+      stage_rows "down spmm,stationary pack,tiled spmm pack,bwd dX" "0.005 0.01 0.02" tiledspmm
+      TWELL_TILED_SPMM=1 gpu_test_file tests/gpu/test_gpu_ops.py tiledspmm_ops 300
+      TWELL_TILED_SPMM=1 timeout 300 python3 bench/ffn_bench.py --densities 0.005,0.01,0.02 --patterns uniform \
+        --out "$OUT/ffn_bench.jsonl" 2>&1 | tee -a "$OUT/tiledspmm.log"
+      TWELL_TILED_SPMM=1 timeout 200 python3 bench/train_step.py --out "$OUT/train_step.jsonl" 2>&1 \
+        | tee -a "$OUT/tiledspmm.log" | tail -4
+      for tool in memcheck racecheck; do
+        timeout 200 compute-sanitizer --tool $tool --error-exitcode 3 python3 -m pytest -m gpu -q -x -p no:cacheprovider \
+          tests/gpu/test_gpu_tiled_spmm.py -k "40-16 or strided or graph" 2>&1 | tail -4 | sed "s/^/$tool  /" \
+          | tee -a "$OUT/tiledspmm.log"
+        status=$((status | ${PIPESTATUS[0]}))
+      done
+      timeout 120 ncu --kernel-name regex:twell_tiled_spmm --launch-skip 3 --launch-count 1 --section SpeedOfLight \
+        --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+        --metrics smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum \
+        python3 bench/stage_times.py --density 0.01 --reps 3 --only "down spmm, tiled, packed" 2>&1 | tail -150 \
+        | tee -a "$OUT/tiledspmm_ncu.log" | grep -E "Duration|Throughput|Issued|Stall|stalled|wavefronts|conflicts|inst_executed|Eligible" | head -50
       ;;&
     dual)
       # The stationary SpMM's dual form (dX = dZ W_gate + dU W_up in one pass, opt-in): its

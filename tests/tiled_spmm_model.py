@@ -118,7 +118,7 @@ def emulate(kg_ptr, words, n_chunks: int, n_first: int, m: int, b: np.ndarray, b
     """The kernel's sums (float64, before rounding) for an ``m``-row A packed as given, lane by
     lane: its ldmatrix addresses into swizzled stages, its one-hot registers, the MMAs and the
     epilogue's exchange of lanes g and g ^ 1 and 4-byte pair stores."""
-    k, n = b.shape
+    n = b.shape[1]
     out = np.full((m, n), np.nan)
     entry, piece = (LANES >> 4) * 8 + (LANES & 7), (LANES >> 3) & 1
     for by in range(-(-m // T.ROWS)):

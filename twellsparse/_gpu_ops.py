@@ -89,10 +89,11 @@ def spmm(
 
     ``path``: one of :data:`PATHS`, "stationary" (``_stationary``; with ``second`` its dual
     form; "auto" takes it where ``_stationary.chosen`` says so) or "tiled" (``_tiled_spmm``, the
-    tensor cores; Hopper only; "auto" takes it only where ``_tiled_spmm.chosen`` says so). ``variant``: the gather kernel's (KV, U)
-    instantiation (one of ``_kernels.GATHER_VARIANTS``; default ``GATHER_DEFAULT["spmm"]``). ``second``:
-    ``(parts2, b2)``, a matrix of A's structure (other values) and its dense operand:
-    ``out = A @ b + A2 @ b2``, summed in the same fp32 accumulators on the gather path.
+    tensor cores; Hopper only; "auto" takes it only where ``_tiled_spmm.chosen`` says so).
+    ``variant``: the gather kernel's (KV, U) instantiation (one of ``_kernels.GATHER_VARIANTS``;
+    default ``GATHER_DEFAULT["spmm"]``). ``second``: ``(parts2, b2)``, a matrix of A's structure
+    (other values) and its dense operand: ``out = A @ b + A2 @ b2``, summed in the same fp32
+    accumulators on the gather path.
     """
     m = parts.data.shape[0]
     b, ldb = row_stride(b)  # once: the stationary check and kernel then take b as it is

@@ -116,8 +116,8 @@ def packed_spmm(packed: Pack, m: int, b: Any, out: Any, b2: Any = None) -> Any:
         return out
     map_b = tensor_map(b, BOX, COLS, SWIZZLE_128B)
     map_b2 = map_b if b2 is None else tensor_map(row_stride(b2)[0], BOX, COLS, SWIZZLE_128B)
-    args = (map_b, map_b2, packed.kg_ptr, packed.words, np.int32(m), np.int32(n), np.int32(packed.n_first))
-    args += (np.int32(packed.n_chunks), out, np.int64(leading_dim(out)))
+    pattern = (packed.kg_ptr, packed.words, np.int32(m), np.int32(n), np.int32(packed.n_first))
+    args = (map_b, map_b2, *pattern, np.int32(packed.n_chunks), out, np.int64(leading_dim(out)))
     grid = (-(-n // COLS), -(-m // ROWS))
     K.launch_arch(f"twell_tiled_spmm<{K.CXX_TYPE[b.dtype]}>", grid, (WARPS * 32,), args, SHARED_BYTES)
     return out

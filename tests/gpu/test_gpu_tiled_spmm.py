@@ -1,0 +1,155 @@
+"""The tiled SpMM on the tensor cores (cuda/twell_tiled_spmm.cu) on the device: its pack word
+for word against the CPU model (tests/tiled_spmm_model.py), its products against float64 and
+the row gathers over odd shapes, spill, partial chunks and column blocks, wide tiles, empty rows
+and a poisoned output; the dual form; a strided output; its refusals; the "auto" switch; and a
+CUDA-graph capture of pack and product."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tiled_spmm_model import reference_pack
+
+import twellsparse as ts
+from twellsparse import _gpu_ops, _tiled_spmm
+from twellsparse._parts import TwELLParts
+from twellsparse.testing import rel_error, sparse_activations
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [np.float16, ts.bfloat16]
+
+# (m, n, k, tile_n, capacity, density): A is m x n, b is n x k (the stationary tests' naming)
+SHAPES = [
+    (1, 40, 16, 32, None, 0.5),
+    (67, 5632, 2048, 256, None, 0.01),  # the standard down projection's widths
+    (300, 2000, 1048, 32, 2, 0.08),  # heavy spill; a partial last chunk and column block
+    (2500, 700, 8, 64, 1, 0.3),  # many k-groups per item, all spilling; 8 columns of b
+    (4100, 5632, 64, 256, 32, 0.005),  # several row blocks, the last one partial
+    (515, 1030, 72, 1024, None, 0.05),  # tiles wider than a chunk
+]
+
+
+def _skip_unless_hopper(b, out):
+    if not _tiled_spmm.applies(b, out):
+        pytest.skip("the tiled SpMM runs on compute capability 9.0 only")
+
+
+def _problem(cp, rng, m, n, tile_n, capacity, density, dtype):
+    h = sparse_activations(m, n, density, "skewed", dtype, rng)
+    h[m // 2] = 0  # an empty row
+    return h, ts.twell_array(cp.asarray(h), tile_n=tile_n, capacity=capacity)
+
+
+def _twin(cp, rng, h, a):
+    h2 = np.where(h != 0, rng.uniform(0.5, 2.0, h.shape) * rng.choice([-1, 1], h.shape), 0).astype(h.dtype)
+    return h2, ts.twell_array(cp.asarray(h2), tile_n=a.tile_n, capacity=a.capacity)
+
+
+def _bound(dtype, expected):
+    rounded = np.asarray(expected).astype(dtype).astype(np.float64)
+    return 2.0 * rel_error(rounded, expected) + 1e-4
+
+
+@pytest.mark.parametrize("dual", [False, True])
+@pytest.mark.parametrize("m, n, k, tile_n, capacity, density", SHAPES[:4] + SHAPES[5:])
+def test_pack_matches_the_model_word_for_word(cp, rng, dual, m, n, k, tile_n, capacity, density):
+    h, a = _problem(cp, rng, m, n, tile_n, capacity, density, ts.bfloat16)
+    _skip_unless_hopper(cp.empty((n, 8), dtype=ts.bfloat16), cp.empty((m, 8), dtype=ts.bfloat16))
+    a2 = _twin(cp, rng, h, a)[1] if dual else None
+    packed = _tiled_spmm.pack(a.parts, tile_n, n, None if a2 is None else a2.parts)
+    host = TwELLParts(*(cp.asnumpy(p) for p in a.parts))
+    host2 = None if a2 is None else TwELLParts(*(cp.asnumpy(p) for p in a2.parts))
+    kg_ptr, words, n_chunks, n_first = reference_pack(host, tile_n, n, host2)
+    assert (packed.n_chunks, packed.n_first) == (n_chunks, n_first)
+    assert np.array_equal(cp.asnumpy(packed.kg_ptr), kg_ptr)
+    assert np.array_equal(cp.asnumpy(packed.words[: words.size]), words)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, n, k, tile_n, capacity, density", SHAPES)
+def test_tiled_spmm_matches_float64(cp, rng, dtype, m, n, k, tile_n, capacity, density):
+    h, a = _problem(cp, rng, m, n, tile_n, capacity, density, dtype)
+    b = rng.standard_normal((n, k)).astype(dtype)
+    unused = np.flatnonzero(~h.any(axis=0))
+    if unused.size:  # an unused b row full of Inf: no entry reads it, so it must not show
+        b[unused[0]] = np.inf
+    expected = h.astype(np.float64) @ np.where(np.isinf(b), 0, b).astype(np.float64)
+    b_gpu = cp.asarray(b)
+    out = cp.full((m, k), np.nan, dtype=dtype)  # poisoned: every element must be written
+    _skip_unless_hopper(b_gpu, out)
+    _gpu_ops.spmm(a.parts, tile_n, b_gpu, out, path="tiled")
+    got = cp.asnumpy(out).astype(np.float64)
+    assert np.isfinite(got).all()
+    assert rel_error(got, expected) <= _bound(dtype, expected)
+    gathered = _gpu_ops.spmm(a.parts, tile_n, b_gpu, cp.empty_like(out), path="gather")
+    assert rel_error(got, cp.asnumpy(gathered).astype(np.float64)) <= 2 * _bound(dtype, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, n, k, tile_n, capacity, density", [SHAPES[1], SHAPES[2], SHAPES[4]])
+def test_dual_form_sums_two_products(cp, rng, dtype, m, n, k, tile_n, capacity, density):
+    h, a = _problem(cp, rng, m, n, tile_n, capacity, density, dtype)
+    h2, a2 = _twin(cp, rng, h, a)
+    b, b2 = (rng.standard_normal((n, k)).astype(dtype) for _ in range(2))
+    expected = h.astype(np.float64) @ b.astype(np.float64) + h2.astype(np.float64) @ b2.astype(np.float64)
+    b_gpu, b2_gpu = cp.asarray(b), cp.asarray(b2)
+    out = cp.full((m, k), np.nan, dtype=dtype)
+    _skip_unless_hopper(b_gpu, out)
+    _gpu_ops.spmm(a.parts, tile_n, b_gpu, out, path="tiled", second=(a2.parts, b2_gpu))
+    assert rel_error(out, expected) <= _bound(dtype, expected)
+
+
+def test_writes_a_strided_output_and_nothing_past_it(cp, rng):
+    h, a = _problem(cp, rng, 130, 900, 64, 4, 0.05, ts.bfloat16)
+    b = rng.standard_normal((900, 96)).astype(ts.bfloat16)
+    wide = cp.full((130, 128), 7, dtype=ts.bfloat16)
+    _skip_unless_hopper(cp.asarray(b), wide[:, :96])
+    _gpu_ops.spmm(a.parts, 64, cp.asarray(b), wide[:, :96], path="tiled")
+    expected = h.astype(np.float64) @ b.astype(np.float64)
+    assert rel_error(wide[:, :96], expected) <= _bound(ts.bfloat16, expected)
+    assert (cp.asnumpy(wide[:, 96:]).astype(np.float64) == 7).all()
+
+
+def test_refuses_what_it_cannot_serve(cp, rng):
+    _, a = _problem(cp, rng, 8, 64, 32, None, 0.1, np.float32)
+    b = cp.asarray(rng.standard_normal((64, 16)).astype(np.float32))
+    with pytest.raises(ValueError, match="path: 'tiled' needs 2-byte values"):
+        _gpu_ops.spmm(a.parts, 32, b, cp.empty((8, 16), dtype=np.float32), path="tiled")
+    odd = cp.zeros((64, 12), dtype=ts.bfloat16)  # 24-byte rows: not TMA's 16-byte multiple
+    assert not _tiled_spmm.applies(odd, cp.empty((8, 12), dtype=ts.bfloat16))
+
+
+def test_auto_takes_it_only_when_switched_on(cp, rng, monkeypatch):
+    h, a = _problem(cp, rng, 600, 700, 64, None, 0.05, ts.bfloat16)
+    b = cp.asarray(rng.standard_normal((700, 48)).astype(ts.bfloat16))
+    _skip_unless_hopper(b, cp.empty((600, 48), dtype=ts.bfloat16))
+    expected = h.astype(np.float64) @ cp.asnumpy(b).astype(np.float64)
+    calls = []
+    real = _tiled_spmm.spmm
+    monkeypatch.setattr(_tiled_spmm, "spmm", lambda *args: calls.append(args) or real(*args))
+    for preferred in (None, False, True):
+        monkeypatch.setattr(_tiled_spmm, "PREFERRED", preferred)
+        out = _gpu_ops.spmm(a.parts, 64, b, cp.full((600, 48), np.nan, dtype=ts.bfloat16))
+        assert rel_error(out, expected) <= _bound(ts.bfloat16, expected)
+    assert len(calls) == 1
+
+
+def test_pack_and_product_run_inside_a_graph_capture(cp, rng):
+    h, a = _problem(cp, rng, 700, 1100, 256, 8, 0.03, ts.bfloat16)
+    b = cp.asarray(rng.standard_normal((1100, 128)).astype(ts.bfloat16))
+    out = cp.full((700, 128), np.nan, dtype=ts.bfloat16)
+    _skip_unless_hopper(b, out)
+    pool = cp.cuda.MemoryPool()  # the graph's own memory: nothing outside it reuses its blocks
+    stream = cp.cuda.Stream(non_blocking=True)
+    with cp.cuda.using_allocator(pool.malloc), stream:
+        _tiled_spmm.spmm(a.parts, 256, b, out)  # compiles and encodes the descriptor before the capture
+        out[...] = np.nan
+        stream.synchronize()
+        stream.begin_capture()
+        _tiled_spmm.spmm(a.parts, 256, b, out)
+        graph = stream.end_capture()
+    graph.launch(stream)
+    stream.synchronize()
+    expected = h.astype(np.float64) @ cp.asnumpy(b).astype(np.float64)
+    assert rel_error(out, expected) <= _bound(ts.bfloat16, expected)
