@@ -36,6 +36,7 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         _gpu_producer,
         _hopper_producer,
         _stationary,
+        _tiled_ffn,
         _tiled_spmm,
         _tiled_up,
     )
@@ -139,6 +140,9 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         "down spmm, tiled": lambda: _tiled_spmm.spmm(g.parts, g.tile_n, wd_t, down_out),
         "tiled spmm pack": lambda: _tiled_spmm.pack(g.parts, g.tile_n, g.shape[1]),
         "down spmm, tiled, packed": lambda: _tiled_spmm.packed_spmm(down_pack(), m, wd_t, down_out),
+        # The gated consumer on one pack (opt-in): whole, and its up projection on a pack.
+        "gated consumer, one pack": lambda: _tiled_ffn.gated_consumer(g.parts, g.tile_n, x, wu, wd_t, down_out),
+        "gated up, one pack, packed": lambda: _tiled_ffn.gated_up_words(down_pack(), m, x, wu),
         **{f"plan {name}": (lambda plan=plan: plan(x)) for name, plan in plans.items()},
         "bwd sddmm": lambda: sddmm(go, wd_t, g),
         "bwd value products": lambda: (product_values(g, u), product_values(d_h, u), product_values(d_h, g)),

@@ -25,36 +25,16 @@
 // Non-finite values: an entry's B row enters the MMA for all 8 rows of its group (times zero
 // for the 7 others), so an Inf or NaN in a B row that some entry uses reaches the other rows of
 // that entry's group as NaN. Rows of B that no entry uses are never read (padding words repeat
-// a real entry of their k-group with value zero).
+// a real entry of their item with value zero).
 #include "twell_mma.cuh"
+#include "twell_tiled.cuh"
 #include "twell_tma.cuh"
 #include "twell_types.cuh"
 
 namespace twell {
 
-constexpr int TSPMM_ROWS = 512;    // output rows per block
-constexpr int TSPMM_GROUP = 8;     // rows per group: the MMA's N
-constexpr int TSPMM_COLS = 64;     // output columns per block: B's 128-byte staged rows
-constexpr int TSPMM_CHUNK = 512;   // B rows per stage (9 bits of a word)
-constexpr int TSPMM_BOX = 256;     // B rows per TMA box (the box limit): two per stage
-constexpr int TSPMM_STAGES = 3;
-constexpr int TSPMM_WARPS = 16;
-constexpr int TSPMM_KGROUP = 16;   // entries per k-group: the MMA's K
-constexpr int TSPMM_WARP_GROUPS = TSPMM_ROWS / TSPMM_GROUP / TSPMM_WARPS;  // row groups per warp: 4
-constexpr int TSPMM_COL_STEPS = TSPMM_COLS / 16;                            // MMAs per k-group: 4
-constexpr int TSPMM_STAGE_BYTES = TSPMM_CHUNK * TSPMM_COLS * 2;              // 64 KB
-// The stages (1024-byte aligned, the 128-byte swizzle's period), then a full and an empty
-// barrier per stage; 1 KB of slack to align the window.
-constexpr int TSPMM_SHARED_BYTES = 1024 + TSPMM_STAGES * TSPMM_STAGE_BYTES + 2 * TSPMM_STAGES * 8;
-static_assert(TSPMM_SHARED_BYTES <= 227 * 1024, "the ring fits one block's shared memory");
-
-// The word of one entry (value bits, row in its group, B row in its chunk).
-__device__ __forceinline__ unsigned tspmm_word(unsigned short value, int row, int b_row) {
-  return ((unsigned)value << 16) | ((unsigned)row << 9) | (unsigned)b_row;
-}
-
 // Visit the stored entries of A in item (group, chunk) as visit(row in group, B row in chunk,
-// class, value bits): rows in order, each row's slots then its spill entries (columns rise).
+// value bits): rows in order, each row's slots then its spill entries (columns rise).
 // Chunks n1 .. 2 n1 - 1 are A2's (the same entries, values from data2 / spill2).
 struct TiledSpmmA {
   const unsigned short* data;
@@ -94,12 +74,6 @@ __device__ __forceinline__ void tspmm_walk(const TiledSpmmA& a, long long item, 
       if (col >= c0) visit(r, col - c0, spill[i]);
     }
   }
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
 }
 
 // The one-hot operand's register for column g: the value halves of words w0 (low half) and w1

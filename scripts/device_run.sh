@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledffn|tiledforced|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -33,6 +33,25 @@ stage_rows() {
     timeout 200 python3 bench/stage_times.py --density "$d" --only "$1" --out "$OUT/stages.jsonl" 2>&1 | tee -a "$OUT/$3.log"
     status=$((status | ${PIPESTATUS[0]}))
   done
+}
+# compute-sanitizer memcheck and racecheck on the tests of FILE selected by -k EXPR, appended to
+# $OUT/<log>.log. Usage: sanitize_tests FILE EXPR LOG
+sanitize_tests() {
+  for tool in memcheck racecheck; do
+    timeout 200 compute-sanitizer --tool $tool --error-exitcode 3 python3 -m pytest -m gpu -q -x -p no:cacheprovider \
+      "$1" -k "$2" 2>&1 | tail -4 | sed "s/^/$tool  /" | tee -a "$OUT/$3.log"
+    status=$((status | ${PIPESTATUS[0]}))
+  done
+}
+# Nsight Compute on one launch of KERNEL (a regex) in bench/stage_times.py's row ROW at 1%:
+# throughput, warp states, shared-memory wavefronts and conflicts, instructions; the lines of
+# note to the terminal, all of it to $OUT/<log>_ncu.log. Usage: ncu_rows KERNEL ROW LOG
+ncu_rows() {
+  timeout 150 ncu --kernel-name regex:"$1" --launch-skip 3 --launch-count 1 --section SpeedOfLight \
+    --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+    --metrics smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum \
+    python3 bench/stage_times.py --density 0.01 --reps 3 --only "$2" 2>&1 | tail -150 | tee -a "$OUT/$3_ncu.log" \
+    | grep -E "Duration|Throughput|Issued|Stall|stalled|wavefronts|conflicts|inst_executed|Eligible" | head -50
 }
 for step in $what; do
   case $step in
@@ -206,27 +225,33 @@ for step in $what; do
       ;;&
     tiledspmm)
       # The tensor-core SpMM (cuda/twell_tiled_spmm.cu, opt-in): its tests (a hang ends at the
-      # timeout), the down projection and dX by each kernel with their packs, the tiled pack and
-      # product alone, the FFN tests and rows with it forced on (TWELL_TILED_SPMM=1), memcheck
-      # and racecheck on its tests' smallest cases, Nsight Compute on one product.
+      # timeout), memcheck and racecheck on its smallest cases, the down projection and dX by
+      # each kernel with their packs, the tiled pack and product alone, Nsight Compute on one
+      # product.
       gpu_test_file tests/gpu/test_gpu_tiled_spmm.py tiledspmm 300
+      sanitize_tests tests/gpu/test_gpu_tiled_spmm.py "40-16 or strided or graph" tiledspmm
       stage_rows "down spmm,stationary pack,tiled spmm pack,bwd dX" "0.005 0.01 0.02" tiledspmm
-      TWELL_TILED_SPMM=1 gpu_test_file tests/gpu/test_gpu_ops.py tiledspmm_ops 300
-      TWELL_TILED_SPMM=1 timeout 300 python3 bench/ffn_bench.py --densities 0.005,0.01,0.02 --patterns uniform \
-        --out "$OUT/ffn_bench.jsonl" 2>&1 | tee -a "$OUT/tiledspmm.log"
-      TWELL_TILED_SPMM=1 timeout 200 python3 bench/train_step.py --out "$OUT/train_step.jsonl" 2>&1 \
-        | tee -a "$OUT/tiledspmm.log" | tail -4
-      for tool in memcheck racecheck; do
-        timeout 200 compute-sanitizer --tool $tool --error-exitcode 3 python3 -m pytest -m gpu -q -x -p no:cacheprovider \
-          tests/gpu/test_gpu_tiled_spmm.py -k "40-16 or strided or graph" 2>&1 | tail -4 | sed "s/^/$tool  /" \
-          | tee -a "$OUT/tiledspmm.log"
-        status=$((status | ${PIPESTATUS[0]}))
+      ncu_rows twell_tiled_spmm "down spmm, tiled, packed" tiledspmm
+      ;;&
+    tiledffn)
+      # The gated consumer on one pack (cuda/twell_tiled_ffn.cu, opt-in): its tests, memcheck and
+      # racecheck on small cases, its stage rows beside the current consumer, the FFN benchmark
+      # with both tiled switches on (recorded as settings), Nsight Compute on the up kernel.
+      gpu_test_file tests/gpu/test_gpu_tiled_ffn.py tiledffn 300
+      sanitize_tests tests/gpu/test_gpu_tiled_ffn.py "40-16 or 40-32 or switched" tiledffn
+      stage_rows "gated consumer,one pack,gated up, gather" "0.005 0.01 0.02" tiledffn
+      TWELL_TILED_FFN=1 TWELL_TILED_SPMM=1 timeout 300 python3 bench/ffn_bench.py --densities 0.005,0.01,0.02 \
+        --patterns uniform,skewed --out "$OUT/ffn_bench.jsonl" 2>&1 | tee -a "$OUT/tiledffn.log"
+      ncu_rows twell_tiled_ffn_up "gated up, one pack, packed" tiledffn
+      ;;&
+    tiledforced)
+      # The suite's SpMM, FFN and torch tests and the training step with the tiled kernels forced
+      # on where they apply.
+      for f in test_gpu_ops test_gpu_torch test_gpu_fixed_spill; do
+        TWELL_TILED_SPMM=1 TWELL_TILED_FFN=1 gpu_test_file tests/gpu/$f.py tiledforced 240
       done
-      timeout 120 ncu --kernel-name regex:twell_tiled_spmm --launch-skip 3 --launch-count 1 --section SpeedOfLight \
-        --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
-        --metrics smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum \
-        python3 bench/stage_times.py --density 0.01 --reps 3 --only "down spmm, tiled, packed" 2>&1 | tail -150 \
-        | tee -a "$OUT/tiledspmm_ncu.log" | grep -E "Duration|Throughput|Issued|Stall|stalled|wavefronts|conflicts|inst_executed|Eligible" | head -50
+      TWELL_TILED_SPMM=1 timeout 200 python3 bench/train_step.py --out "$OUT/train_step.jsonl" 2>&1 \
+        | tee -a "$OUT/tiledforced.log" | tail -4
       ;;&
     dual)
       # The stationary SpMM's dual form (dX = dZ W_gate + dU W_up in one pass, opt-in): its

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tiled_spmm_model import emulate, reference_pack
+from tiled_spmm_model import emulate, emulate_gated_up, reference_pack
 
 import twellsparse as ts
 from twellsparse import _tiled_spmm
@@ -89,3 +89,31 @@ def test_inf_in_an_unused_row_of_b_is_never_read(rng):
     got = emulate(*reference_pack(a.parts, 64, k), m, b)
     expected = h.astype(np.float64) @ np.where(np.isinf(b), 0, b).astype(np.float64)
     np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "m, f, d, density, dtype",
+    [(37, 1100, 72, 0.05, ts.bfloat16), (530, 600, 40, 0.02, np.float16), (16, 512, 32, 0.9, ts.bfloat16)],
+)
+def test_emulated_gated_up_writes_h_into_every_word(rng, m, f, d, density, dtype):
+    """The one-pack up projection (cuda/twell_tiled_ffn.cu) emulated on the gate's pack: every word
+    keeps its row and unit and gets h = g * u (u = x . W_up[unit]); partial token blocks and
+    slices, several rounds (the dense case: 16 tokens x 512 units at 90%)."""
+    g_dense, gate = _problem(rng, m, f, 64, 4, density, dtype)
+    x = rng.standard_normal((m, d)).astype(dtype)
+    w_up = (rng.standard_normal((f, d)) / np.sqrt(d)).astype(dtype)
+    kg_ptr, words, n_chunks, _ = reference_pack(gate.parts, 64, f)
+    h_words = emulate_gated_up(kg_ptr, words, n_chunks, m, x, w_up)
+    assert np.array_equal(h_words & 0xFFFF, words & 0xFFFF)
+    grp = np.repeat(np.arange(kg_ptr.size - 1) // n_chunks, np.diff(kg_ptr) * 16)
+    chunk = np.repeat(np.arange(kg_ptr.size - 1) % n_chunks, np.diff(kg_ptr) * 16)
+    rows, units = grp * 8 + ((words >> 9) & 7), chunk * 512 + (words & 511)
+    g_vals = (words >> 16).astype(np.uint16).view(dtype).astype(np.float64)
+    h_vals = (h_words >> 16).astype(np.uint16).view(dtype).astype(np.float64)
+    exact = g_vals * np.einsum("ij,ij->i", x[rows].astype(np.float64), w_up[units].astype(np.float64))
+    assert (h_vals[g_vals == 0] == 0).all()  # padding stays zero
+    real = g_vals != 0
+    assert real.sum() == np.count_nonzero(g_dense)
+    scale = np.abs(g_vals[real]) * np.linalg.norm(x[rows[real]].astype(np.float64), axis=1)
+    eps = 2.0**-7 if dtype == ts.bfloat16 else 2.0**-10  # two roundings to the dtype and fp32 sums
+    assert (np.abs(h_vals[real] - exact[real]) <= 2 * eps * (np.abs(exact[real]) + 1e-3 * scale)).all()

@@ -163,3 +163,87 @@ def emulate(kg_ptr, words, n_chunks: int, n_first: int, m: int, b: np.ndarray, b
                                     if col[lane] + 1 < n:
                                         out[row[lane], col[lane] + 1] = v1[lane]
     return out
+
+
+def _staged_64(rows: np.ndarray, r0: int, c0: int, n_rows: int) -> np.ndarray:
+    """``n_rows`` rows from r0 and 32 columns from c0 of a matrix (zeros past its edges) as TMA
+    writes them with the 64-byte swizzle: 16-byte piece p of row r stored at p ^ ((r // 2) % 4)."""
+    logical = np.zeros((n_rows, 32))
+    part = rows[r0 : r0 + n_rows, c0 : c0 + 32].astype(np.float64)
+    logical[: part.shape[0], : part.shape[1]] = part
+    physical = np.empty_like(logical)
+    for r in range(n_rows):
+        for p in range(4):
+            q = p ^ ((r // 2) % 4)
+            physical[r, 8 * q : 8 * q + 8] = logical[r, 8 * p : 8 * p + 8]
+    return physical
+
+
+def _ldmatrix_x4(stage: np.ndarray, rows: np.ndarray, pieces: np.ndarray) -> np.ndarray:
+    """ldmatrix.sync.aligned.m8n8.x4.b16 (PTX ISA): lanes 8i .. 8i + 7 address matrix i's rows; lane
+    4g + t receives in register i the elements (row g, columns 2t and 2t + 1)."""
+    fetched = np.stack([stage[rows[lane], 8 * pieces[lane] : 8 * pieces[lane] + 8] for lane in range(32)])
+    regs = np.empty((32, 4, 2))
+    for i in range(4):
+        regs[:, i, 0] = fetched[8 * i + G, 2 * TQ]
+        regs[:, i, 1] = fetched[8 * i + G, 2 * TQ + 1]
+    return regs
+
+
+def emulate_gated_up(kg_ptr, words, n_chunks: int, m: int, x: np.ndarray, w_up: np.ndarray) -> np.ndarray:
+    """The words ``twell_tiled_ffn_up`` writes (h = g * u in the value bits, u and h rounded to
+    x's dtype; zero-valued words keep value zero), lane by lane: the block's k-groups dealt to
+    the warps in rounds, ldmatrix (x4, no .trans) of the swizzled W_up and x slices, the x
+    fragment reloaded where the group changes, two MMAs per slice, and the lane with t = row / 2
+    writing each entry."""
+    dtype = x.dtype
+    d = x.shape[1]
+    out = np.zeros_like(words)
+    a_entry, a_piece = (LANES & 7) + ((LANES >> 3) & 1) * 8, LANES >> 4
+    n_groups = -(-m // T.GROUP)
+    for by in range(-(-m // T.ROWS)):
+        tok0, grp0 = by * T.ROWS, by * T.ROWS // T.GROUP
+        for chunk in range(n_chunks):
+            first, counts = [], []
+            for i in range(64):
+                grp = grp0 + i
+                lo = int(kg_ptr[grp * n_chunks + chunk]) if grp < n_groups else 0
+                first.append(lo)
+                counts.append(int(kg_ptr[grp * n_chunks + chunk + 1]) - lo if grp < n_groups else 0)
+            before = np.concatenate([[0], np.cumsum(counts)])
+            total = int(before[-1])
+            for r0 in range(0, total, 16 * 16):
+                n = min(256, total - r0)
+                for warp in range(16):
+                    lo, cnt = r0 + warp * n // 16, r0 + (warp + 1) * n // 16 - (r0 + warp * n // 16)
+                    groups = [int(np.searchsorted(before, q, side="right") - 1) for q in range(lo, lo + cnt)]
+                    queue = zip(groups, range(lo, lo + cnt), strict=True)
+                    kgs = [first[grp] + q - int(before[grp]) for grp, q in queue]
+                    acc = np.zeros((cnt, 32, 4))
+                    for s in range(-(-d // 32)):
+                        w_stage = _staged_64(w_up, chunk * T.CHUNK, 32 * s, T.CHUNK)
+                        x_stage = _staged_64(x, tok0, 32 * s, T.ROWS)
+                        xf = None
+                        for i, (grp, kg) in enumerate(zip(groups, kgs, strict=True)):
+                            if i == 0 or grp != groups[i - 1]:
+                                x_rows = grp * 8 + (LANES & 7)
+                                xf = _ldmatrix_x4(x_stage, x_rows, (LANES >> 3) ^ ((LANES & 7) >> 1))
+                            unit = words[kg * 16 + a_entry].astype(np.int64) & 511
+                            for half in range(2):
+                                pieces = (2 * half + a_piece) ^ ((unit >> 1) & 3)
+                                a = _ldmatrix_x4(w_stage, unit, pieces)
+                                acc[i] += _mma_m16n8k16(a, xf[:, 2 * half : 2 * half + 2])
+                    for i, kg in enumerate(kgs):
+                        for lane in range(32):
+                            g, t = G[lane], TQ[lane]
+                            for half in range(2):
+                                at = kg * 16 + g + 8 * half
+                                w = int(words[at])
+                                row = (w >> 9) & 7
+                                if row >> 1 != t:
+                                    continue
+                                u = np.float64(dtype.type(acc[i, lane, 2 * half + (row & 1)]))
+                                gv = _value(np.array([w >> 16]), dtype)[0]
+                                h = dtype.type(0) if w >> 16 == 0 else dtype.type(np.float32(gv) * np.float32(u))
+                                out[at] = int(np.array([h], dtype=dtype).view(np.uint16)[0]) << 16 | (w & 0xFFFF)
+    return out

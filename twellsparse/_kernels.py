@@ -207,6 +207,8 @@ ARCH_SOURCES: dict[str, tuple[str, list[str]]] = {
         [f"twell_tiled_spmm<{CXX_TYPE[d]}>" for d in (np.dtype(np.float16), bfloat16)]
         + ["tiled_spmm_count", "tiled_spmm_place"],
     ),
+    # The gated consumer's up projection on the tiled SpMM's pack of the gate.
+    "twell_tiled_ffn.cu": ("sm_90a", [f"twell_tiled_ffn_up<{CXX_TYPE[d]}>" for d in (np.dtype(np.float16), bfloat16)]),
 }
 
 

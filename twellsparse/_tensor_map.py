@@ -15,8 +15,9 @@ from ._backend import bfloat16
 
 #: CUtensorMapDataType values (cuda.h) of the two dtypes served.
 TENSOR_MAP_TYPE = {np.dtype(np.float16): 6, bfloat16: 9}
-#: CUtensorMapSwizzle values: rows as they are, or the 128-byte swizzle of wgmma's operands.
-SWIZZLE_NONE, SWIZZLE_128B = 0, 3
+#: CUtensorMapSwizzle values: rows as they are, the 64-byte swizzle (rows of 64 bytes: the
+#: tiled FFN's slices) or the 128-byte one (wgmma's operands, the tiled SpMM's stages).
+SWIZZLE_NONE, SWIZZLE_64B, SWIZZLE_128B = 0, 2, 3
 _L2_PROMOTION_256B = 3
 #: The descriptor as a by-value kernel argument: 128 opaque bytes.
 TENSOR_MAP = np.dtype([("opaque", np.uint64, (16,))])
