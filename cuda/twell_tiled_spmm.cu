@@ -33,47 +33,134 @@
 
 namespace twell {
 
-// Visit the stored entries of A in item (group, chunk) as visit(row in group, B row in chunk,
-// value bits): rows in order, each row's slots then its spill entries (columns rise).
-// Chunks n1 .. 2 n1 - 1 are A2's (the same entries, values from data2 / spill2).
-struct TiledSpmmA {
-  const unsigned short* data;
-  const unsigned short* data2;
+// Where an entry's value sits in A's parts: slot index, or ~spill index.
+__device__ __forceinline__ unsigned short tspmm_value(const unsigned short* data, const unsigned short* spill,
+                                                     long long source) {
+  return source >= 0 ? data[source] : spill[~source];
+}
+
+// The stored entries of a TwELL A in item (group of 8 rows, chunk of 512 columns), visited as
+// visit(row in group, column in chunk, source): rows in order, each row's slots then its spill
+// entries (columns rise).
+struct TwellWalk {
   const short* indices;
   const int* counts;
   const int* spill_indptr;
   const int* spill_cols;
-  const unsigned short* spill_data;
-  const unsigned short* spill_data2;
-  int M, K, n_tiles, tile_n, capacity, n1;
-};
+  int M, K, n_tiles, tile_n, capacity;
 
-template <typename Visit>
-__device__ __forceinline__ void tspmm_walk(const TiledSpmmA& a, long long item, int n_chunks, Visit visit) {
-  const int grp = (int)(item / n_chunks), chunk = (int)(item % n_chunks);
-  const bool second = chunk >= a.n1;
-  const unsigned short* data = second ? a.data2 : a.data;
-  const unsigned short* spill = second ? a.spill_data2 : a.spill_data;
-  const int c0 = (second ? chunk - a.n1 : chunk) * TSPMM_CHUNK, c1 = min(a.K, c0 + TSPMM_CHUNK);
-  const int t_lo = c0 / a.tile_n, t_hi = (c1 - 1) / a.tile_n;
-  for (int r = 0; r < TSPMM_GROUP; ++r) {
-    const int row = grp * TSPMM_GROUP + r;
-    if (row >= a.M) break;
-    for (int t = t_lo; t <= t_hi; ++t) {
-      const long long rt = (long long)row * a.n_tiles + t;
-      const int n = a.counts[rt];
-      for (int s = 0; s < n; ++s) {
-        const long long slot = rt * a.capacity + s;
-        const int col = t * a.tile_n + a.indices[slot];
-        if (col >= c0 && col < c1) visit(r, col - c0, data[slot]);
+  template <typename Visit>
+  __device__ __forceinline__ void operator()(long long item, int n_chunks, Visit visit) const {
+    const int grp = (int)(item / n_chunks), c0 = (int)(item % n_chunks) * TSPMM_CHUNK;
+    const int c1 = min(K, c0 + TSPMM_CHUNK);
+    const int t_lo = c0 / tile_n, t_hi = (c1 - 1) / tile_n;
+    for (int r = 0; r < TSPMM_GROUP; ++r) {
+      const int row = grp * TSPMM_GROUP + r;
+      if (row >= M) break;
+      for (int t = t_lo; t <= t_hi; ++t) {
+        const long long rt = (long long)row * n_tiles + t;
+        const int n = counts[rt];
+        for (int s = 0; s < n; ++s) {
+          const long long slot = rt * capacity + s;
+          const int col = t * tile_n + indices[slot];
+          if (col >= c0 && col < c1) visit(r, col - c0, slot);
+        }
+      }
+      for (int i = spill_indptr[row], end = spill_indptr[row + 1]; i < end; ++i) {
+        const int col = spill_cols[i];
+        if (col >= c1) break;
+        if (col >= c0) visit(r, col - c0, ~(long long)i);
       }
     }
-    for (int i = a.spill_indptr[row], end = a.spill_indptr[row + 1]; i < end; ++i) {
-      const int col = a.spill_cols[i];
-      if (col >= c1) break;
-      if (col >= c0) visit(r, col - c0, spill[i]);
+  }
+};
+
+// The entries of A.T from the CSR structure of the transpose (_gpu_convert.transposed_pattern:
+// per column of A its tokens, increasing, and each entry's source, slot index below n_slots,
+// else n_slots + spill index), in item (group of 8 columns of A, chunk of 512 tokens): each
+// column's tokens in the chunk (a binary search for the first), columns in order.
+struct TransposedWalk {
+  const int* indptr;
+  const int* tokens;
+  const int* sources;
+  long long n_slots;
+  int N, M;
+
+  template <typename Visit>
+  __device__ __forceinline__ void operator()(long long item, int n_chunks, Visit visit) const {
+    const int grp = (int)(item / n_chunks), t0 = (int)(item % n_chunks) * TSPMM_CHUNK;
+    const int t1 = min(M, t0 + TSPMM_CHUNK);
+    for (int r = 0; r < TSPMM_GROUP; ++r) {
+      const int col = grp * TSPMM_GROUP + r;
+      if (col >= N) break;
+      int lo = indptr[col], hi = indptr[col + 1];
+      while (lo < hi) {  // the first entry with token >= t0
+        const int mid = (lo + hi) >> 1;
+        if (tokens[mid] < t0) lo = mid + 1; else hi = mid;
+      }
+      for (int e = lo, end = indptr[col + 1]; e < end && tokens[e] < t1; ++e) {
+        const long long src = sources[e];
+        visit(r, tokens[e] - t0, src < n_slots ? src : ~(src - n_slots));
+      }
     }
   }
+};
+
+// Up to three value arrays of one structure (A's own and others'; null data where absent),
+// packed at the same positions into words[0 .. 2].
+struct PackValues {
+  const unsigned short* data[3];
+  const unsigned short* spill[3];
+  unsigned* words[3];
+};
+
+// Pack, launch 1: each item's k-group count (its entries rounded up to 16); a thread per item.
+template <typename Walk>
+__device__ __forceinline__ void tspmm_count(const Walk& walk, int n_chunks, long long items, int* sizes) {
+  const long long item = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (item >= items) return;
+  int n = 0;
+  walk(item, n_chunks, [&](int, int, long long) { ++n; });
+  sizes[item] = (n + TSPMM_KGROUP - 1) / TSPMM_KGROUP;
+}
+
+// Pack, launch 4 (after the scan of the sizes into kg_ptr): each item's words, dealt over the 8
+// row classes of the swizzle: entry k of class q goes to position sum_q' min(n_q', k) + #{q' <
+// q : n_q' > k} (round k holds the k-th entry of every class that has one), then padding words
+// to the k-group's end (the item's first word with value zero: a B row that an entry of the item
+// reads anyway).
+template <typename Walk>
+__device__ __forceinline__ void tspmm_place(const Walk& walk, int n_chunks, long long items, const int* kg_ptr,
+                                            const PackValues& v) {
+  const long long item = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (item >= items) return;
+  int total[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  walk(item, n_chunks, [&](int, int b_row, long long) { ++total[b_row & 7]; });
+  int seen[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const long long at = (long long)kg_ptr[item] * TSPMM_KGROUP;
+  unsigned first[3] = {0u, 0u, 0u};
+  walk(item, n_chunks, [&](int r, int b_row, long long source) {
+    const int q = b_row & 7, k = seen[q]++;
+    int p = 0;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) p += min(total[c], k) + (c < q && total[c] > k ? 1 : 0);
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+      if (v.data[i] != nullptr) {
+        const unsigned w = tspmm_word(tspmm_value(v.data[i], v.spill[i], source), r, b_row);
+        v.words[i][at + p] = w;
+        if (p == 0) first[i] = w;
+      }
+    }
+  });
+  const int n = (kg_ptr[item + 1] - kg_ptr[item]) * TSPMM_KGROUP;
+  int stored = 0;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) stored += total[c];
+  for (int p = stored; p < n; ++p)
+#pragma unroll
+    for (int i = 0; i < 3; ++i)
+      if (v.data[i] != nullptr) v.words[i][at + p] = first[i] & 0xffffu;
 }
 
 // The one-hot operand's register for column g: the value halves of words w0 (low half) and w1
@@ -86,71 +173,68 @@ __device__ __forceinline__ unsigned tspmm_one_hot(unsigned w0, unsigned w1, unsi
 
 }  // namespace twell
 
-// Pack, launch 1: each item's k-group count (its entries rounded up to 16); a thread per item
-// (group, chunk), items = groups * n_chunks.
-__global__ void __launch_bounds__(256) tiled_spmm_count(
-    const unsigned short* __restrict__ data, const unsigned short* __restrict__ data2, const short* __restrict__ indices,
-    const int* __restrict__ counts, const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
-    const unsigned short* __restrict__ spill_data, const unsigned short* __restrict__ spill_data2, int M, int K,
-    int n_tiles, int tile_n, int capacity, int n1, int n_chunks, long long items,
-                                                        int* __restrict__ sizes) {
-  using namespace twell;
-  const long long item = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-  if (item >= items) return;
-  const TiledSpmmA a{data, data2, indices, counts, spill_indptr, spill_cols, spill_data, spill_data2, M, K, n_tiles, tile_n, capacity, n1};
-  int n = 0;
-  tspmm_walk(a, item, n_chunks, [&](int, int, unsigned short) { ++n; });
-  sizes[item] = (n + TSPMM_KGROUP - 1) / TSPMM_KGROUP;
+#define TSPMM_VALUES                                                                                              \
+  const unsigned short *__restrict__ data0, const unsigned short *__restrict__ spill0,                          \
+      const unsigned short *__restrict__ data1, const unsigned short *__restrict__ spill1,                      \
+      const unsigned short *__restrict__ data2, const unsigned short *__restrict__ spill2,                      \
+      unsigned *__restrict__ words0, unsigned *__restrict__ words1, unsigned *__restrict__ words2
+#define TSPMM_PACK_VALUES {{data0, data1, data2}, {spill0, spill1, spill2}, {words0, words1, words2}}
+
+// The pack of a TwELL A (M x K; items: groups of 8 rows x chunks of 512 columns): counts, then
+// (after the scan) the words of each given value array (data0 always, data1 and data2 or null).
+__global__ void __launch_bounds__(256) tiled_spmm_count(const short* __restrict__ indices,
+                                                        const int* __restrict__ counts,
+                                                        const int* __restrict__ spill_indptr,
+                                                        const int* __restrict__ spill_cols, int M, int K,
+                                                        int n_tiles, int tile_n, int capacity, int n_chunks,
+                                                        long long items, int* __restrict__ sizes) {
+  const twell::TwellWalk walk{indices, counts, spill_indptr, spill_cols, M, K, n_tiles, tile_n, capacity};
+  twell::tspmm_count(walk, n_chunks, items, sizes);
 }
 
-// Pack, launch 4 (after the scan of the sizes into kg_ptr): each item's words, dealt over the
-// 8 row classes of the swizzle: entry k of class q goes to position sum_q' min(n_q', k) +
-// #{q' < q : n_q' > k} (round k holds the k-th entry of every class that has one), then padding
-// words to the k-group's end (the item's first word with value zero: a B row an entry of the
-// item reads anyway).
-__global__ void __launch_bounds__(256) tiled_spmm_place(
-    const unsigned short* __restrict__ data, const unsigned short* __restrict__ data2, const short* __restrict__ indices,
-    const int* __restrict__ counts, const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
-    const unsigned short* __restrict__ spill_data, const unsigned short* __restrict__ spill_data2, int M, int K,
-    int n_tiles, int tile_n, int capacity, int n1, int n_chunks, long long items,
-                                                        const int* __restrict__ kg_ptr,
-                                                        unsigned* __restrict__ words) {
-  using namespace twell;
-  const long long item = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-  if (item >= items) return;
-  const TiledSpmmA a{data, data2, indices, counts, spill_indptr, spill_cols, spill_data, spill_data2, M, K, n_tiles, tile_n, capacity, n1};
-  int total[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  tspmm_walk(a, item, n_chunks, [&](int, int b_row, unsigned short) { ++total[b_row & 7]; });
-  int seen[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  unsigned* out = words + (long long)kg_ptr[item] * TSPMM_KGROUP;
-  unsigned first = 0;
-  tspmm_walk(a, item, n_chunks, [&](int r, int b_row, unsigned short v) {
-    const int q = b_row & 7, k = seen[q]++;
-    int p = 0;
-#pragma unroll
-    for (int c = 0; c < 8; ++c) p += min(total[c], k) + (c < q && total[c] > k ? 1 : 0);
-    const unsigned w = tspmm_word(v, r, b_row);
-    out[p] = w;
-    if (p == 0) first = w;
-  });
-  const int n = (kg_ptr[item + 1] - kg_ptr[item]) * TSPMM_KGROUP;
-  int stored = 0;
-#pragma unroll
-  for (int c = 0; c < 8; ++c) stored += total[c];
-  for (int p = stored; p < n; ++p) out[p] = first & 0xffffu;
+__global__ void __launch_bounds__(256) tiled_spmm_place(const short* __restrict__ indices,
+                                                        const int* __restrict__ counts,
+                                                        const int* __restrict__ spill_indptr,
+                                                        const int* __restrict__ spill_cols, int M, int K,
+                                                        int n_tiles, int tile_n, int capacity, int n_chunks,
+                                                        long long items, const int* __restrict__ kg_ptr,
+                                                        TSPMM_VALUES) {
+  const twell::TwellWalk walk{indices, counts, spill_indptr, spill_cols, M, K, n_tiles, tile_n, capacity};
+  twell::tspmm_place(walk, n_chunks, items, kg_ptr, twell::PackValues TSPMM_PACK_VALUES);
+}
+
+// The pack of A.T (N x M; items: groups of 8 columns of A x chunks of 512 tokens) from the CSR
+// structure of the transpose.
+__global__ void __launch_bounds__(256) tiled_spmm_count_t(const int* __restrict__ indptr,
+                                                          const int* __restrict__ tokens,
+                                                          const int* __restrict__ sources, long long n_slots,
+                                                          int N, int M, int n_chunks, long long items,
+                                                          int* __restrict__ sizes) {
+  const twell::TransposedWalk walk{indptr, tokens, sources, n_slots, N, M};
+  twell::tspmm_count(walk, n_chunks, items, sizes);
+}
+
+__global__ void __launch_bounds__(256) tiled_spmm_place_t(const int* __restrict__ indptr,
+                                                          const int* __restrict__ tokens,
+                                                          const int* __restrict__ sources, long long n_slots,
+                                                          int N, int M, int n_chunks, long long items,
+                                                          const int* __restrict__ kg_ptr, TSPMM_VALUES) {
+  const twell::TransposedWalk walk{indptr, tokens, sources, n_slots, N, M};
+  twell::tspmm_place(walk, n_chunks, items, kg_ptr, twell::PackValues TSPMM_PACK_VALUES);
 }
 
 // The product (see the top of this file). Block (x, y): output columns [64 x, 64 x + 64) and
 // rows [512 y, 512 y + 512); warp w sums row groups 4 w .. 4 w + 3 of the block. Item (group,
-// chunk)'s k-groups are kg_ptr[item] .. kg_ptr[item + 1]; chunks below n1 read map_b, the rest
-// map_b2 (B2 for A2's values; map_b again when there is none). map_b / map_b2: TMA descriptors
-// of B [K, N] (boxes of 64 columns x 256 rows, 128-byte swizzle; rows past K read as zeros).
-// Thread 0 refills a stage once every warp has released it.
+// chunk)'s k-groups are kg_ptr[item] .. kg_ptr[item + 1], item = group * n1 + chunk. With
+// words2 (A2's words at the same places: the dual form) the block streams B's n1 chunks with
+// words, then B2's with words2, into the same sums. map_b / map_b2: TMA descriptors of B and B2
+// [K, N] (boxes of 64 columns x 256 rows, 128-byte swizzle; rows past K read as zeros; map_b2
+// is map_b when there is no B2). Thread 0 refills a stage once every warp has released it.
 template <typename T>
 __global__ void __launch_bounds__(twell::TSPMM_WARPS * 32, 1) twell_tiled_spmm(
     const __grid_constant__ twell::TensorMap map_b, const __grid_constant__ twell::TensorMap map_b2,
-    const int* __restrict__ kg_ptr, const unsigned* __restrict__ words, int M, int N, int n1, int n_chunks,
-    T* __restrict__ out, long long ldo) {
+    const int* __restrict__ kg_ptr, const unsigned* __restrict__ words, const unsigned* __restrict__ words2, int M,
+    int N, int n1, T* __restrict__ out, long long ldo) {
   using namespace twell;
   extern __shared__ __align__(1024) unsigned char raw[];
   const unsigned base = (smem_u32(raw) + 1023u) & ~1023u;
@@ -159,6 +243,7 @@ __global__ void __launch_bounds__(twell::TSPMM_WARPS * 32, 1) twell_tiled_spmm(
   const unsigned g = lane >> 2, t = lane & 3;
   const int col0 = blockIdx.x * TSPMM_COLS, row0 = blockIdx.y * TSPMM_ROWS;
   const int n_groups = (M + TSPMM_GROUP - 1) / TSPMM_GROUP;
+  const int n_chunks = words2 != nullptr ? 2 * n1 : n1;
   if (threadIdx.x == 0) {
     for (int s = 0; s < TSPMM_STAGES; ++s) {
       barrier_init(full + 8 * s, 1);             // the refilling thread's expect_tx arrival
@@ -198,14 +283,16 @@ __global__ void __launch_bounds__(twell::TSPMM_WARPS * 32, 1) twell_tiled_spmm(
     const unsigned parity = (unsigned)(c / TSPMM_STAGES) & 1u;
     barrier_wait(full + 8 * s, parity);
     const unsigned stage_base = base + s * TSPMM_STAGE_BYTES;
+    const unsigned* chunk_words = c < n1 ? words : words2;
+    const int chunk = c < n1 ? c : c - n1;
 #pragma unroll
     for (int i = 0; i < TSPMM_WARP_GROUPS; ++i) {
       const int grp = group0 + i;
       if (grp < n_groups) {
-        const long long item = (long long)grp * n_chunks + c;
+        const long long item = (long long)grp * n1 + chunk;
         const int k_lo = kg_ptr[item], k_hi = kg_ptr[item + 1];
         for (int kg = k_lo; kg < k_hi; ++kg) {
-          const unsigned* w = words + (long long)kg * TSPMM_KGROUP;
+          const unsigned* w = chunk_words + (long long)kg * TSPMM_KGROUP;
           const uint2 lo = __ldg(reinterpret_cast<const uint2*>(w + 2 * t));
           const uint2 hi = __ldg(reinterpret_cast<const uint2*>(w + 2 * t + 8));
           const unsigned mine = __ldg(w + entry);

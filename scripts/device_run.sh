@@ -230,7 +230,7 @@ for step in $what; do
       # product.
       gpu_test_file tests/gpu/test_gpu_tiled_spmm.py tiledspmm 300
       sanitize_tests tests/gpu/test_gpu_tiled_spmm.py "40-16 or strided or graph" tiledspmm
-      stage_rows "down spmm,stationary pack,tiled spmm pack,bwd dX" "0.005 0.01 0.02" tiledspmm
+      stage_rows "down spmm,stationary pack,tiled spmm pack,bwd dX,transposed" "0.005 0.01 0.02" tiledspmm
       ncu_rows twell_tiled_spmm "down spmm, tiled, packed" tiledspmm
       ;;&
     tiledffn)

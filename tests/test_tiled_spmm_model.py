@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tiled_spmm_model import emulate, emulate_gated_up, reference_pack
+from tiled_spmm_model import emulate, emulate_gated_up, reference_pack, reference_pack_transposed
 
 import twellsparse as ts
 from twellsparse import _tiled_spmm
@@ -37,8 +37,8 @@ def _twin(rng, h, a):
 @pytest.mark.parametrize("m, k, n, tile_n, capacity, density", CASES)
 def test_pack_holds_every_entry_once_in_class_rounds(rng, m, k, n, tile_n, capacity, density):
     h, a = _problem(rng, m, k, tile_n, capacity, density)
-    kg_ptr, words, n_chunks, n_first = reference_pack(a.parts, tile_n, k)
-    assert n_chunks == n_first == -(-k // _tiled_spmm.CHUNK) and kg_ptr[-1] * 16 == words.size
+    kg_ptr, (words,), n_chunks = reference_pack(a.parts, tile_n, k)
+    assert n_chunks == -(-k // _tiled_spmm.CHUNK) and kg_ptr[-1] * 16 == words.size
     rebuilt = np.zeros((m, k), dtype=np.float64)
     for grp in range(-(-m // 8)):
         for c in range(n_chunks):
@@ -73,9 +73,7 @@ def test_emulated_dual_form_sums_both_products(rng):
     h, a = _problem(rng, m, k, 32, 3, 0.08, np.float16)
     h2, a2 = _twin(rng, h, a)
     b, b2 = (rng.standard_normal((k, n)).astype(np.float16) for _ in range(2))
-    packed = reference_pack(a.parts, 32, k, second=a2.parts)
-    assert packed[2] == 2 * packed[3]
-    got = emulate(*packed, m, b, b2)
+    got = emulate(*reference_pack(a.parts, 32, k, others=(a2.parts,)), m, b, b2)
     expected = h.astype(np.float64) @ b.astype(np.float64) + h2.astype(np.float64) @ b2.astype(np.float64)
     np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
 
@@ -102,7 +100,7 @@ def test_emulated_gated_up_writes_h_into_every_word(rng, m, f, d, density, dtype
     g_dense, gate = _problem(rng, m, f, 64, 4, density, dtype)
     x = rng.standard_normal((m, d)).astype(dtype)
     w_up = (rng.standard_normal((f, d)) / np.sqrt(d)).astype(dtype)
-    kg_ptr, words, n_chunks, _ = reference_pack(gate.parts, 64, f)
+    kg_ptr, (words,), n_chunks = reference_pack(gate.parts, 64, f)
     h_words = emulate_gated_up(kg_ptr, words, n_chunks, m, x, w_up)
     assert np.array_equal(h_words & 0xFFFF, words & 0xFFFF)
     grp = np.repeat(np.arange(kg_ptr.size - 1) // n_chunks, np.diff(kg_ptr) * 16)
@@ -117,3 +115,18 @@ def test_emulated_gated_up_writes_h_into_every_word(rng, m, f, d, density, dtype
     scale = np.abs(g_vals[real]) * np.linalg.norm(x[rows[real]].astype(np.float64), axis=1)
     eps = 2.0**-7 if dtype == ts.bfloat16 else 2.0**-10  # two roundings to the dtype and fp32 sums
     assert (np.abs(h_vals[real] - exact[real]) <= 2 * eps * (np.abs(exact[real]) + 1e-3 * scale)).all()
+
+
+@pytest.mark.parametrize("m, k, n, tile_n, capacity, density", [*CASES[:2], (600, 100, 8, 32, 2, 0.05)])
+def test_emulated_transposed_products_match_float64(rng, m, k, n, tile_n, capacity, density):
+    """A.T @ g for three matrices of one structure from one pack of the transpose (the backward's
+    dW_down, dW_gate and dW_up), the kernel emulated on each word array."""
+    h, a = _problem(rng, m, k, tile_n, capacity, density)
+    (h2, a2), (h3, a3) = _twin(rng, h, a), _twin(rng, h, a)
+    kg_ptr, words, n_chunks = reference_pack_transposed(a.parts, tile_n, k, others=(a2.parts, a3.parts))
+    assert n_chunks == -(-m // _tiled_spmm.CHUNK) and len(words) == 3
+    for dense, w in zip((h, h2, h3), words, strict=True):
+        g = rng.standard_normal((m, n)).astype(ts.bfloat16)
+        got = emulate(kg_ptr, [w], n_chunks, k, g)
+        expected = dense.astype(np.float64).T @ g.astype(np.float64)
+        np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)

@@ -20,50 +20,73 @@ def _bits(values) -> np.ndarray:
     return np.asarray(values).view(np.uint16).astype(np.uint32)
 
 
-def _item_entries(parts, values, tile_n, row0, m, c0, c1):
-    """(row in group, column - c0, value bits) of the stored entries of rows row0 .. row0 + 7 in
-    columns [c0, c1): each row's slots in tile order, then its spill (the kernel's walk)."""
-    data, spill_data = values
-    out = []
-    for r in range(T.GROUP):
-        row = row0 + r
-        if row >= m:
-            break
-        for t in range(c0 // tile_n, (c1 - 1) // tile_n + 1):
+def _entries_by_row(parts, tile_n):
+    """Each row's stored entries of a TwELL matrix's host parts as (column, source) in the walk
+    order: its slots tile by tile, then its spill; source: slot index, or ~spill index."""
+    m, nt, cap = parts.data.shape
+    rows = []
+    for row in range(m):
+        entries = []
+        for t in range(nt):
             for s in range(int(parts.counts[row, t])):
-                col = t * tile_n + int(parts.indices[row, t, s])
-                if c0 <= col < c1:
-                    out.append((r, col - c0, int(_bits(data[row, t, s]))))
+                entries.append((t * tile_n + int(parts.indices[row, t, s]), (row * nt + t) * cap + s))
         for i in range(int(parts.spill_indptr[row]), int(parts.spill_indptr[row + 1])):
-            col = int(parts.spill_indices[i])
-            if c0 <= col < c1:
-                out.append((r, col - c0, int(_bits(spill_data[i]))))
-    return out
+            entries.append((int(parts.spill_indices[i]), ~i))
+        rows.append(entries)
+    return rows
 
 
-def reference_pack(parts, tile_n: int, k: int, second=None) -> tuple[np.ndarray, np.ndarray, int, int]:
-    """``(kg_ptr, words, n_chunks, n_first)`` as ``_tiled_spmm.pack`` must write them, from host
-    parts: per item (group of 8 rows, chunk of 512 columns; A2's chunks after A's), the entries
-    bucketed by class (column in chunk % 8) in walk order and read out in rounds (round i takes
-    the i-th entry of every class that has one, classes in order), then padding words (the
-    item's first word with value zero) to a multiple of 16."""
-    m = parts.data.shape[0]
-    n_first = -(-k // T.CHUNK)
-    sources = [(parts.data, parts.spill_data)] + ([(second.data, second.spill_data)] if second is not None else [])
-    n_chunks = n_first * len(sources)
-    kg_ptr, words = [0], []
-    for grp in range(-(-m // T.GROUP)):
+def _value_bits(values, source) -> int:
+    data, spill = values
+    return int(_bits(data.reshape(-1)[source] if source >= 0 else spill[~source]))
+
+
+def _packed(lines, n_out: int, n_in: int, values) -> tuple[np.ndarray, list[np.ndarray], int]:
+    """The pack of an operand whose output row r holds the entries ``lines[r]`` ((column,
+    source) in walk order; columns below ``n_in``): per item (group of 8 rows, chunk of 512
+    columns) the entries bucketed by class (column in chunk % 8) in walk order and read out in
+    rounds (round i takes the i-th entry of every class that has one, classes in order), then
+    padding words (the item's first word with value zero) to a multiple of 16; one word array
+    per ``(data, spill)`` value pair."""
+    n_chunks = -(-n_in // T.CHUNK)
+    kg_ptr, words = [0], [[] for _ in values]
+    for grp in range(-(-n_out // T.GROUP)):
         for c in range(n_chunks):
-            c0 = (c % n_first) * T.CHUNK
-            entries = _item_entries(parts, sources[c // n_first], tile_n, grp * T.GROUP, m, c0, min(k, c0 + T.CHUNK))
+            c0 = c * T.CHUNK
+            entries = [
+                (r, col - c0, source)
+                for r in range(T.GROUP)
+                if grp * T.GROUP + r < n_out
+                for col, source in lines[grp * T.GROUP + r]
+                if c0 <= col < c0 + T.CHUNK
+            ]
             buckets = [[e for e in entries if e[1] % 8 == q] for q in range(8)]
             ordered = [b[i] for i in range(max(map(len, buckets))) for b in buckets if i < len(b)]
-            item = [bits << 16 | r << 9 | col for r, col, bits in ordered]
-            padded = -(-len(item) // T.KGROUP) * T.KGROUP
-            item += [item[0] & 0xFFFF if item else 0] * (padded - len(item))
-            words += item
+            padded = -(-len(ordered) // T.KGROUP) * T.KGROUP
+            for out, vals in zip(words, values, strict=True):
+                item = [_value_bits(vals, source) << 16 | r << 9 | col for r, col, source in ordered]
+                out += item + [item[0] & 0xFFFF if item else 0] * (padded - len(item))
             kg_ptr.append(kg_ptr[-1] + padded // T.KGROUP)
-    return np.array(kg_ptr, dtype=np.int64), np.array(words, dtype=np.uint32), n_chunks, n_first
+    return np.array(kg_ptr, dtype=np.int64), [np.array(w, dtype=np.uint32) for w in words], n_chunks
+
+
+def reference_pack(parts, tile_n: int, k: int, others=()) -> tuple[np.ndarray, list[np.ndarray], int]:
+    """``(kg_ptr, words, n_chunks)`` as ``_tiled_spmm.pack`` must write them from host parts of a
+    TwELL A with ``k`` columns (``others``: more host parts of A's structure, other values)."""
+    values = [(p.data, p.spill_data) for p in (parts, *others)]
+    return _packed(_entries_by_row(parts, tile_n), parts.data.shape[0], k, values)
+
+
+def reference_pack_transposed(parts, tile_n: int, n_cols: int, others=()) -> tuple[np.ndarray, list[np.ndarray], int]:
+    """What ``_tiled_spmm.pack_transposed`` must write for A.T (``n_cols`` rows: A's columns;
+    chunks over A's tokens): each column's tokens increasing."""
+    by_column = [[] for _ in range(n_cols)]
+    for token, entries in enumerate(_entries_by_row(parts, tile_n)):
+        for col, source in entries:
+            by_column[col].append((token, source))
+    lines = [sorted(column) for column in by_column]
+    values = [(p.data, p.spill_data) for p in (parts, *others)]
+    return _packed(lines, n_cols, parts.data.shape[0], values)
 
 
 def _staged(b: np.ndarray, k0: int, col0: int) -> np.ndarray:
@@ -114,9 +137,10 @@ def _value(bits: np.ndarray, dtype) -> np.ndarray:
     return np.asarray(bits, dtype=np.uint16).view(dtype).astype(np.float64)
 
 
-def emulate(kg_ptr, words, n_chunks: int, n_first: int, m: int, b: np.ndarray, b2=None) -> np.ndarray:
-    """The kernel's sums (float64, before rounding) for an ``m``-row A packed as given, lane by
-    lane: its ldmatrix addresses into swizzled stages, its one-hot registers, the MMAs and the
+def emulate(kg_ptr, words, n_chunks: int, m: int, b: np.ndarray, b2=None) -> np.ndarray:
+    """The kernel's sums (float64, before rounding) for an ``m``-row A packed as given (``words``:
+    the pack's word arrays; with ``b2`` the dual form, A2's words the second array), lane by lane:
+    its ldmatrix addresses into swizzled stages, its one-hot registers, the MMAs and the
     epilogue's exchange of lanes g and g ^ 1 and 4-byte pair stores."""
     n = b.shape[1]
     out = np.full((m, n), np.nan)
@@ -125,17 +149,17 @@ def emulate(kg_ptr, words, n_chunks: int, n_first: int, m: int, b: np.ndarray, b
         for bx in range(-(-n // T.COLS)):
             col0 = bx * T.COLS
             acc = np.zeros((T.WARPS, 4, 4, 32, 4))  # [warp][group][column step][lane][d]
-            for c in range(n_chunks):
-                source = b if c < n_first else b2
-                stage = _staged(source, (c % n_first) * T.CHUNK, col0)
+            for c in range(n_chunks * (1 if b2 is None else 2)):
+                source, chunk_words = (b, words[0]) if c < n_chunks else (b2, words[1])
+                stage = _staged(source, (c % n_chunks) * T.CHUNK, col0)
                 for warp in range(T.WARPS):
                     for i in range(4):
                         grp = by * T.ROWS // T.GROUP + warp * 4 + i
                         if grp >= -(-m // T.GROUP):
                             continue
-                        item = grp * n_chunks + c
+                        item = grp * n_chunks + c % n_chunks
                         for kg in range(int(kg_ptr[item]), int(kg_ptr[item + 1])):
-                            w = words[kg * T.KGROUP : (kg + 1) * T.KGROUP].astype(np.int64)
+                            w = chunk_words[kg * T.KGROUP : (kg + 1) * T.KGROUP].astype(np.int64)
                             rows_in_group, vals = (w >> 9) & 7, _value(w >> 16, source.dtype)
                             one_hot = np.where(rows_in_group[None, :] == G[:, None], vals[None, :], 0.0)
                             b_regs = np.stack(

@@ -205,7 +205,7 @@ ARCH_SOURCES: dict[str, tuple[str, list[str]]] = {
     "twell_tiled_spmm.cu": (
         "sm_90a",
         [f"twell_tiled_spmm<{CXX_TYPE[d]}>" for d in (np.dtype(np.float16), bfloat16)]
-        + ["tiled_spmm_count", "tiled_spmm_place"],
+        + ["tiled_spmm_count", "tiled_spmm_place", "tiled_spmm_count_t", "tiled_spmm_place_t"],
     ),
     # The gated consumer's up projection on the tiled SpMM's pack of the gate.
     "twell_tiled_ffn.cu": ("sm_90a", [f"twell_tiled_ffn_up<{CXX_TYPE[d]}>" for d in (np.dtype(np.float16), bfloat16)]),

@@ -153,6 +153,9 @@ def transposed_products(pattern: twell_array, pairs: list[tuple[twell_array, Any
 
     n_cols = pattern.shape[1]
     shared = functools.cache(lambda: _gpu_ops.transposed_pattern(pattern.parts, pattern.tile_n, n_cols))
+    tiled = _tiled_transposed_products(shared, n_cols, pairs)
+    if tiled is not None:
+        return tiled
     results: list[Any] = []
     i = 0
     while i < len(pairs):
@@ -171,6 +174,27 @@ def transposed_products(pattern: twell_array, pairs: list[tuple[twell_array, Any
         results.append(_gpu_ops.spmm_transposed(_cast_parts(a.parts, dt), a.tile_n, n_cols, bb, out, shared))
         i += 1
     return results
+
+
+def _tiled_transposed_products(
+    shared: Callable[[], Any], n_cols: int, pairs: list[tuple[twell_array, Any]]
+) -> list[Any] | None:
+    """:func:`transposed_products` on the tensor cores where ``_tiled_spmm.chosen`` says so for
+    every pair (2-byte values, each ``a`` in its ``b``'s dtype): one pack of the transpose for
+    up to three products, one launch each; else None."""
+    import cupy as cp
+
+    from . import _tiled_spmm
+
+    if not _tiled_spmm.PREFERRED:  # opt-in: TWELL_TILED_SPMM=1
+        return None
+    outs = [cp.empty((n_cols, b.shape[1]), dtype=b.dtype) for _, b in pairs]
+    if not all(a.dtype == b.dtype and _tiled_spmm.chosen(b, o) for (a, b), o in zip(pairs, outs, strict=True)):
+        return None
+    for i in range(0, len(pairs), 3):
+        products = [(a.parts, b, o) for (a, b), o in zip(pairs[i : i + 3], outs[i : i + 3], strict=True)]
+        _tiled_spmm.spmm_transposed(shared(), n_cols, products)
+    return outs
 
 
 def matmul_sum(a: twell_array, b: Any, a2: twell_array, b2: Any) -> Any:

@@ -66,14 +66,15 @@ def gated_up_words(packed: _tiled_spmm.Pack, m: int, x: Any, w_up: Any) -> Any:
     """The gate's words (``packed``, of an ``m``-token gate over ``w_up.shape[0]`` units) with
     ``h = gate * u`` in their value bits: a new uint32 array of the words' size whose first
     ``kg_ptr[-1] * 16`` words are written."""
-    h_words = _cp().empty_like(packed.words)
+    h_words = _cp().empty_like(packed.words[0])
     x, _ = row_stride(x)
     w_up, _ = row_stride(w_up)
     if m == 0 or packed.n_chunks == 0:
         return h_words
     box = _tiled_spmm.BOX
     maps = (tensor_map(w_up, box, SLICE_COLS, SWIZZLE_64B), tensor_map(x, box, SLICE_COLS, SWIZZLE_64B))
-    args = (*maps, packed.kg_ptr, packed.words, np.int32(m), np.int32(x.shape[1]), np.int32(packed.n_chunks), h_words)
+    sizes = (np.int32(m), np.int32(x.shape[1]), np.int32(packed.n_chunks))
+    args = (*maps, packed.kg_ptr, packed.words[0], *sizes, h_words)
     grid = (packed.n_chunks, -(-m // _tiled_spmm.ROWS))
     K.launch_arch(f"twell_tiled_ffn_up<{K.CXX_TYPE[x.dtype]}>", grid, (WARPS * 32,), args, SHARED_BYTES)
     return h_words
@@ -86,7 +87,7 @@ def gated_consumer(gate: TwELLParts, tile_n: int, x: Any, w_up: Any, w_down_t: A
     m = gate.data.shape[0]
     packed = _tiled_spmm.pack(gate, tile_n, w_up.shape[0])
     h_words = gated_up_words(packed, m, x, w_up)
-    return _tiled_spmm.packed_spmm(packed._replace(words=h_words), m, w_down_t, out)
+    return _tiled_spmm.packed_spmm(packed._replace(words=(h_words,)), m, w_down_t, out)
 
 
 #: Whether the gated consumer takes this path (inference calls, where it applies): only with

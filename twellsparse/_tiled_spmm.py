@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _kernels as K
-from ._gpu_convert import leading_dim, row_stride, rows_aligned, two_launch_scan
+from ._gpu_convert import TransposedPattern, leading_dim, row_stride, rows_aligned, two_launch_scan
 from ._parts import TwELLParts
 from ._tensor_map import SWIZZLE_128B, tensor_map
 
@@ -39,14 +39,14 @@ SHARED_BYTES = 1024 + 3 * CHUNK * COLS * 2 + 6 * 8
 
 
 class Pack(NamedTuple):
-    """A (and A2) as the kernel's k-groups: ``kg_ptr`` (int32, one more than the items, item =
-    group * n_chunks + chunk) and ``words`` (uint32, 16 per k-group, the first ``kg_ptr[-1] *
-    16`` written); ``n_first``: the chunks of A (the rest, as many again, are A2's)."""
+    """A sparse operand as the kernel's k-groups: ``kg_ptr`` (int32, one more than the items,
+    item = group * n_chunks + chunk) and ``words`` (a tuple of uint32 arrays, one per value
+    array of the structure, all with the same positions: 16 words per k-group, the first
+    ``kg_ptr[-1] * 16`` written); ``n_chunks``: chunks of 512 columns of the operand."""
 
     kg_ptr: Any
-    words: Any
+    words: tuple[Any, ...]
     n_chunks: int
-    n_first: int
 
 
 def _cp() -> Any:
@@ -72,41 +72,68 @@ def applies(b: Any, out: Any, b2: Any = None) -> bool:
     return SHARED_BYTES <= K.device_attribute("MaxSharedMemoryPerBlockOptin")
 
 
-def _structure(parts: TwELLParts, tile_n: int, k: int, second: TwELLParts | None) -> tuple:
-    m, nt, cap = parts.data.shape
-    n_first = -(-k // CHUNK)
-    data2, spill2 = (parts.data, parts.spill_data) if second is None else (second.data, second.spill_data)
-    arrays = (parts.data, data2, parts.indices, parts.counts, parts.spill_indptr, parts.spill_indices)
-    geometry = (np.int32(m), np.int32(k), np.int32(nt), np.int32(tile_n), np.int32(cap), np.int32(n_first))
-    return (*arrays, parts.spill_data, spill2, *geometry)
-
-
-def pack(parts: TwELLParts, tile_n: int, k: int, second: TwELLParts | None = None) -> Pack:
-    """A's entries (``k`` columns) as the kernel's k-groups, with ``second`` (A2: A's structure,
-    other values) packed after them as chunks ``n_first ..``. Four launches: counts, the
-    two-launch scan, placement; no host read."""
+def _packed(
+    count: str, place: str, structure: tuple, rows: int, cols: int, values: list[tuple[Any, Any]], stored: int
+) -> Pack:
+    """Run a pack's count kernel, the scan and its place kernel for an operand of ``rows`` x
+    ``cols`` (items: groups of 8 rows x chunks of 512 columns) with up to three value arrays of
+    one structure (``(data, spill)`` pairs); ``stored``: the most entries it can hold."""
     cp = _cp()
-    m = parts.data.shape[0]
-    n_first = -(-k // CHUNK)
-    n_chunks = n_first * (1 if second is None else 2)
-    items = -(-m // GROUP) * n_chunks
+    n_chunks = -(-cols // CHUNK)
+    items = -(-rows // GROUP) * n_chunks
     kg_ptr = cp.zeros(items + 1, dtype=cp.int32)
-    stored = int(parts.data.size + parts.spill_data.size) * (1 if second is None else 2)
-    words = cp.empty(stored + (KGROUP - 1) * items, dtype=cp.uint32)
+    words = tuple(cp.empty(stored + (KGROUP - 1) * items, dtype=cp.uint32) for _ in values)
     if items == 0:
-        return Pack(kg_ptr, words, n_chunks, n_first)
+        return Pack(kg_ptr, words, n_chunks)
     sizes = cp.empty(items, dtype=cp.int32)
-    head = (*_structure(parts, tile_n, k, second), np.int32(n_chunks), np.int64(items))
-    K.launch_arch("tiled_spmm_count", (-(-items // 256),), (256,), (*head, sizes), 0)
+    head = (*structure, np.int32(n_chunks), np.int64(items))
+    K.launch_arch(count, (-(-items // 256),), (256,), (*head, sizes), 0)
     scan = (sizes, np.int64(items))
     two_launch_scan(items, "stationary_row_sums", scan, "stationary_row_place", scan, (kg_ptr,))
-    K.launch_arch("tiled_spmm_place", (-(-items // 256),), (256,), (*head, kg_ptr, words), 0)
-    return Pack(kg_ptr, words, n_chunks, n_first)
+    null = K.null_pointer()
+    arrays = [a for pair in values for a in pair] + [null, null] * (3 - len(values))
+    outs = list(words) + [null] * (3 - len(values))
+    K.launch_arch(place, (-(-items // 256),), (256,), (*head, kg_ptr, *arrays, *outs), 0)
+    return Pack(kg_ptr, words, n_chunks)
 
 
-def packed_spmm(packed: Pack, m: int, b: Any, out: Any, b2: Any = None) -> Any:
-    """``out = A @ b`` (``+ A2 @ b2``) for an ``m``-row A packed by :func:`pack`; the caller has
-    checked :func:`applies`."""
+def _value_arrays(parts: TwELLParts, others: tuple[TwELLParts, ...]) -> list[tuple[Any, Any]]:
+    if len(others) > 2:
+        raise ValueError(f"others: expected at most 2 value arrays besides A's, got {len(others)}")
+    return [(p.data, p.spill_data) for p in (parts, *others)]
+
+
+def pack(parts: TwELLParts, tile_n: int, k: int, others: tuple[TwELLParts, ...] = ()) -> Pack:
+    """A's entries (a TwELL A with ``k`` columns) as the kernel's k-groups, with the words of up
+    to two more matrices of A's structure (``others``, other values) at the same places. Four
+    launches: counts, the two-launch scan, placement; no host read."""
+    m, nt, cap = parts.data.shape
+    structure = (parts.indices, parts.counts, parts.spill_indptr, parts.spill_indices)
+    geometry = (np.int32(m), np.int32(k), np.int32(nt), np.int32(tile_n), np.int32(cap))
+    stored = int(parts.data.size + parts.spill_data.size)
+    values = _value_arrays(parts, others)
+    return _packed("tiled_spmm_count", "tiled_spmm_place", (*structure, *geometry), m, k, values, stored)
+
+
+def pack_transposed(
+    pattern: TransposedPattern, parts: TwELLParts, n_cols: int, others: tuple[TwELLParts, ...] = ()
+) -> Pack:
+    """``A.T``'s entries as the kernel's k-groups (groups of 8 columns of A, chunks of 512
+    tokens), from the CSR structure of the transpose (``_gpu_convert.transposed_pattern`` of A's
+    structure, ``n_cols`` columns), with the words of up to two more matrices of A's structure
+    (``others``) at the same places; no host read."""
+    m = parts.data.shape[0]
+    structure = (pattern.indptr, pattern.rows, pattern.sources, np.int64(pattern.n_slots))
+    geometry = (np.int32(n_cols), np.int32(m))
+    stored = int(parts.data.size + parts.spill_data.size)
+    values = _value_arrays(parts, others)
+    return _packed("tiled_spmm_count_t", "tiled_spmm_place_t", (*structure, *geometry), n_cols, m, values, stored)
+
+
+def packed_spmm(packed: Pack, m: int, b: Any, out: Any, b2: Any = None, which: int = 0) -> Any:
+    """``out = A @ b`` for an ``m``-row A packed by :func:`pack` or :func:`pack_transposed`
+    (A's values: ``packed.words[which]``), or with ``b2`` ``out = A @ b + A2 @ b2`` (A2's words
+    the next array, ``which + 1``) in the same sums; the caller has checked :func:`applies`."""
     b, _ = row_stride(b)
     n = b.shape[1]
     if m == 0 or n == 0:
@@ -116,8 +143,9 @@ def packed_spmm(packed: Pack, m: int, b: Any, out: Any, b2: Any = None) -> Any:
         return out
     map_b = tensor_map(b, BOX, COLS, SWIZZLE_128B)
     map_b2 = map_b if b2 is None else tensor_map(row_stride(b2)[0], BOX, COLS, SWIZZLE_128B)
-    pattern = (packed.kg_ptr, packed.words, np.int32(m), np.int32(n), np.int32(packed.n_first))
-    args = (map_b, map_b2, *pattern, np.int32(packed.n_chunks), out, np.int64(leading_dim(out)))
+    words2 = K.null_pointer() if b2 is None else packed.words[which + 1]
+    pattern = (packed.kg_ptr, packed.words[which], words2, np.int32(m), np.int32(n), np.int32(packed.n_chunks))
+    args = (map_b, map_b2, *pattern, out, np.int64(leading_dim(out)))
     grid = (-(-n // COLS), -(-m // ROWS))
     K.launch_arch(f"twell_tiled_spmm<{K.CXX_TYPE[b.dtype]}>", grid, (WARPS * 32,), args, SHARED_BYTES)
     return out
@@ -127,9 +155,19 @@ def spmm(parts: TwELLParts, tile_n: int, b: Any, out: Any, second: tuple[TwELLPa
     """``out = A @ b`` for a TwELL ``A`` with ``b.shape[0]`` columns, or with ``second = (A2,
     b2)`` (A2 of A's structure) ``out = A @ b + A2 @ b2`` in the same sums: :func:`pack`, then
     :func:`packed_spmm`."""
-    parts2, b2 = (None, None) if second is None else second
-    packed = pack(parts, tile_n, b.shape[0], parts2)
-    return packed_spmm(packed, parts.data.shape[0], b, out, b2)
+    others = () if second is None else (second[0],)
+    packed = pack(parts, tile_n, b.shape[0], others)
+    return packed_spmm(packed, parts.data.shape[0], b, out, None if second is None else second[1])
+
+
+def spmm_transposed(pattern: TransposedPattern, n_cols: int, products: list[tuple[TwELLParts, Any, Any]]) -> None:
+    """``out = A.T @ g`` for each ``(A, g, out)`` of ``products`` (one to three, every A of the
+    structure ``pattern`` describes, ``n_cols`` columns; each ``g`` (M x K) and ``out``
+    (n_cols x K) checked by :func:`applies`): one pack of the transpose with every product's
+    words, then one launch each."""
+    packed = pack_transposed(pattern, products[0][0], n_cols, tuple(a for a, _, _ in products[1:]))
+    for i, (_, g, out) in enumerate(products):
+        packed_spmm(packed, n_cols, g, out, which=i)
 
 
 #: Whether ``matmul``'s "auto" path takes this kernel where it applies: only with

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tiled_spmm_model import reference_pack
+from tiled_spmm_model import reference_pack, reference_pack_transposed
 
 import twellsparse as ts
-from twellsparse import _gpu_ops, _tiled_spmm
+from twellsparse import _gpu_convert, _gpu_ops, _tiled_spmm
 from twellsparse._parts import TwELLParts
 from twellsparse.testing import rel_error, sparse_activations
 
@@ -51,19 +51,37 @@ def _bound(dtype, expected):
     return 2.0 * rel_error(rounded, expected) + 1e-4
 
 
-@pytest.mark.parametrize("dual", [False, True])
+def _host(cp, parts):
+    return TwELLParts(*(cp.asnumpy(p) for p in parts))
+
+
+def _same_pack(cp, packed, reference):
+    kg_ptr, words, n_chunks = reference
+    assert packed.n_chunks == n_chunks and len(packed.words) == len(words)
+    assert np.array_equal(cp.asnumpy(packed.kg_ptr), kg_ptr)
+    for got, want in zip(packed.words, words, strict=True):
+        assert np.array_equal(cp.asnumpy(got[: want.size]), want)
+
+
+@pytest.mark.parametrize("others", [0, 2])
 @pytest.mark.parametrize("m, n, k, tile_n, capacity, density", SHAPES[:4] + SHAPES[5:])
-def test_pack_matches_the_model_word_for_word(cp, rng, dual, m, n, k, tile_n, capacity, density):
+def test_pack_matches_the_model_word_for_word(cp, rng, others, m, n, k, tile_n, capacity, density):
     h, a = _problem(cp, rng, m, n, tile_n, capacity, density, ts.bfloat16)
     _skip_unless_hopper(cp.empty((n, 8), dtype=ts.bfloat16), cp.empty((m, 8), dtype=ts.bfloat16))
-    a2 = _twin(cp, rng, h, a)[1] if dual else None
-    packed = _tiled_spmm.pack(a.parts, tile_n, n, None if a2 is None else a2.parts)
-    host = TwELLParts(*(cp.asnumpy(p) for p in a.parts))
-    host2 = None if a2 is None else TwELLParts(*(cp.asnumpy(p) for p in a2.parts))
-    kg_ptr, words, n_chunks, n_first = reference_pack(host, tile_n, n, host2)
-    assert (packed.n_chunks, packed.n_first) == (n_chunks, n_first)
-    assert np.array_equal(cp.asnumpy(packed.kg_ptr), kg_ptr)
-    assert np.array_equal(cp.asnumpy(packed.words[: words.size]), words)
+    twins = tuple(_twin(cp, rng, h, a)[1] for _ in range(others))
+    packed = _tiled_spmm.pack(a.parts, tile_n, n, tuple(t.parts for t in twins))
+    reference = reference_pack(_host(cp, a.parts), tile_n, n, tuple(_host(cp, t.parts) for t in twins))
+    _same_pack(cp, packed, reference)
+
+
+@pytest.mark.parametrize("m, n, tile_n, capacity, density", [(300, 2000, 32, 2, 0.08), (1100, 700, 1024, None, 0.05)])
+def test_transposed_pack_matches_the_model_word_for_word(cp, rng, m, n, tile_n, capacity, density):
+    h, a = _problem(cp, rng, m, n, tile_n, capacity, density, ts.bfloat16)
+    _skip_unless_hopper(cp.empty((m, 8), dtype=ts.bfloat16), cp.empty((n, 8), dtype=ts.bfloat16))
+    twin = _twin(cp, rng, h, a)[1]
+    pattern = _gpu_convert.transposed_pattern(a.parts, tile_n, n)
+    packed = _tiled_spmm.pack_transposed(pattern, a.parts, n, (twin.parts,))
+    _same_pack(cp, packed, reference_pack_transposed(_host(cp, a.parts), tile_n, n, (_host(cp, twin.parts),)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -153,3 +171,24 @@ def test_pack_and_product_run_inside_a_graph_capture(cp, rng):
     stream.synchronize()
     expected = h.astype(np.float64) @ cp.asnumpy(b).astype(np.float64)
     assert rel_error(out, expected) <= _bound(ts.bfloat16, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, n, k, tile_n, capacity, density", [SHAPES[1], SHAPES[2], SHAPES[4], SHAPES[5]])
+def test_transposed_products_match_float64(cp, rng, dtype, m, n, k, tile_n, capacity, density):
+    """A.T @ g, A2.T @ x and A3.T @ x from one pack of the transpose (the backward's three weight
+    gradients), against float64 and the row gathers."""
+    h, a = _problem(cp, rng, m, n, tile_n, capacity, density, dtype)
+    (h2, a2), (h3, a3) = _twin(cp, rng, h, a), _twin(cp, rng, h, a)
+    g, x = (rng.standard_normal((m, k)).astype(dtype) for _ in range(2))
+    outs = [cp.full((n, k), np.nan, dtype=dtype) for _ in range(3)]
+    _skip_unless_hopper(cp.asarray(g), outs[0])
+    pattern = _gpu_convert.transposed_pattern(a.parts, tile_n, n)
+    g_gpu, x_gpu = cp.asarray(g), cp.asarray(x)
+    products = [(a.parts, g_gpu, outs[0]), (a2.parts, x_gpu, outs[1]), (a3.parts, x_gpu, outs[2])]
+    _tiled_spmm.spmm_transposed(pattern, n, products)
+    for dense, b, out, (parts, b_gpu, _) in zip((h, h2, h3), (g, x, x), outs, products, strict=True):
+        expected = dense.astype(np.float64).T @ b.astype(np.float64)
+        assert rel_error(out, expected) <= _bound(dtype, expected)
+        gathered = _gpu_ops.spmm_transposed(parts, tile_n, n, b_gpu, cp.empty_like(out), lambda: pattern)
+        assert rel_error(out, cp.asnumpy(gathered).astype(np.float64)) <= 2 * _bound(dtype, expected)
