@@ -167,6 +167,9 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         "bwd dX, gather": lambda: _gpu_ops.spmm(d_z.parts, d_z.tile_n, wg, dx_out, path="gather", second=dual),
         "bwd dX, stationary dual": lambda: _stationary.spmm(d_z.parts, d_z.tile_n, wg, dx_out, second=dual),
         "bwd dX, tiled dual": lambda: _tiled_spmm.spmm(d_z.parts, d_z.tile_n, wg, dx_out, second=dual),
+        # The gated backward on one pack (opt-in): d_h, d_z, d_u, h and dX (the gathers' fused
+        # SDDMM and "bwd dX" above do the same work).
+        "bwd one pack (sddmm and dX)": lambda: _tiled_ffn.gated_backward(g.parts, g.tile_n, go, wd_t, u.parts, wg, wu),
     }
 
 

@@ -21,6 +21,8 @@ constexpr int TSPMM_STAGE_BYTES = TSPMM_CHUNK * TSPMM_COLS * 2;              // 
 constexpr int TSPMM_SHARED_BYTES = 1024 + TSPMM_STAGES * TSPMM_STAGE_BYTES + 2 * TSPMM_STAGES * 8;
 static_assert(TSPMM_SHARED_BYTES <= 227 * 1024, "the ring fits one block's shared memory");
 
+constexpr int TSPMM_PAD = (int)0x80000000;  // a padding word's place in A's parts (no entry)
+
 // The word of one entry (value bits, row in its group, B row in its chunk).
 __device__ __forceinline__ unsigned tspmm_word(unsigned short value, int row, int b_row) {
   return ((unsigned)value << 16) | ((unsigned)row << 9) | (unsigned)b_row;

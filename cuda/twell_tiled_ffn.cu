@@ -54,16 +54,28 @@ __device__ __forceinline__ int tffn_group_of(const int* before, int q) {
 
 }  // namespace twell
 
-// h_words = the gate's words (kg_ptr, words: _tiled_spmm.pack of the gate, n_chunks its unit
-// chunks) with h = g * u in their value bits, u = x . W_up[unit] rounded to T, h rounded to T
-// (the row gathers' roundings); words of value zero (padding) get h = 0. Block (x, y): unit
-// chunk x, tokens [512 y, 512 y + 512). map_w: W_up [N, d], map_x: x [M, d], both boxes of 32
-// columns x 256 rows, 64-byte swizzle (rows and columns past the matrices read as zeros).
-template <typename T>
+// FORWARD (BACKWARD = 0): out_words = the gate's words (kg_ptr, words: _tiled_spmm.pack of the
+// gate, n_chunks its unit chunks) with h = g * u in their value bits, u = x . W_up[unit] rounded
+// to T, h = g * u in fp32 rounded to T (the row gathers' roundings); words of value zero
+// (padding) get h = 0. With dests (the pack's places of the words in the gate's parts) and
+// u_data, u is also written there (u_spill for ~index places). map_w: W_up [N, d], map_x: x [M, d].
+//
+// BACKWARD = 1, the gated backward's sampled product and its value products: with map_w =
+// W_down^T [N, d] and map_x = dy [M, d] the sum is d_h = dy . W_down^T[unit] rounded to T; with
+// g the word's value and u read at its place (u_data / u_spill), d_z = d_h * u, d_u = d_h * g and
+// h = g * u (fp32 products of the rounded operands, rounded to T: the fused row-gather kernel's
+// roundings) are written at the place in the gate's layout (dz_*, du_*, h_*), and d_z and d_u
+// also as words (out_words, out_words2) for the dX SpMM's dual form. Padding words get zeros.
+//
+// Block (x, y): unit chunk x, tokens [512 y, 512 y + 512). Both maps: boxes of 32 columns x 256
+// rows, 64-byte swizzle (rows and columns past the matrices read as zeros).
+template <typename T, int BACKWARD>
 __global__ void __launch_bounds__(twell::TFFN_WARPS * 32, 1) twell_tiled_ffn_up(
     const __grid_constant__ twell::TensorMap map_w, const __grid_constant__ twell::TensorMap map_x,
-    const int* __restrict__ kg_ptr, const unsigned* __restrict__ words, int M, int K, int n_chunks,
-    unsigned* __restrict__ h_words) {
+    const int* __restrict__ kg_ptr, const unsigned* __restrict__ words, const int* __restrict__ dests, int M, int K,
+    int n_chunks, unsigned* __restrict__ out_words, unsigned* __restrict__ out_words2, T* __restrict__ u_data,
+    T* __restrict__ u_spill, T* __restrict__ dz_data, T* __restrict__ dz_spill, T* __restrict__ du_data,
+    T* __restrict__ du_spill, T* __restrict__ h_data, T* __restrict__ h_spill) {
   using namespace twell;
   constexpr int NK = TFFN_KGROUPS;
   extern __shared__ __align__(1024) unsigned char raw[];
@@ -174,7 +186,7 @@ __global__ void __launch_bounds__(twell::TFFN_WARPS * 32, 1) twell_tiled_ffn_up(
         stage(slice + TFFN_STAGES, s);
       }
     }
-    // Entry g of each k-group (and g + 8): the lane with t = row / 2 writes its word with h.
+    // Entry g of each k-group (and g + 8): the lane with t = row / 2 writes its results.
 #pragma unroll
     for (int i = 0; i < NK; ++i) {
       if (i < cnt) {
@@ -182,15 +194,34 @@ __global__ void __launch_bounds__(twell::TFFN_WARPS * 32, 1) twell_tiled_ffn_up(
         const long long at = (long long)(first_kg[grp] + q - before[grp]) * TSPMM_KGROUP;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const unsigned w = __ldg(words + at + g + 8 * half);
+          const long long e = at + g + 8 * half;
+          const unsigned w = __ldg(words + e);
           const unsigned row = (w >> 9) & 7u;
           if ((row >> 1) == t) {
             const float sum = (row & 1u) ? acc[i][2 * half + 1] : acc[i][2 * half];
-            T gv, hv;
+            const int dest = dests != nullptr ? __ldg(dests + e) : TSPMM_PAD;
+            const bool pad = dest == TSPMM_PAD || (dests == nullptr && (w >> 16) == 0u);
+            const long long where = dest >= 0 ? dest : ~(long long)dest;
+            T gv;
             gv.bits = (unsigned short)(w >> 16);
-            const float u = to_acc(from_acc<T>(sum));
-            hv = (w >> 16) == 0u ? from_acc<T>(0.f) : from_acc<T>(to_acc(gv) * u);
-            h_words[at + g + 8 * half] = ((unsigned)hv.bits << 16) | (w & 0xffffu);
+            const float gf = to_acc(gv), dot = to_acc(from_acc<T>(sum));  // u, or d_h
+            if (!BACKWARD) {
+              const T hv = pad ? from_acc<T>(0.f) : from_acc<T>(gf * dot);
+              out_words[e] = ((unsigned)hv.bits << 16) | (w & 0xffffu);
+              if (u_data != nullptr && !pad) (dest >= 0 ? u_data : u_spill)[where] = from_acc<T>(dot);
+            } else {
+              // The fused row-gather kernel's products: the first factor's -0 taken as +0.
+              const auto times = [](float a, float b) { return from_acc<T>((a != 0.f ? a : 0.f) * b); };
+              const float u = pad ? 0.f : to_acc((dest >= 0 ? u_data : u_spill)[where]);
+              const T dz = pad ? from_acc<T>(0.f) : times(dot, u), du = pad ? from_acc<T>(0.f) : times(dot, gf);
+              out_words[e] = ((unsigned)dz.bits << 16) | (w & 0xffffu);
+              out_words2[e] = ((unsigned)du.bits << 16) | (w & 0xffffu);
+              if (!pad) {
+                (dest >= 0 ? dz_data : dz_spill)[where] = dz;
+                (dest >= 0 ? du_data : du_spill)[where] = du;
+                (dest >= 0 ? h_data : h_spill)[where] = times(gf, u);
+              }
+            }
           }
         }
       }

@@ -108,10 +108,14 @@ struct TransposedWalk {
 
 // Up to three value arrays of one structure (A's own and others'; null data where absent),
 // packed at the same positions into words[0 .. 2].
+// With dests (null where not wanted), each word's place in A's parts as well: the slot index,
+// ~spill index, or TSPMM_PAD for padding (the one-pack FFN kernels write u and the backward's
+// values there).
 struct PackValues {
   const unsigned short* data[3];
   const unsigned short* spill[3];
   unsigned* words[3];
+  int* dests;
 };
 
 // Pack, launch 1: each item's k-group count (its entries rounded up to 16); a thread per item.
@@ -152,15 +156,18 @@ __device__ __forceinline__ void tspmm_place(const Walk& walk, int n_chunks, long
         if (p == 0) first[i] = w;
       }
     }
+    if (v.dests != nullptr) v.dests[at + p] = (int)source;
   });
   const int n = (kg_ptr[item + 1] - kg_ptr[item]) * TSPMM_KGROUP;
   int stored = 0;
 #pragma unroll
   for (int c = 0; c < 8; ++c) stored += total[c];
-  for (int p = stored; p < n; ++p)
+  for (int p = stored; p < n; ++p) {
 #pragma unroll
     for (int i = 0; i < 3; ++i)
       if (v.data[i] != nullptr) v.words[i][at + p] = first[i] & 0xffffu;
+    if (v.dests != nullptr) v.dests[at + p] = TSPMM_PAD;
+  }
 }
 
 // The one-hot operand's register for column g: the value halves of words w0 (low half) and w1
@@ -177,8 +184,9 @@ __device__ __forceinline__ unsigned tspmm_one_hot(unsigned w0, unsigned w1, unsi
   const unsigned short *__restrict__ data0, const unsigned short *__restrict__ spill0,                          \
       const unsigned short *__restrict__ data1, const unsigned short *__restrict__ spill1,                      \
       const unsigned short *__restrict__ data2, const unsigned short *__restrict__ spill2,                      \
-      unsigned *__restrict__ words0, unsigned *__restrict__ words1, unsigned *__restrict__ words2
-#define TSPMM_PACK_VALUES {{data0, data1, data2}, {spill0, spill1, spill2}, {words0, words1, words2}}
+      unsigned *__restrict__ words0, unsigned *__restrict__ words1, unsigned *__restrict__ words2,               \
+      int *__restrict__ dests
+#define TSPMM_PACK_VALUES {{data0, data1, data2}, {spill0, spill1, spill2}, {words0, words1, words2}, dests}
 
 // The pack of a TwELL A (M x K; items: groups of 8 rows x chunks of 512 columns): counts, then
 // (after the scan) the words of each given value array (data0 always, data1 and data2 or null).

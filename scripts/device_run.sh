@@ -239,7 +239,7 @@ for step in $what; do
       # with both tiled switches on (recorded as settings), Nsight Compute on the up kernel.
       gpu_test_file tests/gpu/test_gpu_tiled_ffn.py tiledffn 300
       sanitize_tests tests/gpu/test_gpu_tiled_ffn.py "40-16 or 40-32 or switched" tiledffn
-      stage_rows "gated consumer,one pack,gated up, gather" "0.005 0.01 0.02" tiledffn
+      stage_rows "gated consumer,one pack,gated up, gather,bwd sddmm,bwd dX" "0.005 0.01 0.02" tiledffn
       TWELL_TILED_FFN=1 TWELL_TILED_SPMM=1 timeout 300 python3 bench/ffn_bench.py --densities 0.005,0.01,0.02 \
         --patterns uniform,skewed --out "$OUT/ffn_bench.jsonl" 2>&1 | tee -a "$OUT/tiledffn.log"
       ncu_rows twell_tiled_ffn_up "gated up, one pack, packed" tiledffn
@@ -250,8 +250,10 @@ for step in $what; do
       for f in test_gpu_ops test_gpu_torch test_gpu_fixed_spill; do
         TWELL_TILED_SPMM=1 TWELL_TILED_FFN=1 gpu_test_file tests/gpu/$f.py tiledforced 240
       done
-      TWELL_TILED_SPMM=1 timeout 200 python3 bench/train_step.py --out "$OUT/train_step.jsonl" 2>&1 \
-        | tee -a "$OUT/tiledforced.log" | tail -4
+      for switches in "TWELL_TILED_SPMM=1" "TWELL_TILED_SPMM=1 TWELL_TILED_FFN=1"; do
+        env $switches timeout 200 python3 bench/train_step.py --out "$OUT/train_step.jsonl" 2>&1 \
+          | tee -a "$OUT/tiledforced.log" | tail -4
+      done
       ;;&
     dual)
       # The stationary SpMM's dual form (dX = dZ W_gate + dU W_up in one pass, opt-in): its

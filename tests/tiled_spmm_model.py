@@ -41,13 +41,14 @@ def _value_bits(values, source) -> int:
     return int(_bits(data.reshape(-1)[source] if source >= 0 else spill[~source]))
 
 
-def _packed(lines, n_out: int, n_in: int, values) -> tuple[np.ndarray, list[np.ndarray], int]:
+def _packed(lines, n_out: int, n_in: int, values, dests=None) -> tuple[np.ndarray, list[np.ndarray], int]:
     """The pack of an operand whose output row r holds the entries ``lines[r]`` ((column,
     source) in walk order; columns below ``n_in``): per item (group of 8 rows, chunk of 512
     columns) the entries bucketed by class (column in chunk % 8) in walk order and read out in
     rounds (round i takes the i-th entry of every class that has one, classes in order), then
     padding words (the item's first word with value zero) to a multiple of 16; one word array
-    per ``(data, spill)`` value pair."""
+    per ``(data, spill)`` value pair. ``dests``, a list, gets each word's source (PAD for
+    padding)."""
     n_chunks = -(-n_in // T.CHUNK)
     kg_ptr, words = [0], [[] for _ in values]
     for grp in range(-(-n_out // T.GROUP)):
@@ -63,6 +64,8 @@ def _packed(lines, n_out: int, n_in: int, values) -> tuple[np.ndarray, list[np.n
             buckets = [[e for e in entries if e[1] % 8 == q] for q in range(8)]
             ordered = [b[i] for i in range(max(map(len, buckets))) for b in buckets if i < len(b)]
             padded = -(-len(ordered) // T.KGROUP) * T.KGROUP
+            if dests is not None:
+                dests += [source for _, _, source in ordered] + [T.PAD] * (padded - len(ordered))
             for out, vals in zip(words, values, strict=True):
                 item = [_value_bits(vals, source) << 16 | r << 9 | col for r, col, source in ordered]
                 out += item + [item[0] & 0xFFFF if item else 0] * (padded - len(item))
@@ -70,11 +73,12 @@ def _packed(lines, n_out: int, n_in: int, values) -> tuple[np.ndarray, list[np.n
     return np.array(kg_ptr, dtype=np.int64), [np.array(w, dtype=np.uint32) for w in words], n_chunks
 
 
-def reference_pack(parts, tile_n: int, k: int, others=()) -> tuple[np.ndarray, list[np.ndarray], int]:
+def reference_pack(parts, tile_n: int, k: int, others=(), dests=None) -> tuple[np.ndarray, list[np.ndarray], int]:
     """``(kg_ptr, words, n_chunks)`` as ``_tiled_spmm.pack`` must write them from host parts of a
-    TwELL A with ``k`` columns (``others``: more host parts of A's structure, other values)."""
+    TwELL A with ``k`` columns (``others``: more host parts of A's structure, other values;
+    ``dests``: a list that gets the words' places in A's parts)."""
     values = [(p.data, p.spill_data) for p in (parts, *others)]
-    return _packed(_entries_by_row(parts, tile_n), parts.data.shape[0], k, values)
+    return _packed(_entries_by_row(parts, tile_n), parts.data.shape[0], k, values, dests)
 
 
 def reference_pack_transposed(parts, tile_n: int, n_cols: int, others=()) -> tuple[np.ndarray, list[np.ndarray], int]:

@@ -30,6 +30,7 @@ from ._ops import (
     product_values,
     sddmm,
     tail_then_finish,
+    tiled_gated_backward,
     transposed_products,
     with_values,
 )
@@ -113,6 +114,11 @@ def backward_arrays(grad_out, grad_act, x, w_act, w_lin, w_down, g, u, activatio
     """(dx, dw_act, dw_lin or None, dw_down); ``grad_act`` (a TwELL of g's pattern) may be None."""
     fused = None
     if u is not None and grad_act is None and activation in ("relu", "identity"):
+        one_pack = tiled_gated_backward(grad_out, w_down.T, g, u, w_act, w_lin)  # opt-in: TWELL_TILED_FFN=1
+        if one_pack is not None:
+            dx, f_z, f_u, f_h = one_pack
+            dw_down_t, dw_act, dw_lin = transposed_products(g, [(f_h, grad_out), (f_z, x), (f_u, x)])
+            return dx, dw_act, dw_lin, dw_down_t.T
         fused = fused_gated_backward(grad_out, w_down.T, g, u)  # d_h and its products in one pass
     if fused is not None:
         f_z, f_u, f_h = fused

@@ -441,18 +441,18 @@ def gated_consumer(
     """The gated FFN after its gate (:func:`gated_consumer_eligible` operands): ``u = x @ w_up.T``
     at the gate's pattern and ``h = gate * u`` (:func:`gated_up`), then ``out = h @ w_down_t``
     (:func:`down_spmm`: the "auto" SpMM, or the e4m3 one for quantized rows); or, opt-in
-    (``_tiled_ffn.chosen``) and without ``keep_up``, both halves on one tensor-core pack.
+    (``_tiled_ffn.chosen``), both halves on one tensor-core pack.
 
     Returns ``(out, u)``; ``u`` (parts with the gate's structure and zero padding, what the
     backward pass needs) only when ``keep_up``, else None. ``out``, when given, is written in
     place: (M, d_model) in x's dtype with unit column stride (the caller checks). ``variant``:
     the row gathers' (KV, U) instantiation for the up projection.
     """
-    if not keep_up and not isinstance(w_up, QuantizedRows) and not isinstance(w_down_t, QuantizedRows):
+    if not isinstance(w_up, QuantizedRows) and not isinstance(w_down_t, QuantizedRows):
         if _tiled_ffn.chosen(gate, x, w_up, w_down_t, out):  # opt-in: TWELL_TILED_FFN=1
             if out is None:
                 out = _cp().empty((gate.data.shape[0], w_down_t.shape[1]), dtype=x.dtype)
-            return _tiled_ffn.gated_consumer(gate, tile_n, x, w_up, w_down_t, out), None
+            return _tiled_ffn.gated_consumer(gate, tile_n, x, w_up, w_down_t, out, keep_up)
     h, up = gated_up(gate, tile_n, x, w_up, keep_up, variant)
     if out is None:
         out = _cp().empty((gate.data.shape[0], w_down_t.shape[1]), dtype=x.dtype)

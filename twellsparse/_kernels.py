@@ -208,7 +208,10 @@ ARCH_SOURCES: dict[str, tuple[str, list[str]]] = {
         + ["tiled_spmm_count", "tiled_spmm_place", "tiled_spmm_count_t", "tiled_spmm_place_t"],
     ),
     # The gated consumer's up projection on the tiled SpMM's pack of the gate.
-    "twell_tiled_ffn.cu": ("sm_90a", [f"twell_tiled_ffn_up<{CXX_TYPE[d]}>" for d in (np.dtype(np.float16), bfloat16)]),
+    "twell_tiled_ffn.cu": (
+        "sm_90a",
+        [f"twell_tiled_ffn_up<{CXX_TYPE[d]}, {b}>" for d in (np.dtype(np.float16), bfloat16) for b in (0, 1)],
+    ),
 }
 
 

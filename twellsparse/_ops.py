@@ -474,6 +474,23 @@ def fused_gated_backward(
     return d_z, d_u, h
 
 
+def tiled_gated_backward(
+    grad_out: Any, w_down_t: Any, g: twell_array, u: twell_array, w_gate: Any, w_up: Any
+) -> tuple[Any, twell_array, twell_array, twell_array] | None:
+    """``(dx, d_z, d_u, h)`` of the gated backward (relu or identity activation) on one
+    tensor-core pack of the gate (``_tiled_ffn.gated_backward``), where ``_tiled_ffn`` is
+    switched on and serves the operands; else None."""
+    if not is_cupy_array(grad_out) or not grad_out.dtype == w_down_t.dtype == g.dtype == u.dtype == w_up.dtype:
+        return None
+    from . import _tiled_ffn
+
+    if not _tiled_ffn.chosen_backward(g.parts, grad_out, w_down_t, u.parts, w_gate, w_up):
+        return None
+    dx, *parts = _tiled_ffn.gated_backward(g.parts, g.tile_n, grad_out, w_down_t, u.parts, w_gate, w_up)
+    d_z, d_u, h = (twell_array._from_parts(p, g.shape, g.tile_n) for p in parts)
+    return dx, d_z, d_u, h
+
+
 def gather_tail_eligible(x: Any, w_lin: Any, w_down_t: Any, dtype: Any) -> bool:
     """Whether an FFN block's tail can run on the row-gather kernels alone: on the GPU, one
     dtype, 16-byte rows (gated: the gated consumer's operands; non-gated: W_down's rows), or

@@ -6,8 +6,10 @@ and writes ``h = gate * u`` into a copy of the words, and ``_tiled_spmm.packed_s
 down projection on them. Neither half reads a weight row per entry from L2, and h never exists
 in the gate's layout.
 
-Inference only (the training forward keeps u in the gate's layout, which this path does not
-write). Opt-in (``TWELL_TILED_FFN=1``) until measured on a GPU.
+The training forward also writes u in the gate's layout (the pack records each word's place
+there), and the backward runs the same kernel on one pack of the gate (d_h = dy . W_down^T at
+the entries, then d_z, d_u and h, and dX by the tiled SpMM's dual form on d_z's and d_u's
+words). Opt-in (``TWELL_TILED_FFN=1``) until measured on a GPU.
 """
 
 from __future__ import annotations
@@ -62,39 +64,99 @@ def _cp() -> Any:
     return cupy
 
 
-def gated_up_words(packed: _tiled_spmm.Pack, m: int, x: Any, w_up: Any) -> Any:
+def _launch(backward: bool, packed: _tiled_spmm.Pack, m: int, x: Any, w: Any, outputs: tuple) -> None:
+    """``twell_tiled_ffn_up<T, backward>`` over ``packed`` (the gate's pack, ``m`` tokens) with
+    ``w`` (N x d: W_up, or W_down^T) and ``x`` (M x d: x, or dy) staged by TMA."""
+    x, _ = row_stride(x)
+    w, _ = row_stride(w)
+    box = _tiled_spmm.BOX
+    maps = (tensor_map(w, box, SLICE_COLS, SWIZZLE_64B), tensor_map(x, box, SLICE_COLS, SWIZZLE_64B))
+    dests = packed.dests if packed.dests is not None else K.null_pointer()
+    sizes = (np.int32(m), np.int32(x.shape[1]), np.int32(packed.n_chunks))
+    args = (*maps, packed.kg_ptr, packed.words[0], dests, *sizes, *outputs)
+    grid = (packed.n_chunks, -(-m // _tiled_spmm.ROWS))
+    expr = f"twell_tiled_ffn_up<{K.CXX_TYPE[x.dtype]}, {int(backward)}>"
+    K.launch_arch(expr, grid, (WARPS * 32,), args, SHARED_BYTES)
+
+
+def _zeros_like_values(parts: TwELLParts) -> TwELLParts:
+    cp = _cp()
+    return parts._replace(data=cp.zeros_like(parts.data), spill_data=cp.zeros_like(parts.spill_data))
+
+
+def gated_up_words(packed: _tiled_spmm.Pack, m: int, x: Any, w_up: Any, up: TwELLParts | None = None) -> Any:
     """The gate's words (``packed``, of an ``m``-token gate over ``w_up.shape[0]`` units) with
     ``h = gate * u`` in their value bits: a new uint32 array of the words' size whose first
-    ``kg_ptr[-1] * 16`` words are written."""
+    ``kg_ptr[-1] * 16`` words are written. With ``up`` (parts of the gate's structure; the pack
+    made with ``dests``) u is written into its values as well."""
     h_words = _cp().empty_like(packed.words[0])
-    x, _ = row_stride(x)
-    w_up, _ = row_stride(w_up)
     if m == 0 or packed.n_chunks == 0:
         return h_words
-    box = _tiled_spmm.BOX
-    maps = (tensor_map(w_up, box, SLICE_COLS, SWIZZLE_64B), tensor_map(x, box, SLICE_COLS, SWIZZLE_64B))
-    sizes = (np.int32(m), np.int32(x.shape[1]), np.int32(packed.n_chunks))
-    args = (*maps, packed.kg_ptr, packed.words[0], *sizes, h_words)
-    grid = (packed.n_chunks, -(-m // _tiled_spmm.ROWS))
-    K.launch_arch(f"twell_tiled_ffn_up<{K.CXX_TYPE[x.dtype]}>", grid, (WARPS * 32,), args, SHARED_BYTES)
+    null = K.null_pointer()
+    kept = (up.data, up.spill_data) if up is not None else (null, null)
+    _launch(False, packed, m, x, w_up, (h_words, null, *kept, *(null,) * 6))
     return h_words
 
 
-def gated_consumer(gate: TwELLParts, tile_n: int, x: Any, w_up: Any, w_down_t: Any, out: Any) -> Any:
+def gated_consumer(
+    gate: TwELLParts, tile_n: int, x: Any, w_up: Any, w_down_t: Any, out: Any, keep_up: bool = False
+) -> tuple[Any, TwELLParts | None]:
     """``out = (gate * (x @ w_up.T at the gate's pattern)) @ w_down_t``: one pack of the gate,
-    the up projection into the words, the tiled SpMM on them. The caller checked
+    the up projection into the words, the tiled SpMM on them. Returns ``(out, u)``, u (parts of
+    the gate's structure, zero padding) only with ``keep_up``. The caller checked
     :func:`applies`; ``out`` is (M, d_model) with unit column stride."""
     m = gate.data.shape[0]
-    packed = _tiled_spmm.pack(gate, tile_n, w_up.shape[0])
-    h_words = gated_up_words(packed, m, x, w_up)
-    return _tiled_spmm.packed_spmm(packed._replace(words=(h_words,)), m, w_down_t, out)
+    packed = _tiled_spmm.pack(gate, tile_n, w_up.shape[0], dests=keep_up)
+    up = _zeros_like_values(gate) if keep_up else None
+    h_words = gated_up_words(packed, m, x, w_up, up)
+    _tiled_spmm.packed_spmm(packed._replace(words=(h_words,)), m, w_down_t, out)
+    return out, up
 
 
-#: Whether the gated consumer takes this path (inference calls, where it applies): only with
-#: ``TWELL_TILED_FFN=1`` (not yet measured on a GPU; bench/NOTES.md).
+def gated_backward(
+    gate: TwELLParts, tile_n: int, dy: Any, w_down_t: Any, up: TwELLParts, w_gate: Any, w_up: Any
+) -> tuple[Any, TwELLParts, TwELLParts, TwELLParts]:
+    """The gated FFN backward (relu or identity activation) on one pack of the gate: ``d_h = dy
+    @ w_down_t.T`` at its entries, ``d_z = d_h * u``, ``d_u = d_h * g``, ``h = g * u`` (as
+    ``_gpu_ops.sddmm_gated_backward`` rounds them), and ``dx = d_z @ w_gate + d_u @ w_up`` by
+    the tiled SpMM's dual form on the same pack's words. Returns ``(dx, d_z, d_u, h)``, the
+    three as parts of the gate's structure (zero padding). The caller checked
+    :func:`applies_backward`."""
+    cp = _cp()
+    m = gate.data.shape[0]
+    packed = _tiled_spmm.pack(gate, tile_n, w_down_t.shape[0], dests=True)
+    d_z, d_u, h = (_zeros_like_values(gate) for _ in range(3))
+    dz_words, du_words = cp.empty_like(packed.words[0]), cp.empty_like(packed.words[0])
+    dx = cp.empty((m, w_gate.shape[1]), dtype=dy.dtype)
+    if m == 0 or packed.n_chunks == 0:
+        dx[...] = 0
+        return dx, d_z, d_u, h
+    values = (up.data, up.spill_data, d_z.data, d_z.spill_data, d_u.data, d_u.spill_data, h.data, h.spill_data)
+    _launch(True, packed, m, dy, w_down_t, (dz_words, du_words, *values))
+    _tiled_spmm.packed_spmm(packed._replace(words=(dz_words, du_words)), m, w_gate, dx, b2=w_up)
+    return dx, d_z, d_u, h
+
+
+def applies_backward(gate: TwELLParts, dy: Any, w_down_t: Any, up: TwELLParts, w_gate: Any, w_up: Any) -> bool:
+    """Whether :func:`gated_backward` serves these operands on the current device (the rules of
+    :func:`applies` for dy, W_down^T, W_gate and W_up, u in the gate's dtype)."""
+    if up.data.dtype != gate.data.dtype or w_gate.dtype != dy.dtype or w_gate.shape != w_up.shape:
+        return False
+    if not rows_aligned(row_stride(w_gate)):
+        return False
+    return applies(gate, dy, w_down_t, w_up)
+
+
+#: Whether the gated consumer and the gated backward take these paths where they apply: only
+#: with ``TWELL_TILED_FFN=1`` (not yet measured on a GPU; bench/NOTES.md).
 PREFERRED: bool | None = K.env_switch("TWELL_TILED_FFN")
 
 
 def chosen(gate: TwELLParts, x: Any, w_up: Any, w_down_t: Any, out: Any = None) -> bool:
     """Whether the gated consumer takes the one-pack path."""
     return bool(PREFERRED) and applies(gate, x, w_up, w_down_t, out)
+
+
+def chosen_backward(gate: TwELLParts, dy: Any, w_down_t: Any, up: TwELLParts, w_gate: Any, w_up: Any) -> bool:
+    """Whether the gated backward takes the one-pack path."""
+    return bool(PREFERRED) and applies_backward(gate, dy, w_down_t, up, w_gate, w_up)

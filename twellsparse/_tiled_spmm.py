@@ -30,6 +30,8 @@ GROUP = 8
 #: b's rows per staged chunk (TSPMM_CHUNK) and per TMA box (TSPMM_BOX).
 CHUNK = 512
 BOX = 256
+#: A padding word's place in :attr:`Pack.dests` (TSPMM_PAD).
+PAD = -(2**31)
 #: Words per k-group (TSPMM_KGROUP), warps per block (TSPMM_WARPS).
 KGROUP = 16
 WARPS = 16
@@ -47,6 +49,9 @@ class Pack(NamedTuple):
     kg_ptr: Any
     words: tuple[Any, ...]
     n_chunks: int
+    #: int32, each word's place in A's parts (slot index, ~spill index, or PAD for padding),
+    #: when the pack was asked for it (the one-pack FFN kernels write values there).
+    dests: Any = None
 
 
 def _cp() -> Any:
@@ -73,18 +78,30 @@ def applies(b: Any, out: Any, b2: Any = None) -> bool:
 
 
 def _packed(
-    count: str, place: str, structure: tuple, rows: int, cols: int, values: list[tuple[Any, Any]], stored: int
+    count: str,
+    place: str,
+    structure: tuple,
+    rows: int,
+    cols: int,
+    values: list[tuple[Any, Any]],
+    stored: int,
+    dests: bool = False,
 ) -> Pack:
     """Run a pack's count kernel, the scan and its place kernel for an operand of ``rows`` x
     ``cols`` (items: groups of 8 rows x chunks of 512 columns) with up to three value arrays of
-    one structure (``(data, spill)`` pairs); ``stored``: the most entries it can hold."""
+    one structure (``(data, spill)`` pairs); ``stored``: the most entries it can hold;
+    ``dests``: also each word's place in the parts."""
     cp = _cp()
+    if stored >= 2**31:
+        raise ValueError(f"A: expected fewer than 2**31 slots and spill entries for the tiled SpMM, got {stored}")
     n_chunks = -(-cols // CHUNK)
     items = -(-rows // GROUP) * n_chunks
     kg_ptr = cp.zeros(items + 1, dtype=cp.int32)
-    words = tuple(cp.empty(stored + (KGROUP - 1) * items, dtype=cp.uint32) for _ in values)
+    size = stored + (KGROUP - 1) * items
+    words = tuple(cp.empty(size, dtype=cp.uint32) for _ in values)
+    places = cp.empty(size, dtype=cp.int32) if dests else None
     if items == 0:
-        return Pack(kg_ptr, words, n_chunks)
+        return Pack(kg_ptr, words, n_chunks, places)
     sizes = cp.empty(items, dtype=cp.int32)
     head = (*structure, np.int32(n_chunks), np.int64(items))
     K.launch_arch(count, (-(-items // 256),), (256,), (*head, sizes), 0)
@@ -93,8 +110,9 @@ def _packed(
     null = K.null_pointer()
     arrays = [a for pair in values for a in pair] + [null, null] * (3 - len(values))
     outs = list(words) + [null] * (3 - len(values))
-    K.launch_arch(place, (-(-items // 256),), (256,), (*head, kg_ptr, *arrays, *outs), 0)
-    return Pack(kg_ptr, words, n_chunks)
+    where = places if places is not None else null
+    K.launch_arch(place, (-(-items // 256),), (256,), (*head, kg_ptr, *arrays, *outs, where), 0)
+    return Pack(kg_ptr, words, n_chunks, places)
 
 
 def _value_arrays(parts: TwELLParts, others: tuple[TwELLParts, ...]) -> list[tuple[Any, Any]]:
@@ -103,16 +121,17 @@ def _value_arrays(parts: TwELLParts, others: tuple[TwELLParts, ...]) -> list[tup
     return [(p.data, p.spill_data) for p in (parts, *others)]
 
 
-def pack(parts: TwELLParts, tile_n: int, k: int, others: tuple[TwELLParts, ...] = ()) -> Pack:
+def pack(parts: TwELLParts, tile_n: int, k: int, others: tuple[TwELLParts, ...] = (), dests: bool = False) -> Pack:
     """A's entries (a TwELL A with ``k`` columns) as the kernel's k-groups, with the words of up
-    to two more matrices of A's structure (``others``, other values) at the same places. Four
-    launches: counts, the two-launch scan, placement; no host read."""
+    to two more matrices of A's structure (``others``, other values) at the same places, and
+    with ``dests`` each word's place in A's parts. Four launches: counts, the two-launch scan,
+    placement; no host read."""
     m, nt, cap = parts.data.shape
     structure = (parts.indices, parts.counts, parts.spill_indptr, parts.spill_indices)
     geometry = (np.int32(m), np.int32(k), np.int32(nt), np.int32(tile_n), np.int32(cap))
     stored = int(parts.data.size + parts.spill_data.size)
     values = _value_arrays(parts, others)
-    return _packed("tiled_spmm_count", "tiled_spmm_place", (*structure, *geometry), m, k, values, stored)
+    return _packed("tiled_spmm_count", "tiled_spmm_place", (*structure, *geometry), m, k, values, stored, dests)
 
 
 def pack_transposed(

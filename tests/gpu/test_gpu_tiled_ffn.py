@@ -89,22 +89,54 @@ def test_consumer_matches_float64_and_the_row_gathers(cp, rng, monkeypatch, dtyp
     assert rel_error(out, cp.asnumpy(gathered).astype(np.float64)) <= 2 * bound
 
 
-def test_consumer_takes_it_only_when_switched_on_and_not_for_training(cp, rng, monkeypatch):
+def test_consumer_takes_it_only_when_switched_on_and_keeps_u_for_training(cp, rng, monkeypatch):
     _, gate, x, w_up, w_down_t = _problem(cp, rng, 600, 1100, 64, 256, 8, 0.03, ts.bfloat16)
     xs, ws, wds = cp.asarray(x), cp.asarray(w_up), cp.asarray(w_down_t)
     _skip_unless_hopper(gate, xs, ws, wds)
     calls = []
     real = _tiled_ffn.gated_consumer
     monkeypatch.setattr(_tiled_ffn, "gated_consumer", lambda *args: calls.append(1) or real(*args))
-    results = []
-    for preferred, keep_up in ((None, False), (True, False), (True, True)):
+    results, ups = [], []
+    for preferred, keep_up in ((None, True), (True, False), (True, True)):
         monkeypatch.setattr(_tiled_ffn, "PREFERRED", preferred)
         out, up = _gpu_ops.gated_consumer(gate.parts, 256, xs, ws, wds, keep_up=keep_up)
         assert (up is not None) == keep_up
         results.append(cp.asnumpy(out).astype(np.float64))
-    assert len(calls) == 1
+        ups.append(up)
+    assert len(calls) == 2
     for other in results[1:]:
         assert rel_error(other, results[0]) < 1e-2
+    # u in the gate's layout: the row gathers' values (up to a rounding of the fp32 sums), zero
+    # in the padding slots of both
+    for got, want in zip(ups[2], ups[0], strict=True):
+        if got.dtype.kind == "f":
+            assert rel_error(got, cp.asnumpy(want).astype(np.float64)) < 1e-2
+            assert np.array_equal(cp.asnumpy(got) == 0, cp.asnumpy(want) == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, f, d, tile_n, capacity, density", [SHAPES[1], SHAPES[2], SHAPES[3], SHAPES[5]])
+def test_backward_matches_the_fused_row_gathers_and_float64(cp, rng, dtype, m, f, d, tile_n, capacity, density):
+    """d_z, d_u and h in the gate's layout against the row gathers' fused backward, and dX (the
+    dual SpMM on the same pack's words) against float64 of those values."""
+    _, gate, x, w_up, w_down_t = _problem(cp, rng, m, f, d, tile_n, capacity, density, dtype)
+    dy, ws, wds = (cp.asarray(a) for a in (x, w_up, w_down_t))
+    w_gate = cp.asarray((rng.standard_normal((f, d)) / np.sqrt(d)).astype(dtype))
+    _skip_unless_hopper(gate, dy, wds, ws)
+    up = _gpu_ops.gated_up(gate.parts, tile_n, cp.asarray(x), ws, keep_up=True)[1]
+    assert _tiled_ffn.applies_backward(gate.parts, dy, wds, up, w_gate, ws)
+    dx, d_z, d_u, h = _tiled_ffn.gated_backward(gate.parts, tile_n, dy, wds, up, w_gate, ws)
+    want = _gpu_ops.sddmm_gated_backward(gate.parts, tile_n, dy, wds, up)
+    for got, ref in zip((d_z, d_u, h), want, strict=True):
+        for a, b in ((got.data, ref.data), (got.spill_data, ref.spill_data)):
+            b_host = cp.asnumpy(b).astype(np.float64)
+            assert rel_error(a, b_host) <= 1e-2
+            assert np.array_equal(cp.asnumpy(a) == 0, b_host == 0)  # zero padding in both
+    dense = {name: ts.twell_array._from_parts(p, (m, f), tile_n).toarray() for name, p in (("z", d_z), ("u", d_u))}
+    expected = cp.asnumpy(dense["z"]).astype(np.float64) @ cp.asnumpy(w_gate).astype(np.float64)
+    expected += cp.asnumpy(dense["u"]).astype(np.float64) @ w_up.astype(np.float64)
+    rounded = expected.astype(dtype).astype(np.float64)
+    assert rel_error(dx, expected) <= 4.0 * rel_error(rounded, expected) + 1e-3
 
 
 def test_gated_plan_runs_it_when_preferred(cp, rng, monkeypatch):

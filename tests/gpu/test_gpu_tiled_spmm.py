@@ -69,9 +69,12 @@ def test_pack_matches_the_model_word_for_word(cp, rng, others, m, n, k, tile_n, 
     h, a = _problem(cp, rng, m, n, tile_n, capacity, density, ts.bfloat16)
     _skip_unless_hopper(cp.empty((n, 8), dtype=ts.bfloat16), cp.empty((m, 8), dtype=ts.bfloat16))
     twins = tuple(_twin(cp, rng, h, a)[1] for _ in range(others))
-    packed = _tiled_spmm.pack(a.parts, tile_n, n, tuple(t.parts for t in twins))
-    reference = reference_pack(_host(cp, a.parts), tile_n, n, tuple(_host(cp, t.parts) for t in twins))
+    packed = _tiled_spmm.pack(a.parts, tile_n, n, tuple(t.parts for t in twins), dests=others > 0)
+    dests: list[int] = []
+    reference = reference_pack(_host(cp, a.parts), tile_n, n, tuple(_host(cp, t.parts) for t in twins), dests)
     _same_pack(cp, packed, reference)
+    if others:  # each word's place in A's parts: slot index, ~spill index, PAD for padding
+        assert np.array_equal(cp.asnumpy(packed.dests[: len(dests)]), np.array(dests, dtype=np.int32))
 
 
 @pytest.mark.parametrize("m, n, tile_n, capacity, density", [(300, 2000, 32, 2, 0.08), (1100, 700, 1024, None, 0.05)])
