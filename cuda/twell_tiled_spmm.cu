@@ -170,12 +170,30 @@ __device__ __forceinline__ void tspmm_place(const Walk& walk, int n_chunks, long
   }
 }
 
-// The one-hot operand's register for column g: the value halves of words w0 (low half) and w1
-// (high half) where their row in group is g, zeros elsewhere.
-__device__ __forceinline__ unsigned tspmm_one_hot(unsigned w0, unsigned w1, unsigned g) {
-  const unsigned lo = ((w0 >> 9) & 7u) == g ? (w0 >> 16) : 0u;
-  const unsigned hi = ((w1 >> 9) & 7u) == g ? (w1 & 0xffff0000u) : 0u;
-  return lo | hi;
+// The words of one k-group that a lane needs: entries 2t, 2t + 1 and 2t + 8, 2t + 9 (the one-hot
+// operand) and its ldmatrix entry. `pairs` points at word 2t of k-group 0 and `own` at word
+// `entry`: three loads at fixed offsets per k-group. kg < 0 (nothing to load) reads k-group 0
+// instead, never used: a load without a branch around it (the pack's words array always holds
+// at least one k-group's room).
+struct TiledWords {
+  uint2 lo, hi;
+  unsigned mine;
+};
+
+__device__ __forceinline__ TiledWords tspmm_load(const uint2* pairs, const unsigned* own, int kg) {
+  const long long at = (long long)max(kg, 0) * TSPMM_KGROUP;
+  return TiledWords{__ldg(pairs + at / 2), __ldg(pairs + at / 2 + 4), __ldg(own + at)};
+}
+
+// The one-hot operand's register for column g (g9 = g << 9): the value halves of words w0 (low
+// half) and w1 (high half) where their row in group is g, zeros elsewhere. A LOP3 and a compare
+// per word, one byte permute for the pair.
+__device__ __forceinline__ unsigned tspmm_one_hot(unsigned w0, unsigned w1, unsigned g9) {
+  const unsigned a = ((w0 ^ g9) & 0xe00u) == 0u ? w0 : 0u;
+  const unsigned b = ((w1 ^ g9) & 0xe00u) == 0u ? w1 : 0u;
+  unsigned r;
+  asm("prmt.b32 %0, %1, %2, 0x7632;" : "=r"(r) : "r"(a), "r"(b));  // a's high half, then b's
+  return r;
 }
 
 }  // namespace twell
@@ -286,34 +304,53 @@ __global__ void __launch_bounds__(twell::TSPMM_WARPS * 32, 1) twell_tiled_spmm(
   // which .trans turns into a0 .. a3 of A = B^T).
   const int entry = (lane >> 4) * 8 + (lane & 7), piece = (lane >> 3) & 1;
   const int group0 = (row0 >> 3) + warp * TSPMM_WARP_GROUPS;
+  // The warp's k-group ranges at chunk c, one load a lane: lane j < 8 holds kg_ptr[item + (j &
+  // 1)] of its group j / 2 (0 past the groups or the chunks). Loaded one chunk ahead, and each
+  // k-group's words one k-group ahead (across the warp's groups), so that the L2 latency of the
+  // pack overlaps the MMAs instead of stalling the warp at every group and chunk.
+  auto ranges = [&](int c) {
+    const int j = lane & 7, grp = group0 + (j >> 1);
+    if (c >= n_chunks || grp >= n_groups) return 0;
+    return __ldg(kg_ptr + (long long)grp * n1 + (c < n1 ? c : c - n1) + (j & 1));
+  };
+  int kp_next = ranges(0);
   for (int c = 0; c < n_chunks; ++c) {
     const int s = c % TSPMM_STAGES;
     const unsigned parity = (unsigned)(c / TSPMM_STAGES) & 1u;
-    barrier_wait(full + 8 * s, parity);
-    const unsigned stage_base = base + s * TSPMM_STAGE_BYTES;
-    const unsigned* chunk_words = c < n1 ? words : words2;
-    const int chunk = c < n1 ? c : c - n1;
+    const int kp = kp_next;
+    kp_next = ranges(c + 1);
+    int k_lo[TSPMM_WARP_GROUPS], k_hi[TSPMM_WARP_GROUPS];
 #pragma unroll
     for (int i = 0; i < TSPMM_WARP_GROUPS; ++i) {
-      const int grp = group0 + i;
-      if (grp < n_groups) {
-        const long long item = (long long)grp * n1 + chunk;
-        const int k_lo = kg_ptr[item], k_hi = kg_ptr[item + 1];
-        for (int kg = k_lo; kg < k_hi; ++kg) {
-          const unsigned* w = chunk_words + (long long)kg * TSPMM_KGROUP;
-          const uint2 lo = __ldg(reinterpret_cast<const uint2*>(w + 2 * t));
-          const uint2 hi = __ldg(reinterpret_cast<const uint2*>(w + 2 * t + 8));
-          const unsigned mine = __ldg(w + entry);
-          const unsigned b0 = tspmm_one_hot(lo.x, lo.y, g), b1 = tspmm_one_hot(hi.x, hi.y, g);
-          const unsigned b_row = mine & 511u;
-          const unsigned row_base = stage_base + b_row * 128u, swz = b_row & 7u;
+      k_lo[i] = __shfl_sync(0xffffffffu, kp, 2 * i);
+      k_hi[i] = __shfl_sync(0xffffffffu, kp, 2 * i + 1);
+    }
+    // first_after[i]: the first k-group of the first nonempty group after group i (-1: none).
+    int first_after[TSPMM_WARP_GROUPS + 1];
+    first_after[TSPMM_WARP_GROUPS] = -1;
 #pragma unroll
-          for (int j = 0; j < TSPMM_COL_STEPS; ++j) {
-            unsigned a[4];
-            ldmatrix_x4_trans(a, row_base + ((((unsigned)(2 * j + piece)) ^ swz) << 4));
-            mma_m16n8k16<T>(acc[i][j], a[0], a[1], a[2], a[3], b0, b1);
-          }
+    for (int i = TSPMM_WARP_GROUPS - 1; i >= 0; --i) first_after[i] = k_lo[i] < k_hi[i] ? k_lo[i] : first_after[i + 1];
+    const unsigned* chunk_words = c < n1 ? words : words2;
+    const uint2* pairs = reinterpret_cast<const uint2*>(chunk_words + 2 * t);
+    const unsigned* own = chunk_words + entry;
+    TiledWords cur = tspmm_load(pairs, own, first_after[0]);
+    barrier_wait(full + 8 * s, parity);
+    const unsigned stage_base = base + s * TSPMM_STAGE_BYTES;
+#pragma unroll
+    for (int i = 0; i < TSPMM_WARP_GROUPS; ++i) {
+#pragma unroll 2
+      for (int kg = k_lo[i]; kg < k_hi[i]; ++kg) {
+        const TiledWords next = tspmm_load(pairs, own, kg + 1 < k_hi[i] ? kg + 1 : first_after[i + 1]);
+        const unsigned b0 = tspmm_one_hot(cur.lo.x, cur.lo.y, g << 9), b1 = tspmm_one_hot(cur.hi.x, cur.hi.y, g << 9);
+        const unsigned b_row = cur.mine & 511u;
+        const unsigned row_base = stage_base + b_row * 128u, swz = b_row & 7u;
+#pragma unroll
+        for (int j = 0; j < TSPMM_COL_STEPS; ++j) {
+          unsigned a[4];
+          ldmatrix_x4_trans(a, row_base + ((((unsigned)(2 * j + piece)) ^ swz) << 4));
+          mma_m16n8k16<T>(acc[i][j], a[0], a[1], a[2], a[3], b0, b1);
         }
+        cur = next;
       }
     }
     __syncwarp();
