@@ -141,6 +141,12 @@ def _value(bits: np.ndarray, dtype) -> np.ndarray:
     return np.asarray(bits, dtype=np.uint16).view(dtype).astype(np.float64)
 
 
+def _kgroup(words: np.ndarray, kg: int) -> np.ndarray:
+    """The 16 words of k-group ``kg`` (k-group 0 for kg < 0, as the kernel's branch-free load)."""
+    kg = max(kg, 0)
+    return words[kg * T.KGROUP : (kg + 1) * T.KGROUP]
+
+
 def emulate(kg_ptr, words, n_chunks: int, m: int, b: np.ndarray, b2=None) -> np.ndarray:
     """The kernel's sums (float64, before rounding) for an ``m``-row A packed as given (``words``:
     the pack's word arrays; with ``b2`` the dual form, A2's words the second array), lane by lane:
@@ -157,13 +163,23 @@ def emulate(kg_ptr, words, n_chunks: int, m: int, b: np.ndarray, b2=None) -> np.
                 source, chunk_words = (b, words[0]) if c < n_chunks else (b2, words[1])
                 stage = _staged(source, (c % n_chunks) * T.CHUNK, col0)
                 for warp in range(T.WARPS):
+                    # The warp's ranges (0 past the groups) and the kernel's prefetch: the words in
+                    # hand are always the next k-group's in (group, k-group) order.
+                    lo, hi = [], []
                     for i in range(4):
                         grp = by * T.ROWS // T.GROUP + warp * 4 + i
-                        if grp >= -(-m // T.GROUP):
-                            continue
                         item = grp * n_chunks + c % n_chunks
-                        for kg in range(int(kg_ptr[item]), int(kg_ptr[item + 1])):
-                            w = chunk_words[kg * T.KGROUP : (kg + 1) * T.KGROUP].astype(np.int64)
+                        inside = grp < -(-m // T.GROUP)
+                        lo.append(int(kg_ptr[item]) if inside else 0)
+                        hi.append(int(kg_ptr[item + 1]) if inside else 0)
+                    first_after = [-1] * 5
+                    for i in range(3, -1, -1):
+                        first_after[i] = lo[i] if lo[i] < hi[i] else first_after[i + 1]
+                    cur = _kgroup(chunk_words, first_after[0])
+                    for i in range(4):
+                        for kg in range(lo[i], hi[i]):
+                            nxt = _kgroup(chunk_words, kg + 1 if kg + 1 < hi[i] else first_after[i + 1])
+                            w = cur.astype(np.int64)
                             rows_in_group, vals = (w >> 9) & 7, _value(w >> 16, source.dtype)
                             one_hot = np.where(rows_in_group[None, :] == G[:, None], vals[None, :], 0.0)
                             b_regs = np.stack(
@@ -174,6 +190,7 @@ def emulate(kg_ptr, words, n_chunks: int, m: int, b: np.ndarray, b2=None) -> np.
                             for j in range(4):
                                 regs = _ldmatrix_x4_trans(stage, b_row, (2 * j + piece) ^ (b_row & 7))
                                 acc[warp, i, j] += _mma_m16n8k16(regs, b_regs)
+                            cur = nxt
             odd = (G & 1) == 1
             for warp in range(T.WARPS):
                 for i in range(4):
