@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledffn|tiledforced|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledffn|tiledcheck|tiledforced|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -225,24 +225,26 @@ for step in $what; do
       ;;&
     tiledspmm)
       # The tensor-core SpMM (cuda/twell_tiled_spmm.cu, opt-in): its tests (a hang ends at the
-      # timeout), memcheck and racecheck on its smallest cases, the down projection and dX by
-      # each kernel with their packs, the tiled pack and product alone, Nsight Compute on one
-      # product.
+      # timeout), the down projection, dX and the transposed products by each kernel with their
+      # packs, the tiled packs and product alone, Nsight Compute on one product.
       gpu_test_file tests/gpu/test_gpu_tiled_spmm.py tiledspmm 300
-      sanitize_tests tests/gpu/test_gpu_tiled_spmm.py "40-16 or strided or graph" tiledspmm
       stage_rows "down spmm,stationary pack,tiled spmm pack,bwd dX,transposed" "0.005 0.01 0.02" tiledspmm
       ncu_rows twell_tiled_spmm "down spmm, tiled, packed" tiledspmm
       ;;&
     tiledffn)
-      # The gated consumer on one pack (cuda/twell_tiled_ffn.cu, opt-in): its tests, memcheck and
-      # racecheck on small cases, its stage rows beside the current consumer, the FFN benchmark
-      # with both tiled switches on (recorded as settings), Nsight Compute on the up kernel.
+      # The gated consumer on one pack (cuda/twell_tiled_ffn.cu, opt-in): its tests, its stage
+      # rows beside the current consumer and backward, the FFN benchmark with both tiled switches
+      # on (recorded as settings), Nsight Compute on the up kernel.
       gpu_test_file tests/gpu/test_gpu_tiled_ffn.py tiledffn 300
-      sanitize_tests tests/gpu/test_gpu_tiled_ffn.py "40-16 or 40-32 or switched" tiledffn
       stage_rows "gated consumer,one pack,gated up, gather,bwd sddmm,bwd dX" "0.005 0.01 0.02" tiledffn
       TWELL_TILED_FFN=1 TWELL_TILED_SPMM=1 timeout 300 python3 bench/ffn_bench.py --densities 0.005,0.01,0.02 \
         --patterns uniform,skewed --out "$OUT/ffn_bench.jsonl" 2>&1 | tee -a "$OUT/tiledffn.log"
       ncu_rows twell_tiled_ffn_up "gated up, one pack, packed" tiledffn
+      ;;&
+    tiledcheck)
+      # compute-sanitizer memcheck and racecheck on the tiled kernels' small test cases.
+      sanitize_tests tests/gpu/test_gpu_tiled_spmm.py "40-16 or strided or graph or 300-2000" tiledcheck
+      sanitize_tests tests/gpu/test_gpu_tiled_ffn.py "40-16 or 40-32 or switched" tiledcheck
       ;;&
     tiledforced)
       # The suite's SpMM, FFN and torch tests and the training step with the tiled kernels forced
