@@ -74,11 +74,6 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
             packs["down"] = _tiled_spmm.pack(g.parts, g.tile_n, g.shape[1])
         return packs["down"]
 
-    def transposed() -> Any:  # g's transposed structure, built once
-        if "transposed" not in packs:
-            packs["transposed"] = _gpu_ops.transposed_pattern(g.parts, g.tile_n, g.shape[1])
-        return packs["transposed"]
-
     def three_products() -> Any:  # the backward's dW_down, dW_gate and dW_up on one pattern
         return transposed_products(g, [(h, go), (d_z, x), (d_u, x)])
 
@@ -156,11 +151,11 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         "bwd 3 transposed products, columns split": lambda: _with(
             _gpu_ops, "TRANSPOSED_COLUMN_SPLIT", 2, three_products
         ),
-        # The same on the tensor cores (opt-in): pattern, one pack of the transpose, 3 launches;
-        # and that pack alone on a built pattern.
+        # The same on the tensor cores (opt-in): one pack of the transpose from the parts (no
+        # transposed structure), 3 launches; and that pack alone.
         "bwd 3 transposed products, tiled": lambda: _with(_tiled_spmm, "PREFERRED", True, three_products),
         "tiled transposed pack": lambda: _tiled_spmm.pack_transposed(
-            transposed(), h.parts, g.shape[1], (d_z.parts, d_u.parts)
+            h.parts, g.tile_n, g.shape[1], (d_z.parts, d_u.parts)
         ),
         "bwd dX": lambda: matmul_sum(d_z, wg, d_u, wu),  # the backward's one dual pass, as chosen
         # Its two kernels, each forced: the row gathers' dual pass and the stationary dual form.

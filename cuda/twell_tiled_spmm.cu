@@ -75,37 +75,6 @@ struct TwellWalk {
   }
 };
 
-// The entries of A.T from the CSR structure of the transpose (_gpu_convert.transposed_pattern:
-// per column of A its tokens, increasing, and each entry's source, slot index below n_slots,
-// else n_slots + spill index), in item (group of 8 columns of A, chunk of 512 tokens): each
-// column's tokens in the chunk (a binary search for the first), columns in order.
-struct TransposedWalk {
-  const int* indptr;
-  const int* tokens;
-  const int* sources;
-  long long n_slots;
-  int N, M;
-
-  template <typename Visit>
-  __device__ __forceinline__ void operator()(long long item, int n_chunks, Visit visit) const {
-    const int grp = (int)(item / n_chunks), t0 = (int)(item % n_chunks) * TSPMM_CHUNK;
-    const int t1 = min(M, t0 + TSPMM_CHUNK);
-    for (int r = 0; r < TSPMM_GROUP; ++r) {
-      const int col = grp * TSPMM_GROUP + r;
-      if (col >= N) break;
-      int lo = indptr[col], hi = indptr[col + 1];
-      while (lo < hi) {  // the first entry with token >= t0
-        const int mid = (lo + hi) >> 1;
-        if (tokens[mid] < t0) lo = mid + 1; else hi = mid;
-      }
-      for (int e = lo, end = indptr[col + 1]; e < end && tokens[e] < t1; ++e) {
-        const long long src = sources[e];
-        visit(r, tokens[e] - t0, src < n_slots ? src : ~(src - n_slots));
-      }
-    }
-  }
-};
-
 // Up to three value arrays of one structure (A's own and others'; null data where absent),
 // packed at the same positions into words[0 .. 2].
 // With dests (null where not wanted), each word's place in A's parts as well: the slot index,
@@ -229,24 +198,155 @@ __global__ void __launch_bounds__(256) tiled_spmm_place(const short* __restrict_
   twell::tspmm_place(walk, n_chunks, items, kg_ptr, twell::PackValues TSPMM_PACK_VALUES);
 }
 
-// The pack of A.T (N x M; items: groups of 8 columns of A x chunks of 512 tokens) from the CSR
-// structure of the transpose.
-__global__ void __launch_bounds__(256) tiled_spmm_count_t(const int* __restrict__ indptr,
-                                                          const int* __restrict__ tokens,
-                                                          const int* __restrict__ sources, long long n_slots,
-                                                          int N, int M, int n_chunks, long long items,
-                                                          int* __restrict__ sizes) {
-  const twell::TransposedWalk walk{indptr, tokens, sources, n_slots, N, M};
-  twell::tspmm_count(walk, n_chunks, items, sizes);
+// The pack of A.T (N x M: items are groups of 8 columns of A x chunks of 512 tokens, item =
+// group * n_chunks + token chunk) straight from A's TwELL parts, in the order of the CSR walk
+// (each column's tokens increasing, columns in order; within an item, classes token % 8 dealt
+// in rounds as tspmm_place does). A block owns 512 tokens x 512 columns of A (64 groups), one
+// thread per token: every thread marks its entries in a bit matrix [column][token] in shared
+// memory, then a column's count per class is a popcount of its bit rows under the class mask
+// (0x01010101 << q: 32 is a multiple of 8), and an entry's rank within its item's class is the
+// count of its group's earlier columns plus the popcount of its own column's class bits below its
+// token. No atomics decide an order: the words are those of the CSR walk, run to run.
+constexpr int TT_TOKENS = 512;             // tokens per block: the SpMM's chunk of B rows
+constexpr int TT_COLS = 512;               // columns of A per block
+constexpr int TT_WORDS = TT_TOKENS / 32;   // bit words per column
+constexpr int TT_GROUPS = TT_COLS / 8;
+
+struct TransposeShared {
+  unsigned bits[TT_COLS][TT_WORDS];       // 32 KB: (column, token) entries of the block
+  unsigned short count[TT_COLS][8];       // per column: entries of each token class
+  unsigned short total[TT_GROUPS][8];     // per group: entries of each token class
+  unsigned first[3][TT_GROUPS];           // per group: the word at position 0 (padding copies it)
+};
+
+namespace twell {
+
+// The TwELL row `row`'s entries with columns in [c0, c1), as visit(column, source): its tiles'
+// slots, then its spill from the first column >= c0 (binary search; columns rise).
+template <typename Visit>
+__device__ __forceinline__ void tt_row(const TwellWalk& a, int row, int c0, int c1, Visit visit) {
+  const int t_lo = c0 / a.tile_n, t_hi = (c1 - 1) / a.tile_n;
+  for (int t = t_lo; t <= t_hi; ++t) {
+    const long long rt = (long long)row * a.n_tiles + t;
+    const int n = a.counts[rt];
+    for (int s = 0; s < n; ++s) {
+      const long long slot = rt * a.capacity + s;
+      const int col = t * a.tile_n + a.indices[slot];
+      if (col >= c0 && col < c1) visit(col, slot);
+    }
+  }
+  int lo = a.spill_indptr[row], hi = a.spill_indptr[row + 1];
+  const int end = hi;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (a.spill_cols[mid] < c0) lo = mid + 1; else hi = mid;
+  }
+  for (int i = lo; i < end && a.spill_cols[i] < c1; ++i) visit(a.spill_cols[i], ~(long long)i);
 }
 
-__global__ void __launch_bounds__(256) tiled_spmm_place_t(const int* __restrict__ indptr,
-                                                          const int* __restrict__ tokens,
-                                                          const int* __restrict__ sources, long long n_slots,
-                                                          int N, int M, int n_chunks, long long items,
-                                                          const int* __restrict__ kg_ptr, TSPMM_VALUES) {
-  const twell::TransposedWalk walk{indptr, tokens, sources, n_slots, N, M};
-  twell::tspmm_place(walk, n_chunks, items, kg_ptr, twell::PackValues TSPMM_PACK_VALUES);
+// The block's bit matrix and class counts (both launches start with it); returns this thread's
+// token (or -1 past M) and the block's column range [c0, c1).
+__device__ __forceinline__ int tt_marks(const TwellWalk& a, TransposeShared& sh, int& c0, int& c1) {
+  const int lt = threadIdx.x, token = blockIdx.y * TT_TOKENS + lt;
+  c0 = blockIdx.x * TT_COLS;
+  c1 = min(a.K, c0 + TT_COLS);
+  for (int w = 0; w < TT_WORDS; ++w) sh.bits[lt][w] = 0u;  // TT_COLS == blockDim.x
+  __syncthreads();
+  if (token < a.M)
+    tt_row(a, token, c0, c1, [&](int col, long long) { atomicOr(&sh.bits[col - c0][lt >> 5], 1u << (lt & 31)); });
+  __syncthreads();
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    int n = 0;
+    for (int w = 0; w < TT_WORDS; ++w) n += __popc(sh.bits[lt][w] & (0x01010101u << q));
+    sh.count[lt][q] = (unsigned short)n;
+  }
+  __syncthreads();
+  if (lt < TT_GROUPS)
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      int n = 0;
+      for (int u = 0; u < 8; ++u) n += sh.count[lt * 8 + u][q];
+      sh.total[lt][q] = (unsigned short)n;
+    }
+  __syncthreads();
+  return token < a.M ? token : -1;
+}
+
+}  // namespace twell
+
+// Launch 1: each item's k-group count. Grid (column chunks, token chunks), TT_TOKENS threads.
+__global__ void __launch_bounds__(TT_TOKENS) tiled_spmm_count_t(const short* __restrict__ indices,
+                                                                const int* __restrict__ counts,
+                                                                const int* __restrict__ spill_indptr,
+                                                                const int* __restrict__ spill_cols, int M, int K,
+                                                                int n_tiles, int tile_n, int capacity, int n_chunks,
+                                                                int* __restrict__ sizes) {
+  using namespace twell;
+  __shared__ TransposeShared sh;
+  const TwellWalk a{indices, counts, spill_indptr, spill_cols, M, K, n_tiles, tile_n, capacity};
+  int c0, c1;
+  tt_marks(a, sh, c0, c1);
+  const int gi = threadIdx.x, grp = c0 / 8 + gi;
+  if (gi < TT_GROUPS && c0 + 8 * gi < c1) {
+    int n = 0;
+    for (int q = 0; q < 8; ++q) n += sh.total[gi][q];
+    sizes[(long long)grp * n_chunks + blockIdx.y] = (n + TSPMM_KGROUP - 1) / TSPMM_KGROUP;
+  }
+}
+
+// Launch 4 (after the scan of the sizes into kg_ptr): the words (and the places, with dests).
+__global__ void __launch_bounds__(TT_TOKENS) tiled_spmm_place_t(const short* __restrict__ indices,
+                                                                const int* __restrict__ counts,
+                                                                const int* __restrict__ spill_indptr,
+                                                                const int* __restrict__ spill_cols, int M, int K,
+                                                                int n_tiles, int tile_n, int capacity, int n_chunks,
+                                                                const int* __restrict__ kg_ptr, TSPMM_VALUES) {
+  using namespace twell;
+  __shared__ TransposeShared sh;
+  const TwellWalk a{indices, counts, spill_indptr, spill_cols, M, K, n_tiles, tile_n, capacity};
+  const PackValues v TSPMM_PACK_VALUES;
+  int c0, c1;
+  const int token = tt_marks(a, sh, c0, c1);
+  const int lt = threadIdx.x, q = lt & 7;
+  const unsigned below = (lt & 31) ? (0x01010101u << q) & ((1u << (lt & 31)) - 1u) : 0u;
+  if (token >= 0)
+    tt_row(a, token, c0, c1, [&](int col, long long source) {
+      const int u = col - c0, gi = u >> 3;
+      int k = 0;
+      for (int u2 = gi * 8; u2 < u; ++u2) k += sh.count[u2][q];
+      for (int w = 0; w < (lt >> 5); ++w) k += __popc(sh.bits[u][w] & (0x01010101u << q));
+      k += __popc(sh.bits[u][lt >> 5] & below);
+      int p = 0;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) p += min((int)sh.total[gi][c], k) + (c < q && sh.total[gi][c] > k ? 1 : 0);
+      const long long item = (long long)(c0 / 8 + gi) * n_chunks + blockIdx.y;
+      const long long at = (long long)kg_ptr[item] * TSPMM_KGROUP + p;
+#pragma unroll
+      for (int i = 0; i < 3; ++i) {
+        if (v.data[i] != nullptr) {
+          const unsigned w = tspmm_word(tspmm_value(v.data[i], v.spill[i], source), u & 7, lt);
+          v.words[i][at] = w;
+          if (p == 0) sh.first[i][gi] = w;
+        }
+      }
+      if (v.dests != nullptr) v.dests[at] = (int)source;
+    });
+  __syncthreads();
+  const int gi = lt;
+  if (gi < TT_GROUPS && c0 + 8 * gi < c1) {
+    const long long item = (long long)(c0 / 8 + gi) * n_chunks + blockIdx.y;
+    const long long at = (long long)kg_ptr[item] * TSPMM_KGROUP;
+    const int n = (kg_ptr[item + 1] - kg_ptr[item]) * TSPMM_KGROUP;
+    int stored = 0;
+    for (int c = 0; c < 8; ++c) stored += sh.total[gi][c];
+    for (int p = stored; p < n; ++p) {
+#pragma unroll
+      for (int i = 0; i < 3; ++i)
+        if (v.data[i] != nullptr) v.words[i][at + p] = sh.first[i][gi] & 0xffffu;
+      if (v.dests != nullptr) v.dests[at + p] = TSPMM_PAD;
+    }
+  }
 }
 
 // The product (see the top of this file). Block (x, y): output columns [64 x, 64 x + 64) and

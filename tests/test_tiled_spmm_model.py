@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tiled_spmm_model import emulate, emulate_gated_up, reference_pack, reference_pack_transposed
+from tiled_spmm_model import (
+    emulate,
+    emulate_gated_up,
+    emulate_pack_transposed,
+    reference_pack,
+    reference_pack_transposed,
+)
 
 import twellsparse as ts
 from twellsparse import _tiled_spmm
@@ -130,3 +136,19 @@ def test_emulated_transposed_products_match_float64(rng, m, k, n, tile_n, capaci
         got = emulate(kg_ptr, [w], n_chunks, k, g)
         expected = dense.astype(np.float64).T @ g.astype(np.float64)
         np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "m, k, tile_n, capacity, density",
+    [(37, 1100, 64, 2, 0.05), (600, 100, 32, 2, 0.05), (1030, 530, 1024, None, 0.03), (70, 40, 32, 1, 0.6)],
+)
+def test_direct_transposed_pack_gives_the_csr_walks_words(rng, m, k, tile_n, capacity, density):
+    """The transposed pack's kernels (bit matrix, popcount ranks; emulated) write exactly the words
+    of the CSR walk (reference_pack_transposed): partial token chunks and column blocks, spill,
+    tiles wider than a block, dense rows."""
+    _, a = _problem(rng, m, k, tile_n, capacity, density)
+    kg_ptr, (words,), n_chunks = emulate_pack_transposed(a.parts, tile_n, k)
+    ref_ptr, (ref_words,), ref_chunks = reference_pack_transposed(a.parts, tile_n, k)
+    assert n_chunks == ref_chunks
+    assert np.array_equal(kg_ptr, ref_ptr)
+    assert np.array_equal(words, ref_words)

@@ -292,3 +292,59 @@ def emulate_gated_up(kg_ptr, words, n_chunks: int, m: int, x: np.ndarray, w_up: 
                                 h = dtype.type(0) if w >> 16 == 0 else dtype.type(np.float32(gv) * np.float32(u))
                                 out[at] = int(np.array([h], dtype=dtype).view(np.uint16)[0]) << 16 | (w & 0xFFFF)
     return out
+
+
+def emulate_pack_transposed(parts, tile_n: int, n_cols: int) -> tuple[np.ndarray, list[np.ndarray], int]:
+    """``tiled_spmm_count_t`` / ``tiled_spmm_place_t`` as the kernels compute them, block by block
+    (512 tokens x 512 columns): the bit matrix [column][token] of the block's entries, class
+    counts by popcounts under the masks 0x01010101 << q, each entry's rank as its group's earlier
+    columns' counts plus its column's class bits below its token, the round position, then the
+    padding (the group's position-0 word with value zero)."""
+    m = parts.data.shape[0]
+    n_chunks = -(-m // T.CHUNK)
+    n_groups = -(-n_cols // T.GROUP)
+    rows = _entries_by_row(parts, tile_n)
+    popc = np.vectorize(lambda v: bin(int(v)).count("1"))
+    blocks = []
+    sizes = np.zeros(n_groups * n_chunks, dtype=np.int64)
+    for bx in range(-(-n_cols // 512)):
+        for by in range(n_chunks):
+            c0, c1 = bx * 512, min(n_cols, bx * 512 + 512)
+            bits = np.zeros((512, 16), dtype=np.uint64)
+            mine = []
+            for lt in range(512):
+                token = by * 512 + lt
+                if token >= m:
+                    continue
+                for col, source in rows[token]:
+                    if c0 <= col < c1:
+                        bits[col - c0, lt >> 5] |= np.uint64(1 << (lt & 31))
+                        mine.append((lt, col, source))
+            masks = [np.uint64(0x01010101 << q) for q in range(8)]
+            count = np.stack([popc(bits & masks[q]).sum(axis=1) for q in range(8)], axis=1)  # [column][class]
+            total = count.reshape(64, 8, 8).sum(axis=1)  # [group][class]
+            for gi in range(64):
+                if c0 + 8 * gi < c1:
+                    sizes[(c0 // 8 + gi) * n_chunks + by] = -(-int(total[gi].sum()) // T.KGROUP)
+            blocks.append((c0, c1, by, mine, bits, count, total))
+    kg_ptr = np.concatenate([[0], np.cumsum(sizes)])
+    words = np.zeros(int(kg_ptr[-1]) * T.KGROUP, dtype=np.uint32)
+    for c0, c1, by, mine, bits, count, total in blocks:
+        first = {}
+        for lt, col, source in mine:
+            u, q = col - c0, lt & 7
+            gi = u >> 3
+            k = int(count[gi * 8 : u, q].sum())
+            k += sum(bin(int(bits[u, w]) & (0x01010101 << q)).count("1") for w in range(lt >> 5))
+            k += bin(int(bits[u, lt >> 5]) & (0x01010101 << q) & ((1 << (lt & 31)) - 1)).count("1")
+            p = sum(min(int(total[gi, c]), k) + (1 if c < q and total[gi, c] > k else 0) for c in range(8))
+            at = int(kg_ptr[(c0 // 8 + gi) * n_chunks + by]) * T.KGROUP + p
+            words[at] = _value_bits((parts.data, parts.spill_data), source) << 16 | (u & 7) << 9 | lt
+            if p == 0:
+                first[gi] = int(words[at])
+        for gi in range(64):
+            if c0 + 8 * gi < c1:
+                item = (c0 // 8 + gi) * n_chunks + by
+                at, end = int(kg_ptr[item]) * T.KGROUP, int(kg_ptr[item + 1]) * T.KGROUP
+                words[at + int(total[gi].sum()) : end] = first.get(gi, 0) & 0xFFFF
+    return kg_ptr, [words], n_chunks

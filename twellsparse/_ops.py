@@ -153,7 +153,7 @@ def transposed_products(pattern: twell_array, pairs: list[tuple[twell_array, Any
 
     n_cols = pattern.shape[1]
     shared = functools.cache(lambda: _gpu_ops.transposed_pattern(pattern.parts, pattern.tile_n, n_cols))
-    tiled = _tiled_transposed_products(shared, n_cols, pairs)
+    tiled = _tiled_transposed_products(pattern.tile_n, n_cols, pairs)
     if tiled is not None:
         return tiled
     results: list[Any] = []
@@ -176,12 +176,10 @@ def transposed_products(pattern: twell_array, pairs: list[tuple[twell_array, Any
     return results
 
 
-def _tiled_transposed_products(
-    shared: Callable[[], Any], n_cols: int, pairs: list[tuple[twell_array, Any]]
-) -> list[Any] | None:
+def _tiled_transposed_products(tile_n: int, n_cols: int, pairs: list[tuple[twell_array, Any]]) -> list[Any] | None:
     """:func:`transposed_products` on the tensor cores where ``_tiled_spmm.chosen`` says so for
     every pair (2-byte values, each ``a`` in its ``b``'s dtype): one pack of the transpose for
-    up to three products, one launch each; else None."""
+    up to three products (no transposed structure), one launch each; else None."""
     import cupy as cp
 
     from . import _tiled_spmm
@@ -193,7 +191,7 @@ def _tiled_transposed_products(
         return None
     for i in range(0, len(pairs), 3):
         products = [(a.parts, b, o) for (a, b), o in zip(pairs[i : i + 3], outs[i : i + 3], strict=True)]
-        _tiled_spmm.spmm_transposed(shared(), n_cols, products)
+        _tiled_spmm.spmm_transposed(tile_n, n_cols, products)
     return outs
 
 

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _kernels as K
-from ._gpu_convert import TransposedPattern, leading_dim, row_stride, rows_aligned, two_launch_scan
+from ._gpu_convert import leading_dim, row_stride, rows_aligned, two_launch_scan
 from ._parts import TwELLParts
 from ._tensor_map import SWIZZLE_128B, tensor_map
 
@@ -78,19 +78,20 @@ def applies(b: Any, out: Any, b2: Any = None) -> bool:
 
 
 def _packed(
-    count: str,
-    place: str,
-    structure: tuple,
+    count: tuple[str, tuple, tuple, tuple],
+    place: tuple[str, tuple, tuple, tuple],
     rows: int,
     cols: int,
     values: list[tuple[Any, Any]],
     stored: int,
     dests: bool = False,
 ) -> Pack:
-    """Run a pack's count kernel, the scan and its place kernel for an operand of ``rows`` x
-    ``cols`` (items: groups of 8 rows x chunks of 512 columns) with up to three value arrays of
-    one structure (``(data, spill)`` pairs); ``stored``: the most entries it can hold;
-    ``dests``: also each word's place in the parts."""
+    """A pack of an operand of ``rows`` x ``cols`` (items: groups of 8 rows x chunks of 512
+    columns) with up to three value arrays of one structure (``(data, spill)`` pairs): the count
+    kernel, the two-launch scan, the place kernel. ``count`` and ``place``: (kernel, grid, block,
+    leading arguments); the count kernel then gets ``n_chunks, [items,] sizes``, the place kernel
+    ``n_chunks, [items,] kg_ptr``, the value arrays, the word arrays and the places (``dests``:
+    each word's place in the parts). ``stored``: the most entries the structure can hold."""
     cp = _cp()
     if stored >= 2**31:
         raise ValueError(f"A: expected fewer than 2**31 slots and spill entries for the tiled SpMM, got {stored}")
@@ -103,16 +104,24 @@ def _packed(
     if items == 0:
         return Pack(kg_ptr, words, n_chunks, places)
     sizes = cp.empty(items, dtype=cp.int32)
-    head = (*structure, np.int32(n_chunks), np.int64(items))
-    K.launch_arch(count, (-(-items // 256),), (256,), (*head, sizes), 0)
+    name, grid, block, head = count
+    K.launch_arch(name, grid, block, (*head, np.int32(n_chunks), *_items(name, items), sizes), 0)
     scan = (sizes, np.int64(items))
     two_launch_scan(items, "stationary_row_sums", scan, "stationary_row_place", scan, (kg_ptr,))
     null = K.null_pointer()
     arrays = [a for pair in values for a in pair] + [null, null] * (3 - len(values))
     outs = list(words) + [null] * (3 - len(values))
     where = places if places is not None else null
-    K.launch_arch(place, (-(-items // 256),), (256,), (*head, kg_ptr, *arrays, *outs, where), 0)
+    name, grid, block, head = place
+    args = (*head, np.int32(n_chunks), *_items(name, items), kg_ptr, *arrays, *outs, where)
+    K.launch_arch(name, grid, block, args, 0)
     return Pack(kg_ptr, words, n_chunks, places)
+
+
+def _items(kernel: str, items: int) -> tuple:
+    """The item count argument of the thread-per-item pack kernels (the transposed pack's
+    blocks own their items and take none)."""
+    return () if kernel.endswith("_t") else (np.int64(items),)
 
 
 def _value_arrays(parts: TwELLParts, others: tuple[TwELLParts, ...]) -> list[tuple[Any, Any]]:
@@ -121,32 +130,40 @@ def _value_arrays(parts: TwELLParts, others: tuple[TwELLParts, ...]) -> list[tup
     return [(p.data, p.spill_data) for p in (parts, *others)]
 
 
+def _structure(parts: TwELLParts, tile_n: int, k: int) -> tuple:
+    m, nt, cap = parts.data.shape
+    arrays = (parts.indices, parts.counts, parts.spill_indptr, parts.spill_indices)
+    return (*arrays, np.int32(m), np.int32(k), np.int32(nt), np.int32(tile_n), np.int32(cap))
+
+
 def pack(parts: TwELLParts, tile_n: int, k: int, others: tuple[TwELLParts, ...] = (), dests: bool = False) -> Pack:
     """A's entries (a TwELL A with ``k`` columns) as the kernel's k-groups, with the words of up
     to two more matrices of A's structure (``others``, other values) at the same places, and
-    with ``dests`` each word's place in A's parts. Four launches: counts, the two-launch scan,
-    placement; no host read."""
-    m, nt, cap = parts.data.shape
-    structure = (parts.indices, parts.counts, parts.spill_indptr, parts.spill_indices)
-    geometry = (np.int32(m), np.int32(k), np.int32(nt), np.int32(tile_n), np.int32(cap))
-    stored = int(parts.data.size + parts.spill_data.size)
-    values = _value_arrays(parts, others)
-    return _packed("tiled_spmm_count", "tiled_spmm_place", (*structure, *geometry), m, k, values, stored, dests)
-
-
-def pack_transposed(
-    pattern: TransposedPattern, parts: TwELLParts, n_cols: int, others: tuple[TwELLParts, ...] = ()
-) -> Pack:
-    """``A.T``'s entries as the kernel's k-groups (groups of 8 columns of A, chunks of 512
-    tokens), from the CSR structure of the transpose (``_gpu_convert.transposed_pattern`` of A's
-    structure, ``n_cols`` columns), with the words of up to two more matrices of A's structure
-    (``others``) at the same places; no host read."""
+    with ``dests`` each word's place in A's parts. Four launches (counts, the two-launch scan,
+    placement; a thread per item), no host read."""
     m = parts.data.shape[0]
-    structure = (pattern.indptr, pattern.rows, pattern.sources, np.int64(pattern.n_slots))
-    geometry = (np.int32(n_cols), np.int32(m))
     stored = int(parts.data.size + parts.spill_data.size)
-    values = _value_arrays(parts, others)
-    return _packed("tiled_spmm_count_t", "tiled_spmm_place_t", (*structure, *geometry), n_cols, m, values, stored)
+    structure = _structure(parts, tile_n, k)
+    grid = (-(-(-(-m // GROUP) * -(-k // CHUNK)) // 256),)
+    count = ("tiled_spmm_count", grid, (256,), structure)
+    place = ("tiled_spmm_place", grid, (256,), structure)
+    return _packed(count, place, m, k, _value_arrays(parts, others), stored, dests)
+
+
+def pack_transposed(parts: TwELLParts, tile_n: int, n_cols: int, others: tuple[TwELLParts, ...] = ()) -> Pack:
+    """``A.T``'s entries (A a TwELL matrix with ``n_cols`` columns) as the kernel's k-groups
+    (groups of 8 columns of A, chunks of 512 tokens) straight from A's parts, in the order of
+    the transpose's CSR walk, with the words of up to two more matrices of A's structure
+    (``others``) at the same places: a block per 512 tokens x 512 columns marks its entries in
+    shared memory, and the ranks come from popcounts (no sort, no atomics deciding an order, no
+    host read)."""
+    m = parts.data.shape[0]
+    stored = int(parts.data.size + parts.spill_data.size)
+    structure = _structure(parts, tile_n, n_cols)
+    grid = (-(-n_cols // CHUNK), -(-m // CHUNK))
+    count = ("tiled_spmm_count_t", grid, (CHUNK,), structure)
+    place = ("tiled_spmm_place_t", grid, (CHUNK,), structure)
+    return _packed(count, place, n_cols, m, _value_arrays(parts, others), stored)
 
 
 def packed_spmm(packed: Pack, m: int, b: Any, out: Any, b2: Any = None, which: int = 0) -> Any:
@@ -179,12 +196,12 @@ def spmm(parts: TwELLParts, tile_n: int, b: Any, out: Any, second: tuple[TwELLPa
     return packed_spmm(packed, parts.data.shape[0], b, out, None if second is None else second[1])
 
 
-def spmm_transposed(pattern: TransposedPattern, n_cols: int, products: list[tuple[TwELLParts, Any, Any]]) -> None:
-    """``out = A.T @ g`` for each ``(A, g, out)`` of ``products`` (one to three, every A of the
-    structure ``pattern`` describes, ``n_cols`` columns; each ``g`` (M x K) and ``out``
-    (n_cols x K) checked by :func:`applies`): one pack of the transpose with every product's
-    words, then one launch each."""
-    packed = pack_transposed(pattern, products[0][0], n_cols, tuple(a for a, _, _ in products[1:]))
+def spmm_transposed(tile_n: int, n_cols: int, products: list[tuple[TwELLParts, Any, Any]]) -> None:
+    """``out = A.T @ g`` for each ``(A, g, out)`` of ``products`` (one to three, every A of one
+    structure with ``n_cols`` columns; each ``g`` (M x K) and ``out`` (n_cols x K) checked by
+    :func:`applies`): one pack of the transpose with every product's words, then one launch
+    each."""
+    packed = pack_transposed(products[0][0], tile_n, n_cols, tuple(a for a, _, _ in products[1:]))
     for i, (_, g, out) in enumerate(products):
         packed_spmm(packed, n_cols, g, out, which=i)
 

@@ -11,7 +11,7 @@ import pytest
 from tiled_spmm_model import reference_pack, reference_pack_transposed
 
 import twellsparse as ts
-from twellsparse import _gpu_convert, _gpu_ops, _tiled_spmm
+from twellsparse import _gpu_ops, _tiled_spmm
 from twellsparse._parts import TwELLParts
 from twellsparse.testing import rel_error, sparse_activations
 
@@ -77,13 +77,15 @@ def test_pack_matches_the_model_word_for_word(cp, rng, others, m, n, k, tile_n, 
         assert np.array_equal(cp.asnumpy(packed.dests[: len(dests)]), np.array(dests, dtype=np.int32))
 
 
-@pytest.mark.parametrize("m, n, tile_n, capacity, density", [(300, 2000, 32, 2, 0.08), (1100, 700, 1024, None, 0.05)])
+@pytest.mark.parametrize(
+    "m, n, tile_n, capacity, density",
+    [(300, 2000, 32, 2, 0.08), (1100, 700, 1024, None, 0.05), (1500, 5632, 256, None, 0.01), (70, 40, 32, 1, 0.6)],
+)
 def test_transposed_pack_matches_the_model_word_for_word(cp, rng, m, n, tile_n, capacity, density):
     h, a = _problem(cp, rng, m, n, tile_n, capacity, density, ts.bfloat16)
     _skip_unless_hopper(cp.empty((m, 8), dtype=ts.bfloat16), cp.empty((n, 8), dtype=ts.bfloat16))
     twin = _twin(cp, rng, h, a)[1]
-    pattern = _gpu_convert.transposed_pattern(a.parts, tile_n, n)
-    packed = _tiled_spmm.pack_transposed(pattern, a.parts, n, (twin.parts,))
+    packed = _tiled_spmm.pack_transposed(a.parts, tile_n, n, (twin.parts,))
     _same_pack(cp, packed, reference_pack_transposed(_host(cp, a.parts), tile_n, n, (_host(cp, twin.parts),)))
 
 
@@ -186,12 +188,11 @@ def test_transposed_products_match_float64(cp, rng, dtype, m, n, k, tile_n, capa
     g, x = (rng.standard_normal((m, k)).astype(dtype) for _ in range(2))
     outs = [cp.full((n, k), np.nan, dtype=dtype) for _ in range(3)]
     _skip_unless_hopper(cp.asarray(g), outs[0])
-    pattern = _gpu_convert.transposed_pattern(a.parts, tile_n, n)
     g_gpu, x_gpu = cp.asarray(g), cp.asarray(x)
     products = [(a.parts, g_gpu, outs[0]), (a2.parts, x_gpu, outs[1]), (a3.parts, x_gpu, outs[2])]
-    _tiled_spmm.spmm_transposed(pattern, n, products)
+    _tiled_spmm.spmm_transposed(tile_n, n, products)
     for dense, b, out, (parts, b_gpu, _) in zip((h, h2, h3), (g, x, x), outs, products, strict=True):
         expected = dense.astype(np.float64).T @ b.astype(np.float64)
         assert rel_error(out, expected) <= _bound(dtype, expected)
-        gathered = _gpu_ops.spmm_transposed(parts, tile_n, n, b_gpu, cp.empty_like(out), lambda: pattern)
+        gathered = _gpu_ops.spmm_transposed(parts, tile_n, n, b_gpu, cp.empty_like(out))
         assert rel_error(out, cp.asnumpy(gathered).astype(np.float64)) <= 2 * _bound(dtype, expected)
