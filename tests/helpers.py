@@ -33,3 +33,53 @@ def assert_bit_equal(actual, expected):
     assert actual.shape == expected.shape, f"{actual.shape} != {expected.shape}"
     assert actual.dtype == expected.dtype, f"{actual.dtype} != {expected.dtype}"
     np.testing.assert_array_equal(bits(actual), bits(expected))
+
+
+def rounding_bound(dtype, expected):
+    """A relative-error bound for a product computed in fp32 and rounded to ``dtype``: twice the
+    error of rounding the exact result itself, plus 1e-4."""
+    from twellsparse.testing import rel_error
+
+    rounded = np.asarray(expected).astype(dtype).astype(np.float64)
+    return 2.0 * rel_error(rounded, expected) + 1e-4
+
+
+def skewed_twell(rng, m, n, tile_n, capacity, density, dtype, to_device=None):
+    """``(h, a)``: skewed ReLU-like activations (one row emptied) and their TwELL matrix, on the
+    device when ``to_device`` (e.g. ``cupy.asarray``) is given."""
+    from twellsparse.testing import sparse_activations
+
+    h = sparse_activations(m, n, density, "skewed", dtype, rng)
+    h[m // 2] = 0  # an empty row
+    return h, ts.twell_array(h if to_device is None else to_device(h), tile_n=tile_n, capacity=capacity)
+
+
+def twin_values(rng, h):
+    """Values of ``h``'s pattern, others than h's (magnitudes 0.5-2, both signs): the backward's
+    second operand of one structure."""
+    return np.where(h != 0, rng.uniform(0.5, 2.0, h.shape) * rng.choice([-1, 1], h.shape), 0).astype(h.dtype)
+
+
+def inf_in_an_unused_row(rng, h, k, dtype):
+    """``(b, expected)``: a random b (h's columns x k) with one row no entry of h uses set to Inf,
+    and the float64 product h @ b that ignores it (a kernel that reads the row shows NaN)."""
+    b = rng.standard_normal((h.shape[1], k)).astype(dtype)
+    unused = np.flatnonzero(~h.any(axis=0))
+    if unused.size:
+        b[unused[0]] = np.inf
+    return b, h.astype(np.float64) @ np.where(np.isinf(b), 0, b).astype(np.float64)
+
+
+def check_spmm_result(cp, parts, tile_n, b_gpu, out, expected, dtype):
+    """An SpMM's poisoned-then-written ``out`` against float64 (``expected``) and against the
+    row gathers' product of the same operands: finite everywhere, within
+    :func:`rounding_bound` of float64 and twice that of the gathers."""
+    from twellsparse import _gpu_ops
+    from twellsparse.testing import rel_error
+
+    got = cp.asnumpy(out).astype(np.float64)
+    assert np.isfinite(got).all()
+    bound = rounding_bound(dtype, expected)
+    assert rel_error(got, expected) <= bound
+    gathered = _gpu_ops.spmm(parts, tile_n, b_gpu, cp.empty_like(out), path="gather")
+    assert rel_error(got, cp.asnumpy(gathered).astype(np.float64)) <= 2 * bound

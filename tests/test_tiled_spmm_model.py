@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import inf_in_an_unused_row, skewed_twell, twin_values
 from tiled_spmm_model import (
     emulate,
     emulate_gated_up,
@@ -19,7 +20,6 @@ from tiled_spmm_model import (
 
 import twellsparse as ts
 from twellsparse import _tiled_spmm
-from twellsparse.testing import sparse_activations
 
 # (m, k, n, tile_n, capacity, density): k columns of A (rows of b), n columns of b
 CASES = [
@@ -30,13 +30,11 @@ CASES = [
 
 
 def _problem(rng, m, k, tile_n, capacity, density, dtype=ts.bfloat16):
-    h = sparse_activations(m, k, density, "skewed", dtype, rng)
-    h[m // 2] = 0  # an empty row
-    return h, ts.twell_array(h, tile_n=tile_n, capacity=capacity)
+    return skewed_twell(rng, m, k, tile_n, capacity, density, dtype)
 
 
 def _twin(rng, h, a):
-    h2 = np.where(h != 0, rng.uniform(0.5, 2.0, h.shape) * rng.choice([-1, 1], h.shape), 0).astype(h.dtype)
+    h2 = twin_values(rng, h)
     return h2, ts.twell_array(h2, tile_n=a.tile_n, capacity=a.capacity)
 
 
@@ -87,11 +85,8 @@ def test_emulated_dual_form_sums_both_products(rng):
 def test_inf_in_an_unused_row_of_b_is_never_read(rng):
     m, k, n = 16, 520, 16
     h, a = _problem(rng, m, k, 64, None, 0.05)
-    unused = np.flatnonzero(~h.any(axis=0))
-    b = rng.standard_normal((k, n)).astype(ts.bfloat16)
-    b[unused] = np.inf
+    b, expected = inf_in_an_unused_row(rng, h, n, ts.bfloat16)
     got = emulate(*reference_pack(a.parts, 64, k), m, b)
-    expected = h.astype(np.float64) @ np.where(np.isinf(b), 0, b).astype(np.float64)
     np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
 
 

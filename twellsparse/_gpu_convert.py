@@ -54,6 +54,17 @@ def rows_aligned(*operands: tuple[Any, int]) -> bool:
     return True
 
 
+def product_operands_aligned(b: Any, out: Any, b2: Any = None) -> bool:
+    """Whether a 2-byte SpMM's dense operands suit the shared-memory kernels (stationary, tiled):
+    ``b``, ``out`` (and ``b2``, of b's shape) of one 2-byte dtype, with :func:`rows_aligned` rows."""
+    if b.dtype.itemsize != 2 or out.dtype != b.dtype:
+        return False
+    if b2 is not None and (b2.dtype != b.dtype or b2.shape != b.shape):
+        return False
+    rows = [row_stride(b), (out, leading_dim(out))] + ([row_stride(b2)] if b2 is not None else [])
+    return rows_aligned(*rows)
+
+
 def two_launch_scan(n: int, sums: str, sums_args: tuple, place: str, place_head: tuple, place_tail: tuple) -> None:
     """A device scan over ``n > 0`` elements (cuda/twell_scan.cuh): kernel ``sums`` gets
     ``(*sums_args, chunk_sums)``, then kernel ``place`` gets ``(*place_head, chunk_sums,

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import _kernels as K
-from ._gpu_convert import leading_dim, row_stride, rows_aligned, two_launch_scan
+from ._gpu_convert import leading_dim, product_operands_aligned, row_stride, two_launch_scan
 from ._parts import TwELLParts
 
 #: Output columns per block (STATIONARY_COLS in the kernel).
@@ -69,12 +69,7 @@ def slice_bytes(n: int, itemsize: int) -> int:
 def applies(n: int, b: Any, out: Any, b2: Any = None) -> bool:
     """Whether the stationary kernel serves ``(M x n) @ b -> out`` (``+ (M x n) @ b2``, the dual
     form, when ``b2`` is given) on the current device."""
-    if b.dtype.itemsize != 2 or out.dtype != b.dtype or n + ZERO_ROWS > 1 << 16:
-        return False
-    if b2 is not None and (b2.dtype != b.dtype or b2.shape != b.shape):
-        return False
-    rows = [row_stride(b), (out, leading_dim(out))] + ([row_stride(b2)] if b2 is not None else [])
-    if not rows_aligned(*rows):
+    if n + ZERO_ROWS > 1 << 16 or not product_operands_aligned(b, out, b2):
         return False
     return slice_bytes(n, 2) <= K.device_attribute("MaxSharedMemoryPerBlockOptin")
 

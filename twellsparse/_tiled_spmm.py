@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _kernels as K
-from ._gpu_convert import leading_dim, row_stride, rows_aligned, two_launch_scan
+from ._gpu_convert import leading_dim, product_operands_aligned, row_stride, two_launch_scan
 from ._parts import TwELLParts
 from ._tensor_map import SWIZZLE_128B, tensor_map
 
@@ -65,12 +65,7 @@ def applies(b: Any, out: Any, b2: Any = None) -> bool:
     current device: 2-byte values of one dtype, 16-byte-aligned rows of a multiple of 16 bytes
     (TMA's rules and the output's 4-byte pairs), a compute-capability 9.0 GPU (the kernel is
     built for sm_90a only) with room for its shared memory."""
-    if b.dtype.itemsize != 2 or out.dtype != b.dtype:
-        return False
-    if b2 is not None and (b2.dtype != b.dtype or b2.shape != b.shape):
-        return False
-    rows = [row_stride(b), (out, leading_dim(out))] + ([row_stride(b2)] if b2 is not None else [])
-    if not rows_aligned(*rows):
+    if not product_operands_aligned(b, out, b2):
         return False
     if not K.runs_here("twell_tiled_spmm.cu"):
         return False

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import check_spmm_result, inf_in_an_unused_row, rounding_bound, skewed_twell, twin_values
 
 import twellsparse as ts
 from twellsparse import _gpu_ops, _stationary
 from twellsparse._parts import TwELLParts
-from twellsparse.testing import ffn_problem, rel_error, sparse_activations
+from twellsparse.testing import ffn_problem, rel_error
 
 pytestmark = pytest.mark.gpu
 
@@ -28,34 +29,19 @@ SHAPES = [
 
 
 def _problem(cp, rng, m, n, tile_n, capacity, density, dtype):
-    h = sparse_activations(m, n, density, "skewed", dtype, rng)
-    h[m // 2] = 0  # an empty row
-    return h, ts.twell_array(cp.asarray(h), tile_n=tile_n, capacity=capacity)
-
-
-def _bound(dtype, expected):
-    rounded = np.asarray(expected).astype(dtype).astype(np.float64)
-    return 2.0 * rel_error(rounded, expected) + 1e-4
+    return skewed_twell(rng, m, n, tile_n, capacity, density, dtype, cp.asarray)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m, n, k, tile_n, capacity, density", SHAPES)
 def test_stationary_spmm_matches_float64(cp, rng, dtype, m, n, k, tile_n, capacity, density):
     h, a = _problem(cp, rng, m, n, tile_n, capacity, density, dtype)
-    b = rng.standard_normal((n, k)).astype(dtype)
-    unused = np.flatnonzero(~h.any(axis=0))
-    if unused.size:  # an unused B row full of Inf: 0 * Inf must never be formed
-        b[unused[0]] = np.inf
-    expected = h.astype(np.float64) @ np.where(np.isinf(b), 0, b).astype(np.float64)
+    b, expected = inf_in_an_unused_row(rng, h, k, dtype)  # 0 * Inf must never be formed
     b_gpu = cp.asarray(b)
     assert _stationary.applies(n, b_gpu, cp.empty((m, k), dtype=dtype))
     out = cp.full((m, k), np.nan, dtype=dtype)  # poisoned: every element must be written
     _gpu_ops.spmm(a.parts, tile_n, b_gpu, out, path="stationary")
-    got = cp.asnumpy(out).astype(np.float64)
-    assert np.isfinite(got).all()
-    assert rel_error(got, expected) <= _bound(dtype, expected)
-    gathered = _gpu_ops.spmm(a.parts, tile_n, b_gpu, cp.empty_like(out), path="gather")
-    assert rel_error(got, cp.asnumpy(gathered).astype(np.float64)) <= 2 * _bound(dtype, expected)
+    check_spmm_result(cp, a.parts, tile_n, b_gpu, out, expected, dtype)
 
 
 def test_stationary_spmm_writes_a_strided_output(cp, rng):
@@ -64,7 +50,7 @@ def test_stationary_spmm_writes_a_strided_output(cp, rng):
     wide = cp.full((130, 128), 7, dtype=ts.bfloat16)
     _gpu_ops.spmm(a.parts, 64, cp.asarray(b), wide[:, :96], path="stationary")
     expected = h.astype(np.float64) @ b.astype(np.float64)
-    assert rel_error(wide[:, :96], expected) <= _bound(ts.bfloat16, expected)
+    assert rel_error(wide[:, :96], expected) <= rounding_bound(ts.bfloat16, expected)
     assert (cp.asnumpy(wide[:, 96:]).astype(np.float64) == 7).all()  # the columns past k untouched
 
 
@@ -140,7 +126,7 @@ def test_pack_orders_each_row_by_slot_class(cp, rng, m, n, tile_n, capacity, den
 
 def _twin(cp, rng, h, a, dtype):
     """A TwELL matrix of ``a``'s structure with other values (the backward's second operand)."""
-    h2 = np.where(h != 0, rng.uniform(0.5, 2.0, h.shape) * rng.choice([-1, 1], h.shape), 0).astype(dtype)
+    h2 = twin_values(rng, h)
     a2 = ts.twell_array(cp.asarray(h2), tile_n=a.tile_n, capacity=a.capacity)
     for p, q in zip(a.parts[1:3] + a.parts[4:], a2.parts[1:3] + a2.parts[4:], strict=True):
         assert (cp.asnumpy(p) == cp.asnumpy(q)).all()  # indices, counts, spill columns and pointers
@@ -160,9 +146,9 @@ def test_dual_stationary_sums_two_products(cp, rng, monkeypatch, dtype, m, n, k,
     _gpu_ops.spmm(a.parts, tile_n, b_gpu, out, path="stationary", second=(a2.parts, b2_gpu))
     got = cp.asnumpy(out).astype(np.float64)
     assert np.isfinite(got).all()
-    assert rel_error(got, expected) <= _bound(dtype, expected)
+    assert rel_error(got, expected) <= rounding_bound(dtype, expected)
     gathered = _gpu_ops.spmm(a.parts, tile_n, b_gpu, cp.empty_like(out), path="gather", second=(a2.parts, b2_gpu))
-    assert rel_error(got, cp.asnumpy(gathered).astype(np.float64)) <= 2 * _bound(dtype, expected)
+    assert rel_error(got, cp.asnumpy(gathered).astype(np.float64)) <= 2 * rounding_bound(dtype, expected)
     # "auto" takes the dual form by the single form's rule: not at these rows (< MIN_ROWS)
     # unless told to.
     calls = []
@@ -171,7 +157,7 @@ def test_dual_stationary_sums_two_products(cp, rng, monkeypatch, dtype, m, n, k,
     for preferred in (None, True):
         monkeypatch.setattr(_stationary, "PREFERRED", preferred)
         again = _gpu_ops.spmm(a.parts, tile_n, b_gpu, cp.empty_like(out), second=(a2.parts, b2_gpu))
-        assert rel_error(again, expected) <= _bound(dtype, expected)
+        assert rel_error(again, expected) <= rounding_bound(dtype, expected)
     assert len(calls) == 1
 
 
@@ -228,7 +214,7 @@ def _choice_probe(cp, rng, monkeypatch):
     def taken() -> bool:
         before = len(calls)
         out = _gpu_ops.spmm(a.parts, 64, b_gpu, cp.full((300, 48), float("nan"), dtype=ts.bfloat16))
-        assert rel_error(out, expected) <= _bound(ts.bfloat16, expected)
+        assert rel_error(out, expected) <= rounding_bound(ts.bfloat16, expected)
         return len(calls) > before
 
     return taken

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import check_spmm_result, inf_in_an_unused_row, rounding_bound, skewed_twell, twin_values
 from tiled_spmm_model import reference_pack, reference_pack_transposed
 
 import twellsparse as ts
 from twellsparse import _gpu_ops, _tiled_spmm
 from twellsparse._parts import TwELLParts
-from twellsparse.testing import rel_error, sparse_activations
+from twellsparse.testing import rel_error
 
 pytestmark = pytest.mark.gpu
 
@@ -36,19 +37,12 @@ def _skip_unless_hopper(b, out):
 
 
 def _problem(cp, rng, m, n, tile_n, capacity, density, dtype):
-    h = sparse_activations(m, n, density, "skewed", dtype, rng)
-    h[m // 2] = 0  # an empty row
-    return h, ts.twell_array(cp.asarray(h), tile_n=tile_n, capacity=capacity)
+    return skewed_twell(rng, m, n, tile_n, capacity, density, dtype, cp.asarray)
 
 
 def _twin(cp, rng, h, a):
-    h2 = np.where(h != 0, rng.uniform(0.5, 2.0, h.shape) * rng.choice([-1, 1], h.shape), 0).astype(h.dtype)
+    h2 = twin_values(rng, h)
     return h2, ts.twell_array(cp.asarray(h2), tile_n=a.tile_n, capacity=a.capacity)
-
-
-def _bound(dtype, expected):
-    rounded = np.asarray(expected).astype(dtype).astype(np.float64)
-    return 2.0 * rel_error(rounded, expected) + 1e-4
 
 
 def _host(cp, parts):
@@ -93,20 +87,12 @@ def test_transposed_pack_matches_the_model_word_for_word(cp, rng, m, n, tile_n, 
 @pytest.mark.parametrize("m, n, k, tile_n, capacity, density", SHAPES)
 def test_tiled_spmm_matches_float64(cp, rng, dtype, m, n, k, tile_n, capacity, density):
     h, a = _problem(cp, rng, m, n, tile_n, capacity, density, dtype)
-    b = rng.standard_normal((n, k)).astype(dtype)
-    unused = np.flatnonzero(~h.any(axis=0))
-    if unused.size:  # an unused b row full of Inf: no entry reads it, so it must not show
-        b[unused[0]] = np.inf
-    expected = h.astype(np.float64) @ np.where(np.isinf(b), 0, b).astype(np.float64)
+    b, expected = inf_in_an_unused_row(rng, h, k, dtype)  # no entry reads that row: it must not show
     b_gpu = cp.asarray(b)
     out = cp.full((m, k), np.nan, dtype=dtype)  # poisoned: every element must be written
     _skip_unless_hopper(b_gpu, out)
     _gpu_ops.spmm(a.parts, tile_n, b_gpu, out, path="tiled")
-    got = cp.asnumpy(out).astype(np.float64)
-    assert np.isfinite(got).all()
-    assert rel_error(got, expected) <= _bound(dtype, expected)
-    gathered = _gpu_ops.spmm(a.parts, tile_n, b_gpu, cp.empty_like(out), path="gather")
-    assert rel_error(got, cp.asnumpy(gathered).astype(np.float64)) <= 2 * _bound(dtype, expected)
+    check_spmm_result(cp, a.parts, tile_n, b_gpu, out, expected, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -120,7 +106,7 @@ def test_dual_form_sums_two_products(cp, rng, dtype, m, n, k, tile_n, capacity, 
     out = cp.full((m, k), np.nan, dtype=dtype)
     _skip_unless_hopper(b_gpu, out)
     _gpu_ops.spmm(a.parts, tile_n, b_gpu, out, path="tiled", second=(a2.parts, b2_gpu))
-    assert rel_error(out, expected) <= _bound(dtype, expected)
+    assert rel_error(out, expected) <= rounding_bound(dtype, expected)
 
 
 def test_writes_a_strided_output_and_nothing_past_it(cp, rng):
@@ -130,7 +116,7 @@ def test_writes_a_strided_output_and_nothing_past_it(cp, rng):
     _skip_unless_hopper(cp.asarray(b), wide[:, :96])
     _gpu_ops.spmm(a.parts, 64, cp.asarray(b), wide[:, :96], path="tiled")
     expected = h.astype(np.float64) @ b.astype(np.float64)
-    assert rel_error(wide[:, :96], expected) <= _bound(ts.bfloat16, expected)
+    assert rel_error(wide[:, :96], expected) <= rounding_bound(ts.bfloat16, expected)
     assert (cp.asnumpy(wide[:, 96:]).astype(np.float64) == 7).all()
 
 
@@ -154,7 +140,7 @@ def test_auto_takes_it_only_when_switched_on(cp, rng, monkeypatch):
     for preferred in (None, False, True):
         monkeypatch.setattr(_tiled_spmm, "PREFERRED", preferred)
         out = _gpu_ops.spmm(a.parts, 64, b, cp.full((600, 48), np.nan, dtype=ts.bfloat16))
-        assert rel_error(out, expected) <= _bound(ts.bfloat16, expected)
+        assert rel_error(out, expected) <= rounding_bound(ts.bfloat16, expected)
     assert len(calls) == 1
 
 
@@ -175,7 +161,7 @@ def test_pack_and_product_run_inside_a_graph_capture(cp, rng):
     graph.launch(stream)
     stream.synchronize()
     expected = h.astype(np.float64) @ cp.asnumpy(b).astype(np.float64)
-    assert rel_error(out, expected) <= _bound(ts.bfloat16, expected)
+    assert rel_error(out, expected) <= rounding_bound(ts.bfloat16, expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -193,6 +179,6 @@ def test_transposed_products_match_float64(cp, rng, dtype, m, n, k, tile_n, capa
     _tiled_spmm.spmm_transposed(tile_n, n, products)
     for dense, b, out, (parts, b_gpu, _) in zip((h, h2, h3), (g, x, x), outs, products, strict=True):
         expected = dense.astype(np.float64).T @ b.astype(np.float64)
-        assert rel_error(out, expected) <= _bound(dtype, expected)
+        assert rel_error(out, expected) <= rounding_bound(dtype, expected)
         gathered = _gpu_ops.spmm_transposed(parts, tile_n, n, b_gpu, cp.empty_like(out))
-        assert rel_error(out, cp.asnumpy(gathered).astype(np.float64)) <= 2 * _bound(dtype, expected)
+        assert rel_error(out, cp.asnumpy(gathered).astype(np.float64)) <= 2 * rounding_bound(dtype, expected)
