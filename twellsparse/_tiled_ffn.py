@@ -39,6 +39,8 @@ def applies(gate: TwELLParts, x: Any, w_up: Any, w_down_t: Any, out: Any = None)
     dtype = x.dtype
     if dtype.itemsize != 2 or any(a.dtype != dtype for a in (w_up, w_down_t, gate.data)):
         return False
+    if x.shape[1] == 0:  # nothing to stage (TMA descriptors need a column); the other paths serve it
+        return False
     rows = [row_stride(x), row_stride(w_up)]
     if out is not None:
         if out.dtype != dtype:
