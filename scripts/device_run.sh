@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledffn|tiledcheck|tiledforced|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledffn|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -245,6 +245,13 @@ for step in $what; do
       # compute-sanitizer memcheck and racecheck on the tiled kernels' small test cases.
       sanitize_tests tests/gpu/test_gpu_tiled_spmm.py "40-16 or strided or graph or 300-2000" tiledcheck
       sanitize_tests tests/gpu/test_gpu_tiled_ffn.py "40-16 or 40-32 or switched" tiledcheck
+      ;;&
+    tiledmodel)
+      # The decoder stack (issue 5's whole-model benchmark) with the tiled kernels forced on, eager
+      # (the settings are recorded in each line; the default run is `training`).
+      TWELL_TILED_SPMM=1 TWELL_TILED_FFN=1 timeout 540 python3 bench/model_bench.py --densities 0.005,0.01 --no-graphs \
+        --out "$OUT/model_bench.jsonl" 2>&1 | tee -a "$OUT/tiledmodel.log" | tail -20
+      status=$((status | ${PIPESTATUS[0]}))
       ;;&
     tiledforced)
       # The suite's SpMM, FFN and torch tests and the training step with the tiled kernels forced
