@@ -22,6 +22,14 @@
 // classes (row % 8) are conflict-free. The pack deals each item's entries round-robin over the
 // classes.
 //
+// Latency: a warp's k-group ranges are loaded one chunk ahead and each k-group's words one
+// k-group ahead, so the pack's L2 reads overlap the MMAs (about 46 instructions per k-group
+// and 64 columns in SASS).
+//
+// A.T @ G (the backward's weight gradients) runs the same kernel on a pack of A.T made straight
+// from A's parts (tiled_spmm_count_t / _place_t below: no transposed structure), one pack for up
+// to three value arrays of one structure.
+//
 // Non-finite values: an entry's B row enters the MMA for all 8 rows of its group (times zero
 // for the 7 others), so an Inf or NaN in a B row that some entry uses reaches the other rows of
 // that entry's group as NaN. Rows of B that no entry uses are never read (padding words repeat
@@ -76,10 +84,9 @@ struct TwellWalk {
 };
 
 // Up to three value arrays of one structure (A's own and others'; null data where absent),
-// packed at the same positions into words[0 .. 2].
-// With dests (null where not wanted), each word's place in A's parts as well: the slot index,
-// ~spill index, or TSPMM_PAD for padding (the one-pack FFN kernels write u and the backward's
-// values there).
+// packed at the same positions into words[0 .. 2]; with dests (null where not wanted) each
+// word's place in A's parts as well: the slot index, ~spill index, or TSPMM_PAD for padding (the
+// one-pack FFN kernels write u and the backward's values there).
 struct PackValues {
   const unsigned short* data[3];
   const unsigned short* spill[3];
@@ -88,8 +95,7 @@ struct PackValues {
 };
 
 // Pack, launch 1: each item's k-group count (its entries rounded up to 16); a thread per item.
-template <typename Walk>
-__device__ __forceinline__ void tspmm_count(const Walk& walk, int n_chunks, long long items, int* sizes) {
+__device__ __forceinline__ void tspmm_count(const TwellWalk& walk, int n_chunks, long long items, int* sizes) {
   const long long item = blockIdx.x * (long long)blockDim.x + threadIdx.x;
   if (item >= items) return;
   int n = 0;
@@ -102,8 +108,7 @@ __device__ __forceinline__ void tspmm_count(const Walk& walk, int n_chunks, long
 // q : n_q' > k} (round k holds the k-th entry of every class that has one), then padding words
 // to the k-group's end (the item's first word with value zero: a B row that an entry of the item
 // reads anyway).
-template <typename Walk>
-__device__ __forceinline__ void tspmm_place(const Walk& walk, int n_chunks, long long items, const int* kg_ptr,
+__device__ __forceinline__ void tspmm_place(const TwellWalk& walk, int n_chunks, long long items, const int* kg_ptr,
                                             const PackValues& v) {
   const long long item = blockIdx.x * (long long)blockDim.x + threadIdx.x;
   if (item >= items) return;
@@ -207,6 +212,8 @@ __global__ void __launch_bounds__(256) tiled_spmm_place(const short* __restrict_
 // (0x01010101 << q: 32 is a multiple of 8), and an entry's rank within its item's class is the
 // count of its group's earlier columns plus the popcount of its own column's class bits below its
 // token. No atomics decide an order: the words are those of the CSR walk, run to run.
+namespace twell {
+
 constexpr int TT_TOKENS = 512;             // tokens per block: the SpMM's chunk of B rows
 constexpr int TT_COLS = 512;               // columns of A per block
 constexpr int TT_WORDS = TT_TOKENS / 32;   // bit words per column
@@ -218,8 +225,6 @@ struct TransposeShared {
   unsigned short total[TT_GROUPS][8];     // per group: entries of each token class
   unsigned first[3][TT_GROUPS];           // per group: the word at position 0 (padding copies it)
 };
-
-namespace twell {
 
 // The TwELL row `row`'s entries with columns in [c0, c1), as visit(column, source): its tiles'
 // slots, then its spill from the first column >= c0 (binary search; columns rise).
@@ -276,7 +281,7 @@ __device__ __forceinline__ int tt_marks(const TwellWalk& a, TransposeShared& sh,
 }  // namespace twell
 
 // Launch 1: each item's k-group count. Grid (column chunks, token chunks), TT_TOKENS threads.
-__global__ void __launch_bounds__(TT_TOKENS) tiled_spmm_count_t(const short* __restrict__ indices,
+__global__ void __launch_bounds__(twell::TT_TOKENS) tiled_spmm_count_t(const short* __restrict__ indices,
                                                                 const int* __restrict__ counts,
                                                                 const int* __restrict__ spill_indptr,
                                                                 const int* __restrict__ spill_cols, int M, int K,
@@ -296,7 +301,7 @@ __global__ void __launch_bounds__(TT_TOKENS) tiled_spmm_count_t(const short* __r
 }
 
 // Launch 4 (after the scan of the sizes into kg_ptr): the words (and the places, with dests).
-__global__ void __launch_bounds__(TT_TOKENS) tiled_spmm_place_t(const short* __restrict__ indices,
+__global__ void __launch_bounds__(twell::TT_TOKENS) tiled_spmm_place_t(const short* __restrict__ indices,
                                                                 const int* __restrict__ counts,
                                                                 const int* __restrict__ spill_indptr,
                                                                 const int* __restrict__ spill_cols, int M, int K,

@@ -256,7 +256,7 @@ for step in $what; do
     tiledforced)
       # The suite's SpMM, FFN and torch tests and the training step with the tiled kernels forced
       # on where they apply.
-      for f in test_gpu_ops test_gpu_torch test_gpu_fixed_spill; do
+      for f in test_gpu_ops test_gpu_torch test_gpu_fixed_spill test_gpu_jax; do
         TWELL_TILED_SPMM=1 TWELL_TILED_FFN=1 gpu_test_file tests/gpu/$f.py tiledforced 240
       done
       for switches in "TWELL_TILED_SPMM=1" "TWELL_TILED_SPMM=1 TWELL_TILED_FFN=1"; do
