@@ -47,41 +47,38 @@ __device__ __forceinline__ unsigned short tspmm_value(const unsigned short* data
   return source >= 0 ? data[source] : spill[~source];
 }
 
-// The stored entries of a TwELL A in item (group of 8 rows, chunk of 512 columns), visited as
-// visit(row in group, column in chunk, source): rows in order, each row's slots then its spill
-// entries (columns rise).
+// A TwELL A's structure and the walk of one row's stored entries in a column range.
 struct TwellWalk {
   const short* indices;
   const int* counts;
   const int* spill_indptr;
   const int* spill_cols;
   int M, K, n_tiles, tile_n, capacity;
+};
 
-  template <typename Visit>
-  __device__ __forceinline__ void operator()(long long item, int n_chunks, Visit visit) const {
-    const int grp = (int)(item / n_chunks), c0 = (int)(item % n_chunks) * TSPMM_CHUNK;
-    const int c1 = min(K, c0 + TSPMM_CHUNK);
-    const int t_lo = c0 / tile_n, t_hi = (c1 - 1) / tile_n;
-    for (int r = 0; r < TSPMM_GROUP; ++r) {
-      const int row = grp * TSPMM_GROUP + r;
-      if (row >= M) break;
-      for (int t = t_lo; t <= t_hi; ++t) {
-        const long long rt = (long long)row * n_tiles + t;
-        const int n = counts[rt];
-        for (int s = 0; s < n; ++s) {
-          const long long slot = rt * capacity + s;
-          const int col = t * tile_n + indices[slot];
-          if (col >= c0 && col < c1) visit(r, col - c0, slot);
-        }
-      }
-      for (int i = spill_indptr[row], end = spill_indptr[row + 1]; i < end; ++i) {
-        const int col = spill_cols[i];
-        if (col >= c1) break;
-        if (col >= c0) visit(r, col - c0, ~(long long)i);
-      }
+// Row `row`'s entries with columns in [c0, c1), as visit(column, source): its tiles' slots,
+// then its spill from the first column >= c0 (binary search; columns rise). Source: the slot
+// index, or ~spill index.
+template <typename Visit>
+__device__ __forceinline__ void walk_row(const TwellWalk& a, int row, int c0, int c1, Visit visit) {
+  const int t_lo = c0 / a.tile_n, t_hi = (c1 - 1) / a.tile_n;
+  for (int t = t_lo; t <= t_hi; ++t) {
+    const long long rt = (long long)row * a.n_tiles + t;
+    const int n = a.counts[rt];
+    for (int s = 0; s < n; ++s) {
+      const long long slot = rt * a.capacity + s;
+      const int col = t * a.tile_n + a.indices[slot];
+      if (col >= c0 && col < c1) visit(col, slot);
     }
   }
-};
+  int lo = a.spill_indptr[row], hi = a.spill_indptr[row + 1];
+  const int end = hi;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (a.spill_cols[mid] < c0) lo = mid + 1; else hi = mid;
+  }
+  for (int i = lo; i < end && a.spill_cols[i] < c1; ++i) visit(a.spill_cols[i], ~(long long)i);
+}
 
 // Up to three value arrays of one structure (A's own and others'; null data where absent),
 // packed at the same positions into words[0 .. 2]; with dests (null where not wanted) each
@@ -94,53 +91,100 @@ struct PackValues {
   int* dests;
 };
 
-// Pack, launch 1: each item's k-group count (its entries rounded up to 16); a thread per item.
-__device__ __forceinline__ void tspmm_count(const TwellWalk& walk, int n_chunks, long long items, int* sizes) {
-  const long long item = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-  if (item >= items) return;
+// The pack's work split: 8 lanes per item (group of 8 rows, chunk of 512 columns), lane r of a
+// segment walking row r of the group, so a thread's chain of dependent loads is one row's
+// (a thread per item walked 8 rows in a row). Returns the item (or -1 past the items; such lanes
+// still take part in the segment's shuffles) and sets the row, the column range and the lane's
+// segment.
+struct PackLane {
+  long long item;
+  int row, c0, c1, r;
+};
+
+__device__ __forceinline__ PackLane pack_lane(const TwellWalk& a, int n_chunks, long long items) {
+  const long long t = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  PackLane p;
+  p.r = (int)(t & 7);
+  p.item = t >> 3 < items ? t >> 3 : -1;
+  const int grp = (int)(p.item / n_chunks);
+  p.row = grp * TSPMM_GROUP + p.r;
+  p.c0 = (int)(p.item % n_chunks) * TSPMM_CHUNK;
+  p.c1 = min(a.K, p.c0 + TSPMM_CHUNK);
+  return p;
+}
+
+// An int summed over the lane's 8-lane segment (every lane gets the total).
+__device__ __forceinline__ int segment_sum(int v) {
+#pragma unroll
+  for (int d = 1; d < 8; d <<= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
+  return v;
+}
+
+// Pack, launch 1: each item's k-group count (its entries rounded up to 16).
+__device__ __forceinline__ void tspmm_count(const TwellWalk& a, int n_chunks, long long items, int* sizes) {
+  const PackLane p = pack_lane(a, n_chunks, items);
   int n = 0;
-  walk(item, n_chunks, [&](int, int, long long) { ++n; });
-  sizes[item] = (n + TSPMM_KGROUP - 1) / TSPMM_KGROUP;
+  if (p.item >= 0 && p.row < a.M) walk_row(a, p.row, p.c0, p.c1, [&](int, long long) { ++n; });
+  n = segment_sum(n);
+  if (p.item >= 0 && p.r == 0) sizes[p.item] = (n + TSPMM_KGROUP - 1) / TSPMM_KGROUP;
 }
 
 // Pack, launch 4 (after the scan of the sizes into kg_ptr): each item's words, dealt over the 8
-// row classes of the swizzle: entry k of class q goes to position sum_q' min(n_q', k) + #{q' <
-// q : n_q' > k} (round k holds the k-th entry of every class that has one), then padding words
-// to the k-group's end (the item's first word with value zero: a B row that an entry of the item
-// reads anyway).
-__device__ __forceinline__ void tspmm_place(const TwellWalk& walk, int n_chunks, long long items, const int* kg_ptr,
+// row classes of the swizzle (column in chunk % 8) in the order of a walk of its rows in turn:
+// entry k of class q goes to position sum_q' min(n_q', k) + #{q' < q : n_q' > k} (round k holds
+// the k-th entry of every class that has one), then padding words to the k-group's end (the
+// item's position-0 word with value zero: a B row that an entry of the item reads anyway). A
+// lane's rank base per class is the segment's exclusive prefix over the rows before it.
+__device__ __forceinline__ void tspmm_place(const TwellWalk& a, int n_chunks, long long items, const int* kg_ptr,
                                             const PackValues& v) {
-  const long long item = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-  if (item >= items) return;
-  int total[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  walk(item, n_chunks, [&](int, int b_row, long long) { ++total[b_row & 7]; });
-  int seen[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  const long long at = (long long)kg_ptr[item] * TSPMM_KGROUP;
-  unsigned first[3] = {0u, 0u, 0u};
-  walk(item, n_chunks, [&](int r, int b_row, long long source) {
-    const int q = b_row & 7, k = seen[q]++;
-    int p = 0;
+  const PackLane p = pack_lane(a, n_chunks, items);
+  const bool live = p.item >= 0 && p.row < a.M;
+  int mine[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  if (live) walk_row(a, p.row, p.c0, p.c1, [&](int col, long long) { ++mine[(col - p.c0) & 7]; });
+  int base[8], total[8];
 #pragma unroll
-    for (int c = 0; c < 8; ++c) p += min(total[c], k) + (c < q && total[c] > k ? 1 : 0);
+  for (int q = 0; q < 8; ++q) {
+    int incl = mine[q];
 #pragma unroll
-    for (int i = 0; i < 3; ++i) {
-      if (v.data[i] != nullptr) {
-        const unsigned w = tspmm_word(tspmm_value(v.data[i], v.spill[i], source), r, b_row);
-        v.words[i][at + p] = w;
-        if (p == 0) first[i] = w;
-      }
+    for (int d = 1; d < 8; d <<= 1) {
+      const int up = __shfl_up_sync(0xffffffffu, incl, d, 8);
+      if (p.r >= d) incl += up;
     }
-    if (v.dests != nullptr) v.dests[at + p] = (int)source;
-  });
-  const int n = (kg_ptr[item + 1] - kg_ptr[item]) * TSPMM_KGROUP;
+    base[q] = incl - mine[q];
+    total[q] = __shfl_sync(0xffffffffu, incl, 7, 8);
+  }
+  const long long at = p.item >= 0 ? (long long)kg_ptr[p.item] * TSPMM_KGROUP : 0;
+  unsigned first[3] = {0u, 0u, 0u};
+  if (live)
+    walk_row(a, p.row, p.c0, p.c1, [&](int col, long long source) {
+      const int b_row = col - p.c0, q = b_row & 7, k = base[q]++;
+      int pos = 0;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) pos += min(total[c], k) + (c < q && total[c] > k ? 1 : 0);
+#pragma unroll
+      for (int i = 0; i < 3; ++i) {
+        if (v.data[i] != nullptr) {
+          const unsigned w = tspmm_word(tspmm_value(v.data[i], v.spill[i], source), p.r, b_row);
+          v.words[i][at + pos] = w;
+          if (pos == 0) first[i] = w;
+        }
+      }
+      if (v.dests != nullptr) v.dests[at + pos] = (int)source;
+    });
   int stored = 0;
 #pragma unroll
   for (int c = 0; c < 8; ++c) stored += total[c];
-  for (int p = stored; p < n; ++p) {
+#pragma unroll
+  for (int i = 0; i < 3; ++i)  // the one lane holding position 0 shares its word
+#pragma unroll
+    for (int d = 1; d < 8; d <<= 1) first[i] |= __shfl_xor_sync(0xffffffffu, first[i], d);
+  if (p.item < 0) return;
+  const int n = (kg_ptr[p.item + 1] - kg_ptr[p.item]) * TSPMM_KGROUP;
+  for (int pos = stored + p.r; pos < n; pos += 8) {
 #pragma unroll
     for (int i = 0; i < 3; ++i)
-      if (v.data[i] != nullptr) v.words[i][at + p] = first[i] & 0xffffu;
-    if (v.dests != nullptr) v.dests[at + p] = TSPMM_PAD;
+      if (v.data[i] != nullptr) v.words[i][at + pos] = first[i] & 0xffffu;
+    if (v.dests != nullptr) v.dests[at + pos] = TSPMM_PAD;
   }
 }
 
@@ -226,29 +270,6 @@ struct TransposeShared {
   unsigned first[3][TT_GROUPS];           // per group: the word at position 0 (padding copies it)
 };
 
-// The TwELL row `row`'s entries with columns in [c0, c1), as visit(column, source): its tiles'
-// slots, then its spill from the first column >= c0 (binary search; columns rise).
-template <typename Visit>
-__device__ __forceinline__ void tt_row(const TwellWalk& a, int row, int c0, int c1, Visit visit) {
-  const int t_lo = c0 / a.tile_n, t_hi = (c1 - 1) / a.tile_n;
-  for (int t = t_lo; t <= t_hi; ++t) {
-    const long long rt = (long long)row * a.n_tiles + t;
-    const int n = a.counts[rt];
-    for (int s = 0; s < n; ++s) {
-      const long long slot = rt * a.capacity + s;
-      const int col = t * a.tile_n + a.indices[slot];
-      if (col >= c0 && col < c1) visit(col, slot);
-    }
-  }
-  int lo = a.spill_indptr[row], hi = a.spill_indptr[row + 1];
-  const int end = hi;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (a.spill_cols[mid] < c0) lo = mid + 1; else hi = mid;
-  }
-  for (int i = lo; i < end && a.spill_cols[i] < c1; ++i) visit(a.spill_cols[i], ~(long long)i);
-}
-
 // The block's bit matrix and class counts (both launches start with it); returns this thread's
 // token (or -1 past M) and the block's column range [c0, c1).
 __device__ __forceinline__ int tt_marks(const TwellWalk& a, TransposeShared& sh, int& c0, int& c1) {
@@ -258,7 +279,7 @@ __device__ __forceinline__ int tt_marks(const TwellWalk& a, TransposeShared& sh,
   for (int w = 0; w < TT_WORDS; ++w) sh.bits[lt][w] = 0u;  // TT_COLS == blockDim.x
   __syncthreads();
   if (token < a.M)
-    tt_row(a, token, c0, c1, [&](int col, long long) { atomicOr(&sh.bits[col - c0][lt >> 5], 1u << (lt & 31)); });
+    walk_row(a, token, c0, c1, [&](int col, long long) { atomicOr(&sh.bits[col - c0][lt >> 5], 1u << (lt & 31)); });
   __syncthreads();
 #pragma unroll
   for (int q = 0; q < 8; ++q) {
@@ -316,7 +337,7 @@ __global__ void __launch_bounds__(twell::TT_TOKENS) tiled_spmm_place_t(const sho
   const int lt = threadIdx.x, q = lt & 7;
   const unsigned below = (lt & 31) ? (0x01010101u << q) & ((1u << (lt & 31)) - 1u) : 0u;
   if (token >= 0)
-    tt_row(a, token, c0, c1, [&](int col, long long source) {
+    walk_row(a, token, c0, c1, [&](int col, long long source) {
       const int u = col - c0, gi = u >> 3;
       int k = 0;
       for (int u2 = gi * 8; u2 < u; ++u2) k += sh.count[u2][q];

@@ -135,11 +135,12 @@ def pack(parts: TwELLParts, tile_n: int, k: int, others: tuple[TwELLParts, ...] 
     """A's entries (a TwELL A with ``k`` columns) as the kernel's k-groups, with the words of up
     to two more matrices of A's structure (``others``, other values) at the same places, and
     with ``dests`` each word's place in A's parts. Four launches (counts, the two-launch scan,
-    placement; a thread per item), no host read."""
+    placement; 8 lanes per item, one per row), no host read."""
     m = parts.data.shape[0]
     stored = int(parts.data.size + parts.spill_data.size)
     structure = _structure(parts, tile_n, k)
-    grid = (-(-(-(-m // GROUP) * -(-k // CHUNK)) // 256),)
+    lanes = GROUP * -(-m // GROUP) * -(-k // CHUNK)
+    grid = (-(-lanes // 256),)
     count = ("tiled_spmm_count", grid, (256,), structure)
     place = ("tiled_spmm_place", grid, (256,), structure)
     return _packed(count, place, m, k, _value_arrays(parts, others), stored, dests)
