@@ -22,6 +22,9 @@ constexpr int TSPMM_SHARED_BYTES = 1024 + TSPMM_STAGES * TSPMM_STAGE_BYTES + 2 *
 static_assert(TSPMM_SHARED_BYTES <= 227 * 1024, "the ring fits one block's shared memory");
 
 constexpr int TSPMM_PAD = (int)0x80000000;  // a padding word's place in A's parts (no entry)
+// A padding word's mark (bit 12, which the products ignore): it repeats a real word of its item
+// with value zero, and the mark tells it from an entry whose value is zero.
+constexpr unsigned TSPMM_PAD_BIT = 1u << 12;
 
 // The word of one entry (value bits, row in its group, B row in its chunk).
 __device__ __forceinline__ unsigned tspmm_word(unsigned short value, int row, int b_row) {

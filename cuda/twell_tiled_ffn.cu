@@ -56,8 +56,8 @@ __device__ __forceinline__ int tffn_group_of(const int* before, int q) {
 
 // FORWARD (BACKWARD = 0): out_words = the gate's words (kg_ptr, words: _tiled_spmm.pack of the
 // gate, n_chunks its unit chunks) with h = g * u in their value bits, u = x . W_up[unit] rounded
-// to T, h = g * u in fp32 rounded to T (the row gathers' roundings); words of value zero
-// (padding) get h = 0. With dests (the pack's places of the words in the gate's parts) and
+// to T, h = g * u in fp32 rounded to T (the row gathers' roundings); padding words (marked)
+// get h = 0. With dests (the pack's places of the words in the gate's parts) and
 // u_data, u is also written there (u_spill for ~index places). map_w: W_up [N, d], map_x: x [M, d].
 //
 // BACKWARD = 1, the gated backward's sampled product and its value products: with map_w =
@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(twell::TFFN_WARPS * 32, 1) twell_tiled_ffn_up(
           if ((row >> 1) == t) {
             const float sum = (row & 1u) ? acc[i][2 * half + 1] : acc[i][2 * half];
             const int dest = dests != nullptr ? __ldg(dests + e) : TSPMM_PAD;
-            const bool pad = dest == TSPMM_PAD || (dests == nullptr && (w >> 16) == 0u);
+            const bool pad = (w & TSPMM_PAD_BIT) != 0u;
             const long long where = dest >= 0 ? dest : ~(long long)dest;
             T gv;
             gv.bits = (unsigned short)(w >> 16);

@@ -31,9 +31,10 @@
 // to three value arrays of one structure.
 //
 // Non-finite values: an entry's B row enters the MMA for all 8 rows of its group (times zero
-// for the 7 others), so an Inf or NaN in a B row that some entry uses reaches the other rows of
-// that entry's group as NaN. Rows of B that no entry uses are never read (padding words repeat
-// a real entry of their item with value zero).
+// for the 7 others), so an Inf or NaN in a B row that some entry uses would reach the other rows
+// of that entry's group as NaN: the epilogue flags rows with a non-finite sum and
+// tiled_spmm_fixup recomputes them exactly. Rows of B that no entry uses are never read (padding
+// words repeat a real entry of their item with value zero and a mark).
 #include "twell_mma.cuh"
 #include "twell_tiled.cuh"
 #include "twell_tma.cuh"
@@ -183,7 +184,7 @@ __device__ __forceinline__ void tspmm_place(const TwellWalk& a, int n_chunks, lo
   for (int pos = stored + p.r; pos < n; pos += 8) {
 #pragma unroll
     for (int i = 0; i < 3; ++i)
-      if (v.data[i] != nullptr) v.words[i][at + pos] = first[i] & 0xffffu;
+      if (v.data[i] != nullptr) v.words[i][at + pos] = (first[i] & 0xffffu) | TSPMM_PAD_BIT;
     if (v.dests != nullptr) v.dests[at + pos] = TSPMM_PAD;
   }
 }
@@ -369,7 +370,7 @@ __global__ void __launch_bounds__(twell::TT_TOKENS) tiled_spmm_place_t(const sho
     for (int p = stored; p < n; ++p) {
 #pragma unroll
       for (int i = 0; i < 3; ++i)
-        if (v.data[i] != nullptr) v.words[i][at + p] = sh.first[i][gi] & 0xffffu;
+        if (v.data[i] != nullptr) v.words[i][at + p] = (sh.first[i][gi] & 0xffffu) | TSPMM_PAD_BIT;
       if (v.dests != nullptr) v.dests[at + p] = TSPMM_PAD;
     }
   }
@@ -386,7 +387,7 @@ template <typename T>
 __global__ void __launch_bounds__(twell::TSPMM_WARPS * 32, 1) twell_tiled_spmm(
     const __grid_constant__ twell::TensorMap map_b, const __grid_constant__ twell::TensorMap map_b2,
     const int* __restrict__ kg_ptr, const unsigned* __restrict__ words, const unsigned* __restrict__ words2, int M,
-    int N, int n1, T* __restrict__ out, long long ldo) {
+    int N, int n1, T* __restrict__ out, long long ldo, int* __restrict__ flags) {
   using namespace twell;
   extern __shared__ __align__(1024) unsigned char raw[];
   const unsigned base = (smem_u32(raw) + 1023u) & ~1023u;
@@ -491,10 +492,12 @@ __global__ void __launch_bounds__(twell::TSPMM_WARPS * 32, 1) twell_tiled_spmm(
   // columns g (d0, d1) and g + 8 (d2, d3). Lanes g and g ^ 1 swap one value so that each holds
   // two adjacent columns of one row (even g: row 2t, odd g: row 2t + 1) and stores them as one
   // 4-byte pair.
+  // A row with a non-finite sum is flagged for tiled_spmm_fixup (see there).
   const bool odd = (g & 1u) != 0;
 #pragma unroll
   for (int i = 0; i < TSPMM_WARP_GROUPS; ++i) {
     const int row = (group0 + i) * TSPMM_GROUP + 2 * (int)t + (odd ? 1 : 0);
+    bool bad = false;
 #pragma unroll
     for (int j = 0; j < TSPMM_COL_STEPS; ++j) {
 #pragma unroll
@@ -505,14 +508,70 @@ __global__ void __launch_bounds__(twell::TSPMM_WARPS * 32, 1) twell_tiled_spmm(
         const int col = col0 + 16 * j + 8 * h + (int)(g & ~1u);
         if (row < M && col < N) {
           T* p = out + (long long)row * ldo + col;
+          bad |= !finite_bits(v0);
           if (col + 1 < N) {
             const unsigned short lo = from_acc<T>(v0).bits, hi = from_acc<T>(v1).bits;
             *reinterpret_cast<unsigned*>(p) = (unsigned)lo | ((unsigned)hi << 16);
+            bad |= !finite_bits(v1);
           } else {
             p[0] = from_acc<T>(v0);
           }
         }
       }
     }
+    if (bad) flags[row] = 1;
+  }
+}
+
+// The rows of a tiled product whose sums came out non-finite, recomputed exactly. Inside the
+// MMA an entry's B row meets all 8 rows of its group (times zero for the 7 others), so an Inf
+// or NaN there turns the neighbours' sums into NaN (0 x Inf); twell_tiled_spmm flags every row
+// with a non-finite sum, and here a warp per flagged row sums its own entries only (each word
+// of its row times its B row, fp32, padding skipped by its mark), as the other paths do: the
+// result is theirs, Inf where an entry met an Inf, NaN where they give NaN. Rows without a flag
+// return at once (one launch per product, capturable; the flags start zeroed).
+template <typename T>
+__global__ void __launch_bounds__(256) tiled_spmm_fixup(const int* __restrict__ kg_ptr, const unsigned* __restrict__ words,
+                                                       const unsigned* __restrict__ words2, int M, int N, int n1,
+                                                       const T* __restrict__ b, long long ldb, const T* __restrict__ b2,
+                                                       long long ldb2, const int* __restrict__ flags,
+                                                       T* __restrict__ out, long long ldo) {
+  using namespace twell;
+  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (row >= M || flags[row] == 0) return;  // warp-uniform
+  const int grp = (int)(row >> 3), r = (int)(row & 7);
+  const int n_chunks = words2 != nullptr ? 2 * n1 : n1;
+  for (int col0 = 0; col0 < N; col0 += 32 * 8) {
+    const int col = col0 + 8 * lane;  // this lane's 8 columns (N is a multiple of 8)
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int c = 0; c < n_chunks; ++c) {
+      const bool second = c >= n1;
+      const unsigned* w = second ? words2 : words;
+      const T* bb = second ? b2 : b;
+      const long long ld = second ? ldb2 : ldb;
+      const int chunk = second ? c - n1 : c;
+      const long long item = (long long)grp * n1 + chunk;
+      for (long long e0 = (long long)kg_ptr[item] * TSPMM_KGROUP; e0 < (long long)kg_ptr[item + 1] * TSPMM_KGROUP;
+           e0 += 32) {
+        const int valid = (int)min(32LL, (long long)kg_ptr[item + 1] * TSPMM_KGROUP - e0);  // 32, or the last 16
+        const unsigned mine = lane < valid ? __ldg(w + e0 + lane) : 0u;
+        for (int i = 0; i < valid; ++i) {
+          const unsigned word = __shfl_sync(0xffffffffu, mine, i);
+          if (((word >> 9) & 7u) != (unsigned)r || (word & TSPMM_PAD_BIT) != 0u) continue;  // warp-uniform
+          T value;
+          value.bits = (unsigned short)(word >> 16);
+          const float v = to_acc(value);
+          if (col < N) {
+            const T* src = bb + ((long long)chunk * TSPMM_CHUNK + (word & 511u)) * ld + col;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) acc[k] += v * to_acc(src[k]);
+          }
+        }
+      }
+    }
+    if (col < N)
+#pragma unroll
+      for (int k = 0; k < 8; ++k) out[row * ldo + col + k] = from_acc<T>(acc[k]);
   }
 }

@@ -42,6 +42,9 @@ template <> __device__ __forceinline__ f16 from_acc<f16>(float v) {
 
 template <typename T> __device__ __forceinline__ T zero_value() { return from_acc<T>(0); }
 
+// Whether an fp32 value is finite (neither Inf nor NaN), from its exponent bits.
+__device__ __forceinline__ bool finite_bits(float v) { return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u; }
+
 // V consecutive values as one aligned unit (V * sizeof(T) = 16 bytes: one vector load).
 template <typename T, int V> struct alignas(sizeof(T) * V) Chunk {
   T v[V];

@@ -46,7 +46,7 @@ def _packed(lines, n_out: int, n_in: int, values, dests=None) -> tuple[np.ndarra
     source) in walk order; columns below ``n_in``): per item (group of 8 rows, chunk of 512
     columns) the entries bucketed by class (column in chunk % 8) in walk order and read out in
     rounds (round i takes the i-th entry of every class that has one, classes in order), then
-    padding words (the item's first word with value zero) to a multiple of 16; one word array
+    padding words (the item's first word with value zero and the padding mark) to a multiple of 16; one word array
     per ``(data, spill)`` value pair. ``dests``, a list, gets each word's source (PAD for
     padding)."""
     n_chunks = -(-n_in // T.CHUNK)
@@ -68,7 +68,7 @@ def _packed(lines, n_out: int, n_in: int, values, dests=None) -> tuple[np.ndarra
                 dests += [source for _, _, source in ordered] + [T.PAD] * (padded - len(ordered))
             for out, vals in zip(words, values, strict=True):
                 item = [_value_bits(vals, source) << 16 | r << 9 | col for r, col, source in ordered]
-                out += item + [item[0] & 0xFFFF if item else 0] * (padded - len(item))
+                out += item + [(item[0] & 0xFFFF | T.PAD_BIT) if item else 0] * (padded - len(item))
             kg_ptr.append(kg_ptr[-1] + padded // T.KGROUP)
     return np.array(kg_ptr, dtype=np.int64), [np.array(w, dtype=np.uint32) for w in words], n_chunks
 
@@ -289,7 +289,7 @@ def emulate_gated_up(kg_ptr, words, n_chunks: int, m: int, x: np.ndarray, w_up: 
                                     continue
                                 u = np.float64(dtype.type(acc[i, lane, 2 * half + (row & 1)]))
                                 gv = _value(np.array([w >> 16]), dtype)[0]
-                                h = dtype.type(0) if w >> 16 == 0 else dtype.type(np.float32(gv) * np.float32(u))
+                                h = dtype.type(0) if w & T.PAD_BIT else dtype.type(np.float32(gv) * np.float32(u))
                                 out[at] = int(np.array([h], dtype=dtype).view(np.uint16)[0]) << 16 | (w & 0xFFFF)
     return out
 
@@ -346,5 +346,5 @@ def emulate_pack_transposed(parts, tile_n: int, n_cols: int) -> tuple[np.ndarray
             if c0 + 8 * gi < c1:
                 item = (c0 // 8 + gi) * n_chunks + by
                 at, end = int(kg_ptr[item]) * T.KGROUP, int(kg_ptr[item + 1]) * T.KGROUP
-                words[at + int(total[gi].sum()) : end] = first.get(gi, 0) & 0xFFFF
+                words[at + int(total[gi].sum()) : end] = first.get(gi, 0) & 0xFFFF | T.PAD_BIT
     return kg_ptr, [words], n_chunks

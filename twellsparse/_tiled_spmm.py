@@ -7,9 +7,9 @@ A is first packed on the device (four launches, no host read, so the pair runs i
 graph capture) into k-groups of 16 words per (8 output rows, chunk). :func:`applies` says
 whether the kernel serves the operands, :func:`spmm` runs it. Opt-in (``TWELL_TILED_SPMM=1`` or
 ``matmul``'s ``path="tiled"``) until measured against the stationary kernel; a documented
-difference from the other paths: an Inf or NaN in a row of b that an entry uses reaches the
-other 7 rows of that entry's group of 8 as NaN (0 x Inf inside the MMA), where the other paths
-keep those rows finite.
+detail: inside the MMA an Inf or NaN in a row of b that an entry uses would reach the other 7
+rows of that entry's group of 8 as NaN (0 x Inf); the product flags the rows whose sums are
+not finite and a second launch recomputes them exactly, so the results are the other paths'.
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ GROUP = 8
 #: b's rows per staged chunk (TSPMM_CHUNK) and per TMA box (TSPMM_BOX).
 CHUNK = 512
 BOX = 256
-#: A padding word's place in :attr:`Pack.dests` (TSPMM_PAD).
+#: A padding word's place in :attr:`Pack.dests` (TSPMM_PAD), and its mark in the word
+#: (TSPMM_PAD_BIT: bit 12, which the products ignore).
 PAD = -(2**31)
+PAD_BIT = 1 << 12
 #: Words per k-group (TSPMM_KGROUP), warps per block (TSPMM_WARPS).
 KGROUP = 16
 WARPS = 16
@@ -165,21 +167,30 @@ def pack_transposed(parts: TwELLParts, tile_n: int, n_cols: int, others: tuple[T
 def packed_spmm(packed: Pack, m: int, b: Any, out: Any, b2: Any = None, which: int = 0) -> Any:
     """``out = A @ b`` for an ``m``-row A packed by :func:`pack` or :func:`pack_transposed`
     (A's values: ``packed.words[which]``), or with ``b2`` ``out = A @ b + A2 @ b2`` (A2's words
-    the next array, ``which + 1``) in the same sums; the caller has checked :func:`applies`."""
-    b, _ = row_stride(b)
+    the next array, ``which + 1``) in the same sums; the caller has checked :func:`applies`.
+    Two launches: the product, then ``tiled_spmm_fixup``, which recomputes exactly the rows
+    whose sums came out non-finite (an Inf or NaN in a row of b that an entry uses spreads to
+    its group's other rows inside the MMA), so the results are the other paths'."""
+    b, ldb = row_stride(b)
     n = b.shape[1]
     if m == 0 or n == 0:
         return out
     if packed.n_chunks == 0:  # A has no columns
         out[...] = 0
         return out
+    b2, ldb2 = row_stride(b2) if b2 is not None else (None, 0)
     map_b = tensor_map(b, BOX, COLS, SWIZZLE_128B)
-    map_b2 = map_b if b2 is None else tensor_map(row_stride(b2)[0], BOX, COLS, SWIZZLE_128B)
+    map_b2 = map_b if b2 is None else tensor_map(b2, BOX, COLS, SWIZZLE_128B)
     words2 = K.null_pointer() if b2 is None else packed.words[which + 1]
     pattern = (packed.kg_ptr, packed.words[which], words2, np.int32(m), np.int32(n), np.int32(packed.n_chunks))
-    args = (map_b, map_b2, *pattern, out, np.int64(leading_dim(out)))
+    ldo = np.int64(leading_dim(out))
+    flags = _cp().zeros(m, dtype=np.int32)  # rows with a non-finite sum, for the fixup
+    t = K.CXX_TYPE[b.dtype]
     grid = (-(-n // COLS), -(-m // ROWS))
-    K.launch_arch(f"twell_tiled_spmm<{K.CXX_TYPE[b.dtype]}>", grid, (WARPS * 32,), args, SHARED_BYTES)
+    args = (map_b, map_b2, *pattern, out, ldo, flags)
+    K.launch_arch(f"twell_tiled_spmm<{t}>", grid, (WARPS * 32,), args, SHARED_BYTES)
+    dense = (b, np.int64(ldb), b2 if b2 is not None else K.null_pointer(), np.int64(ldb2))
+    K.launch_arch(f"tiled_spmm_fixup<{t}>", (-(-m // 8),), (256,), (*pattern, *dense, flags, out, ldo), 0)
     return out
 
 

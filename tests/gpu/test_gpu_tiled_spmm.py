@@ -182,3 +182,47 @@ def test_transposed_products_match_float64(cp, rng, dtype, m, n, k, tile_n, capa
         assert rel_error(out, expected) <= rounding_bound(dtype, expected)
         gathered = _gpu_ops.spmm_transposed(parts, tile_n, n, b_gpu, cp.empty_like(out))
         assert rel_error(out, cp.asnumpy(gathered).astype(np.float64)) <= 2 * rounding_bound(dtype, expected)
+
+
+def _same_non_finite_and_close(got, want):
+    """The same NaN and signed-Inf places, and the finite values within two bf16 roundings."""
+    got, want = (host.astype(np.float64) for host in (got, want))
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.array_equal(np.isinf(got), np.isinf(want))
+    assert np.array_equal(got[np.isinf(got)], want[np.isinf(want)])  # the same signs
+    finite = np.isfinite(want)
+    assert finite.any() and rel_error(got[finite], want[finite]) <= 1e-2
+
+
+@pytest.mark.parametrize("dual", [False, True])
+def test_inf_and_nan_in_used_rows_give_the_gathers_results(cp, rng, dual):
+    """An Inf and a NaN in rows of b that entries use: inside the MMA they reach the other rows
+    of those entries' groups (0 x Inf); the fixup recomputes every row with a non-finite sum, so
+    each output is the row gathers' (Inf with its sign, NaN, or the finite value)."""
+    m, n, k, dtype = 700, 1100, 72, ts.bfloat16
+    h, a = _problem(cp, rng, m, n, 64, 4, 0.05, dtype)
+    b = rng.standard_normal((n, k)).astype(dtype)
+    used = np.flatnonzero(h.any(axis=0))
+    b[used[0], 3] = np.inf
+    b[used[1], 10] = -np.inf
+    b[used[2], 40] = np.nan
+    b_gpu = cp.asarray(b)
+    out = cp.full((m, k), 7, dtype=dtype)
+    _skip_unless_hopper(b_gpu, out)
+    second = (_twin(cp, rng, h, a)[1].parts, cp.asarray(rng.standard_normal((n, k)).astype(dtype))) if dual else None
+    _gpu_ops.spmm(a.parts, 64, b_gpu, out, path="tiled", second=second)
+    want = _gpu_ops.spmm(a.parts, 64, b_gpu, cp.empty_like(out), path="gather", second=second)
+    assert np.isnan(cp.asnumpy(out).astype(np.float64)).sum() > 0  # the case is exercised
+    _same_non_finite_and_close(cp.asnumpy(out), cp.asnumpy(want))
+
+
+def test_inf_in_a_token_row_of_the_transposed_products_gives_the_gathers_results(cp, rng):
+    m, n, k, dtype = 1100, 700, 64, ts.bfloat16
+    h, a = _problem(cp, rng, m, n, 64, None, 0.05, dtype)
+    g = rng.standard_normal((m, k)).astype(dtype)
+    g[np.flatnonzero(h.any(axis=1))[0], 5] = np.inf  # an overflowed gradient row
+    g_gpu = cp.asarray(g)
+    out = cp.full((n, k), 7, dtype=dtype)
+    _skip_unless_hopper(g_gpu, out)
+    _tiled_spmm.spmm_transposed(64, n, [(a.parts, g_gpu, out)])
+    want = _gpu_ops.spmm_transposed(a.parts, 64, n, g_gpu, cp.empty_like(out))
+    _same_non_finite_and_close(cp.asnumpy(out), cp.asnumpy(want))
