@@ -14,6 +14,7 @@ from tiled_spmm_model import (
     emulate,
     emulate_gated_up,
     emulate_pack_transposed,
+    fixup,
     reference_pack,
     reference_pack_transposed,
 )
@@ -147,3 +148,38 @@ def test_direct_transposed_pack_gives_the_csr_walks_words(rng, m, k, tile_n, cap
     assert n_chunks == ref_chunks
     assert np.array_equal(kg_ptr, ref_ptr)
     assert np.array_equal(words, ref_words)
+
+
+def _stored_entries_product(h, b):
+    """h @ b in float64 summing each row's stored entries only (a dense product would also form
+    0 x Inf with the zeros)."""
+    out = np.zeros((h.shape[0], b.shape[1]))
+    for row in range(h.shape[0]):
+        nz = np.flatnonzero(h[row])
+        out[row] = h[row, nz].astype(np.float64) @ b[nz].astype(np.float64)
+    return out
+
+
+@pytest.mark.parametrize("dual", [False, True])
+def test_inf_and_nan_in_used_rows_spread_and_the_fixup_restores_ieee_results(rng, dual):
+    """With an Inf, a -Inf and a NaN in rows of b that entries use, the emulated product shows NaN
+    in rows whose entries never met them (their groups' neighbours: 0 x Inf in the MMA); after
+    the fixup every output equals float64's IEEE result (h @ b with those values)."""
+    m, k, n = 30, 600, 24
+    h, a = _problem(rng, m, k, 64, 3, 0.08)
+    b = rng.standard_normal((k, n)).astype(ts.bfloat16)
+    used = np.flatnonzero(h.any(axis=0))
+    b[used[0], 3], b[used[1], 10], b[used[2], 17] = np.inf, -np.inf, np.nan
+    h2, a2 = _twin(rng, h, a) if dual else (None, None)
+    b2 = rng.standard_normal((k, n)).astype(ts.bfloat16) if dual else None
+    packed = reference_pack(a.parts, 64, k, others=(a2.parts,) if dual else ())
+    with np.errstate(invalid="ignore"):
+        raw = emulate(*packed, m, b, b2)
+        expected = _stored_entries_product(h, b)  # IEEE over the stored entries only (as the gathers)
+        if dual:
+            expected += _stored_entries_product(h2, b2)
+    spread = np.isnan(raw) & ~np.isnan(expected)
+    assert spread.any()  # the neighbours' NaN the fixup must undo
+    got = fixup(raw, packed[0], packed[1], packed[2], b, b2)
+    assert np.array_equal(np.isnan(got), np.isnan(expected))
+    np.testing.assert_allclose(got[~np.isnan(got)], expected[~np.isnan(expected)], rtol=1e-12, atol=1e-12)

@@ -210,6 +210,26 @@ def emulate(kg_ptr, words, n_chunks: int, m: int, b: np.ndarray, b2=None) -> np.
     return out
 
 
+def fixup(out, kg_ptr, words, n_chunks: int, b: np.ndarray, b2=None) -> np.ndarray:
+    """``tiled_spmm_fixup`` on the emulated sums: every row with a non-finite value recomputed
+    from its own words only (each word of the row, padding skipped by its mark, times its own B
+    row, in float64 here), as the kernel does after the product."""
+    out = out.copy()
+    with np.errstate(invalid="ignore", over="ignore"):
+        for row in np.flatnonzero(~np.isfinite(out).all(axis=1)):
+            acc = np.zeros(out.shape[1])
+            for c in range(n_chunks * (1 if b2 is None else 2)):
+                source, chunk_words = (b, words[0]) if c < n_chunks else (b2, words[1])
+                item = (row // T.GROUP) * n_chunks + c % n_chunks
+                for w in chunk_words[int(kg_ptr[item]) * T.KGROUP : int(kg_ptr[item + 1]) * T.KGROUP].astype(np.int64):
+                    if (w >> 9) & 7 != row % T.GROUP or w & T.PAD_BIT:
+                        continue
+                    b_row = (c % n_chunks) * T.CHUNK + (w & 511)
+                    acc += _value(np.array([w >> 16]), source.dtype)[0] * source[b_row].astype(np.float64)
+            out[row] = acc
+    return out
+
+
 def _staged_64(rows: np.ndarray, r0: int, c0: int, n_rows: int) -> np.ndarray:
     """``n_rows`` rows from r0 and 32 columns from c0 of a matrix (zeros past its edges) as TMA
     writes them with the 64-byte swizzle: 16-byte piece p of row r stored at p ^ ((r // 2) % 4)."""
