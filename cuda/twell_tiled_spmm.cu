@@ -376,18 +376,43 @@ __global__ void __launch_bounds__(twell::TT_TOKENS) tiled_spmm_place_t(const sho
   }
 }
 
+// The slots of an A.T product dealt by load (the backward's weight gradients on skewed
+// patterns: a hot unit's group would make its warp the block's slowest): each group's load is
+// its k-group count over all chunks (kg_ptr is group-major), its rank the number of groups
+// heavier (ties by index), and rank r goes to tier r / W, warp r % W of the W warp positions,
+// snaking (odd tiers backwards), slot warp * 4 + tier: every warp gets one group of each tier.
+// group_map (4 W slots) starts at -1; a thread per group.
+__global__ void __launch_bounds__(256) tiled_spmm_balance(const int* __restrict__ kg_ptr, int n_chunks,
+                                                          int n_groups, int W, int* __restrict__ group_map) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= n_groups) return;
+  const auto load = [&](int g) { return kg_ptr[(long long)(g + 1) * n_chunks] - kg_ptr[(long long)g * n_chunks]; };
+  const int mine = load(j);
+  int rank = 0;
+  for (int i = 0; i < n_groups; ++i) {
+    const int other = load(i);
+    rank += other > mine || (other == mine && i < j);
+  }
+  const int tier = rank / W, pos = rank % W;
+  const int warp = (tier & 1) ? W - 1 - pos : pos;
+  group_map[warp * twell::TSPMM_WARP_GROUPS + tier] = j;
+}
+
 // The product (see the top of this file). Block (x, y): output columns [64 x, 64 x + 64) and
-// rows [512 y, 512 y + 512); warp w sums row groups 4 w .. 4 w + 3 of the block. Item (group,
-// chunk)'s k-groups are kg_ptr[item] .. kg_ptr[item + 1], item = group * n1 + chunk. With
-// words2 (A2's words at the same places: the dual form) the block streams B's n1 chunks with
-// words, then B2's with words2, into the same sums. map_b / map_b2: TMA descriptors of B and B2
-// [K, N] (boxes of 64 columns x 256 rows, 128-byte swizzle; rows past K read as zeros; map_b2
-// is map_b when there is no B2). Thread 0 refills a stage once every warp has released it.
+// row-group slots [64 y, 64 y + 64); warp w sums slots 4 w .. 4 w + 3 of the block, slot s
+// being row group s, or with group_map (n_slots entries) row group group_map[s] (-1: none).
+// Item (group, chunk)'s k-groups are kg_ptr[item] .. kg_ptr[item + 1], item = group * n1 +
+// chunk. With words2 (A2's words at the same places: the dual form) the block streams B's n1
+// chunks with words, then B2's with words2, into the same sums. map_b / map_b2: TMA descriptors
+// of B and B2 [K, N] (boxes of 64 columns x 256 rows, 128-byte swizzle; rows past K read as
+// zeros; map_b2 is map_b when there is no B2). Thread 0 refills a stage once every warp has
+// released it.
 template <typename T>
 __global__ void __launch_bounds__(twell::TSPMM_WARPS * 32, 1) twell_tiled_spmm(
     const __grid_constant__ twell::TensorMap map_b, const __grid_constant__ twell::TensorMap map_b2,
     const int* __restrict__ kg_ptr, const unsigned* __restrict__ words, const unsigned* __restrict__ words2, int M,
-    int N, int n1, T* __restrict__ out, long long ldo, int* __restrict__ flags) {
+    int N, int n1, T* __restrict__ out, long long ldo, int* __restrict__ flags, const int* __restrict__ group_map,
+    int n_slots) {
   using namespace twell;
   extern __shared__ __align__(1024) unsigned char raw[];
   const unsigned base = (smem_u32(raw) + 1023u) & ~1023u;
@@ -431,14 +456,21 @@ __global__ void __launch_bounds__(twell::TSPMM_WARPS * 32, 1) twell_tiled_spmm(
   // which .trans turns into a0 .. a3 of A = B^T).
   const int entry = (lane >> 4) * 8 + (lane & 7), piece = (lane >> 3) & 1;
   const int group0 = (row0 >> 3) + warp * TSPMM_WARP_GROUPS;
+  // The row group this lane's ranges and this warp's slot i stand for: the slot's own, or with
+  // group_map (tiled_spmm_balance: slots dealt by load) the group mapped there (-1: none).
+  auto actual = [&](int slot) {
+    const int vg = group0 + slot;
+    const int grp = group_map != nullptr ? (vg < n_slots ? __ldg(group_map + vg) : -1) : vg;
+    return grp < n_groups ? grp : -1;
+  };
   // The warp's k-group ranges at chunk c, one load a lane: lane j < 8 holds kg_ptr[item + (j &
-  // 1)] of its group j / 2 (0 past the groups or the chunks). Loaded one chunk ahead, and each
-  // k-group's words one k-group ahead (across the warp's groups), so that the L2 latency of the
-  // pack overlaps the MMAs instead of stalling the warp at every group and chunk.
+  // 1)] of its slot j / 2's group (0 past the groups or the chunks). Loaded one chunk ahead, and
+  // each k-group's words one k-group ahead (across the warp's groups), so that the L2 latency of
+  // the pack overlaps the MMAs instead of stalling the warp at every group and chunk.
+  const int lane_group = actual((lane & 7) >> 1);
   auto ranges = [&](int c) {
-    const int j = lane & 7, grp = group0 + (j >> 1);
-    if (c >= n_chunks || grp >= n_groups) return 0;
-    return __ldg(kg_ptr + (long long)grp * n1 + (c < n1 ? c : c - n1) + (j & 1));
+    if (c >= n_chunks || lane_group < 0) return 0;
+    return __ldg(kg_ptr + (long long)lane_group * n1 + (c < n1 ? c : c - n1) + (lane & 1));
   };
   int kp_next = ranges(0);
   for (int c = 0; c < n_chunks; ++c) {
@@ -496,7 +528,8 @@ __global__ void __launch_bounds__(twell::TSPMM_WARPS * 32, 1) twell_tiled_spmm(
   const bool odd = (g & 1u) != 0;
 #pragma unroll
   for (int i = 0; i < TSPMM_WARP_GROUPS; ++i) {
-    const int row = (group0 + i) * TSPMM_GROUP + 2 * (int)t + (odd ? 1 : 0);
+    const int grp = actual(i);
+    const int row = grp < 0 ? M : grp * TSPMM_GROUP + 2 * (int)t + (odd ? 1 : 0);  // M: nothing to store
     bool bad = false;
 #pragma unroll
     for (int j = 0; j < TSPMM_COL_STEPS; ++j) {

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from helpers import inf_in_an_unused_row, skewed_twell, twin_values
 from tiled_spmm_model import (
+    balance,
     emulate,
     emulate_gated_up,
     emulate_pack_transposed,
@@ -183,3 +184,26 @@ def test_inf_and_nan_in_used_rows_spread_and_the_fixup_restores_ieee_results(rng
     got = fixup(raw, packed[0], packed[1], packed[2], b, b2)
     assert np.array_equal(np.isnan(got), np.isnan(expected))
     np.testing.assert_allclose(got[~np.isnan(got)], expected[~np.isnan(expected)], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("m, k, n", [(600, 100, 8), (1100, 37, 16)])
+def test_balanced_slots_cover_every_group_once_and_the_product_stays_exact(rng, m, k, n):
+    """The deal of A.T's row groups by load (tiled_spmm_balance, emulated) on a skewed pattern:
+    every group in exactly one slot, the busiest warp close to the mean where the natural order
+    leaves a hot group's warp far above it, and the emulated product with the map exact."""
+    h, a = _problem(rng, m, k, 32, 4, 0.08)
+    kg_ptr, words, n_chunks = reference_pack_transposed(a.parts, 32, k)
+    group_map = balance(kg_ptr, n_chunks, k)
+    n_groups = -(-k // 8)
+    assert sorted(group_map[group_map >= 0].tolist()) == list(range(n_groups))
+    load = np.diff(kg_ptr[::n_chunks])  # k-groups per group over all chunks (items are group-major)
+
+    def busiest(slots):
+        per_warp = [sum(load[g] for g in slots[4 * w : 4 * w + 4] if 0 <= g < n_groups) for w in range(len(slots) // 4)]
+        return max(per_warp) / np.mean(per_warp)
+
+    natural = np.arange(-(-n_groups // 4) * 4)
+    assert busiest(group_map) <= min(busiest(natural), 1.3)
+    g = rng.standard_normal((m, n)).astype(ts.bfloat16)
+    got = emulate(kg_ptr, words, n_chunks, k, g, group_map=group_map)
+    np.testing.assert_allclose(got, h.astype(np.float64).T @ g.astype(np.float64), rtol=1e-12, atol=1e-12)

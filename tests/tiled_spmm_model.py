@@ -147,15 +147,23 @@ def _kgroup(words: np.ndarray, kg: int) -> np.ndarray:
     return words[kg * T.KGROUP : (kg + 1) * T.KGROUP]
 
 
-def emulate(kg_ptr, words, n_chunks: int, m: int, b: np.ndarray, b2=None) -> np.ndarray:
+def emulate(kg_ptr, words, n_chunks: int, m: int, b: np.ndarray, b2=None, group_map=None) -> np.ndarray:
     """The kernel's sums (float64, before rounding) for an ``m``-row A packed as given (``words``:
-    the pack's word arrays; with ``b2`` the dual form, A2's words the second array), lane by lane:
-    its ldmatrix addresses into swizzled stages, its one-hot registers, the MMAs and the
-    epilogue's exchange of lanes g and g ^ 1 and 4-byte pair stores."""
+    the pack's word arrays; with ``b2`` the dual form, A2's words the second array; with
+    ``group_map`` the row groups in the slots it names), lane by lane: its ldmatrix addresses
+    into swizzled stages, its one-hot registers, the MMAs and the epilogue's exchange of lanes g
+    and g ^ 1 and 4-byte pair stores."""
     n = b.shape[1]
     out = np.full((m, n), np.nan)
     entry, piece = (LANES >> 4) * 8 + (LANES & 7), (LANES >> 3) & 1
-    for by in range(-(-m // T.ROWS)):
+    n_groups = -(-m // T.GROUP)
+
+    def actual(slot: int) -> int:  # the kernel's actual(): the slot's row group, or -1
+        grp = slot if group_map is None else (int(group_map[slot]) if slot < len(group_map) else -1)
+        return grp if grp < n_groups else -1
+
+    rows = m if group_map is None else max(m, T.GROUP * len(group_map))
+    for by in range(-(-rows // T.ROWS)):
         for bx in range(-(-n // T.COLS)):
             col0 = bx * T.COLS
             acc = np.zeros((T.WARPS, 4, 4, 32, 4))  # [warp][group][column step][lane][d]
@@ -167,11 +175,10 @@ def emulate(kg_ptr, words, n_chunks: int, m: int, b: np.ndarray, b2=None) -> np.
                     # hand are always the next k-group's in (group, k-group) order.
                     lo, hi = [], []
                     for i in range(4):
-                        grp = by * T.ROWS // T.GROUP + warp * 4 + i
+                        grp = actual(by * T.ROWS // T.GROUP + warp * 4 + i)
                         item = grp * n_chunks + c % n_chunks
-                        inside = grp < -(-m // T.GROUP)
-                        lo.append(int(kg_ptr[item]) if inside else 0)
-                        hi.append(int(kg_ptr[item + 1]) if inside else 0)
+                        lo.append(int(kg_ptr[item]) if grp >= 0 else 0)
+                        hi.append(int(kg_ptr[item + 1]) if grp >= 0 else 0)
                     first_after = [-1] * 5
                     for i in range(3, -1, -1):
                         first_after[i] = lo[i] if lo[i] < hi[i] else first_after[i + 1]
@@ -194,7 +201,8 @@ def emulate(kg_ptr, words, n_chunks: int, m: int, b: np.ndarray, b2=None) -> np.
             odd = (G & 1) == 1
             for warp in range(T.WARPS):
                 for i in range(4):
-                    row = (by * T.ROWS // T.GROUP + warp * 4 + i) * T.GROUP + 2 * TQ + odd
+                    grp = actual(by * T.ROWS // T.GROUP + warp * 4 + i)
+                    row = grp * T.GROUP + 2 * TQ + odd if grp >= 0 else np.full(32, m)
                     for j in range(4):
                         for h in range(2):
                             d = acc[warp, i, j][:, 2 * h : 2 * h + 2]
@@ -368,3 +376,19 @@ def emulate_pack_transposed(parts, tile_n: int, n_cols: int) -> tuple[np.ndarray
                 at, end = int(kg_ptr[item]) * T.KGROUP, int(kg_ptr[item + 1]) * T.KGROUP
                 words[at + int(total[gi].sum()) : end] = first.get(gi, 0) & 0xFFFF | T.PAD_BIT
     return kg_ptr, [words], n_chunks
+
+
+def balance(kg_ptr, n_chunks: int, m: int) -> np.ndarray:
+    """``tiled_spmm_balance``'s map: each group's load (its k-groups over all chunks), its rank
+    (heavier first, ties by index), rank r to tier r // W and warp r % W (odd tiers reversed),
+    slot warp * 4 + tier; -1 in the slots no group takes."""
+    n_groups = -(-m // T.GROUP)
+    w = -(-n_groups // 4)
+    load = [int(kg_ptr[(g + 1) * n_chunks] - kg_ptr[g * n_chunks]) for g in range(n_groups)]
+    group_map = np.full(4 * w, -1, dtype=np.int64)
+    for j in range(n_groups):
+        rank = sum(1 for i in range(n_groups) if load[i] > load[j] or (load[i] == load[j] and i < j))
+        tier, pos = divmod(rank, w)
+        warp = w - 1 - pos if tier % 2 else pos
+        group_map[warp * 4 + tier] = j
+    return group_map

@@ -209,7 +209,7 @@ ARCH_SOURCES: dict[str, tuple[str, list[str]]] = {
             for d in (np.dtype(np.float16), bfloat16)
             for k in ("twell_tiled_spmm", "tiled_spmm_fixup")
         ]
-        + ["tiled_spmm_count", "tiled_spmm_place", "tiled_spmm_count_t", "tiled_spmm_place_t"],
+        + ["tiled_spmm_count", "tiled_spmm_place", "tiled_spmm_count_t", "tiled_spmm_place_t", "tiled_spmm_balance"],
     ),
     # The gated consumer's up projection on the tiled SpMM's pack of the gate.
     "twell_tiled_ffn.cu": (

@@ -164,13 +164,29 @@ def pack_transposed(parts: TwELLParts, tile_n: int, n_cols: int, others: tuple[T
     return _packed(count, place, n_cols, m, _value_arrays(parts, others), stored)
 
 
-def packed_spmm(packed: Pack, m: int, b: Any, out: Any, b2: Any = None, which: int = 0) -> Any:
+def balance(packed: Pack, m: int) -> Any:
+    """The row-group slots of an ``m``-row product on ``packed`` dealt by load
+    (``tiled_spmm_balance``: groups ranked by their k-groups, dealt to the warps' slots in a
+    snake over tiers of 4), as the int32 map :func:`packed_spmm` takes: every warp gets one
+    group of each tier, so a hot group (a unit that fires often, in A.T) does not make its warp
+    the block's slowest. One launch, no host read."""
+    cp = _cp()
+    n_groups = -(-m // GROUP)
+    w = -(-n_groups // 4)
+    group_map = cp.full(4 * w, -1, dtype=cp.int32)
+    args = (packed.kg_ptr, np.int32(packed.n_chunks), np.int32(n_groups), np.int32(w), group_map)
+    K.launch_arch("tiled_spmm_balance", (-(-n_groups // 256),), (256,), args, 0)
+    return group_map
+
+
+def packed_spmm(packed: Pack, m: int, b: Any, out: Any, b2: Any = None, which: int = 0, group_map: Any = None) -> Any:
     """``out = A @ b`` for an ``m``-row A packed by :func:`pack` or :func:`pack_transposed`
     (A's values: ``packed.words[which]``), or with ``b2`` ``out = A @ b + A2 @ b2`` (A2's words
     the next array, ``which + 1``) in the same sums; the caller has checked :func:`applies`.
     Two launches: the product, then ``tiled_spmm_fixup``, which recomputes exactly the rows
     whose sums came out non-finite (an Inf or NaN in a row of b that an entry uses spreads to
-    its group's other rows inside the MMA), so the results are the other paths'."""
+    its group's other rows inside the MMA), so the results are the other paths'. ``group_map``:
+    the row groups' slots (:func:`balance`), or None for the natural order."""
     b, ldb = row_stride(b)
     n = b.shape[1]
     if m == 0 or n == 0:
@@ -186,8 +202,9 @@ def packed_spmm(packed: Pack, m: int, b: Any, out: Any, b2: Any = None, which: i
     ldo = np.int64(leading_dim(out))
     flags = _cp().zeros(m, dtype=np.int32)  # rows with a non-finite sum, for the fixup
     t = K.CXX_TYPE[b.dtype]
-    grid = (-(-n // COLS), -(-m // ROWS))
-    args = (map_b, map_b2, *pattern, out, ldo, flags)
+    grid = (-(-n // COLS), -(-max(m, GROUP * (group_map.size if group_map is not None else 0)) // ROWS))
+    slots = (group_map, np.int32(group_map.size)) if group_map is not None else (K.null_pointer(), np.int32(0))
+    args = (map_b, map_b2, *pattern, out, ldo, flags, *slots)
     K.launch_arch(f"twell_tiled_spmm<{t}>", grid, (WARPS * 32,), args, SHARED_BYTES)
     dense = (b, np.int64(ldb), b2 if b2 is not None else K.null_pointer(), np.int64(ldb2))
     K.launch_arch(f"tiled_spmm_fixup<{t}>", (-(-m // 8),), (256,), (*pattern, *dense, flags, out, ldo), 0)
@@ -209,9 +226,14 @@ def spmm_transposed(tile_n: int, n_cols: int, products: list[tuple[TwELLParts, A
     :func:`applies`): one pack of the transpose with every product's words, then one launch
     each."""
     packed = pack_transposed(products[0][0], tile_n, n_cols, tuple(a for a, _, _ in products[1:]))
+    group_map = balance(packed, n_cols) if BALANCE_TRANSPOSED else None
     for i, (_, g, out) in enumerate(products):
-        packed_spmm(packed, n_cols, g, out, which=i)
+        packed_spmm(packed, n_cols, g, out, which=i, group_map=group_map)
 
+
+#: Whether the transposed products deal their row groups by load (:func:`balance`): their rows
+#: are units, whose firing rates are skewed in trained models.
+BALANCE_TRANSPOSED = True
 
 #: Whether ``matmul``'s "auto" path takes this kernel where it applies: only with
 #: ``TWELL_TILED_SPMM=1`` (not yet measured on a GPU; bench/NOTES.md).

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers import check_spmm_result, inf_in_an_unused_row, rounding_bound, skewed_twell, twin_values
-from tiled_spmm_model import reference_pack, reference_pack_transposed
+from tiled_spmm_model import balance, reference_pack, reference_pack_transposed
 
 import twellsparse as ts
 from twellsparse import _gpu_ops, _tiled_spmm
@@ -161,6 +161,26 @@ def test_pack_and_product_run_inside_a_graph_capture(cp, rng):
     graph.launch(stream)
     stream.synchronize()
     expected = h.astype(np.float64) @ cp.asnumpy(b).astype(np.float64)
+    assert rel_error(out, expected) <= rounding_bound(ts.bfloat16, expected)
+
+
+def test_balance_deals_the_groups_as_the_model_does(cp, rng):
+    _, a = _problem(cp, rng, 1500, 5632, 256, None, 0.01, ts.bfloat16)
+    _skip_unless_hopper(cp.empty((1500, 8), dtype=ts.bfloat16), cp.empty((5632, 8), dtype=ts.bfloat16))
+    packed = _tiled_spmm.pack_transposed(a.parts, 256, 5632)
+    want = balance(cp.asnumpy(packed.kg_ptr), packed.n_chunks, 5632)
+    assert np.array_equal(cp.asnumpy(_tiled_spmm.balance(packed, 5632)), want)
+
+
+@pytest.mark.parametrize("balanced", [True, False])
+def test_transposed_products_with_and_without_the_deal_agree(cp, rng, monkeypatch, balanced):
+    h, a = _problem(cp, rng, 2000, 3000, 64, 8, 0.02, ts.bfloat16)
+    g = rng.standard_normal((2000, 64)).astype(ts.bfloat16)
+    out = cp.full((3000, 64), np.nan, dtype=ts.bfloat16)
+    _skip_unless_hopper(cp.asarray(g), out)
+    monkeypatch.setattr(_tiled_spmm, "BALANCE_TRANSPOSED", balanced)
+    _tiled_spmm.spmm_transposed(64, 3000, [(a.parts, cp.asarray(g), out)])
+    expected = h.astype(np.float64).T @ g.astype(np.float64)
     assert rel_error(out, expected) <= rounding_bound(ts.bfloat16, expected)
 
 
