@@ -12,13 +12,13 @@ up and down products over those H columns for every token: 4 M d_model H FLOP at
 tensor rate) and the other units' pairs by per-pair gathers (8 KB each at an assumed gather rate),
 for the H that minimises the sum; the consumer time against gathers alone.
 
-Third table, the packed tensor-core kernels (branches tiled-spmm / tiled-ffn, bench/NOTES.md,
-twenty-fourth session): the gate packed per (8 rows, 512 columns) into k-groups of 16 entries;
-the padding that whole k-groups add, the one-pack up kernel's rounds per block (4 k-groups per
-row group and round; more re-stream the slices), the transposed products' warp imbalance (a warp
-owns 4 groups of 8 units: the block waits for its busiest warp; as they come and as dealt by
-load), and the shared-memory bytes and time each kernel needs at an assumed shared-memory rate
-(their bound if nothing else binds).
+Third table, the packed tensor-core kernels (``_tiled_spmm``, ``_tiled_ffn``; bench/NOTES.md,
+twenty-fourth and twenty-fifth sessions): the gate packed per (8 rows, 512 columns) into
+k-groups of 16 entries; the padding that whole k-groups add, the one-pack up kernel's rounds per
+block (its 16 warps take 16 k-groups each per round; more re-stream the slices), the transposed
+products' warp imbalance (a warp owns 4 groups of 8 units: the block waits for its busiest warp;
+as they come and as ``tiled_spmm_balance`` deals them by load), and the shared-memory bytes and
+time each kernel needs at an assumed shared-memory rate (their bound if nothing else binds).
 
 Usage: python bench/model.py [--m 16384] [--d-model 2048] [--d-ff 5632] [--l2-tbs 9.0]
        [--tflops 700] [--gather-tbs 6.4] [--smem-tbs 29.6]
@@ -82,7 +82,7 @@ def packed_stats(fire: np.ndarray, d_model: int, rows: int = 8, chunk: int = 512
     entries = full.reshape(pad_m // rows, rows, pad_n // chunk, chunk).sum(axis=(1, 3))  # (group, chunk)
     kgs = -(-entries // kgroup)
     per_block = kgs.reshape(-1, 64, kgs.shape[1])  # 64 row groups a block of 512 tokens
-    rounds = (-(-per_block // 4)).max(axis=1)  # (part, chunk)
+    rounds = -(-per_block.sum(axis=1) // 256)  # (part, chunk): 16 warps x 16 k-groups a round
     groups_busy = (per_block > 0).sum(axis=1)  # groups reading x, per (part, chunk)
     slices = -(-d_model // 32)
     kgroup_bytes = kgroup * 2 * d_model  # a k-group's entries' whole 2-byte rows

@@ -379,11 +379,12 @@ __global__ void __launch_bounds__(twell::TT_TOKENS) tiled_spmm_place_t(const sho
 // The slots of an A.T product dealt by load (the backward's weight gradients on skewed
 // patterns: a hot unit's group would make its warp the block's slowest): each group's load is
 // its k-group count over all chunks (kg_ptr is group-major), its rank the number of groups
-// heavier (ties by index), and rank r goes to tier r / W, warp r % W of the W warp positions,
-// snaking (odd tiers backwards), slot warp * 4 + tier: every warp gets one group of each tier.
-// group_map (4 W slots) starts at -1; a thread per group.
+// heavier (ties by index). Rank r goes to block r % B of the B blocks (the heaviest open every
+// block), then within the block to pass p = (r / B) / 16 and warp (r / B) % 16, backwards on
+// odd passes, slot (block * 16 + warp) * 4 + pass: each warp gets one group of each pass.
+// group_map (64 B slots) starts at -1; a thread per group.
 __global__ void __launch_bounds__(256) tiled_spmm_balance(const int* __restrict__ kg_ptr, int n_chunks,
-                                                          int n_groups, int W, int* __restrict__ group_map) {
+                                                          int n_groups, int B, int* __restrict__ group_map) {
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= n_groups) return;
   const auto load = [&](int g) { return kg_ptr[(long long)(g + 1) * n_chunks] - kg_ptr[(long long)g * n_chunks]; };
@@ -393,9 +394,10 @@ __global__ void __launch_bounds__(256) tiled_spmm_balance(const int* __restrict_
     const int other = load(i);
     rank += other > mine || (other == mine && i < j);
   }
-  const int tier = rank / W, pos = rank % W;
-  const int warp = (tier & 1) ? W - 1 - pos : pos;
-  group_map[warp * twell::TSPMM_WARP_GROUPS + tier] = j;
+  const int block = rank % B, in_block = rank / B;
+  const int pass = in_block / twell::TSPMM_WARPS, pos = in_block % twell::TSPMM_WARPS;
+  const int warp = (pass & 1) ? twell::TSPMM_WARPS - 1 - pos : pos;
+  group_map[(block * twell::TSPMM_WARPS + warp) * twell::TSPMM_WARP_GROUPS + pass] = j;
 }
 
 // The product (see the top of this file). Block (x, y): output columns [64 x, 64 x + 64) and

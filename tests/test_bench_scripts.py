@@ -77,7 +77,7 @@ def test_hot_split_picks_the_cheapest_h():
 
 def test_packed_stats_counts_kgroups_rounds_and_warps():
     """One full row group of a 512-token block firing 17 units of the first chunk: 8 x 17 = 136
-    entries in one item, 9 k-groups (144 slots: 5.9% padding), 3 rounds of 4 for that block; in
+    entries in one item, 9 k-groups (144 slots: 5.9% padding), one round for that block; in
     A.T units 0-7 and 8-15 hold 64 entries each (4 k-groups each) and unit 16 eight (1), all
     warp 0's (it owns units 0-31)."""
     import numpy as np
@@ -87,7 +87,7 @@ def test_packed_stats_counts_kgroups_rounds_and_warps():
     fire[:8, :17] = True
     st = model.packed_stats(fire, d_model=64)
     assert abs(st["padding"] - (144 / 136 - 1)) < 1e-12
-    assert st["rounds"] == (3 + 0) / 2 and st["two_rounds"] == 0.5  # the second chunk's block: none
+    assert st["rounds"] == (1 + 0) / 2 and st["two_rounds"] == 0  # the second chunk's block: none
     assert st["spmm_gb"] == 9 * 16 * 2 * 64 / 1e9
     assert st["transposed_gb"] == 9 * 16 * 2 * 64 / 1e9
     assert st["busiest_warp"] == 16.0  # warp 0 has all 9 k-groups: 16x the mean of 16 warps

@@ -380,15 +380,20 @@ def emulate_pack_transposed(parts, tile_n: int, n_cols: int) -> tuple[np.ndarray
 
 def balance(kg_ptr, n_chunks: int, m: int) -> np.ndarray:
     """``tiled_spmm_balance``'s map: each group's load (its k-groups over all chunks), its rank
-    (heavier first, ties by index), rank r to tier r // W and warp r % W (odd tiers reversed),
-    slot warp * 4 + tier; -1 in the slots no group takes."""
+    (heavier first, ties by index), rank r to block r % B, then pass (r // B) // 16 and warp
+    (r // B) % 16 (odd passes reversed), slot (block * 16 + warp) * 4 + pass; -1 in the slots no
+    group takes."""
     n_groups = -(-m // T.GROUP)
-    w = -(-n_groups // 4)
-    load = [int(kg_ptr[(g + 1) * n_chunks] - kg_ptr[g * n_chunks]) for g in range(n_groups)]
-    group_map = np.full(4 * w, -1, dtype=np.int64)
-    for j in range(n_groups):
-        rank = sum(1 for i in range(n_groups) if load[i] > load[j] or (load[i] == load[j] and i < j))
-        tier, pos = divmod(rank, w)
-        warp = w - 1 - pos if tier % 2 else pos
-        group_map[warp * 4 + tier] = j
+    blocks = -(-n_groups // 64)
+    load = np.asarray(kg_ptr[n_chunks : (n_groups + 1) * n_chunks : n_chunks]) - np.asarray(
+        kg_ptr[: n_groups * n_chunks : n_chunks]
+    )
+    index = np.arange(n_groups)
+    heavier = (load[None, :] > load[:, None]) | ((load[None, :] == load[:, None]) & (index[None, :] < index[:, None]))
+    ranks = heavier.sum(axis=1)  # [j]: the groups i that come before j
+    group_map = np.full(64 * blocks, -1, dtype=np.int64)
+    for j, rank in enumerate(ranks.tolist()):
+        block, (passes, pos) = rank % blocks, divmod(rank // blocks, 16)
+        warp = 15 - pos if passes % 2 else pos
+        group_map[(block * 16 + warp) * 4 + passes] = j
     return group_map

@@ -166,15 +166,16 @@ def pack_transposed(parts: TwELLParts, tile_n: int, n_cols: int, others: tuple[T
 
 def balance(packed: Pack, m: int) -> Any:
     """The row-group slots of an ``m``-row product on ``packed`` dealt by load
-    (``tiled_spmm_balance``: groups ranked by their k-groups, dealt to the warps' slots in a
-    snake over tiers of 4), as the int32 map :func:`packed_spmm` takes: every warp gets one
-    group of each tier, so a hot group (a unit that fires often, in A.T) does not make its warp
-    the block's slowest. One launch, no host read."""
+    (``tiled_spmm_balance``: groups ranked by their k-groups, the heaviest spread over the blocks
+    first, then snaking over each block's warps in passes of 16), as the int32 map
+    :func:`packed_spmm` takes: every warp gets one group of each pass, so a hot group (a unit
+    that fires often, in A.T) does not make its warp the block's slowest. One launch, no host
+    read."""
     cp = _cp()
     n_groups = -(-m // GROUP)
-    w = -(-n_groups // 4)
-    group_map = cp.full(4 * w, -1, dtype=cp.int32)
-    args = (packed.kg_ptr, np.int32(packed.n_chunks), np.int32(n_groups), np.int32(w), group_map)
+    blocks = -(-n_groups // 64)
+    group_map = cp.full(64 * blocks, -1, dtype=cp.int32)
+    args = (packed.kg_ptr, np.int32(packed.n_chunks), np.int32(n_groups), np.int32(blocks), group_map)
     K.launch_arch("tiled_spmm_balance", (-(-n_groups // 256),), (256,), args, 0)
     return group_map
 
