@@ -94,7 +94,7 @@ def _packed(
         raise ValueError(f"A: expected fewer than 2**31 slots and spill entries for the tiled SpMM, got {stored}")
     n_chunks = -(-cols // CHUNK)
     items = -(-rows // GROUP) * n_chunks
-    kg_ptr = cp.zeros(items + 1, dtype=cp.int32)
+    kg_ptr = cp.empty(items + 1, dtype=cp.int32) if items else cp.zeros(1, dtype=cp.int32)  # the scan writes all
     size = stored + (KGROUP - 1) * items
     words = tuple(cp.empty(size, dtype=cp.uint32) for _ in values)
     places = cp.empty(size, dtype=cp.int32) if dests else None

@@ -153,3 +153,25 @@ def test_gated_plan_runs_it_when_preferred(cp, rng, monkeypatch):
     got = cp.asnumpy(plan(x)).astype(np.float64)
     assert calls and np.isfinite(got).all()
     assert rel_error(got, default) < 1e-2
+
+
+def test_consumer_and_backward_run_inside_a_graph_capture(cp, rng):
+    _, gate, x, w_up, w_down_t = _problem(cp, rng, 700, 1100, 64, 256, 8, 0.03, ts.bfloat16)
+    xs, ws, wds = cp.asarray(x), cp.asarray(w_up), cp.asarray(w_down_t)
+    _skip_unless_hopper(gate, xs, ws, wds)
+    w_gate = cp.asarray((rng.standard_normal(w_up.shape) / 8).astype(ts.bfloat16))
+    pool = cp.cuda.MemoryPool()  # the graph's own memory
+    stream = cp.cuda.Stream(non_blocking=True)
+    with cp.cuda.using_allocator(pool.malloc), stream:
+        eager_out, up = _tiled_ffn.gated_consumer(gate.parts, 256, xs, ws, wds, cp.empty((700, 64), ts.bfloat16), True)
+        eager_dx = _tiled_ffn.gated_backward(gate.parts, 256, xs, wds, up, w_gate, ws)[0]
+        stream.synchronize()
+        out = cp.full((700, 64), np.nan, dtype=ts.bfloat16)
+        stream.begin_capture()
+        _, up2 = _tiled_ffn.gated_consumer(gate.parts, 256, xs, ws, wds, out, True)
+        dx = _tiled_ffn.gated_backward(gate.parts, 256, xs, wds, up2, w_gate, ws)[0]
+        graph = stream.end_capture()
+    graph.launch(stream)
+    stream.synchronize()
+    assert np.array_equal(cp.asnumpy(out).view(np.uint16), cp.asnumpy(eager_out).view(np.uint16))
+    assert np.array_equal(cp.asnumpy(dx).view(np.uint16), cp.asnumpy(eager_dx).view(np.uint16))
