@@ -167,3 +167,22 @@ def test_gpu_gaps_merges_overlapping_kernels_and_ranks_the_idle_stretches():
     span, busy, idle = gaps(kernels)
     assert (span, busy) == (61.0, 12.0 + 10.0 + 1.0)
     assert idle == [(30.0, "c", "e", 30.0), (8.0, "b", "c", 12.0)]
+
+
+def test_device_run_stage_filters_name_existing_stages():
+    """Every --only filter that scripts/device_run.sh hands to bench/stage_times.py (its
+    stage_rows and ncu_rows calls) matches at least one stage name: a typo there would time
+    nothing and cost a device run."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    source = (root / "bench" / "stage_times.py").read_text()
+    names = set(re.findall(r'^\s*"([^"\n]+)": (?:lambda|three_products)', source, re.MULTILINE))
+    names |= {f"gated up, tiled {t}" for t in (256, 384, 512)} | {"plan gated", "fused producer, pass 1"}
+    script = (root / "scripts" / "device_run.sh").read_text()
+    filters = re.findall(r'stage_rows "([^"$]+)"', script) + re.findall(r'ncu_rows \S+ "([^"]+)"', script)
+    assert len(filters) >= 5
+    for spec in filters:
+        for part in spec.split(","):
+            assert any(part in name for name in names), f"device_run.sh filter {part!r} names no stage"
