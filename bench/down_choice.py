@@ -1,7 +1,8 @@
-"""The down projection's two kernels side by side over token counts and densities: the row
-gathers (``path="gather"``) and the weight-stationary SpMM with its pack (``_stationary.spmm``),
-each against the dense GEMM of the same product, on the standard widths (or ``--d-model`` /
-``--d-ff``). The data behind ``_stationary.MIN_ROWS``.
+"""The down projection's kernels side by side over token counts and densities: the row gathers
+(``path="gather"``), the weight-stationary SpMM with its pack (``_stationary.spmm``) and, on
+Hopper, the tiled tensor-core SpMM with its pack (``_tiled_spmm.spmm``), each against the dense
+GEMM of the same product, on the standard widths (or ``--d-model`` / ``--d-ff``). The data
+behind ``_stationary.MIN_ROWS`` and the tiled kernel's break-even.
 
     python bench/down_choice.py --out results.jsonl
 """
@@ -21,7 +22,7 @@ def case(m: int, d_model: int, d_ff: int, density: float, pattern: str, timer: T
     import cupy as cp
 
     import twellsparse as ts
-    from twellsparse import _gpu_ops, _stationary
+    from twellsparse import _gpu_ops, _stationary, _tiled_spmm
     from twellsparse.testing import rel_error
 
     p = ffn_problem(m, d_model, d_ff, density, pattern, ts.bfloat16, 0, cp)
@@ -41,6 +42,12 @@ def case(m: int, d_model: int, d_ff: int, density: float, pattern: str, timer: T
         if not err < 1e-2:
             raise SystemExit(f"stationary differs from the gathers by {err:.3e} at m={m}, {density}")
         rows["stationary"] = timer(lambda: _stationary.spmm(h.parts, h.tile_n, wd_t, out))[1]["median"]
+    if _tiled_spmm.applies(wd_t, out):
+        tiled = cp.asnumpy(_tiled_spmm.spmm(h.parts, h.tile_n, wd_t, out))
+        err = rel_error(tiled.astype("float64"), gathered.astype("float64"))
+        if not err < 1e-2:
+            raise SystemExit(f"tiled differs from the gathers by {err:.3e} at m={m}, {density}")
+        rows["tiled"] = timer(lambda: _tiled_spmm.spmm(h.parts, h.tile_n, wd_t, out))[1]["median"]
     return {
         "kind": "down_choice",
         "shape": [m, d_model, d_ff],

@@ -230,6 +230,8 @@ for step in $what; do
       gpu_test_file tests/gpu/test_gpu_tiled_spmm.py tiledspmm 300
       stage_rows "down spmm,stationary pack,tiled spmm pack,bwd dX,transposed" "0.005 0.01 0.02" tiledspmm
       ncu_rows twell_tiled_spmm "down spmm, tiled, packed" tiledspmm
+      timeout 150 python3 bench/down_choice.py --m 4096,16384,65536 --densities 0.0025,0.005,0.01,0.02 \
+        --out "$OUT/down_choice.jsonl" 2>&1 | tee -a "$OUT/tiledspmm.log"
       ;;&
     tiledffn)
       # The gated consumer on one pack (cuda/twell_tiled_ffn.cu, opt-in): its tests, its stage
