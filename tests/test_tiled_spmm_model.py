@@ -220,3 +220,32 @@ def test_deal_brings_the_busiest_warps_near_the_mean_on_skewed_patterns(rng, den
 
     natural = np.where(np.arange(len(group_map)) < n_groups, np.arange(len(group_map)), -1)
     assert busiest(group_map) <= 1.45 < busiest(natural)
+
+
+def test_emulated_backward_form_writes_dz_du_h_at_the_gates_places(rng):
+    """The up kernel's BACKWARD form (emulated) on the gate's pack with places (dests): d_z's and
+    d_u's words (rows and units kept) and d_z = d_h u, d_u = d_h g, h = g u at every entry's slot
+    or spill place, against float64 (d_h = dy . W_down^T[unit]); padding slots stay zero."""
+    m, f, d, dtype = 530, 600, 40, ts.bfloat16
+    g_dense, gate = _problem(rng, m, f, 32, 2, 0.04, dtype)  # capacity 2: many spill entries
+    u_dense = np.where(g_dense != 0, rng.standard_normal(g_dense.shape), 0).astype(dtype)
+    up = ts.twell_array(u_dense, tile_n=32, capacity=2)
+    dy = rng.standard_normal((m, d)).astype(dtype)
+    w_down_t = (rng.standard_normal((f, d)) / np.sqrt(d)).astype(dtype)
+    dests: list[int] = []
+    kg_ptr, (words,), n_chunks = reference_pack(gate.parts, 32, f, dests=dests)
+    dests_arr = np.array(dests, dtype=np.int64)
+    backward = (dests_arr, up.parts.data, up.parts.spill_data, gate.parts.data.shape)
+    dz_words, du_words, layouts = emulate_gated_up(kg_ptr, words, n_chunks, m, dy, w_down_t, backward)
+    assert np.array_equal(dz_words & 0xFFFF, words & 0xFFFF) and np.array_equal(du_words & 0xFFFF, words & 0xFFFF)
+    d_h = dy.astype(np.float64) @ w_down_t.astype(np.float64).T  # (token, unit)
+    dense = {}
+    for name, (data, spill) in zip(("d_z", "d_u", "h"), layouts, strict=True):
+        parts = gate.parts._replace(data=data, spill_data=spill)
+        dense[name] = ts.twell_array._from_parts(parts, gate.shape, 32).toarray().astype(np.float64)
+    g64, u64 = g_dense.astype(np.float64), u_dense.astype(np.float64)
+    for name, want in (("d_z", d_h * u64), ("d_u", d_h * g64), ("h", g64 * u64)):
+        got = dense[name]
+        assert np.array_equal(got != 0, want != 0)  # every stored entry written, nothing else
+        assert np.abs(got - want).max() <= 2**-6 * np.abs(want).max()
+    assert (gate.parts.spill_data.size > 0) and len(dests) == words.size

@@ -263,15 +263,34 @@ def _ldmatrix_x4(stage: np.ndarray, rows: np.ndarray, pieces: np.ndarray) -> np.
     return regs
 
 
-def emulate_gated_up(kg_ptr, words, n_chunks: int, m: int, x: np.ndarray, w_up: np.ndarray) -> np.ndarray:
+def emulate_gated_up(
+    kg_ptr, words, n_chunks: int, m: int, x: np.ndarray, w_up: np.ndarray, backward=None
+) -> np.ndarray | tuple:
     """The words ``twell_tiled_ffn_up`` writes (h = g * u in the value bits, u and h rounded to
     x's dtype; zero-valued words keep value zero), lane by lane: the block's k-groups dealt to
     the warps in rounds, ldmatrix (x4, no .trans) of the swizzled W_up and x slices, the x
     fragment reloaded where the group changes, two MMAs per slice, and the lane with t = row / 2
-    writing each entry."""
+    writing each entry.
+
+    ``backward = (dests, u_data, u_spill, g_shape)``: the BACKWARD form (``x`` is dy, ``w_up``
+    is W_down^T): with d_h the rounded sum, returns the d_z and d_u words and the (d_z, d_u, h)
+    values at each word's place in the gate's layout (slots of ``g_shape``, and the spill), as
+    the fused row-gather kernel rounds them (fp32 products of rounded operands, the first
+    factor's -0 as +0); padding words keep value zero."""
     dtype = x.dtype
     d = x.shape[1]
     out = np.zeros_like(words)
+    out2 = np.zeros_like(words)
+    if backward is not None:
+        dests, u_data, u_spill, g_shape = backward
+        layouts = [(np.zeros(g_shape, dtype=dtype), np.zeros(u_spill.shape, dtype=dtype)) for _ in range(3)]
+
+    def bits_of(v) -> int:
+        return int(np.array([v], dtype=dtype).view(np.uint16)[0])
+
+    def times(a, b):  # the fused kernel's product: fp32 of rounded operands, -0 as +0 first
+        return dtype.type(np.float32(a if a != 0 else 0.0) * np.float32(b))
+
     a_entry, a_piece = (LANES & 7) + ((LANES >> 3) & 1) * 8, LANES >> 4
     n_groups = -(-m // T.GROUP)
     for by in range(-(-m // T.ROWS)):
@@ -315,11 +334,26 @@ def emulate_gated_up(kg_ptr, words, n_chunks: int, m: int, x: np.ndarray, w_up: 
                                 row = (w >> 9) & 7
                                 if row >> 1 != t:
                                     continue
-                                u = np.float64(dtype.type(acc[i, lane, 2 * half + (row & 1)]))
+                                dot = np.float64(dtype.type(acc[i, lane, 2 * half + (row & 1)]))
                                 gv = _value(np.array([w >> 16]), dtype)[0]
-                                h = dtype.type(0) if w & T.PAD_BIT else dtype.type(np.float32(gv) * np.float32(u))
-                                out[at] = int(np.array([h], dtype=dtype).view(np.uint16)[0]) << 16 | (w & 0xFFFF)
-    return out
+                                pad = bool(w & T.PAD_BIT)
+                                if backward is None:
+                                    h = dtype.type(0) if pad else dtype.type(np.float32(gv) * np.float32(dot))
+                                    out[at] = bits_of(h) << 16 | (w & 0xFFFF)
+                                    continue
+                                dest = int(dests[at])
+                                u = 0.0 if pad else float(u_data.reshape(-1)[dest] if dest >= 0 else u_spill[~dest])
+                                dz = dtype.type(0) if pad else times(dot, u)
+                                du = dtype.type(0) if pad else times(dot, gv)
+                                out[at] = bits_of(dz) << 16 | (w & 0xFFFF)
+                                out2[at] = bits_of(du) << 16 | (w & 0xFFFF)
+                                if not pad:
+                                    for (data, spill), v in zip(layouts, (dz, du, times(gv, u)), strict=True):
+                                        if dest >= 0:
+                                            data.reshape(-1)[dest] = v
+                                        else:
+                                            spill[~dest] = v
+    return out if backward is None else (out, out2, layouts)
 
 
 def emulate_pack_transposed(parts, tile_n: int, n_cols: int) -> tuple[np.ndarray, list[np.ndarray], int]:
