@@ -25,6 +25,7 @@ SHAPES = [
     (530, 600, 40, 32, 4, 0.02),  # d_model 40: a slice of 8 columns past it
     (4100, 700, 64, 256, 32, 0.005),  # nine token blocks
     (16, 512, 32, 512, None, 0.9),  # dense rows: several rounds of k-groups
+    (5, 1, 8, 32, None, 1.0),  # one unit, d_model 8: one slice of 8 columns, one partial chunk
 ]
 
 

@@ -28,6 +28,7 @@ SHAPES = [
     (2500, 700, 8, 64, 1, 0.3),  # many k-groups per item, all spilling; 8 columns of b
     (4100, 5632, 64, 256, 32, 0.005),  # several row blocks, the last one partial
     (515, 1030, 72, 1024, None, 0.05),  # tiles wider than a chunk
+    (3, 1, 8, 32, None, 1.0),  # one column of A, 8 columns of b
 ]
 
 
