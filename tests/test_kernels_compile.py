@@ -84,3 +84,23 @@ def test_hopper_launch_shape_matches_the_kernel():
         pytest.fail(f"launch constants disagree with the kernel: {exc}\n{nvrtc.getProgramLog(prog)}")
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def test_arch_cubins_are_cached_on_disk_by_content(tmp_path, monkeypatch):
+    """The one-target cubins are compiled once and then read from TWELL_CACHE_DIR (keyed by the
+    source, options, target and instantiations: another option compiles anew); 0 turns it off."""
+    _nvrtc_or_skip()
+    calls = []
+    real = _kernels._nvrtc_cubin
+    monkeypatch.setattr(_kernels, "_nvrtc_cubin", lambda *args: calls.append(args) or real(*args))
+    monkeypatch.setenv("TWELL_CACHE_DIR", str(tmp_path))
+    arch, expressions = _kernels.ARCH_SOURCES["twell_tiled_spmm.cu"]
+    first = _kernels._cached_cubin("twell_tiled_spmm.cu", expressions, arch)
+    again = _kernels._cached_cubin("twell_tiled_spmm.cu", expressions, arch)
+    assert len(calls) == 1 and again == first and len(list(tmp_path.iterdir())) == 2
+    monkeypatch.setenv("TWELL_L2_HINTS", "0")  # another compile option: another key
+    _kernels._cached_cubin("twell_tiled_spmm.cu", expressions, arch)
+    assert len(calls) == 2
+    monkeypatch.setenv("TWELL_CACHE_DIR", "0")
+    _kernels._cached_cubin("twell_tiled_spmm.cu", expressions, arch)
+    assert len(calls) == 3 and len(list(tmp_path.iterdir())) == 4

@@ -336,13 +336,61 @@ def _nvrtc_cubin(name: str, expressions: list[str], arch: str) -> tuple[bytes, d
         nvrtc.destroyProgram(prog)
 
 
+def cubin_cache_dir() -> Any:
+    """Where compiled :data:`ARCH_SOURCES` cubins are kept between processes: ``TWELL_CACHE_DIR``,
+    else ``~/.cache/twellsparse``; None (no cache) when ``TWELL_CACHE_DIR`` is ``0``. The
+    Hopper producer's source takes ~15 s of NVRTC per process; every test file, benchmark and
+    profiler run of a device session would pay it again."""
+    import pathlib
+
+    value = os.environ.get("TWELL_CACHE_DIR", "")
+    if value == "0":
+        return None
+    return pathlib.Path(value) if value else pathlib.Path.home() / ".cache" / "twellsparse"
+
+
+def _cached_cubin(name: str, expressions: list[str], arch: str) -> tuple[bytes, dict[str, str]]:
+    """:func:`_nvrtc_cubin` through the disk cache of :func:`cubin_cache_dir`, keyed by the
+    expanded source, the compile options (which carry every source's hash), the target, the
+    instantiations and NVRTC's version: a stale cubin can never be served. A cache that cannot
+    be read or written is skipped (the cubin is compiled)."""
+    import json
+
+    from cupy_backends.cuda.libs import nvrtc
+
+    directory = cubin_cache_dir()
+    if directory is None:
+        return _nvrtc_cubin(name, expressions, arch)
+    key = hashlib.sha256(
+        json.dumps([read_source(name), list(compile_options()), arch, expressions, list(nvrtc.getVersion())]).encode()
+    ).hexdigest()[:32]
+    stem = f"{name}.{arch}.{key}"
+    try:
+        cubin = (directory / f"{stem}.cubin").read_bytes()
+        return cubin, json.loads((directory / f"{stem}.json").read_text())
+    except (OSError, ValueError):
+        pass
+    cubin, lowered = _nvrtc_cubin(name, expressions, arch)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        # The names first, the cubin last (a reader finds both or no cubin); each file is written
+        # under a name of this process's and renamed into place, which is atomic.
+        for suffix, data in ((".json", json.dumps(lowered).encode()), (".cubin", cubin)):
+            tmp = directory / f"{stem}{suffix}.{os.getpid()}.tmp"
+            tmp.write_bytes(data)
+            tmp.replace(directory / f"{stem}{suffix}")
+    except OSError:
+        pass
+    return cubin, lowered
+
+
 @functools.cache
 def _arch_module(name: str, device_id: int) -> tuple[Any, dict[str, str]]:
     """An :data:`ARCH_SOURCES` source compiled for its target and loaded on one device."""
     cp = cupy_module()
     assert cp is not None
     arch, expressions = ARCH_SOURCES[name]
-    cubin, lowered = _nvrtc_cubin(name, expressions, arch)
+    cubin, lowered = _cached_cubin(name, expressions, arch)
     with cp.cuda.Device(device_id):
         module = cp.cuda.function.Module()
         module.load(cubin)
