@@ -143,6 +143,9 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         # The gated consumer on one pack (opt-in): whole, and its up projection on a pack.
         "gated consumer, one pack": lambda: _tiled_ffn.gated_consumer(g.parts, g.tile_n, x, wu, wd_t, down_out),
         "gated up, one pack, packed": lambda: _tiled_ffn.gated_up_words(down_pack(), m, x, wu),
+        "gated up, one pack, packed, pairs": lambda: _with(
+            _tiled_ffn, "PAIRS", True, lambda: _tiled_ffn.gated_up_words(down_pack(), m, x, wu)
+        ),
         **{f"plan {name}": (lambda plan=plan: plan(x)) for name, plan in plans.items()},
         "bwd sddmm": lambda: sddmm(go, wd_t, g),
         "bwd value products": lambda: (product_values(g, u), product_values(d_h, u), product_values(d_h, g)),

@@ -76,45 +76,6 @@ template <int SPLIT> struct Schedule {
 static_assert(Schedule<1>::SMEM_BYTES <= 227 * 1024, "the split schedule fits an SM's shared memory");
 static_assert(Schedule<0>::SMEM_BYTES <= 227 * 1024, "the inline schedule fits an SM's shared memory");
 
-// The same copy, delivered to the same shared-memory offset (data and barrier) in every CTA of
-// the cluster named by cta_mask.
-__device__ __forceinline__ void tma_load_2d_multicast(unsigned dst, const TensorMap* map, int c0, int c1, unsigned bar,
-                                                      unsigned short cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
-      "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(cta_mask)
-      : "memory");
-}
-
-// An arrival on the barrier at this CTA's shared address bar, in the cluster's CTA `rank`. With
-// the default (CTA-scope) release: it only says that this warp's MMAs have finished reading a
-// stage (wgmma_wait before it), which needs no ordering of its own memory operations at cluster
-// scope; .release.cluster would put a GPU-wide memory barrier before every arrival (SASS:
-// MEMBAR.ALL.GPU), which made the pair schedule 1.6x slower than without clusters.
-__device__ __forceinline__ void barrier_arrive_in(unsigned bar, unsigned rank) {
-  asm volatile(
-      "{\n"
-      ".reg .b32 remote;\n"
-      "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
-      "}\n" ::"r"(bar),
-      "r"(rank)
-      : "memory");
-}
-
-__device__ __forceinline__ unsigned cluster_rank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-
-// Every thread of every CTA of the cluster (release / acquire: shared-memory writes before it,
-// barrier initialisations included, are visible to the cluster after it).
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
-}
-
 // A math warp's release of a ring stage: an arrival on the stage's empty barrier in every CTA of
 // the cluster (each CTA's copy thread writes into all of them).
 template <int CLUSTER> __device__ __forceinline__ void release_stage(unsigned bar) {

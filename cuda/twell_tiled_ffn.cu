@@ -69,13 +69,31 @@ __device__ __forceinline__ int tffn_group_of(const int* before, int q) {
 //
 // Block (x, y): unit chunk x, tokens [512 y, 512 y + 512). Both maps: boxes of 32 columns x 256
 // rows, 64-byte swizzle (rows and columns past the matrices read as zeros).
-template <typename T, int BACKWARD>
-__global__ void __launch_bounds__(twell::TFFN_WARPS * 32, 1) twell_tiled_ffn_up(
-    const __grid_constant__ twell::TensorMap map_w, const __grid_constant__ twell::TensorMap map_x,
-    const int* __restrict__ kg_ptr, const unsigned* __restrict__ words, const int* __restrict__ dests, int M, int K,
-    int n_chunks, unsigned* __restrict__ out_words, unsigned* __restrict__ out_words2, T* __restrict__ u_data,
-    T* __restrict__ u_spill, T* __restrict__ dz_data, T* __restrict__ dz_spill, T* __restrict__ du_data,
-    T* __restrict__ du_spill, T* __restrict__ h_data, T* __restrict__ h_spill) {
+//
+// CLUSTER = 2 (twell_tiled_ffn_up_pair): the blocks of two consecutive unit chunks and the same
+// tokens form a cluster and share x's slices: each copies one of x's two 256-row boxes into both
+// CTAs (TMA multicast), so L2 sends x once per pair (x is half of each slice's bytes: a quarter
+// of the kernel's L2 traffic saved). A stage is then refilled only once the warps of both CTAs
+// have released it (its empty barrier counts both), both CTAs stream the slices for as many
+// rounds as the busier of the two needs, and neither exits before the other is done.
+#define TFFN_ARGS                                                                                                  \
+  const twell::TensorMap &map_w, const twell::TensorMap &map_x, const int *__restrict__ kg_ptr,                  \
+      const unsigned *__restrict__ words, const int *__restrict__ dests, int M, int K, int n_chunks,             \
+      unsigned *__restrict__ out_words, unsigned *__restrict__ out_words2, T *__restrict__ u_data,               \
+      T *__restrict__ u_spill, T *__restrict__ dz_data, T *__restrict__ dz_spill, T *__restrict__ du_data,       \
+      T *__restrict__ du_spill, T *__restrict__ h_data, T *__restrict__ h_spill
+#define TFFN_PARAMS                                                                                                \
+  const __grid_constant__ twell::TensorMap map_w, const __grid_constant__ twell::TensorMap map_x,                \
+      const int *__restrict__ kg_ptr, const unsigned *__restrict__ words, const int *__restrict__ dests, int M,  \
+      int K, int n_chunks, unsigned *__restrict__ out_words, unsigned *__restrict__ out_words2,                  \
+      T *__restrict__ u_data, T *__restrict__ u_spill, T *__restrict__ dz_data, T *__restrict__ dz_spill,        \
+      T *__restrict__ du_data, T *__restrict__ du_spill, T *__restrict__ h_data, T *__restrict__ h_spill
+#define TFFN_FORWARD                                                                                               \
+  map_w, map_x, kg_ptr, words, dests, M, K, n_chunks, out_words, out_words2, u_data, u_spill, dz_data, dz_spill, \
+      du_data, du_spill, h_data, h_spill
+
+template <typename T, int BACKWARD, int CLUSTER>
+__device__ __forceinline__ void tiled_ffn_up_body(TFFN_ARGS) {
   using namespace twell;
   constexpr int NK = TFFN_KGROUPS;
   extern __shared__ __align__(1024) unsigned char raw[];
@@ -89,10 +107,11 @@ __global__ void __launch_bounds__(twell::TFFN_WARPS * 32, 1) twell_tiled_ffn_up(
   const int n_groups = (M + TSPMM_GROUP - 1) / TSPMM_GROUP;
   const int n_slices = (K + TFFN_COLS - 1) / TFFN_COLS;
 
+  const unsigned rank = CLUSTER > 1 ? cluster_rank() : 0u;
   if (threadIdx.x == 0) {
     for (int s = 0; s < TFFN_STAGES; ++s) {
-      barrier_init(full + 8 * s, 1);
-      barrier_init(empty + 8 * s, TFFN_WARPS);
+      barrier_init(full + 8 * s, 1);                     // the copying thread's expect_tx arrival
+      barrier_init(empty + 8 * s, TFFN_WARPS * CLUSTER);  // every warp of the cluster done with it
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -102,8 +121,9 @@ __global__ void __launch_bounds__(twell::TFFN_WARPS * 32, 1) twell_tiled_ffn_up(
     for (int i = 0; i < 2; ++i) {
       const int grp = grp0 + 2 * lane + i;
       const long long item = (long long)grp * n_chunks + chunk;
-      lo[i] = grp < n_groups ? kg_ptr[item] : 0;
-      n[i] = grp < n_groups ? kg_ptr[item + 1] - lo[i] : 0;
+      const bool live = grp < n_groups && chunk < n_chunks;  // a pair's second block may have no chunk
+      lo[i] = live ? kg_ptr[item] : 0;
+      n[i] = live ? kg_ptr[item + 1] - lo[i] : 0;
     }
     int incl = n[0] + n[1];
 #pragma unroll
@@ -117,18 +137,40 @@ __global__ void __launch_bounds__(twell::TFFN_WARPS * 32, 1) twell_tiled_ffn_up(
     before[2 * lane + 1] = incl - n[1];
     if (lane == 31) before[TFFN_GROUPS] = incl;
   }
-  __syncthreads();
+  if (CLUSTER > 1) cluster_sync();  // the peer's barriers and totals exist before any copy or read
+  else __syncthreads();
   const int total = before[TFFN_GROUPS];
+  // Rounds of TFFN_WARPS x NK k-groups; a pair streams as many as the busier block needs.
+  const int busiest = CLUSTER > 1 ? max(total, load_from_cta(before + TFFN_GROUPS, rank ^ 1u)) : total;
+  const int rounds = (busiest + TFFN_WARPS * NK - 1) / (TFFN_WARPS * NK);
+  const int issues = rounds * n_slices;  // slices streamed through the ring, all rounds
 
-  auto stage = [&](int slice, int s) {
+  // Issue number `it` (slice it % n_slices of a round) into stage it % TFFN_STAGES, once every
+  // warp of the cluster has released the stage's previous use (parity trick: a fresh barrier's
+  // "previous phase" counts as done, so the first TFFN_STAGES issues pass at once). W_up's two
+  // boxes go to this CTA; x's two boxes too, or with CLUSTER = 2 this CTA's box to both CTAs.
+  // Thread 0 only.
+  auto issue = [&](int it) {
+    const int s = it % TFFN_STAGES;
+    barrier_wait(empty + 8 * s, ((unsigned)(it / TFFN_STAGES) & 1u) ^ 1u);
     const unsigned bar = full + 8 * s, dst = base + s * TFFN_STAGE_BYTES;
-    const int c = slice * TFFN_COLS;
+    const int c = (it % n_slices) * TFFN_COLS;
     barrier_expect_bytes(bar, TFFN_STAGE_BYTES);
-    tma_load_2d(dst, &map_w, c, chunk * TSPMM_CHUNK, bar);
-    tma_load_2d(dst + TSPMM_BOX * 64, &map_w, c, chunk * TSPMM_CHUNK + TSPMM_BOX, bar);
-    tma_load_2d(dst + TFFN_X_BYTE, &map_x, c, tok0, bar);
-    tma_load_2d(dst + TFFN_X_BYTE + TSPMM_BOX * 64, &map_x, c, tok0 + TSPMM_BOX, bar);
+    // A pair's block past the chunks has no entries; it streams the last chunk's rows (never read)
+    // rather than a box wholly outside W_up, and its x box for its peer.
+    const int w_row = min(chunk, n_chunks - 1) * TSPMM_CHUNK;
+    tma_load_2d(dst, &map_w, c, w_row, bar);
+    tma_load_2d(dst + TSPMM_BOX * 64, &map_w, c, w_row + TSPMM_BOX, bar);
+    if (CLUSTER == 1) {
+      tma_load_2d(dst + TFFN_X_BYTE, &map_x, c, tok0, bar);
+      tma_load_2d(dst + TFFN_X_BYTE + TSPMM_BOX * 64, &map_x, c, tok0 + TSPMM_BOX, bar);
+    } else {
+      const unsigned box = rank * TSPMM_BOX * 64u;
+      tma_load_2d_multicast(dst + TFFN_X_BYTE + box, &map_x, c, tok0 + (int)rank * TSPMM_BOX, bar, 3);
+    }
   };
+  if (threadIdx.x == 0)
+    for (int it = 0; it < TFFN_STAGES && it < issues; ++it) issue(it);
 
   // This lane's ldmatrix rows: for A (W_up), entry (lane % 8) + 8 ((lane / 8) % 2) of a k-group,
   // columns 8 (lane / 16) .. + 7 of each 16 (matrices: entries 0-7 and 8-15, columns 0-7 and
@@ -138,12 +180,10 @@ __global__ void __launch_bounds__(twell::TFFN_WARPS * 32, 1) twell_tiled_ffn_up(
   const int a_entry = (lane & 7) + ((lane >> 3) & 1) * 8, a_piece = lane >> 4;
   const unsigned x_lane = (unsigned)(lane & 7) * 64u + ((unsigned)((lane >> 3) ^ ((lane & 7) >> 1)) << 4);
 
-  unsigned ring = 0;  // slices consumed so far by this block (the ring position and phase)
-  for (int r0 = 0; r0 < total; r0 += TFFN_WARPS * NK) {
-    const int n = min(TFFN_WARPS * NK, total - r0);
+  int ring = 0;  // slices consumed so far by this block, all rounds (the ring position and phase)
+  for (int round = 0; round < rounds; ++round) {
+    const int r0 = round * TFFN_WARPS * NK, n = max(0, min(TFFN_WARPS * NK, total - r0));
     const int lo = r0 + warp * n / TFFN_WARPS, cnt = r0 + (warp + 1) * n / TFFN_WARPS - lo;
-    if (threadIdx.x == 0)
-      for (int i = 0; i < TFFN_STAGES && i < n_slices; ++i) stage(i, (ring + i) % TFFN_STAGES);
     // Per k-group: bits 0-14 this lane's W_up piece offset in a stage (unit * 64 + swizzled
     // piece of columns 0-15; columns 16-31 are that ^ 32), bits 15-29 its x piece offset past
     // TFFN_X_BYTE (k-groups of one group share it). Past cnt: the last one's (never summed).
@@ -180,11 +220,13 @@ __global__ void __launch_bounds__(twell::TFFN_WARPS * 32, 1) twell_tiled_ffn_up(
         }
       }
       __syncwarp();
-      if (lane == 0) barrier_arrive(empty + 8 * s);
-      if (threadIdx.x == 0 && slice + TFFN_STAGES < n_slices) {
-        barrier_wait(empty + 8 * s, parity);
-        stage(slice + TFFN_STAGES, s);
+      if (lane == 0) {
+        if (CLUSTER == 1) barrier_arrive(empty + 8 * s);
+        else
+#pragma unroll
+          for (unsigned c = 0; c < CLUSTER; ++c) barrier_arrive_in(empty + 8 * s, c);
       }
+      if (threadIdx.x == 0 && ring + TFFN_STAGES < issues) issue(ring + TFFN_STAGES);
     }
     // Entry g of each k-group (and g + 8): the lane with t = row / 2 writes its results.
 #pragma unroll
@@ -226,9 +268,20 @@ __global__ void __launch_bounds__(twell::TFFN_WARPS * 32, 1) twell_tiled_ffn_up(
         }
       }
     }
-    // Every warp has passed its last slice's barrier wait before any thread refills for the next
-    // round: the empty barriers of the last stages were arrived at, but thread 0 did not wait on
-    // them; the block sync below makes the ring free.
-    __syncthreads();
   }
+  // The peer may still copy into this CTA's stages or arrive on its barriers until it is done.
+  if (CLUSTER > 1) cluster_sync();
+}
+
+template <typename T, int BACKWARD>
+__global__ void __launch_bounds__(twell::TFFN_WARPS * 32, 1) twell_tiled_ffn_up(TFFN_PARAMS) {
+  tiled_ffn_up_body<T, BACKWARD, 1>(TFFN_FORWARD);
+}
+
+// The same in clusters of two CTAs (consecutive unit chunks, the same tokens) sharing x's slices;
+// the grid's x a multiple of 2 (a pair's second block past the chunks streams and sums nothing).
+template <typename T, int BACKWARD>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(twell::TFFN_WARPS * 32, 1)
+    twell_tiled_ffn_up_pair(TFFN_PARAMS) {
+  tiled_ffn_up_body<T, BACKWARD, 2>(TFFN_FORWARD);
 }

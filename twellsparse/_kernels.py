@@ -214,7 +214,12 @@ ARCH_SOURCES: dict[str, tuple[str, list[str]]] = {
     # The gated consumer's up projection on the tiled SpMM's pack of the gate.
     "twell_tiled_ffn.cu": (
         "sm_90a",
-        [f"twell_tiled_ffn_up<{CXX_TYPE[d]}, {b}>" for d in (np.dtype(np.float16), bfloat16) for b in (0, 1)],
+        [
+            f"{k}<{CXX_TYPE[d]}, {b}>"
+            for k in ("twell_tiled_ffn_up", "twell_tiled_ffn_up_pair")
+            for d in (np.dtype(np.float16), bfloat16)
+            for b in (0, 1)
+        ],
     ),
 }
 

@@ -76,8 +76,10 @@ def _launch(backward: bool, packed: _tiled_spmm.Pack, m: int, x: Any, w: Any, ou
     dests = packed.dests if packed.dests is not None else K.null_pointer()
     sizes = (np.int32(m), np.int32(x.shape[1]), np.int32(packed.n_chunks))
     args = (*maps, packed.kg_ptr, packed.words[0], dests, *sizes, *outputs)
-    grid = (packed.n_chunks, -(-m // _tiled_spmm.ROWS))
-    expr = f"twell_tiled_ffn_up<{K.CXX_TYPE[x.dtype]}, {int(backward)}>"
+    pairs = bool(PAIRS)  # clusters of two blocks sharing x's slices: an even grid
+    grid = (packed.n_chunks + (packed.n_chunks % 2 if pairs else 0), -(-m // _tiled_spmm.ROWS))
+    kernel = "twell_tiled_ffn_up_pair" if pairs else "twell_tiled_ffn_up"
+    expr = f"{kernel}<{K.CXX_TYPE[x.dtype]}, {int(backward)}>"
     K.launch_arch(expr, grid, (WARPS * 32,), args, SHARED_BYTES)
 
 
@@ -148,6 +150,11 @@ def applies_backward(gate: TwELLParts, dy: Any, w_down_t: Any, up: TwELLParts, w
         return False
     return applies(gate, dy, w_down_t, w_up)
 
+
+#: Whether the up kernel runs in clusters of two blocks (consecutive unit chunks, the same tokens)
+#: that share x's slices by TMA multicast (a quarter of its L2 bytes saved): only with
+#: ``TWELL_TILED_FFN_PAIRS=1``, until measured against the single blocks.
+PAIRS: bool | None = K.env_switch("TWELL_TILED_FFN_PAIRS")
 
 #: Whether the gated consumer and the gated backward take these paths where they apply: only
 #: with ``TWELL_TILED_FFN=1`` (not yet measured on a GPU; bench/NOTES.md).

@@ -44,9 +44,16 @@ def _skip_unless_hopper(gate, x, w_up, w_down_t):
         pytest.skip("the one-pack consumer runs on compute capability 9.0 only")
 
 
+@pytest.fixture(params=[False, True], ids=["single", "pairs"])
+def pairs(request, monkeypatch):
+    """The up kernel alone, and in clusters of two blocks sharing x (TWELL_TILED_FFN_PAIRS)."""
+    monkeypatch.setattr(_tiled_ffn, "PAIRS", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m, f, d, tile_n, capacity, density", SHAPES)
-def test_up_words_hold_h_at_every_entry(cp, rng, dtype, m, f, d, tile_n, capacity, density):
+def test_up_words_hold_h_at_every_entry(cp, rng, pairs, dtype, m, f, d, tile_n, capacity, density):
     g, gate, x, w_up, w_down_t = _problem(cp, rng, m, f, d, tile_n, capacity, density, dtype)
     xs, ws = cp.asarray(x), cp.asarray(w_up)
     _skip_unless_hopper(gate, xs, ws, cp.asarray(w_down_t))
@@ -117,7 +124,7 @@ def test_consumer_takes_it_only_when_switched_on_and_keeps_u_for_training(cp, rn
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m, f, d, tile_n, capacity, density", [SHAPES[1], SHAPES[2], SHAPES[3], SHAPES[5]])
-def test_backward_matches_the_fused_row_gathers_and_float64(cp, rng, dtype, m, f, d, tile_n, capacity, density):
+def test_backward_matches_the_fused_row_gathers_and_float64(cp, rng, pairs, dtype, m, f, d, tile_n, capacity, density):
     """d_z, d_u and h in the gate's layout against the row gathers' fused backward, and dX (the
     dual SpMM on the same pack's words) against float64 of those values."""
     _, gate, x, w_up, w_down_t = _problem(cp, rng, m, f, d, tile_n, capacity, density, dtype)
