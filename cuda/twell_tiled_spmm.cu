@@ -24,7 +24,9 @@
 //
 // Latency: a warp's k-group ranges are loaded one chunk ahead and each k-group's words one
 // k-group ahead, so the pack's L2 reads overlap the MMAs (about 46 instructions per k-group
-// and 64 columns in SASS).
+// and 64 columns in SASS). The grid is persistent (one block per SM walking the tiles), and the
+// ring runs on from one tile into the next: the next tile's first chunks load during this
+// tile's last ones and its epilogue.
 //
 // A.T @ G (the backward's weight gradients) runs the same kernel on a pack of A.T made straight
 // from A's parts (tiled_spmm_count_t / _place_t below: no transposed structure), one pack for up
@@ -400,15 +402,16 @@ __global__ void __launch_bounds__(256) tiled_spmm_balance(const int* __restrict_
   group_map[(block * twell::TSPMM_WARPS + warp) * twell::TSPMM_WARP_GROUPS + pass] = j;
 }
 
-// The product (see the top of this file). Block (x, y): output columns [64 x, 64 x + 64) and
-// row-group slots [64 y, 64 y + 64); warp w sums slots 4 w .. 4 w + 3 of the block, slot s
-// being row group s, or with group_map (n_slots entries) row group group_map[s] (-1: none).
+// The product (see the top of this file). Tile (x, y), x fastest, of a persistent 1-D grid:
+// output columns [64 x, 64 x + 64) and row-group slots [64 y, 64 y + 64); warp w sums slots
+// 4 w .. 4 w + 3 of the tile, slot s being row group s, or with group_map (n_slots entries) row
+// group group_map[s] (-1: none).
 // Item (group, chunk)'s k-groups are kg_ptr[item] .. kg_ptr[item + 1], item = group * n1 +
 // chunk. With words2 (A2's words at the same places: the dual form) the block streams B's n1
 // chunks with words, then B2's with words2, into the same sums. map_b / map_b2: TMA descriptors
 // of B and B2 [K, N] (boxes of 64 columns x 256 rows, 128-byte swizzle; rows past K read as
 // zeros; map_b2 is map_b when there is no B2). Thread 0 refills a stage once every warp has
-// released it.
+// released it (tests/test_ring_protocol.py runs this ring as a protocol).
 template <typename T>
 __global__ void __launch_bounds__(twell::TSPMM_WARPS * 32, 1) twell_tiled_spmm(
     const __grid_constant__ twell::TensorMap map_b, const __grid_constant__ twell::TensorMap map_b2,
@@ -421,9 +424,15 @@ __global__ void __launch_bounds__(twell::TSPMM_WARPS * 32, 1) twell_tiled_spmm(
   const unsigned full = base + TSPMM_STAGES * TSPMM_STAGE_BYTES, empty = full + 8 * TSPMM_STAGES;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const unsigned g = lane >> 2, t = lane & 3;
-  const int col0 = blockIdx.x * TSPMM_COLS, row0 = blockIdx.y * TSPMM_ROWS;
   const int n_groups = (M + TSPMM_GROUP - 1) / TSPMM_GROUP;
   const int n_chunks = words2 != nullptr ? 2 * n1 : n1;
+  // Tiles (column block, row block) in column-block-fastest order; this block's are blockIdx.x,
+  // + gridDim.x, ... (a persistent grid of one block per SM).
+  const int col_blocks = (N + TSPMM_COLS - 1) / TSPMM_COLS;
+  const int row_slots = max(M, TSPMM_GROUP * n_slots);
+  const int n_tiles = col_blocks * ((row_slots + TSPMM_ROWS - 1) / TSPMM_ROWS);
+  const int my_tiles = (int)blockIdx.x < n_tiles ? (n_tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+  const int issues = my_tiles * n_chunks;  // chunks streamed through the ring, all tiles
   if (threadIdx.x == 0) {
     for (int s = 0; s < TSPMM_STAGES; ++s) {
       barrier_init(full + 8 * s, 1);             // the refilling thread's expect_tx arrival
@@ -433,129 +442,138 @@ __global__ void __launch_bounds__(twell::TSPMM_WARPS * 32, 1) twell_tiled_spmm(
   }
   __syncthreads();
 
-  auto stage = [&](int c) {
-    const int s = c % TSPMM_STAGES;
+  // Issue number `it` (chunk it % n_chunks of this block's tile it / n_chunks) into stage it %
+  // TSPMM_STAGES, once every warp has released the stage's previous use (a fresh barrier's
+  // "previous phase" counts as done, so the first TSPMM_STAGES pass at once). Issues run on
+  // from one tile into the next, so the next tile's first chunks load during this one's last
+  // chunks and epilogue. Thread 0 only.
+  auto issue = [&](int it) {
+    const int s = it % TSPMM_STAGES;
+    barrier_wait(empty + 8 * s, ((unsigned)(it / TSPMM_STAGES) & 1u) ^ 1u);
+    const int tile = (int)blockIdx.x + (it / n_chunks) * (int)gridDim.x, c = it % n_chunks;
     const unsigned bar = full + 8 * s, dst = base + s * TSPMM_STAGE_BYTES;
     const TensorMap* map = c < n1 ? &map_b : &map_b2;
-    const int k0 = (c < n1 ? c : c - n1) * TSPMM_CHUNK;
+    const int k0 = (c < n1 ? c : c - n1) * TSPMM_CHUNK, c0 = (tile % col_blocks) * TSPMM_COLS;
     barrier_expect_bytes(bar, TSPMM_STAGE_BYTES);
-    tma_load_2d(dst, map, col0, k0, bar);
-    tma_load_2d(dst + TSPMM_BOX * 128, map, col0, k0 + TSPMM_BOX, bar);
+    tma_load_2d(dst, map, c0, k0, bar);
+    tma_load_2d(dst + TSPMM_BOX * 128, map, c0, k0 + TSPMM_BOX, bar);
   };
   if (threadIdx.x == 0)
-    for (int c = 0; c < TSPMM_STAGES && c < n_chunks; ++c) stage(c);
-
-  float acc[TSPMM_WARP_GROUPS][TSPMM_COL_STEPS][4];
-#pragma unroll
-  for (int i = 0; i < TSPMM_WARP_GROUPS; ++i)
-#pragma unroll
-    for (int j = 0; j < TSPMM_COL_STEPS; ++j)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
+    for (int it = 0; it < TSPMM_STAGES && it < issues; ++it) issue(it);
 
   // This lane's ldmatrix row: entry (lane / 16) * 8 + lane % 8 of a k-group, its 16-byte piece
   // (lane / 8) % 2 of each 16 columns (matrices 0-3: entries 0-7 and 8-15, columns 0-7 and 8-15,
   // which .trans turns into a0 .. a3 of A = B^T).
   const int entry = (lane >> 4) * 8 + (lane & 7), piece = (lane >> 3) & 1;
-  const int group0 = (row0 >> 3) + warp * TSPMM_WARP_GROUPS;
-  // The row group this lane's ranges and this warp's slot i stand for: the slot's own, or with
-  // group_map (tiled_spmm_balance: slots dealt by load) the group mapped there (-1: none).
-  auto actual = [&](int slot) {
-    const int vg = group0 + slot;
-    const int grp = group_map != nullptr ? (vg < n_slots ? __ldg(group_map + vg) : -1) : vg;
-    return grp < n_groups ? grp : -1;
-  };
-  // The warp's k-group ranges at chunk c, one load a lane: lane j < 8 holds kg_ptr[item + (j &
-  // 1)] of its slot j / 2's group (0 past the groups or the chunks). Loaded one chunk ahead, and
-  // each k-group's words one k-group ahead (across the warp's groups), so that the L2 latency of
-  // the pack overlaps the MMAs instead of stalling the warp at every group and chunk.
-  const int lane_group = actual((lane & 7) >> 1);
-  auto ranges = [&](int c) {
-    if (c >= n_chunks || lane_group < 0) return 0;
-    return __ldg(kg_ptr + (long long)lane_group * n1 + (c < n1 ? c : c - n1) + (lane & 1));
-  };
-  int kp_next = ranges(0);
-  for (int c = 0; c < n_chunks; ++c) {
-    const int s = c % TSPMM_STAGES;
-    const unsigned parity = (unsigned)(c / TSPMM_STAGES) & 1u;
-    const int kp = kp_next;
-    kp_next = ranges(c + 1);
-    int k_lo[TSPMM_WARP_GROUPS], k_hi[TSPMM_WARP_GROUPS];
+  int ring = 0;  // chunks consumed so far, all tiles (the ring position and phase)
+  for (int tt = 0; tt < my_tiles; ++tt) {
+    const int tile = (int)blockIdx.x + tt * (int)gridDim.x;
+    const int col0 = (tile % col_blocks) * TSPMM_COLS, row0 = (tile / col_blocks) * TSPMM_ROWS;
+    float acc[TSPMM_WARP_GROUPS][TSPMM_COL_STEPS][4];
 #pragma unroll
-    for (int i = 0; i < TSPMM_WARP_GROUPS; ++i) {
-      k_lo[i] = __shfl_sync(0xffffffffu, kp, 2 * i);
-      k_hi[i] = __shfl_sync(0xffffffffu, kp, 2 * i + 1);
-    }
-    // first_after[i]: the first k-group of the first nonempty group after group i (-1: none).
-    int first_after[TSPMM_WARP_GROUPS + 1];
-    first_after[TSPMM_WARP_GROUPS] = -1;
+    for (int i = 0; i < TSPMM_WARP_GROUPS; ++i)
 #pragma unroll
-    for (int i = TSPMM_WARP_GROUPS - 1; i >= 0; --i) first_after[i] = k_lo[i] < k_hi[i] ? k_lo[i] : first_after[i + 1];
-    const unsigned* chunk_words = c < n1 ? words : words2;
-    const uint2* pairs = reinterpret_cast<const uint2*>(chunk_words + 2 * t);
-    const unsigned* own = chunk_words + entry;
-    TiledWords cur = tspmm_load(pairs, own, first_after[0]);
-    barrier_wait(full + 8 * s, parity);
-    const unsigned stage_base = base + s * TSPMM_STAGE_BYTES;
+      for (int j = 0; j < TSPMM_COL_STEPS; ++j)
 #pragma unroll
-    for (int i = 0; i < TSPMM_WARP_GROUPS; ++i) {
-#pragma unroll 2
-      for (int kg = k_lo[i]; kg < k_hi[i]; ++kg) {
-        const TiledWords next = tspmm_load(pairs, own, kg + 1 < k_hi[i] ? kg + 1 : first_after[i + 1]);
-        const unsigned b0 = tspmm_one_hot(cur.lo.x, cur.lo.y, g << 9), b1 = tspmm_one_hot(cur.hi.x, cur.hi.y, g << 9);
-        const unsigned b_row = cur.mine & 511u;
-        const unsigned row_base = stage_base + b_row * 128u, swz = b_row & 7u;
-#pragma unroll
-        for (int j = 0; j < TSPMM_COL_STEPS; ++j) {
-          unsigned a[4];
-          ldmatrix_x4_trans(a, row_base + ((((unsigned)(2 * j + piece)) ^ swz) << 4));
-          mma_m16n8k16<T>(acc[i][j], a[0], a[1], a[2], a[3], b0, b1);
-        }
-        cur = next;
-      }
-    }
-    __syncwarp();
-    if (lane == 0) barrier_arrive(empty + 8 * s);
-    if (threadIdx.x == 0 && c + TSPMM_STAGES < n_chunks) {
-      barrier_wait(empty + 8 * s, parity);
-      stage(c + TSPMM_STAGES);
-    }
-  }
+        for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
 
-  // D[m][n] is output column 16 j + m of row n of the group: this lane holds rows 2t, 2t + 1 at
-  // columns g (d0, d1) and g + 8 (d2, d3). Lanes g and g ^ 1 swap one value so that each holds
-  // two adjacent columns of one row (even g: row 2t, odd g: row 2t + 1) and stores them as one
-  // 4-byte pair.
-  // A row with a non-finite sum is flagged for tiled_spmm_fixup (see there).
-  const bool odd = (g & 1u) != 0;
+    const int group0 = (row0 >> 3) + warp * TSPMM_WARP_GROUPS;
+    // The row group this lane's ranges and this warp's slot i stand for: the slot's own, or with
+    // group_map (tiled_spmm_balance: slots dealt by load) the group mapped there (-1: none).
+    auto actual = [&](int slot) {
+      const int vg = group0 + slot;
+      const int grp = group_map != nullptr ? (vg < n_slots ? __ldg(group_map + vg) : -1) : vg;
+      return grp < n_groups ? grp : -1;
+    };
+    // The warp's k-group ranges at chunk c, one load a lane: lane j < 8 holds kg_ptr[item + (j &
+    // 1)] of its slot j / 2's group (0 past the groups or the chunks). Loaded one chunk ahead, and
+    // each k-group's words one k-group ahead (across the warp's groups), so that the L2 latency of
+    // the pack overlaps the MMAs instead of stalling the warp at every group and chunk.
+    const int lane_group = actual((lane & 7) >> 1);
+    auto ranges = [&](int c) {
+      if (c >= n_chunks || lane_group < 0) return 0;
+      return __ldg(kg_ptr + (long long)lane_group * n1 + (c < n1 ? c : c - n1) + (lane & 1));
+    };
+    int kp_next = ranges(0);
+    for (int c = 0; c < n_chunks; ++c, ++ring) {
+      const int s = ring % TSPMM_STAGES;
+      const unsigned parity = (unsigned)(ring / TSPMM_STAGES) & 1u;
+      const int kp = kp_next;
+      kp_next = ranges(c + 1);
+      int k_lo[TSPMM_WARP_GROUPS], k_hi[TSPMM_WARP_GROUPS];
 #pragma unroll
-  for (int i = 0; i < TSPMM_WARP_GROUPS; ++i) {
-    const int grp = actual(i);
-    const int row = grp < 0 ? M : grp * TSPMM_GROUP + 2 * (int)t + (odd ? 1 : 0);  // M: nothing to store
-    bool bad = false;
+      for (int i = 0; i < TSPMM_WARP_GROUPS; ++i) {
+        k_lo[i] = __shfl_sync(0xffffffffu, kp, 2 * i);
+        k_hi[i] = __shfl_sync(0xffffffffu, kp, 2 * i + 1);
+      }
+      // first_after[i]: the first k-group of the first nonempty group after group i (-1: none).
+      int first_after[TSPMM_WARP_GROUPS + 1];
+      first_after[TSPMM_WARP_GROUPS] = -1;
 #pragma unroll
-    for (int j = 0; j < TSPMM_COL_STEPS; ++j) {
+      for (int i = TSPMM_WARP_GROUPS - 1; i >= 0; --i) first_after[i] = k_lo[i] < k_hi[i] ? k_lo[i] : first_after[i + 1];
+      const unsigned* chunk_words = c < n1 ? words : words2;
+      const uint2* pairs = reinterpret_cast<const uint2*>(chunk_words + 2 * t);
+      const unsigned* own = chunk_words + entry;
+      TiledWords cur = tspmm_load(pairs, own, first_after[0]);
+      barrier_wait(full + 8 * s, parity);
+      const unsigned stage_base = base + s * TSPMM_STAGE_BYTES;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float* d = acc[i][j] + 2 * h;
-        const float got = __shfl_xor_sync(0xffffffffu, odd ? d[0] : d[1], 4);
-        const float v0 = odd ? got : d[0], v1 = odd ? d[1] : got;
-        const int col = col0 + 16 * j + 8 * h + (int)(g & ~1u);
-        if (row < M && col < N) {
-          T* p = out + (long long)row * ldo + col;
-          bad |= !finite_bits(v0);
-          if (col + 1 < N) {
-            const unsigned short lo = from_acc<T>(v0).bits, hi = from_acc<T>(v1).bits;
-            *reinterpret_cast<unsigned*>(p) = (unsigned)lo | ((unsigned)hi << 16);
-            bad |= !finite_bits(v1);
-          } else {
-            p[0] = from_acc<T>(v0);
+      for (int i = 0; i < TSPMM_WARP_GROUPS; ++i) {
+#pragma unroll 2
+        for (int kg = k_lo[i]; kg < k_hi[i]; ++kg) {
+          const TiledWords next = tspmm_load(pairs, own, kg + 1 < k_hi[i] ? kg + 1 : first_after[i + 1]);
+          const unsigned b0 = tspmm_one_hot(cur.lo.x, cur.lo.y, g << 9), b1 = tspmm_one_hot(cur.hi.x, cur.hi.y, g << 9);
+          const unsigned b_row = cur.mine & 511u;
+          const unsigned row_base = stage_base + b_row * 128u, swz = b_row & 7u;
+#pragma unroll
+          for (int j = 0; j < TSPMM_COL_STEPS; ++j) {
+            unsigned a[4];
+            ldmatrix_x4_trans(a, row_base + ((((unsigned)(2 * j + piece)) ^ swz) << 4));
+            mma_m16n8k16<T>(acc[i][j], a[0], a[1], a[2], a[3], b0, b1);
+          }
+          cur = next;
+        }
+      }
+      __syncwarp();
+      if (lane == 0) barrier_arrive(empty + 8 * s);
+      if (threadIdx.x == 0 && ring + TSPMM_STAGES < issues) issue(ring + TSPMM_STAGES);
+    }
+
+    // D[m][n] is output column 16 j + m of row n of the group: this lane holds rows 2t, 2t + 1 at
+    // columns g (d0, d1) and g + 8 (d2, d3). Lanes g and g ^ 1 swap one value so that each holds
+    // two adjacent columns of one row (even g: row 2t, odd g: row 2t + 1) and stores them as one
+    // 4-byte pair.
+    // A row with a non-finite sum is flagged for tiled_spmm_fixup (see there).
+    const bool odd = (g & 1u) != 0;
+#pragma unroll
+    for (int i = 0; i < TSPMM_WARP_GROUPS; ++i) {
+      const int grp = actual(i);
+      const int row = grp < 0 ? M : grp * TSPMM_GROUP + 2 * (int)t + (odd ? 1 : 0);  // M: nothing to store
+      bool bad = false;
+#pragma unroll
+      for (int j = 0; j < TSPMM_COL_STEPS; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float* d = acc[i][j] + 2 * h;
+          const float got = __shfl_xor_sync(0xffffffffu, odd ? d[0] : d[1], 4);
+          const float v0 = odd ? got : d[0], v1 = odd ? d[1] : got;
+          const int col = col0 + 16 * j + 8 * h + (int)(g & ~1u);
+          if (row < M && col < N) {
+            T* p = out + (long long)row * ldo + col;
+            bad |= !finite_bits(v0);
+            if (col + 1 < N) {
+              const unsigned short lo = from_acc<T>(v0).bits, hi = from_acc<T>(v1).bits;
+              *reinterpret_cast<unsigned*>(p) = (unsigned)lo | ((unsigned)hi << 16);
+              bad |= !finite_bits(v1);
+            } else {
+              p[0] = from_acc<T>(v0);
+            }
           }
         }
       }
+      if (bad) flags[row] = 1;
     }
-    if (bad) flags[row] = 1;
-  }
+  }  // tiles
 }
 
 // The rows of a tiled product whose sums came out non-finite, recomputed exactly. Inside the

@@ -1,8 +1,9 @@
 """The tiled kernels' shared-memory rings as a protocol, run under random schedules on the CPU:
 mbarriers (arrival counts, transaction bytes, phases, try_wait by parity), asynchronous TMA
 copies that land whenever the scheduler lets them, consumer warps and the copying thread (lane
-0 of warp 0, which consumes too), for twell_tiled_spmm's ring and for twell_tiled_ffn_up's, alone
-and in pairs of CTAs sharing x by multicast (a stage refilled once the warps of both CTAs have
+0 of warp 0, which consumes too, and issues use R + 3 after releasing use R, on from one tile or
+round into the next), for twell_tiled_spmm's ring and for twell_tiled_ffn_up's, alone and in
+pairs of CTAs sharing x by multicast (a stage refilled once the warps of both CTAs have
 released it). Every schedule must finish (no deadlock), every warp must read each stage only
 after all of its copies for that use landed, and no copy may land in a stage a warp of its CTA
 has not released. A model of the kernels' control flow, not of their arithmetic (that is
@@ -54,9 +55,7 @@ def run(kind: str, cluster: int, issues: int, rng: np.random.Generator, warps: i
 
     def issue(c: int, it: int) -> bool:
         s = it % STAGES
-        if kind == "ffn" and not empty[c][s].done(((it // STAGES) & 1) ^ 1):
-            return False
-        if kind == "spmm" and it >= STAGES and not empty[c][s].done((it // STAGES - 1) & 1):
+        if not empty[c][s].done(((it // STAGES) & 1) ^ 1):  # the previous use released (parity trick)
             return False
         full[c][s].arrive(tx=n_parts)  # expect_tx: the whole stage
         if kind == "ffn" and cluster == 2:

@@ -203,7 +203,11 @@ def packed_spmm(packed: Pack, m: int, b: Any, out: Any, b2: Any = None, which: i
     ldo = np.int64(leading_dim(out))
     flags = _cp().zeros(m, dtype=np.int32)  # rows with a non-finite sum, for the fixup
     t = K.CXX_TYPE[b.dtype]
-    grid = (-(-n // COLS), -(-max(m, GROUP * (group_map.size if group_map is not None else 0)) // ROWS))
+    # A persistent grid: one block per SM walks the tiles (column block fastest) with a ring that
+    # runs on from one tile into the next.
+    rows = max(m, GROUP * (group_map.size if group_map is not None else 0))
+    tiles = -(-n // COLS) * -(-rows // ROWS)
+    grid = (min(tiles, K.sm_count()),)
     slots = (group_map, np.int32(group_map.size)) if group_map is not None else (K.null_pointer(), np.int32(0))
     args = (map_b, map_b2, *pattern, out, ldo, flags, *slots)
     K.launch_arch(f"twell_tiled_spmm<{t}>", grid, (WARPS * 32,), args, SHARED_BYTES)
