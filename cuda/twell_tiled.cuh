@@ -26,6 +26,27 @@ constexpr int TSPMM_PAD = (int)0x80000000;  // a padding word's place in A's par
 // with value zero, and the mark tells it from an entry whose value is zero.
 constexpr unsigned TSPMM_PAD_BIT = 1u << 12;
 
+// Where entry k of class q goes in its item (n entries, class totals `total`): the classes in
+// order of decreasing count (ties by class) list their entries one after the other, and list
+// index i lands in octet i % O, slot i / O of the item's O = ceil(n / 8) octets (each ldmatrix
+// matrix reads one octet's 8 rows). Consecutive list entries fall in different octets, so an
+// octet holds 8 different classes (8 different banks) unless one class has more than O entries.
+// Positions that no index reaches (octet o, slot s with s O + o >= n, or octets past O) are
+// padding.
+__device__ __forceinline__ int octet_position(const int (&total)[8], int n, int q, int k) {
+  int i = k;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) i += (total[c] > total[q] || (total[c] == total[q] && c < q)) ? total[c] : 0;
+  const int octets = (n + 7) >> 3;
+  return (i % octets) * 8 + i / octets;
+}
+
+// Whether position p of an item of n entries is padding (see octet_position).
+__device__ __forceinline__ bool octet_padding(int n, int p) {
+  const int octets = (n + 7) >> 3, o = p >> 3;
+  return o >= octets || (p & 7) * octets + o >= n;
+}
+
 // The word of one entry (value bits, row in its group, B row in its chunk).
 __device__ __forceinline__ unsigned tspmm_word(unsigned short value, int row, int b_row) {
   return ((unsigned)value << 16) | ((unsigned)row << 9) | (unsigned)b_row;

@@ -15,8 +15,8 @@
 //
 // Bank conflicts: a matrix of ldmatrix reads the same 16-byte piece of 8 rows of 64 bytes; with
 // the 64-byte swizzle (piece p of row r stored at p ^ ((r / 2) % 4)) rows of distinct r % 8 hit
-// distinct banks. The pack deals each item's entries round-robin over unit % 8 (the tiled
-// SpMM's classes: the same order serves both kernels), and a group's 8 tokens are consecutive.
+// distinct banks. The pack spreads each item's unit % 8 classes over its octets (the tiled SpMM's
+// classes: the same order serves both kernels), and a group's 8 tokens are consecutive.
 //
 // Work: the block's k-groups (over its 64 groups) are cut into rounds of TFFN_WARPS x
 // TFFN_KGROUPS, each warp a contiguous run (so consecutive k-groups mostly share the group and

@@ -19,8 +19,9 @@
 //
 // Bank conflicts: an 8 x 8 matrix reads the same 16-byte column piece of 8 rows; with the
 // 128-byte swizzle the piece's bank group is (piece ^ row % 8), so 8 rows of distinct row
-// classes (row % 8) are conflict-free. The pack deals each item's entries round-robin over the
-// classes.
+// classes (row % 8) are conflict-free. The pack spreads each item's classes over its octets
+// (octet_position in twell_tiled.cuh; dealing them in rounds instead left 42% of the wavefronts
+// as conflicts on the H200, twenty-fifth session).
 //
 // Latency: a warp's k-group ranges are loaded one chunk ahead and each k-group's words one
 // k-group ahead, so the pack's L2 reads overlap the MMAs (about 46 instructions per k-group
@@ -132,12 +133,11 @@ __device__ __forceinline__ void tspmm_count(const TwellWalk& a, int n_chunks, lo
   if (p.item >= 0 && p.r == 0) sizes[p.item] = (n + TSPMM_KGROUP - 1) / TSPMM_KGROUP;
 }
 
-// Pack, launch 4 (after the scan of the sizes into kg_ptr): each item's words, dealt over the 8
-// row classes of the swizzle (column in chunk % 8) in the order of a walk of its rows in turn:
-// entry k of class q goes to position sum_q' min(n_q', k) + #{q' < q : n_q' > k} (round k holds
-// the k-th entry of every class that has one), then padding words to the k-group's end (the
-// item's position-0 word with value zero: a B row that an entry of the item reads anyway). A
-// lane's rank base per class is the segment's exclusive prefix over the rows before it.
+// Pack, launch 4 (after the scan of the sizes into kg_ptr): each item's words, entry k of class
+// q (column in chunk % 8, k in the order of a walk of its rows in turn) at octet_position, and
+// padding words in the positions left (the item's position-0 word with value zero and the
+// padding mark: a B row that an entry of the item reads anyway). A lane's rank base per class is
+// the segment's exclusive prefix over the rows before it.
 __device__ __forceinline__ void tspmm_place(const TwellWalk& a, int n_chunks, long long items, const int* kg_ptr,
                                             const PackValues& v) {
   const PackLane p = pack_lane(a, n_chunks, items);
@@ -157,13 +157,14 @@ __device__ __forceinline__ void tspmm_place(const TwellWalk& a, int n_chunks, lo
     total[q] = __shfl_sync(0xffffffffu, incl, 7, 8);
   }
   const long long at = p.item >= 0 ? (long long)kg_ptr[p.item] * TSPMM_KGROUP : 0;
+  int stored = 0;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) stored += total[c];
   unsigned first[3] = {0u, 0u, 0u};
   if (live)
     walk_row(a, p.row, p.c0, p.c1, [&](int col, long long source) {
       const int b_row = col - p.c0, q = b_row & 7, k = base[q]++;
-      int pos = 0;
-#pragma unroll
-      for (int c = 0; c < 8; ++c) pos += min(total[c], k) + (c < q && total[c] > k ? 1 : 0);
+      const int pos = octet_position(total, stored, q, k);
 #pragma unroll
       for (int i = 0; i < 3; ++i) {
         if (v.data[i] != nullptr) {
@@ -174,16 +175,14 @@ __device__ __forceinline__ void tspmm_place(const TwellWalk& a, int n_chunks, lo
       }
       if (v.dests != nullptr) v.dests[at + pos] = (int)source;
     });
-  int stored = 0;
-#pragma unroll
-  for (int c = 0; c < 8; ++c) stored += total[c];
 #pragma unroll
   for (int i = 0; i < 3; ++i)  // the one lane holding position 0 shares its word
 #pragma unroll
     for (int d = 1; d < 8; d <<= 1) first[i] |= __shfl_xor_sync(0xffffffffu, first[i], d);
   if (p.item < 0) return;
   const int n = (kg_ptr[p.item + 1] - kg_ptr[p.item]) * TSPMM_KGROUP;
-  for (int pos = stored + p.r; pos < n; pos += 8) {
+  for (int pos = p.r; pos < n; pos += 8) {
+    if (!octet_padding(stored, pos)) continue;
 #pragma unroll
     for (int i = 0; i < 3; ++i)
       if (v.data[i] != nullptr) v.words[i][at + pos] = (first[i] & 0xffffu) | TSPMM_PAD_BIT;
@@ -252,8 +251,8 @@ __global__ void __launch_bounds__(256) tiled_spmm_place(const short* __restrict_
 
 // The pack of A.T (N x M: items are groups of 8 columns of A x chunks of 512 tokens, item =
 // group * n_chunks + token chunk) straight from A's TwELL parts, in the order of the CSR walk
-// (each column's tokens increasing, columns in order; within an item, classes token % 8 dealt
-// in rounds as tspmm_place does). A block owns 512 tokens x 512 columns of A (64 groups), one
+// (each column's tokens increasing, columns in order; within an item, classes token % 8 placed
+// by octet_position as tspmm_place does). A block owns 512 tokens x 512 columns of A (64 groups), one
 // thread per token: every thread marks its entries in a bit matrix [column][token] in shared
 // memory, then a column's count per class is a popcount of its bit rows under the class mask
 // (0x01010101 << q: 32 is a multiple of 8), and an entry's rank within its item's class is the
@@ -346,9 +345,10 @@ __global__ void __launch_bounds__(twell::TT_TOKENS) tiled_spmm_place_t(const sho
       for (int u2 = gi * 8; u2 < u; ++u2) k += sh.count[u2][q];
       for (int w = 0; w < (lt >> 5); ++w) k += __popc(sh.bits[u][w] & (0x01010101u << q));
       k += __popc(sh.bits[u][lt >> 5] & below);
-      int p = 0;
+      int total[8], n = 0;
 #pragma unroll
-      for (int c = 0; c < 8; ++c) p += min((int)sh.total[gi][c], k) + (c < q && sh.total[gi][c] > k ? 1 : 0);
+      for (int c = 0; c < 8; ++c) n += total[c] = sh.total[gi][c];
+      const int p = octet_position(total, n, q, k);
       const long long item = (long long)(c0 / 8 + gi) * n_chunks + blockIdx.y;
       const long long at = (long long)kg_ptr[item] * TSPMM_KGROUP + p;
 #pragma unroll
@@ -369,7 +369,8 @@ __global__ void __launch_bounds__(twell::TT_TOKENS) tiled_spmm_place_t(const sho
     const int n = (kg_ptr[item + 1] - kg_ptr[item]) * TSPMM_KGROUP;
     int stored = 0;
     for (int c = 0; c < 8; ++c) stored += sh.total[gi][c];
-    for (int p = stored; p < n; ++p) {
+    for (int p = 0; p < n; ++p) {
+      if (!octet_padding(stored, p)) continue;
 #pragma unroll
       for (int i = 0; i < 3; ++i)
         if (v.data[i] != nullptr) v.words[i][at + p] = (sh.first[i][gi] & 0xffffu) | TSPMM_PAD_BIT;

@@ -41,7 +41,10 @@ def _twin(rng, h, a):
 
 
 @pytest.mark.parametrize("m, k, n, tile_n, capacity, density", CASES)
-def test_pack_holds_every_entry_once_in_class_rounds(rng, m, k, n, tile_n, capacity, density):
+def test_pack_holds_every_entry_once_with_distinct_classes_per_octet(rng, m, k, n, tile_n, capacity, density):
+    """Every entry once; padding (marked) fills at most one octet's worth of holes plus a closing
+    octet; and each octet (what one ldmatrix matrix reads) holds distinct classes wherever the
+    item's counts allow it (no class more often than its item has octets)."""
     h, a = _problem(rng, m, k, tile_n, capacity, density)
     kg_ptr, (words,), n_chunks = reference_pack(a.parts, tile_n, k)
     assert n_chunks == -(-k // _tiled_spmm.CHUNK) and kg_ptr[-1] * 16 == words.size
@@ -49,18 +52,18 @@ def test_pack_holds_every_entry_once_in_class_rounds(rng, m, k, n, tile_n, capac
     for grp in range(-(-m // 8)):
         for c in range(n_chunks):
             item = words[kg_ptr[grp * n_chunks + c] * 16 : kg_ptr[grp * n_chunks + c + 1] * 16]
+            pad = (item & _tiled_spmm.PAD_BIT) != 0
             values = (item >> 16).astype(np.uint16).view(h.dtype).astype(np.float64)
             rows, cols = grp * 8 + ((item >> 9) & 7), c * 512 + (item & 511)
-            real = values != 0
-            assert real.sum() > item.size - 16 or not item.size  # padding inside the last k-group only
-            np.add.at(rebuilt, (rows[real], cols[real]), values[real])
-            assert set(cols[~real]) <= set(cols[real])  # padding reads a row an entry reads
-            classes = (item[real] & 7).tolist()  # round i: one entry of each class that has an i-th
-            counts = np.bincount(np.array(classes, dtype=int), minlength=8)
-            for r in range(counts.max() if classes else 0):
-                in_round = [q for q in range(8) if counts[q] > r]
-                start = int(np.minimum(counts, r).sum())
-                assert classes[start : start + len(in_round)] == in_round
+            assert (values[pad] == 0).all() and pad.sum() < 16 + 8 * (item.size > 0)
+            np.add.at(rebuilt, (rows[~pad], cols[~pad]), values[~pad])
+            assert set(cols[pad]) <= set(cols[~pad])  # padding reads a row an entry reads
+            octets = -(-int((~pad).sum()) // 8)
+            counts = np.bincount((item[~pad] & 7).astype(int), minlength=8)
+            for o in range(item.size // 8):
+                classes = (item[o * 8 : o * 8 + 8][~pad[o * 8 : o * 8 + 8]] & 7).tolist()
+                repeated = [q for q in set(classes) if classes.count(q) > 1]
+                assert all(counts[q] > octets for q in repeated), (grp, c, o, classes)
     assert np.array_equal(rebuilt, h.astype(np.float64))
 
 

@@ -1,5 +1,5 @@
 """A model of the tiled SpMM (cuda/twell_tiled_spmm.cu) for the tests: its pack written
-independently of the kernels (the round order over the swizzle's row classes, stated as rounds
+independently of the kernels (the octet order over the swizzle's row classes, stated as a list
 rather than as the kernel's position formula), and a lane-by-lane emulation of one product on
 that pack which follows the kernel's address and register algebra against the PTX ISA's
 definitions of ldmatrix (.trans), the m16n8k16 fragments and the 128-byte TMA swizzle. The
@@ -41,13 +41,27 @@ def _value_bits(values, source) -> int:
     return int(_bits(data.reshape(-1)[source] if source >= 0 else spill[~source]))
 
 
+def octet_order(entries: list) -> list:
+    """An item's positions (whole k-groups of 16): its entries ((row, column in chunk, source) in
+    walk order) bucketed by class (column % 8), the classes listed by decreasing count (ties by
+    class), list index i at octet i % O, slot i // O of O = ceil(n / 8) octets; None where no
+    entry lands (padding)."""
+    n = len(entries)
+    octets = -(-n // 8)
+    buckets = [[e for e in entries if e[1] % 8 == q] for q in range(8)]
+    listed = [e for q in sorted(range(8), key=lambda q: (-len(buckets[q]), q)) for e in buckets[q]]
+    slots: list = [None] * (-(-n // T.KGROUP) * T.KGROUP)
+    for i, e in enumerate(listed):
+        slots[(i % octets) * 8 + i // octets] = e
+    return slots
+
+
 def _packed(lines, n_out: int, n_in: int, values, dests=None) -> tuple[np.ndarray, list[np.ndarray], int]:
     """The pack of an operand whose output row r holds the entries ``lines[r]`` ((column,
     source) in walk order; columns below ``n_in``): per item (group of 8 rows, chunk of 512
-    columns) the entries bucketed by class (column in chunk % 8) in walk order and read out in
-    rounds (round i takes the i-th entry of every class that has one, classes in order), then
-    padding words (the item's first word with value zero and the padding mark) to a multiple of 16; one word array
-    per ``(data, spill)`` value pair. ``dests``, a list, gets each word's source (PAD for
+    columns) the entries placed by :func:`octet_order`, padding words (the item's first word with
+    value zero and the padding mark) in the positions left; one word array per ``(data,
+    spill)`` value pair. ``dests``, a list, gets each word's source (PAD for
     padding)."""
     n_chunks = -(-n_in // T.CHUNK)
     kg_ptr, words = [0], [[] for _ in values]
@@ -61,14 +75,14 @@ def _packed(lines, n_out: int, n_in: int, values, dests=None) -> tuple[np.ndarra
                 for col, source in lines[grp * T.GROUP + r]
                 if c0 <= col < c0 + T.CHUNK
             ]
-            buckets = [[e for e in entries if e[1] % 8 == q] for q in range(8)]
-            ordered = [b[i] for i in range(max(map(len, buckets))) for b in buckets if i < len(b)]
-            padded = -(-len(ordered) // T.KGROUP) * T.KGROUP
+            slots = octet_order(entries)  # entry or None (padding) per position
             if dests is not None:
-                dests += [source for _, _, source in ordered] + [T.PAD] * (padded - len(ordered))
+                dests += [T.PAD if e is None else e[2] for e in slots]
             for out, vals in zip(words, values, strict=True):
-                item = [_value_bits(vals, source) << 16 | r << 9 | col for r, col, source in ordered]
-                out += item + [(item[0] & 0xFFFF | T.PAD_BIT) if item else 0] * (padded - len(item))
+                item = [None if e is None else _value_bits(vals, e[2]) << 16 | e[0] << 9 | e[1] for e in slots]
+                pad = (item[0] & 0xFFFF | T.PAD_BIT) if item else 0
+                out += [pad if w is None else w for w in item]
+            padded = len(slots)
             kg_ptr.append(kg_ptr[-1] + padded // T.KGROUP)
     return np.array(kg_ptr, dtype=np.int64), [np.array(w, dtype=np.uint32) for w in words], n_chunks
 
@@ -360,7 +374,7 @@ def emulate_pack_transposed(parts, tile_n: int, n_cols: int) -> tuple[np.ndarray
     """``tiled_spmm_count_t`` / ``tiled_spmm_place_t`` as the kernels compute them, block by block
     (512 tokens x 512 columns): the bit matrix [column][token] of the block's entries, class
     counts by popcounts under the masks 0x01010101 << q, each entry's rank as its group's earlier
-    columns' counts plus its column's class bits below its token, the round position, then the
+    columns' counts plus its column's class bits below its token, the octet position, then the
     padding (the group's position-0 word with value zero)."""
     m = parts.data.shape[0]
     n_chunks = -(-m // T.CHUNK)
@@ -399,7 +413,10 @@ def emulate_pack_transposed(parts, tile_n: int, n_cols: int) -> tuple[np.ndarray
             k = int(count[gi * 8 : u, q].sum())
             k += sum(bin(int(bits[u, w]) & (0x01010101 << q)).count("1") for w in range(lt >> 5))
             k += bin(int(bits[u, lt >> 5]) & (0x01010101 << q) & ((1 << (lt & 31)) - 1)).count("1")
-            p = sum(min(int(total[gi, c]), k) + (1 if c < q and total[gi, c] > k else 0) for c in range(8))
+            n_item = int(total[gi].sum())  # octet_position: the classes by decreasing count, spread over octets
+            i = k + sum(int(total[gi, c]) for c in range(8) if (total[gi, c], -c) > (total[gi, q], -q))
+            octets = -(-n_item // 8)
+            p = (i % octets) * 8 + i // octets
             at = int(kg_ptr[(c0 // 8 + gi) * n_chunks + by]) * T.KGROUP + p
             words[at] = _value_bits((parts.data, parts.spill_data), source) << 16 | (u & 7) << 9 | lt
             if p == 0:
@@ -408,7 +425,10 @@ def emulate_pack_transposed(parts, tile_n: int, n_cols: int) -> tuple[np.ndarray
             if c0 + 8 * gi < c1:
                 item = (c0 // 8 + gi) * n_chunks + by
                 at, end = int(kg_ptr[item]) * T.KGROUP, int(kg_ptr[item + 1]) * T.KGROUP
-                words[at + int(total[gi].sum()) : end] = first.get(gi, 0) & 0xFFFF | T.PAD_BIT
+                n_item, octets = int(total[gi].sum()), -(-int(total[gi].sum()) // 8)
+                for p in range(end - at):
+                    if p // 8 >= octets or (p % 8) * octets + p // 8 >= n_item:
+                        words[at + p] = first.get(gi, 0) & 0xFFFF | T.PAD_BIT
     return kg_ptr, [words], n_chunks
 
 

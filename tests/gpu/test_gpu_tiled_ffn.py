@@ -59,7 +59,7 @@ def test_up_words_hold_h_at_every_entry(cp, rng, pairs, dtype, m, f, d, tile_n, 
     _skip_unless_hopper(gate, xs, ws, cp.asarray(w_down_t))
     packed = _tiled_spmm.pack(gate.parts, tile_n, f)
     h_words = cp.asnumpy(_tiled_ffn.gated_up_words(packed, m, xs, ws))
-    kg_ptr, words = cp.asnumpy(packed.kg_ptr), cp.asnumpy(packed.words)
+    kg_ptr, words = cp.asnumpy(packed.kg_ptr), cp.asnumpy(packed.words[0])
     n = int(kg_ptr[-1]) * 16
     words, h_words = words[:n], h_words[:n]
     assert np.array_equal(h_words & 0xFFFF, words & 0xFFFF)  # rows and units kept, all written
