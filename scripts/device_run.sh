@@ -49,7 +49,7 @@ sanitize_tests() {
 ncu_rows() {
   timeout 150 ncu --kernel-name regex:"$1" --launch-skip 3 --launch-count 1 --section SpeedOfLight \
     --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
-    --metrics smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_lg_cmd_read.sum \
+    --metrics smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__data_pipe_lsu_wavefronts.sum \
     python3 bench/stage_times.py --density 0.01 --reps 3 --only "$2" 2>&1 | tail -150 | tee -a "$OUT/$3_ncu.log" \
     | grep -E "Duration|Throughput|Issued|Stall|stalled|wavefronts|conflicts|inst_executed|Eligible" | head -50
 }
