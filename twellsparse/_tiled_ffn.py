@@ -41,23 +41,14 @@ def applies(gate: TwELLParts, x: Any, w_up: Any, w_down_t: Any, out: Any = None)
         return False
     if x.shape[1] == 0:  # nothing to stage (TMA descriptors need a column); the other paths serve it
         return False
-    rows = [row_stride(x), row_stride(w_up)]
+    rows = [row_stride(x), row_stride(w_up), row_stride(w_down_t)]  # TMA's rules and the SpMM's pair stores
     if out is not None:
         if out.dtype != dtype:
             return False
         rows.append((out, leading_dim(out)))
-    if not rows_aligned(*rows) or not _tiled_spmm.applies(w_down_t, _shaped_like_out(x, w_down_t, out)):
+    if not rows_aligned(*rows) or not (K.runs_here("twell_tiled_ffn.cu") and K.runs_here("twell_tiled_spmm.cu")):
         return False
-    if not K.runs_here("twell_tiled_ffn.cu"):
-        return False
-    return SHARED_BYTES <= K.device_attribute("MaxSharedMemoryPerBlockOptin")
-
-
-def _shaped_like_out(x: Any, w_down_t: Any, out: Any) -> Any:
-    """The output the down projection writes (a view; nothing allocated when ``out`` is given)."""
-    if out is not None:
-        return out
-    return _cp().empty((0, w_down_t.shape[1]), dtype=x.dtype)
+    return max(SHARED_BYTES, _tiled_spmm.SHARED_BYTES) <= K.device_attribute("MaxSharedMemoryPerBlockOptin")
 
 
 def _cp() -> Any:
