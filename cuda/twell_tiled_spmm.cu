@@ -19,9 +19,12 @@
 //
 // Bank conflicts: an 8 x 8 matrix reads the same 16-byte column piece of 8 rows; with the
 // 128-byte swizzle the piece's bank group is (piece ^ row % 8), so 8 rows of distinct row
-// classes (row % 8) are conflict-free. The pack spreads each item's classes over its octets
-// (octet_position in twell_tiled.cuh; dealing them in rounds instead left 42% of the wavefronts
-// as conflicts on the H200, twenty-fifth session).
+// classes (row % 8) are conflict-free. An octet holding a class twice costs a second wavefront,
+// so an item costs at least as many wavefronts as its largest class has entries; the pack's
+// octet plan (octet_plan in twell_tiled.cuh) reaches that bound, and padding words repeat a row
+// their own octet reads (a broadcast). Dealing classes round robin with padding that repeated
+// the item's first entry left 51% of the wavefronts as conflicts on the H200 (twenty-sixth
+// session).
 //
 // Latency: a warp's k-group ranges are loaded one chunk ahead and each k-group's words one
 // k-group ahead, so the pack's L2 reads overlap the MMAs (about 46 instructions per k-group
@@ -124,27 +127,12 @@ __device__ __forceinline__ int segment_sum(int v) {
   return v;
 }
 
-// Pack, launch 1: each item's k-group count (its entries rounded up to 16).
-__device__ __forceinline__ void tspmm_count(const TwellWalk& a, int n_chunks, long long items, int* sizes) {
-  const PackLane p = pack_lane(a, n_chunks, items);
-  int n = 0;
-  if (p.item >= 0 && p.row < a.M) walk_row(a, p.row, p.c0, p.c1, [&](int, long long) { ++n; });
-  n = segment_sum(n);
-  if (p.item >= 0 && p.r == 0) sizes[p.item] = (n + TSPMM_KGROUP - 1) / TSPMM_KGROUP;
-}
-
-// Pack, launch 4 (after the scan of the sizes into kg_ptr): each item's words, entry k of class
-// q (column in chunk % 8, k in the order of a walk of its rows in turn) at octet_position, and
-// padding words in the positions left (the item's position-0 word with value zero and the
-// padding mark: a B row that an entry of the item reads anyway). A lane's rank base per class is
-// the segment's exclusive prefix over the rows before it.
-__device__ __forceinline__ void tspmm_place(const TwellWalk& a, int n_chunks, long long items, const int* kg_ptr,
-                                            const PackValues& v) {
-  const PackLane p = pack_lane(a, n_chunks, items);
-  const bool live = p.item >= 0 && p.row < a.M;
+// The class counts (column in chunk % 8) of the lane's row, summed over its segment: the item's
+// totals per class in `total` and the lane's exclusive prefix over the rows before it in `base`.
+__device__ __forceinline__ void segment_classes(const TwellWalk& a, const PackLane& p, bool live, int (&base)[8],
+                                                int (&total)[8]) {
   int mine[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   if (live) walk_row(a, p.row, p.c0, p.c1, [&](int col, long long) { ++mine[(col - p.c0) & 7]; });
-  int base[8], total[8];
 #pragma unroll
   for (int q = 0; q < 8; ++q) {
     int incl = mine[q];
@@ -156,36 +144,54 @@ __device__ __forceinline__ void tspmm_place(const TwellWalk& a, int n_chunks, lo
     base[q] = incl - mine[q];
     total[q] = __shfl_sync(0xffffffffu, incl, 7, 8);
   }
-  const long long at = p.item >= 0 ? (long long)kg_ptr[p.item] * TSPMM_KGROUP : 0;
-  int stored = 0;
+}
+
+__device__ __forceinline__ int class_sum(const int (&total)[8]) {
+  int n = 0;
 #pragma unroll
-  for (int c = 0; c < 8; ++c) stored += total[c];
-  unsigned first[3] = {0u, 0u, 0u};
+  for (int c = 0; c < 8; ++c) n += total[c];
+  return n;
+}
+
+// Pack, launch 1: each item's k-group count (its octet plan's octets / 2).
+__device__ __forceinline__ void tspmm_count(const TwellWalk& a, int n_chunks, long long items, int* sizes) {
+  const PackLane p = pack_lane(a, n_chunks, items);
+  int base[8], total[8];
+  segment_classes(a, p, p.item >= 0 && p.row < a.M, base, total);
+  if (p.item >= 0 && p.r == 0) sizes[p.item] = octet_plan(total, class_sum(total)).octets / 2;
+}
+
+// Pack, launch 4 (after the scan of the sizes into kg_ptr): each item's words, entry k of class
+// q (k in the order of a walk of its rows in turn) at octet_position, then the padding words
+// (octet_padding_source's word with value zero and the padding mark: a B row that the octet reads
+// anyway). A lane's rank base per class is the segment's exclusive prefix over the rows before it.
+__device__ __forceinline__ void tspmm_place(const TwellWalk& a, int n_chunks, long long items, const int* kg_ptr,
+                                            const PackValues& v) {
+  const PackLane p = pack_lane(a, n_chunks, items);
+  const bool live = p.item >= 0 && p.row < a.M;
+  int base[8], total[8];
+  segment_classes(a, p, live, base, total);
+  const OctetPlan plan = octet_plan(total, class_sum(total));
+  const long long at = p.item >= 0 ? (long long)kg_ptr[p.item] * TSPMM_KGROUP : 0;
   if (live)
     walk_row(a, p.row, p.c0, p.c1, [&](int col, long long source) {
-      const int b_row = col - p.c0, q = b_row & 7, k = base[q]++;
-      const int pos = octet_position(total, stored, q, k);
+      const int b_row = col - p.c0, q = b_row & 7;
+      const int pos = octet_position(plan, total, q, base[q]++);
 #pragma unroll
-      for (int i = 0; i < 3; ++i) {
-        if (v.data[i] != nullptr) {
-          const unsigned w = tspmm_word(tspmm_value(v.data[i], v.spill[i], source), p.r, b_row);
-          v.words[i][at + pos] = w;
-          if (pos == 0) first[i] = w;
-        }
-      }
+      for (int i = 0; i < 3; ++i)
+        if (v.data[i] != nullptr)
+          v.words[i][at + pos] = tspmm_word(tspmm_value(v.data[i], v.spill[i], source), p.r, b_row);
       if (v.dests != nullptr) v.dests[at + pos] = (int)source;
     });
-#pragma unroll
-  for (int i = 0; i < 3; ++i)  // the one lane holding position 0 shares its word
-#pragma unroll
-    for (int d = 1; d < 8; d <<= 1) first[i] |= __shfl_xor_sync(0xffffffffu, first[i], d);
+  __syncwarp();  // the segment's entries are written (and visible to its lanes) before the padding reads them
   if (p.item < 0) return;
-  const int n = (kg_ptr[p.item + 1] - kg_ptr[p.item]) * TSPMM_KGROUP;
-  for (int pos = p.r; pos < n; pos += 8) {
-    if (!octet_padding(stored, pos)) continue;
+  for (int pos = p.r; pos < 8 * plan.octets; pos += 8) {
+    const int src = octet_padding_source(plan, total, pos);
+    if (src < 0) continue;
+    const unsigned pad = (v.words[0][at + src] & 0xffffu) | TSPMM_PAD_BIT;
 #pragma unroll
     for (int i = 0; i < 3; ++i)
-      if (v.data[i] != nullptr) v.words[i][at + pos] = (first[i] & 0xffffu) | TSPMM_PAD_BIT;
+      if (v.data[i] != nullptr) v.words[i][at + pos] = pad;
     if (v.dests != nullptr) v.dests[at + pos] = TSPMM_PAD;
   }
 }
@@ -252,7 +258,7 @@ __global__ void __launch_bounds__(256) tiled_spmm_place(const short* __restrict_
 // The pack of A.T (N x M: items are groups of 8 columns of A x chunks of 512 tokens, item =
 // group * n_chunks + token chunk) straight from A's TwELL parts, in the order of the CSR walk
 // (each column's tokens increasing, columns in order; within an item, classes token % 8 placed
-// by octet_position as tspmm_place does). A block owns 512 tokens x 512 columns of A (64 groups), one
+// by the octet plan as tspmm_place does). A block owns 512 tokens x 512 columns of A (64 groups), one
 // thread per token: every thread marks its entries in a bit matrix [column][token] in shared
 // memory, then a column's count per class is a popcount of its bit rows under the class mask
 // (0x01010101 << q: 32 is a multiple of 8), and an entry's rank within its item's class is the
@@ -271,8 +277,8 @@ struct TransposeShared {
   // 0.17 ms at 1% on the H200).
   unsigned bits[TT_COLS][TT_WORDS + 1];
   unsigned short count[TT_COLS][8];       // per column: entries of each token class
-  unsigned short total[TT_GROUPS][8];     // per group: entries of each token class
-  unsigned first[3][TT_GROUPS];           // per group: the word at position 0 (padding copies it)
+  int total[TT_GROUPS][8];                // per group: entries of each token class
+  OctetPlan plan[TT_GROUPS];              // per group: its octets (octet_plan)
 };
 
 // The block's bit matrix and class counts (both launches start with it); returns this thread's
@@ -296,13 +302,17 @@ __device__ __forceinline__ int tt_marks(const TwellWalk& a, TransposeShared& sh,
 #pragma unroll
   for (int q = 0; q < 8; ++q) sh.count[lt][q] = (unsigned short)n_class[q];
   __syncthreads();
-  if (lt < TT_GROUPS)
+  if (lt < TT_GROUPS) {
+    int n = 0;
 #pragma unroll
     for (int q = 0; q < 8; ++q) {
-      int n = 0;
-      for (int u = 0; u < 8; ++u) n += sh.count[lt * 8 + u][q];
-      sh.total[lt][q] = (unsigned short)n;
+      int t = 0;
+      for (int u = 0; u < 8; ++u) t += sh.count[lt * 8 + u][q];
+      sh.total[lt][q] = t;
+      n += t;
     }
+    sh.plan[lt] = octet_plan(sh.total[lt], n);
+  }
   __syncthreads();
   return token < a.M ? token : -1;
 }
@@ -322,11 +332,7 @@ __global__ void __launch_bounds__(twell::TT_TOKENS) tiled_spmm_count_t(const sho
   int c0, c1;
   tt_marks(a, sh, c0, c1);
   const int gi = threadIdx.x, grp = c0 / 8 + gi;
-  if (gi < TT_GROUPS && c0 + 8 * gi < c1) {
-    int n = 0;
-    for (int q = 0; q < 8; ++q) n += sh.total[gi][q];
-    sizes[(long long)grp * n_chunks + blockIdx.y] = (n + TSPMM_KGROUP - 1) / TSPMM_KGROUP;
-  }
+  if (gi < TT_GROUPS && c0 + 8 * gi < c1) sizes[(long long)grp * n_chunks + blockIdx.y] = sh.plan[gi].octets / 2;
 }
 
 // Launch 4 (after the scan of the sizes into kg_ptr): the words (and the places, with dests).
@@ -351,35 +357,27 @@ __global__ void __launch_bounds__(twell::TT_TOKENS) tiled_spmm_place_t(const sho
       for (int u2 = gi * 8; u2 < u; ++u2) k += sh.count[u2][q];
       for (int w = 0; w < (lt >> 5); ++w) k += __popc(sh.bits[u][w] & (0x01010101u << q));
       k += __popc(sh.bits[u][lt >> 5] & below);
-      int total[8], n = 0;
-#pragma unroll
-      for (int c = 0; c < 8; ++c) n += total[c] = sh.total[gi][c];
-      const int p = octet_position(total, n, q, k);
+      const int p = octet_position(sh.plan[gi], sh.total[gi], q, k);
       const long long item = (long long)(c0 / 8 + gi) * n_chunks + blockIdx.y;
       const long long at = (long long)kg_ptr[item] * TSPMM_KGROUP + p;
 #pragma unroll
-      for (int i = 0; i < 3; ++i) {
-        if (v.data[i] != nullptr) {
-          const unsigned w = tspmm_word(tspmm_value(v.data[i], v.spill[i], source), u & 7, lt);
-          v.words[i][at] = w;
-          if (p == 0) sh.first[i][gi] = w;
-        }
-      }
+      for (int i = 0; i < 3; ++i)
+        if (v.data[i] != nullptr) v.words[i][at] = tspmm_word(tspmm_value(v.data[i], v.spill[i], source), u & 7, lt);
       if (v.dests != nullptr) v.dests[at] = (int)source;
     });
-  __syncthreads();
-  const int gi = lt;
-  if (gi < TT_GROUPS && c0 + 8 * gi < c1) {
-    const long long item = (long long)(c0 / 8 + gi) * n_chunks + blockIdx.y;
-    const long long at = (long long)kg_ptr[item] * TSPMM_KGROUP;
-    const int n = (kg_ptr[item + 1] - kg_ptr[item]) * TSPMM_KGROUP;
-    int stored = 0;
-    for (int c = 0; c < 8; ++c) stored += sh.total[gi][c];
-    for (int p = 0; p < n; ++p) {
-      if (!octet_padding(stored, p)) continue;
+  __syncthreads();  // every entry written (and visible to the block) before the padding reads them
+  // The padding: 8 threads per group, as tspmm_place.
+  const int gi = lt >> 3;
+  if (c0 + 8 * gi < c1) {
+    const long long at = (long long)kg_ptr[(long long)(c0 / 8 + gi) * n_chunks + blockIdx.y] * TSPMM_KGROUP;
+    const OctetPlan plan = sh.plan[gi];
+    for (int p = lt & 7; p < 8 * plan.octets; p += 8) {
+      const int src = octet_padding_source(plan, sh.total[gi], p);
+      if (src < 0) continue;
+      const unsigned pad = (v.words[0][at + src] & 0xffffu) | TSPMM_PAD_BIT;
 #pragma unroll
       for (int i = 0; i < 3; ++i)
-        if (v.data[i] != nullptr) v.words[i][at + p] = (sh.first[i][gi] & 0xffffu) | TSPMM_PAD_BIT;
+        if (v.data[i] != nullptr) v.words[i][at + p] = pad;
       if (v.dests != nullptr) v.dests[at + p] = TSPMM_PAD;
     }
   }

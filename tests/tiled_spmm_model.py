@@ -41,26 +41,105 @@ def _value_bits(values, source) -> int:
     return int(_bits(data.reshape(-1)[source] if source >= 0 else spill[~source]))
 
 
+def octet_places(total) -> tuple[dict, int]:
+    """The octet plan of an item with class counts ``total`` (8 ints), built slot by slot:
+    ``(places, octets)``, places[(q, k)] the position of class q's entry k. An item of n entries
+    has O = 2 ceil(n / 16) octets (its k-groups' halves); with c the largest count, d = max(0, c -
+    O) of them take two entries of a class (the last d octets), the first O - d at most one, so
+    that an octet costs at most two wavefronts and the item max(O, c), the least any placement
+    can (a wavefront serves one entry per class). Class q's first O - d entries go to octets 0,
+    1, ... at slot q; the rest of all classes, listed class by class, deal round robin over the
+    d octets, each filling its slots in order. If that leaves more than 8 entries for an octet,
+    the item takes another k-group and is planned again."""
+    n, c_max = int(sum(total)), int(max(total))
+    octets = 2 * -(-n // 16)
+    while True:
+        d = max(0, c_max - octets)
+        single = octets - d
+        rest = [(q, k) for q in range(8) for k in range(max(0, single), int(total[q]))]
+        if single >= 0 and len(rest) <= 8 * d:
+            break
+        octets += 2
+    places = {(q, k): 8 * k + q for q in range(8) for k in range(min(single, int(total[q])))}
+    filled = [0] * d
+    for i, qk in enumerate(rest):
+        o = i % d
+        places[qk] = 8 * (single + o) + filled[o]
+        filled[o] += 1
+    return places, octets
+
+
 def octet_order(entries: list) -> list:
     """An item's positions (whole k-groups of 16): its entries ((row, column in chunk, source) in
-    walk order) bucketed by class (column % 8), the classes listed by decreasing count (ties by
-    class), list index i at octet i % O, slot i // O of O = ceil(n / 8) octets; None where no
-    entry lands (padding)."""
-    n = len(entries)
-    octets = -(-n // 8)
+    walk order) at :func:`octet_places` (class: column % 8, k: the entry's rank among its class in
+    walk order); None where no entry lands (padding)."""
     buckets = [[e for e in entries if e[1] % 8 == q] for q in range(8)]
-    listed = [e for q in sorted(range(8), key=lambda q: (-len(buckets[q]), q)) for e in buckets[q]]
-    slots: list = [None] * (-(-n // T.KGROUP) * T.KGROUP)
-    for i, e in enumerate(listed):
-        slots[(i % octets) * 8 + i // octets] = e
+    places, octets = octet_places([len(b) for b in buckets])
+    slots: list = [None] * (8 * octets)
+    for q, bucket in enumerate(buckets):
+        for k, e in enumerate(bucket):
+            slots[places[(q, k)]] = e
     return slots
+
+
+def padding_sources(filled: list) -> list:
+    """Per position of an item (``filled``: whether an entry lands there), the position whose
+    word a padding word repeats (value zero, the mark): the first entry of its own octet, or of
+    octet 0 when its octet has none; None where an entry lands."""
+    firsts = [next((o + s for s in range(8) if filled[o + s]), None) for o in range(0, len(filled), 8)]
+    return [None if f else (firsts[p // 8] if firsts[p // 8] is not None else firsts[0]) for p, f in enumerate(filled)]
+
+
+def kernel_octet_plan(total) -> tuple[int, int, int]:
+    """``octet_plan`` of cuda/twell_tiled.cuh as the kernels compute it: ``(octets, single,
+    rest)``."""
+    n, c_max = sum(total), max(total)
+    octets = 2 * ((n + 15) >> 4)
+    while True:
+        d = max(0, c_max - octets)
+        single = octets - d
+        rest = sum(max(0, t - single) for t in total)
+        if single >= 0 and rest <= 8 * d:
+            return octets, single, rest
+        octets += 2
+
+
+def kernel_octet_position(plan, total, q: int, k: int) -> int:
+    """``octet_position`` of cuda/twell_tiled.cuh."""
+    octets, single, _ = plan
+    if k < single:
+        return 8 * k + q
+    i = k - single + sum(max(0, total[c] - single) for c in range(q))
+    d = octets - single
+    return 8 * (single + i % d) + i // d
+
+
+def kernel_padding_source(plan, total, p: int) -> int:
+    """``octet_padding_source`` of cuda/twell_tiled.cuh (-1 where an entry lands)."""
+    octets, single, rest = plan
+    o, slot = p >> 3, p & 7
+    if o < single:
+        if total[slot] > o:
+            return -1
+        for c in range(8):
+            if total[c] > o:
+                return 8 * o + c
+    else:
+        x, d = o - single, octets - single
+        if slot * d + x < rest:
+            return -1
+        if x < rest:
+            return 8 * o
+    if single == 0:
+        return 0
+    return next((c for c in range(8) if total[c] > 0), 0)
 
 
 def _packed(lines, n_out: int, n_in: int, values, dests=None) -> tuple[np.ndarray, list[np.ndarray], int]:
     """The pack of an operand whose output row r holds the entries ``lines[r]`` ((column,
     source) in walk order; columns below ``n_in``): per item (group of 8 rows, chunk of 512
-    columns) the entries placed by :func:`octet_order`, padding words (the item's first word with
-    value zero and the padding mark) in the positions left; one word array per ``(data,
+    columns) the entries placed by :func:`octet_order`, padding words (:func:`padding_sources`'
+    words with value zero and the padding mark) in the positions left; one word array per ``(data,
     spill)`` value pair. ``dests``, a list, gets each word's source (PAD for
     padding)."""
     n_chunks = -(-n_in // T.CHUNK)
@@ -78,10 +157,10 @@ def _packed(lines, n_out: int, n_in: int, values, dests=None) -> tuple[np.ndarra
             slots = octet_order(entries)  # entry or None (padding) per position
             if dests is not None:
                 dests += [T.PAD if e is None else e[2] for e in slots]
+            sources = padding_sources([e is not None for e in slots])
             for out, vals in zip(words, values, strict=True):
                 item = [None if e is None else _value_bits(vals, e[2]) << 16 | e[0] << 9 | e[1] for e in slots]
-                pad = (item[0] & 0xFFFF | T.PAD_BIT) if item else 0
-                out += [pad if w is None else w for w in item]
+                out += [w if at is None else item[at] & 0xFFFF | T.PAD_BIT for w, at in zip(item, sources, strict=True)]
             padded = len(slots)
             kg_ptr.append(kg_ptr[-1] + padded // T.KGROUP)
     return np.array(kg_ptr, dtype=np.int64), [np.array(w, dtype=np.uint32) for w in words], n_chunks
@@ -374,8 +453,8 @@ def emulate_pack_transposed(parts, tile_n: int, n_cols: int) -> tuple[np.ndarray
     """``tiled_spmm_count_t`` / ``tiled_spmm_place_t`` as the kernels compute them, block by block
     (512 tokens x 512 columns): the bit matrix [column][token] of the block's entries, class
     counts by popcounts under the masks 0x01010101 << q, each entry's rank as its group's earlier
-    columns' counts plus its column's class bits below its token, the octet position, then the
-    padding (the group's position-0 word with value zero)."""
+    columns' counts plus its column's class bits below its token, the octet plan's position, then
+    the padding (:func:`padding_sources`)."""
     m = parts.data.shape[0]
     n_chunks = -(-m // T.CHUNK)
     n_groups = -(-n_cols // T.GROUP)
@@ -399,36 +478,33 @@ def emulate_pack_transposed(parts, tile_n: int, n_cols: int) -> tuple[np.ndarray
             masks = [np.uint64(0x01010101 << q) for q in range(8)]
             count = np.stack([popc(bits & masks[q]).sum(axis=1) for q in range(8)], axis=1)  # [column][class]
             total = count.reshape(64, 8, 8).sum(axis=1)  # [group][class]
+            plans = [octet_places(total[gi]) for gi in range(64)]
             for gi in range(64):
                 if c0 + 8 * gi < c1:
-                    sizes[(c0 // 8 + gi) * n_chunks + by] = -(-int(total[gi].sum()) // T.KGROUP)
-            blocks.append((c0, c1, by, mine, bits, count, total))
+                    sizes[(c0 // 8 + gi) * n_chunks + by] = plans[gi][1] // 2
+            blocks.append((c0, c1, by, mine, bits, count, total, plans))
     kg_ptr = np.concatenate([[0], np.cumsum(sizes)])
     words = np.zeros(int(kg_ptr[-1]) * T.KGROUP, dtype=np.uint32)
-    for c0, c1, by, mine, bits, count, total in blocks:
-        first = {}
+    for c0, c1, by, mine, bits, count, _, plans in blocks:
+        filled = {}
         for lt, col, source in mine:
             u, q = col - c0, lt & 7
             gi = u >> 3
             k = int(count[gi * 8 : u, q].sum())
             k += sum(bin(int(bits[u, w]) & (0x01010101 << q)).count("1") for w in range(lt >> 5))
             k += bin(int(bits[u, lt >> 5]) & (0x01010101 << q) & ((1 << (lt & 31)) - 1)).count("1")
-            n_item = int(total[gi].sum())  # octet_position: the classes by decreasing count, spread over octets
-            i = k + sum(int(total[gi, c]) for c in range(8) if (total[gi, c], -c) > (total[gi, q], -q))
-            octets = -(-n_item // 8)
-            p = (i % octets) * 8 + i // octets
-            at = int(kg_ptr[(c0 // 8 + gi) * n_chunks + by]) * T.KGROUP + p
-            words[at] = _value_bits((parts.data, parts.spill_data), source) << 16 | (u & 7) << 9 | lt
-            if p == 0:
-                first[gi] = int(words[at])
+            p = plans[gi][0][(q, k)]
+            at = int(kg_ptr[(c0 // 8 + gi) * n_chunks + by]) * T.KGROUP
+            words[at + p] = _value_bits((parts.data, parts.spill_data), source) << 16 | (u & 7) << 9 | lt
+            filled.setdefault(gi, set()).add(p)
         for gi in range(64):
             if c0 + 8 * gi < c1:
-                item = (c0 // 8 + gi) * n_chunks + by
-                at, end = int(kg_ptr[item]) * T.KGROUP, int(kg_ptr[item + 1]) * T.KGROUP
-                n_item, octets = int(total[gi].sum()), -(-int(total[gi].sum()) // 8)
-                for p in range(end - at):
-                    if p // 8 >= octets or (p % 8) * octets + p // 8 >= n_item:
-                        words[at + p] = first.get(gi, 0) & 0xFFFF | T.PAD_BIT
+                at = int(kg_ptr[(c0 // 8 + gi) * n_chunks + by]) * T.KGROUP
+                positions = 8 * plans[gi][1]
+                sources = padding_sources([p in filled.get(gi, ()) for p in range(positions)])
+                for p, src in enumerate(sources):
+                    if src is not None:
+                        words[at + p] = words[at + src] & 0xFFFF | T.PAD_BIT
     return kg_ptr, [words], n_chunks
 
 
