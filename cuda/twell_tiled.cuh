@@ -29,33 +29,46 @@ constexpr unsigned TSPMM_PAD_BIT = 1u << 12;
 // The placement of an item's entries over its octets (each ldmatrix matrix reads one octet's 8
 // B rows; rows of one class q = row % 8 sit in one 16-byte bank group of the swizzled stage, so
 // an octet costs as many shared-memory wavefronts as its most repeated class). An item of n
-// entries with class counts total[] costs at least max(O, c_max) wavefronts (O octets of its
-// ceil(n / 16) k-groups, c_max its largest class: a wavefront serves one entry per class). The
-// plan reaches that bound: `single` octets hold at most one entry per class (class q's entry k <
-// single at octet k, slot q), the other d = O - single "double" octets at most two (the rest of
-// each class, listed class by class, index i at octet single + i % d, slot i / d), with d =
-// c_max - O when c_max > O (so single + 2 d = c_max covers every class). When the rest does not
-// fit the double octets' 8 d slots, the item takes another k-group. On uniform patterns at 1%
-// that is 1.40x the octets' conflict-free wavefronts (a simulation of 8 x 512 items), against
-// 2.05x for classes dealt round robin with padding repeating the item's first entry (51% of the
-// H200's wavefronts were conflicts, twenty-sixth session).
+// entries has O = 2 ceil(n / 16) octets (its k-groups' halves; never more, so padding stays
+// under 16 words per item) and costs at least max(O, c_max) wavefronts, c_max its largest class
+// (a wavefront serves one entry per class). The plan: `single` octets hold at most one entry
+// per class (class q's entry k < single at octet k, slot q), the other d = O - single the rest
+// of every class, listed class by class, index i at octet single + i % d, slot i / d (so at
+// most ceil(rest of q / d) of class q per octet); d is the first of 0 .. O with the least cost
+// single + d * (most per octet) whose rest fits the d octets' 8 d slots. On uniform patterns at
+// 1% that is 1.40x the octets' conflict-free wavefronts and within 0.5% of the bound (a
+// simulation of 8 x 512 items), against 2.05x for classes dealt round robin with padding
+// repeating the item's first entry (51% of the H200's wavefronts were conflicts, twenty-sixth
+// session).
 struct OctetPlan {
   int octets;  // O: twice the item's k-groups
   int single;  // octets 0 .. single - 1 hold each class at most once
-  int rest;    // entries in the double octets
+  int rest;    // entries in the other octets
 };
 
 __device__ __forceinline__ OctetPlan octet_plan(const int (&total)[8], int n) {
   int c_max = 0;
 #pragma unroll
   for (int c = 0; c < 8; ++c) c_max = max(c_max, total[c]);
-  for (int octets = 2 * ((n + 15) >> 4);; octets += 2) {
-    const int d = max(0, c_max - octets), single = octets - d;
-    int rest = 0;
+  const int octets = 2 * ((n + 15) >> 4), bound = max(octets, c_max);
+  OctetPlan best{octets, octets, 0};  // d = 0: when no class has more entries than octets
+  int best_cost = c_max <= octets ? octets : 0x7fffffff;
+  for (int d = 1; d <= octets && best_cost > bound; ++d) {  // d = O always fits (n <= 8 O)
+    const int single = octets - d;
+    int rest = 0, most = 1;
 #pragma unroll
-    for (int c = 0; c < 8; ++c) rest += max(0, total[c] - single);
-    if (single >= 0 && rest <= 8 * d) return OctetPlan{octets, single, rest};
+    for (int c = 0; c < 8; ++c) {
+      const int r = max(0, total[c] - single);
+      rest += r;
+      most = max(most, (r + d - 1) / d);
+    }
+    const int cost = single + most * d;
+    if (rest <= 8 * d && cost < best_cost) {
+      best = OctetPlan{octets, single, rest};
+      best_cost = cost;
+    }
   }
+  return best;
 }
 
 // Where entry k (in walk order) of class q goes (see octet_plan).

@@ -60,22 +60,24 @@ def _wavefronts(octet_classes) -> int:
     return sum(max(np.bincount(c, minlength=8)) if c else 1 for c in octet_classes)
 
 
-def test_octet_plan_reaches_the_wavefront_bound_and_the_kernels_formulas_follow_it(rng):
-    """The model's plan, built slot by slot, costs max(O, largest class) wavefronts (the least
-    any placement can; O: the octets of ceil(n / 16) k-groups) unless it needed another k-group,
-    every octet at most two; and the kernels' closed forms (octet_plan, octet_position,
-    octet_padding_source) give its octets, positions and padding sources for every entry."""
+def test_octet_plan_nears_the_wavefront_bound_and_the_kernels_formulas_follow_it(rng):
+    """The model's plan, built slot by slot, keeps the item's ceil(n / 16) k-groups, puts at most
+    8 entries in an octet and costs at least max(O, largest class) wavefronts (the least any
+    placement can; O: the octets) and, over multinomial items, within 1% of that bound; and the
+    kernels' closed forms (octet_plan, octet_position, octet_padding_source) give its octets,
+    positions and padding sources for every entry."""
+    cost, bound = 0, 0
     for total in _class_totals(rng):
         places, octets = octet_places(total)
         n, c_max = sum(total), max(total)
-        assert sorted(places.values()) == sorted(set(places.values())) and len(places) == n
+        assert octets == 2 * -(-n // 16) and len(places) == n == len(set(places.values()))
         assert all(0 <= p < 8 * octets for p in places.values())
         classes = [[] for _ in range(octets)]
         for (q, _), p in places.items():
             classes[p // 8].append(q)
-        least = 2 * -(-n // 16)
-        assert _wavefronts(classes) <= max(least, c_max) + (octets - least)
-        assert all(max(np.bincount(c, minlength=8), default=0) <= 2 for c in classes if c)
+        assert _wavefronts(classes) >= max(octets, c_max)
+        if n and len(set(total)) > 1:  # the multinomial and skewed draws
+            cost, bound = cost + _wavefronts(classes), bound + max(octets, c_max)
         plan = kernel_octet_plan(total)
         assert plan[0] == octets
         for (q, k), p in places.items():
@@ -87,12 +89,13 @@ def test_octet_plan_reaches_the_wavefront_bound_and_the_kernels_formulas_follow_
         assert [kernel_padding_source(plan, total, p) for p in range(8 * octets)] == [
             -1 if src is None else src for src in sources
         ]
+    assert cost <= 1.01 * bound
 
 
 @pytest.mark.parametrize("m, k, n, tile_n, capacity, density", CASES)
 def test_pack_holds_every_entry_once_with_padding_read_by_its_own_octet(rng, m, k, n, tile_n, capacity, density):
-    """Every entry once; padding (marked, value zero) repeats a B row its own octet reads (a
-    broadcast), or octet 0's where its octet has no entry."""
+    """Every entry once; padding (marked, value zero; under 16 words per item) repeats a B row
+    its own octet reads (a broadcast), or octet 0's where its octet has no entry."""
     h, a = _problem(rng, m, k, tile_n, capacity, density)
     kg_ptr, (words,), n_chunks = reference_pack(a.parts, tile_n, k)
     assert n_chunks == -(-k // _tiled_spmm.CHUNK) and kg_ptr[-1] * 16 == words.size
@@ -103,7 +106,7 @@ def test_pack_holds_every_entry_once_with_padding_read_by_its_own_octet(rng, m, 
             pad = (item & _tiled_spmm.PAD_BIT) != 0
             values = (item >> 16).astype(np.uint16).view(h.dtype).astype(np.float64)
             rows, cols = grp * 8 + ((item >> 9) & 7), c * 512 + (item & 511)
-            assert (values[pad] == 0).all()
+            assert (values[pad] == 0).all() and pad.sum() < 16  # within the words' bound (_tiled_spmm._packed)
             np.add.at(rebuilt, (rows[~pad], cols[~pad]), values[~pad])
             for o in range(0, item.size, 8):
                 own = ~pad[o : o + 8]

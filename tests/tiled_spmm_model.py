@@ -44,29 +44,33 @@ def _value_bits(values, source) -> int:
 def octet_places(total) -> tuple[dict, int]:
     """The octet plan of an item with class counts ``total`` (8 ints), built slot by slot:
     ``(places, octets)``, places[(q, k)] the position of class q's entry k. An item of n entries
-    has O = 2 ceil(n / 16) octets (its k-groups' halves); with c the largest count, d = max(0, c -
-    O) of them take two entries of a class (the last d octets), the first O - d at most one, so
-    that an octet costs at most two wavefronts and the item max(O, c), the least any placement
-    can (a wavefront serves one entry per class). Class q's first O - d entries go to octets 0,
-    1, ... at slot q; the rest of all classes, listed class by class, deal round robin over the
-    d octets, each filling its slots in order. If that leaves more than 8 entries for an octet,
-    the item takes another k-group and is planned again."""
-    n, c_max = int(sum(total)), int(max(total))
+    has O = 2 ceil(n / 16) octets (its k-groups' halves). For d = 0 .. O: the first O - d
+    octets take class q's first O - d entries, one per octet at slot q; the rest of all classes,
+    listed class by class, deal round robin over the last d octets, each filling its slots in
+    order. A d whose rest fits (at most 8 per octet) costs O - d + d x (the most entries of one
+    class in one of the last d octets, at least 1): those octets' wavefronts at most; the plan
+    is the first d of least cost."""
+    n = int(sum(total))
     octets = 2 * -(-n // 16)
-    while True:
-        d = max(0, c_max - octets)
+    best = None
+    for d in range(octets + 1):
         single = octets - d
-        rest = [(q, k) for q in range(8) for k in range(max(0, single), int(total[q]))]
-        if single >= 0 and len(rest) <= 8 * d:
-            break
-        octets += 2
-    places = {(q, k): 8 * k + q for q in range(8) for k in range(min(single, int(total[q])))}
-    filled = [0] * d
-    for i, qk in enumerate(rest):
-        o = i % d
-        places[qk] = 8 * (single + o) + filled[o]
-        filled[o] += 1
-    return places, octets
+        places = {(q, k): 8 * k + q for q in range(8) for k in range(min(single, int(total[q])))}
+        rest = [(q, k) for q in range(8) for k in range(single, int(total[q]))]
+        if len(rest) > 8 * d:
+            continue
+        classes: list = [[] for _ in range(octets)]
+        for (q, _), p in places.items():
+            classes[p // 8].append(q)
+        for i, (q, k) in enumerate(rest):
+            o = single + i % d
+            places[(q, k)] = 8 * o + len(classes[o])
+            classes[o].append(q)
+        most = max([1] + [c.count(q) for c in classes[single:] for q in c])
+        cost = single + d * most
+        if best is None or cost < best[0]:
+            best = (cost, places)
+    return best[1], octets
 
 
 def octet_order(entries: list) -> list:
@@ -95,13 +99,17 @@ def kernel_octet_plan(total) -> tuple[int, int, int]:
     rest)``."""
     n, c_max = sum(total), max(total)
     octets = 2 * ((n + 15) >> 4)
-    while True:
-        d = max(0, c_max - octets)
+    bound = max(octets, c_max)
+    best, best_cost = (octets, octets, 0), (octets if c_max <= octets else 2**31 - 1)
+    d = 1
+    while d <= octets and best_cost > bound:
         single = octets - d
-        rest = sum(max(0, t - single) for t in total)
-        if single >= 0 and rest <= 8 * d:
-            return octets, single, rest
-        octets += 2
+        rests = [max(0, t - single) for t in total]
+        cost = single + max([1] + [(r + d - 1) // d for r in rests]) * d
+        if sum(rests) <= 8 * d and cost < best_cost:
+            best, best_cost = (octets, single, sum(rests)), cost
+        d += 1
+    return best
 
 
 def kernel_octet_position(plan, total, q: int, k: int) -> int:
