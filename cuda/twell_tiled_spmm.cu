@@ -26,9 +26,9 @@
 // the item's first entry left 51% of the wavefronts as conflicts on the H200 (twenty-sixth
 // session).
 //
-// Latency: a warp's k-group ranges are loaded one chunk ahead and each k-group's words one
-// k-group ahead, so the pack's L2 reads overlap the MMAs (about 46 instructions per k-group
-// and 64 columns in SASS). The grid is persistent (one block per SM walking the tiles), and the
+// Latency: a warp's k-group ranges are loaded one chunk ahead and each k-group's words two
+// k-groups ahead, so the pack's L2 reads overlap the MMAs (about 50 instructions per k-group
+// and 64 columns in SASS, and 9 moves that rotate the prefetched words). The grid is persistent (one block per SM walking the tiles), and the
 // ring runs on from one tile into the next: the next tile's first chunks load during this
 // tile's last ones and its epilogue.
 //
@@ -511,22 +511,39 @@ __global__ void __launch_bounds__(twell::TSPMM_WARPS * 32, 1) twell_tiled_spmm(
         k_lo[i] = __shfl_sync(0xffffffffu, kp, 2 * i);
         k_hi[i] = __shfl_sync(0xffffffffu, kp, 2 * i + 1);
       }
-      // first_after[i]: the first k-group of the first nonempty group after group i (-1: none).
-      int first_after[TSPMM_WARP_GROUPS + 1];
-      first_after[TSPMM_WARP_GROUPS] = -1;
+      // Each k-group's words load two k-groups ahead in the warp's sequence for this chunk (its
+      // group 0's range, then group 1's, ...): the L2's latency under two k-groups' MMAs (one
+      // ahead left the warps stalled on these loads 40% of their cycles on the H200,
+      // twenty-sixth session). after1[i] / after2[i]: the first and second k-group of the
+      // sequence after group i (-1: none).
+      int after1[TSPMM_WARP_GROUPS], after2[TSPMM_WARP_GROUPS];
+      after1[TSPMM_WARP_GROUPS - 1] = after2[TSPMM_WARP_GROUPS - 1] = -1;
 #pragma unroll
-      for (int i = TSPMM_WARP_GROUPS - 1; i >= 0; --i) first_after[i] = k_lo[i] < k_hi[i] ? k_lo[i] : first_after[i + 1];
+      for (int i = TSPMM_WARP_GROUPS - 2; i >= 0; --i) {
+        const int n = k_hi[i + 1] - k_lo[i + 1];
+        after1[i] = n > 0 ? k_lo[i + 1] : after1[i + 1];
+        after2[i] = n > 1 ? k_lo[i + 1] + 1 : (n == 1 ? after1[i + 1] : after2[i + 1]);
+      }
+      int first = -1, second = -1;  // the sequence's first two k-groups
+#pragma unroll
+      for (int i = TSPMM_WARP_GROUPS - 1; i >= 0; --i) {
+        const int n = k_hi[i] - k_lo[i];
+        second = n > 1 ? k_lo[i] + 1 : (n == 1 ? first : second);
+        first = n > 0 ? k_lo[i] : first;
+      }
       const unsigned* chunk_words = c < n1 ? words : words2;
       const uint2* pairs = reinterpret_cast<const uint2*>(chunk_words + 2 * t);
       const unsigned* own = chunk_words + entry;
-      TiledWords cur = tspmm_load(pairs, own, first_after[0]);
+      TiledWords cur = tspmm_load(pairs, own, first);
+      TiledWords nxt = tspmm_load(pairs, own, second);
       barrier_wait(full + 8 * s, parity);
       const unsigned stage_base = base + s * TSPMM_STAGE_BYTES;
 #pragma unroll
       for (int i = 0; i < TSPMM_WARP_GROUPS; ++i) {
 #pragma unroll 2
         for (int kg = k_lo[i]; kg < k_hi[i]; ++kg) {
-          const TiledWords next = tspmm_load(pairs, own, kg + 1 < k_hi[i] ? kg + 1 : first_after[i + 1]);
+          const int ahead = kg + 2 < k_hi[i] ? kg + 2 : (kg + 2 == k_hi[i] ? after1[i] : after2[i]);
+          const TiledWords after = tspmm_load(pairs, own, ahead);
           const unsigned b0 = tspmm_one_hot(cur.lo.x, cur.lo.y, g << 9), b1 = tspmm_one_hot(cur.hi.x, cur.hi.y, g << 9);
           const unsigned b_row = cur.mine & 511u;
           const unsigned row_base = stage_base + b_row * 128u, swz = b_row & 7u;
@@ -536,7 +553,8 @@ __global__ void __launch_bounds__(twell::TSPMM_WARPS * 32, 1) twell_tiled_spmm(
             ldmatrix_x4_trans(a, row_base + ((((unsigned)(2 * j + piece)) ^ swz) << 4));
             mma_m16n8k16<T>(acc[i][j], a[0], a[1], a[2], a[3], b0, b1);
           }
-          cur = next;
+          cur = nxt;
+          nxt = after;
         }
       }
       __syncwarp();

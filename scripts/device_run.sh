@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledffn|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledffn|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -49,9 +49,9 @@ sanitize_tests() {
 ncu_rows() {
   timeout 150 ncu --kernel-name regex:"$1" --launch-skip 3 --launch-count 1 --section SpeedOfLight \
     --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
-    --metrics smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__data_pipe_lsu_wavefronts.sum \
+    --metrics smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__data_pipe_lsu_wavefronts.sum,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio \
     python3 bench/stage_times.py --density 0.01 --reps 3 --only "$2" 2>&1 | tail -150 | tee -a "$OUT/$3_ncu.log" \
-    | grep -E "Duration|Throughput|Issued|Stall|stalled|wavefronts|conflicts|inst_executed|Eligible" | head -50
+    | grep -E "Duration|Throughput|Issued|Stall|stalled|wavefronts|conflicts|sectors|inst_executed|Eligible" | head -50
 }
 for step in $what; do
   case $step in
@@ -232,6 +232,16 @@ for step in $what; do
       ncu_rows twell_tiled_spmm "down spmm, tiled, packed" tiledspmm
       timeout 150 python3 bench/down_choice.py --m 4096,16384,65536 --densities 0.0025,0.005,0.01,0.02 \
         --out "$OUT/down_choice.jsonl" 2>&1 | tee -a "$OUT/tiledspmm.log"
+      ;;&
+    tiledquick)
+      # The tiled SpMM's tests, the suite's SpMM and torch tests with the tiled kernels forced on,
+      # its stage rows and Nsight Compute (with the stall reasons) on one product.
+      gpu_test_file tests/gpu/test_gpu_tiled_spmm.py tiledquick 300
+      for f in test_gpu_ops test_gpu_torch; do
+        TWELL_TILED_SPMM=1 TWELL_TILED_FFN=1 gpu_test_file tests/gpu/$f.py tiledquick 240
+      done
+      stage_rows "down spmm,stationary pack,tiled spmm pack,one pack" "0.005 0.01 0.02" tiledquick
+      ncu_rows twell_tiled_spmm "down spmm, tiled, packed" tiledquick
       ;;&
     tiledffn)
       # The gated consumer on one pack (cuda/twell_tiled_ffn.cu, opt-in): its tests, its stage
