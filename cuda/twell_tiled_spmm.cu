@@ -153,12 +153,41 @@ __device__ __forceinline__ int class_sum(const int (&total)[8]) {
   return n;
 }
 
-// Pack, launch 1: each item's k-group count (its octet plan's octets / 2).
+// Row `row`'s stored entries with columns in [c0, c1): whole tiles by their counts (their
+// indices are not read), the partial tiles by a walk, the spill by two binary searches.
+__device__ __forceinline__ int count_row(const TwellWalk& a, int row, int c0, int c1) {
+  int n = 0;
+  const int t_lo = c0 / a.tile_n, t_hi = (c1 - 1) / a.tile_n;
+  for (int t = t_lo; t <= t_hi; ++t) {
+    const long long rt = (long long)row * a.n_tiles + t;
+    const int cnt = a.counts[rt];
+    // Whole: the tile starts in range and ends in it or past the last column (no entry there).
+    if (t * a.tile_n >= c0 && ((t + 1) * a.tile_n <= c1 || c1 == a.K)) {
+      n += cnt;
+      continue;
+    }
+    for (int s = 0; s < cnt; ++s) {
+      const int col = t * a.tile_n + a.indices[rt * a.capacity + s];
+      n += col >= c0 && col < c1;
+    }
+  }
+  const auto first_at_least = [&](int col) {  // the row's first spill entry with column >= col
+    int lo = a.spill_indptr[row], hi = a.spill_indptr[row + 1];
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      if (a.spill_cols[mid] < col) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+  };
+  return n + first_at_least(c1) - first_at_least(c0);
+}
+
+// Pack, launch 1: each item's k-group count (its entries rounded up to 16: the octet plan keeps
+// that many).
 __device__ __forceinline__ void tspmm_count(const TwellWalk& a, int n_chunks, long long items, int* sizes) {
   const PackLane p = pack_lane(a, n_chunks, items);
-  int base[8], total[8];
-  segment_classes(a, p, p.item >= 0 && p.row < a.M, base, total);
-  if (p.item >= 0 && p.r == 0) sizes[p.item] = octet_plan(total, class_sum(total)).octets / 2;
+  const int n = segment_sum(p.item >= 0 && p.row < a.M ? count_row(a, p.row, p.c0, p.c1) : 0);
+  if (p.item >= 0 && p.r == 0) sizes[p.item] = (n + TSPMM_KGROUP - 1) / TSPMM_KGROUP;
 }
 
 // Pack, launch 4 (after the scan of the sizes into kg_ptr): each item's words, entry k of class
