@@ -9,7 +9,8 @@ in the gate's layout.
 The training forward also writes u in the gate's layout (the pack records each word's place
 there), and the backward runs the same kernel on one pack of the gate (d_h = dy . W_down^T at
 the entries, then d_z, d_u and h, and dX by the tiled SpMM's dual form on d_z's and d_u's
-words). Opt-in (``TWELL_TILED_FFN=1``) until measured on a GPU.
+words). Opt-in (``TWELL_TILED_FFN=1``): its up kernel beats the row gathers on the H200, but
+with the tiled SpMM's down projection the consumer does not yet beat the default.
 """
 
 from __future__ import annotations
@@ -144,11 +145,11 @@ def applies_backward(gate: TwELLParts, dy: Any, w_down_t: Any, up: TwELLParts, w
 
 #: Whether the up kernel runs in clusters of two blocks (consecutive unit chunks, the same tokens)
 #: that share x's slices by TMA multicast (a quarter of its L2 bytes saved): only with
-#: ``TWELL_TILED_FFN_PAIRS=1``, until measured against the single blocks.
+#: ``TWELL_TILED_FFN_PAIRS=1`` (measured as fast as the single blocks: not L2-bound).
 PAIRS: bool | None = K.env_switch("TWELL_TILED_FFN_PAIRS")
 
 #: Whether the gated consumer and the gated backward take these paths where they apply: only
-#: with ``TWELL_TILED_FFN=1`` (not yet measured on a GPU; bench/NOTES.md).
+#: with ``TWELL_TILED_FFN=1`` (not yet faster than the default; bench/NOTES.md).
 PREFERRED: bool | None = K.env_switch("TWELL_TILED_FFN")
 
 

@@ -6,7 +6,8 @@ through shared memory in chunks of 512 (TMA), instead of one row of b read from 
 A is first packed on the device (four launches, no host read, so the pair runs inside a CUDA
 graph capture) into k-groups of 16 words per (8 output rows, chunk). :func:`applies` says
 whether the kernel serves the operands, :func:`spmm` runs it. Opt-in (``TWELL_TILED_SPMM=1`` or
-``matmul``'s ``path="tiled"``) until measured against the stationary kernel; a documented
+``matmul``'s ``path="tiled"``): on the H200 it is still slower than the stationary kernel with
+its pack (bench/NOTES.md, twenty-sixth session). A documented
 detail: inside the MMA an Inf or NaN in a row of b that an entry uses would reach the other 7
 rows of that entry's group of 8 as NaN (0 x Inf); the product flags the rows whose sums are
 not finite and a second launch recomputes them exactly, so the results are the other paths'.
@@ -241,7 +242,7 @@ def spmm_transposed(tile_n: int, n_cols: int, products: list[tuple[TwELLParts, A
 BALANCE_TRANSPOSED = True
 
 #: Whether ``matmul``'s "auto" path takes this kernel where it applies: only with
-#: ``TWELL_TILED_SPMM=1`` (not yet measured on a GPU; bench/NOTES.md).
+#: ``TWELL_TILED_SPMM=1`` (slower than the stationary kernel so far; bench/NOTES.md).
 PREFERRED: bool | None = K.env_switch("TWELL_TILED_SPMM")
 
 
