@@ -211,12 +211,12 @@ __device__ __forceinline__ void tiled_ffn_up_body(TFFN_ARGS) {
         if (i < cnt) {
           const unsigned w = where[i];
           if (i == 0 || (w >> 15) != (where[i > 0 ? i - 1 : 0] >> 15)) ldmatrix_x4(xf, sb + TFFN_X_BYTE + (w >> 15));
-          unsigned a[4];
+          unsigned a[4], a2[4];  // both halves' ldmatrix before their MMAs: their latencies overlap
           const unsigned wa = sb + (w & 0x7fffu);
           ldmatrix_x4(a, wa);
+          ldmatrix_x4(a2, wa ^ 32u);
           mma_m16n8k16<T>(acc[i], a[0], a[1], a[2], a[3], xf[0], xf[1]);
-          ldmatrix_x4(a, wa ^ 32u);
-          mma_m16n8k16<T>(acc[i], a[0], a[1], a[2], a[3], xf[2], xf[3]);
+          mma_m16n8k16<T>(acc[i], a2[0], a2[1], a2[2], a2[3], xf[2], xf[3]);
         }
       }
       __syncwarp();
