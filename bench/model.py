@@ -81,6 +81,12 @@ def packed_stats(fire: np.ndarray, d_model: int, rows: int = 8, chunk: int = 512
     full[:m, :n] = fire
     entries = full.reshape(pad_m // rows, rows, pad_n // chunk, chunk).sum(axis=(1, 3))  # (group, chunk)
     kgs = -(-entries // kgroup)
+    # Shared-memory wavefronts against conflict-free ones: an item costs at least max(its
+    # octets, its largest row class) (cuda/twell_tiled.cuh, octet_plan, which reaches that within
+    # 0.5%); the classes are the B rows' (column in chunk) % 8.
+    classes = full.reshape(pad_m // rows, rows, pad_n // chunk, chunk // 8, 8).sum(axis=(1, 3))
+    octets = 2 * kgs
+    conflicts = float(np.maximum(octets, classes.max(axis=2)).sum() / max(octets.sum(), 1))
     per_block = kgs.reshape(-1, 64, kgs.shape[1])  # 64 row groups a block of 512 tokens
     rounds = -(-per_block.sum(axis=1) // 256)  # (part, chunk): 16 warps x 16 k-groups a round
     groups_busy = (per_block > 0).sum(axis=1)  # groups reading x, per (part, chunk)
@@ -91,6 +97,9 @@ def packed_stats(fire: np.ndarray, d_model: int, rows: int = 8, chunk: int = 512
     # A.T: groups of 8 units x chunks of 512 tokens; blocks of 512 units (16 warps x 4 groups).
     entries_t = full.reshape(pad_m // chunk, chunk, pad_n // rows, rows).sum(axis=(1, 3)).T
     kgs_t = -(-entries_t // kgroup)
+    classes_t = full.reshape(pad_m // chunk, chunk // 8, 8, pad_n // rows, rows).sum(axis=(1, 4))  # token % 8
+    octets_t = 2 * kgs_t
+    conflicts_t = float(np.maximum(octets_t, classes_t.max(axis=1).T).sum() / max(octets_t.sum(), 1))
     units_groups = -(-kgs_t.shape[0] // 64) * 64
     padded_t = np.zeros((units_groups, kgs_t.shape[1]), dtype=kgs_t.dtype)
     padded_t[: kgs_t.shape[0]] = kgs_t
@@ -106,6 +115,8 @@ def packed_stats(fire: np.ndarray, d_model: int, rows: int = 8, chunk: int = 512
         "two_rounds": float((rounds >= 2).mean()),
         "busiest_warp": float(busy),
         "busiest_warp_dealt": float(busy_dealt),
+        "conflicts": conflicts,
+        "conflicts_t": conflicts_t,
         "spmm_gb": spmm_bytes / 1e9,
         "up_gb": up_bytes / 1e9,
         "transposed_gb": float(kgs_t.sum() * kgroup_bytes / 1e9),
@@ -149,16 +160,17 @@ def main(argv: list[str] | None = None) -> int:
     for pattern, density, hot, split_ms, gathers_ms in splits:
         print(f"{pattern:>7}  {density:6.2%}  {hot:11d}  {split_ms:16.3f}  {gathers_ms:16.3f}")
     print(
-        "\npattern  density  padding  up rounds (2+)  busiest warp (A.T, dealt)  "
-        f"shared-memory GB (ms at {args.smem_tbs} TB/s): down, up, each transposed"
+        "\npattern  density  padding  up rounds (2+)  busiest warp (A.T, dealt)  conflicts (A.T)  "
+        f"shared-memory GB (ms at {args.smem_tbs} TB/s, with the conflicts): down, up, each transposed"
     )
     for pattern, density, st in packed:
         t = {k: st[k] / args.smem_tbs for k in ("spmm_gb", "up_gb", "transposed_gb")}
+        c, ct = st["conflicts"], st["conflicts_t"]
         print(
             f"{pattern:>7}  {density:6.2%}  {st['padding']:7.1%}  {st['rounds']:5.2f} ({st['two_rounds']:4.0%})"
-            f"  {st['busiest_warp']:14.2f} ({st['busiest_warp_dealt']:.2f})"
-            f"  {st['spmm_gb']:.2f} ({t['spmm_gb']:.3f}), {st['up_gb']:.2f} ({t['up_gb']:.3f}),"
-            f" {st['transposed_gb']:.2f} ({t['transposed_gb']:.3f})"
+            f"  {st['busiest_warp']:14.2f} ({st['busiest_warp_dealt']:.2f})  {c:9.2f} ({ct:.2f})"
+            f"  {st['spmm_gb']:.2f} ({t['spmm_gb'] * c:.3f}), {st['up_gb']:.2f} ({t['up_gb'] * c:.3f}),"
+            f" {st['transposed_gb']:.2f} ({t['transposed_gb'] * ct:.3f})"
         )
     return 0
 

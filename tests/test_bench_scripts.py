@@ -77,7 +77,8 @@ def test_hot_split_picks_the_cheapest_h():
 
 def test_packed_stats_counts_kgroups_rounds_and_warps():
     """One full row group of a 512-token block firing 17 units of the first chunk: 8 x 17 = 136
-    entries in one item, 9 k-groups (144 slots: 5.9% padding), one round for that block; in
+    entries in one item, 9 k-groups (144 slots: 5.9% padding), its largest class 24 entries (the
+    octet plan's bound: 24 wavefronts for 18 octets), one round for that block; in
     A.T units 0-7 and 8-15 hold 64 entries each (4 k-groups each) and unit 16 eight (1), all
     warp 0's (it owns units 0-31)."""
     import numpy as np
@@ -90,6 +91,9 @@ def test_packed_stats_counts_kgroups_rounds_and_warps():
     assert st["rounds"] == (1 + 0) / 2 and st["two_rounds"] == 0  # the second chunk's block: none
     assert st["spmm_gb"] == 9 * 16 * 2 * 64 / 1e9
     assert st["transposed_gb"] == 9 * 16 * 2 * 64 / 1e9
+    # class 0 (columns 0, 8, 16) holds 24 entries against the item's 18 octets; A.T's items
+    # (tokens 0-7: one per class and unit) conflict-free
+    assert st["conflicts"] == 24 / 18 and st["conflicts_t"] == 1.0
     assert st["busiest_warp"] == 16.0  # warp 0 has all 9 k-groups: 16x the mean of 16 warps
     # dealt over the two blocks of 64 groups: 4 to block 0's warp 0, 4 to block 1's, 1 to block
     # 0's warp 1: busiest warps 4 + 4 against means (4 + 1) / 16 + 4 / 16
