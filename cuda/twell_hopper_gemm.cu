@@ -76,15 +76,6 @@ template <int SPLIT> struct Schedule {
 static_assert(Schedule<1>::SMEM_BYTES <= 227 * 1024, "the split schedule fits an SM's shared memory");
 static_assert(Schedule<0>::SMEM_BYTES <= 227 * 1024, "the inline schedule fits an SM's shared memory");
 
-// A math warp's release of a ring stage: an arrival on the stage's empty barrier in every CTA of
-// the cluster (each CTA's copy thread writes into all of them).
-template <int CLUSTER> __device__ __forceinline__ void release_stage(unsigned bar) {
-  if (CLUSTER == 1) barrier_arrive(bar);
-  else
-#pragma unroll
-    for (unsigned c = 0; c < CLUSTER; ++c) barrier_arrive_in(bar, c);
-}
-
 // A K-major operand tile in the 128-byte swizzle: rows of 64 16-bit values (128 bytes), 8-row
 // groups 1024 bytes apart. Advancing 16 values along K adds 32 bytes (2 in the address field).
 __device__ __forceinline__ unsigned long long sw128_descriptor(unsigned saddr) {

@@ -220,12 +220,7 @@ __device__ __forceinline__ void tiled_ffn_up_body(TFFN_ARGS) {
         }
       }
       __syncwarp();
-      if (lane == 0) {
-        if (CLUSTER == 1) barrier_arrive(empty + 8 * s);
-        else
-#pragma unroll
-          for (unsigned c = 0; c < CLUSTER; ++c) barrier_arrive_in(empty + 8 * s, c);
-      }
+      if (lane == 0) release_stage<CLUSTER>(empty + 8 * s);
       if (threadIdx.x == 0 && ring + TFFN_STAGES < issues) issue(ring + TFFN_STAGES);
     }
     // Entry g of each k-group (and g + 8): the lane with t = row / 2 writes its results.

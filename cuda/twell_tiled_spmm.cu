@@ -28,9 +28,9 @@
 //
 // Latency: a warp's k-group ranges are loaded one chunk ahead and each k-group's words two
 // k-groups ahead, so the pack's L2 reads overlap the MMAs (about 50 instructions per k-group
-// and 64 columns in SASS, and 9 moves that rotate the prefetched words). The grid is persistent (one block per SM walking the tiles), and the
-// ring runs on from one tile into the next: the next tile's first chunks load during this
-// tile's last ones and its epilogue.
+// and 64 columns in SASS, and 9 moves that rotate the prefetched words). The grid is persistent
+// (one block per SM walking the tiles), and the ring runs on from one tile into the next: the
+// next tile's first chunks load during this tile's last ones and its epilogue.
 //
 // A.T @ G (the backward's weight gradients) runs the same kernel on a pack of A.T made straight
 // from A's parts (tiled_spmm_count_t / _place_t below: no transposed structure), one pack for up
@@ -63,9 +63,18 @@ struct TwellWalk {
   int M, K, n_tiles, tile_n, capacity;
 };
 
+// The index of row `row`'s first spill entry with column >= col (binary search; columns rise).
+__device__ __forceinline__ int first_spill_at_least(const TwellWalk& a, int row, int col) {
+  int lo = a.spill_indptr[row], hi = a.spill_indptr[row + 1];
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (a.spill_cols[mid] < col) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
 // Row `row`'s entries with columns in [c0, c1), as visit(column, source): its tiles' slots,
-// then its spill from the first column >= c0 (binary search; columns rise). Source: the slot
-// index, or ~spill index.
+// then its spill from the first column >= c0. Source: the slot index, or ~spill index.
 template <typename Visit>
 __device__ __forceinline__ void walk_row(const TwellWalk& a, int row, int c0, int c1, Visit visit) {
   const int t_lo = c0 / a.tile_n, t_hi = (c1 - 1) / a.tile_n;
@@ -78,13 +87,9 @@ __device__ __forceinline__ void walk_row(const TwellWalk& a, int row, int c0, in
       if (col >= c0 && col < c1) visit(col, slot);
     }
   }
-  int lo = a.spill_indptr[row], hi = a.spill_indptr[row + 1];
-  const int end = hi;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (a.spill_cols[mid] < c0) lo = mid + 1; else hi = mid;
-  }
-  for (int i = lo; i < end && a.spill_cols[i] < c1; ++i) visit(a.spill_cols[i], ~(long long)i);
+  const int end = a.spill_indptr[row + 1];
+  for (int i = first_spill_at_least(a, row, c0); i < end && a.spill_cols[i] < c1; ++i)
+    visit(a.spill_cols[i], ~(long long)i);
 }
 
 // Up to three value arrays of one structure (A's own and others'; null data where absent),
@@ -97,6 +102,31 @@ struct PackValues {
   unsigned* words[3];
   int* dests;
 };
+
+// One entry's words (value bits, row in its group, B row in its chunk) at position `at` of
+// every given value array, and its place in A's parts with dests.
+__device__ __forceinline__ void place_entry(const PackValues& v, long long at, long long source, int row, int b_row) {
+#pragma unroll
+  for (int i = 0; i < 3; ++i)
+    if (v.data[i] != nullptr) v.words[i][at] = tspmm_word(tspmm_value(v.data[i], v.spill[i], source), row, b_row);
+  if (v.dests != nullptr) v.dests[at] = (int)source;
+}
+
+// The padding of an item placed by `plan` (its words start at `at`, its entries written and
+// visible to this thread), positions first, first + 8, ...: octet_padding_source's row and B
+// row with value zero and the padding mark, TSPMM_PAD as their place.
+__device__ __forceinline__ void place_padding(const PackValues& v, const OctetPlan& plan, const int (&total)[8],
+                                              long long at, int first) {
+  for (int pos = first; pos < 8 * plan.octets; pos += 8) {
+    const int src = octet_padding_source(plan, total, pos);
+    if (src < 0) continue;
+    const unsigned pad = (v.words[0][at + src] & 0xffffu) | TSPMM_PAD_BIT;
+#pragma unroll
+    for (int i = 0; i < 3; ++i)
+      if (v.data[i] != nullptr) v.words[i][at + pos] = pad;
+    if (v.dests != nullptr) v.dests[at + pos] = TSPMM_PAD;
+  }
+}
 
 // The pack's work split: 8 lanes per item (group of 8 rows, chunk of 512 columns), lane r of a
 // segment walking row r of the group, so a thread's chain of dependent loads is one row's
@@ -154,7 +184,7 @@ __device__ __forceinline__ int class_sum(const int (&total)[8]) {
 }
 
 // Row `row`'s stored entries with columns in [c0, c1): whole tiles by their counts (their
-// indices are not read), the partial tiles by a walk, the spill by two binary searches.
+// indices are not read), the partial tiles by a walk, the spill by two searches.
 __device__ __forceinline__ int count_row(const TwellWalk& a, int row, int c0, int c1) {
   int n = 0;
   const int t_lo = c0 / a.tile_n, t_hi = (c1 - 1) / a.tile_n;
@@ -171,15 +201,7 @@ __device__ __forceinline__ int count_row(const TwellWalk& a, int row, int c0, in
       n += col >= c0 && col < c1;
     }
   }
-  const auto first_at_least = [&](int col) {  // the row's first spill entry with column >= col
-    int lo = a.spill_indptr[row], hi = a.spill_indptr[row + 1];
-    while (lo < hi) {
-      const int mid = (lo + hi) >> 1;
-      if (a.spill_cols[mid] < col) lo = mid + 1; else hi = mid;
-    }
-    return lo;
-  };
-  return n + first_at_least(c1) - first_at_least(c0);
+  return n + first_spill_at_least(a, row, c1) - first_spill_at_least(a, row, c0);
 }
 
 // Pack, launch 1: each item's k-group count (its entries rounded up to 16: the octet plan keeps
@@ -205,24 +227,10 @@ __device__ __forceinline__ void tspmm_place(const TwellWalk& a, int n_chunks, lo
   if (live)
     walk_row(a, p.row, p.c0, p.c1, [&](int col, long long source) {
       const int b_row = col - p.c0, q = b_row & 7;
-      const int pos = octet_position(plan, total, q, base[q]++);
-#pragma unroll
-      for (int i = 0; i < 3; ++i)
-        if (v.data[i] != nullptr)
-          v.words[i][at + pos] = tspmm_word(tspmm_value(v.data[i], v.spill[i], source), p.r, b_row);
-      if (v.dests != nullptr) v.dests[at + pos] = (int)source;
+      place_entry(v, at + octet_position(plan, total, q, base[q]++), source, p.r, b_row);
     });
   __syncwarp();  // the segment's entries are written (and visible to its lanes) before the padding reads them
-  if (p.item < 0) return;
-  for (int pos = p.r; pos < 8 * plan.octets; pos += 8) {
-    const int src = octet_padding_source(plan, total, pos);
-    if (src < 0) continue;
-    const unsigned pad = (v.words[0][at + src] & 0xffffu) | TSPMM_PAD_BIT;
-#pragma unroll
-    for (int i = 0; i < 3; ++i)
-      if (v.data[i] != nullptr) v.words[i][at + pos] = pad;
-    if (v.dests != nullptr) v.dests[at + pos] = TSPMM_PAD;
-  }
+  if (p.item >= 0) place_padding(v, plan, total, at, p.r);
 }
 
 // The words of one k-group that a lane needs: entries 2t, 2t + 1 and 2t + 8, 2t + 9 (the one-hot
@@ -388,27 +396,13 @@ __global__ void __launch_bounds__(twell::TT_TOKENS) tiled_spmm_place_t(const sho
       k += __popc(sh.bits[u][lt >> 5] & below);
       const int p = octet_position(sh.plan[gi], sh.total[gi], q, k);
       const long long item = (long long)(c0 / 8 + gi) * n_chunks + blockIdx.y;
-      const long long at = (long long)kg_ptr[item] * TSPMM_KGROUP + p;
-#pragma unroll
-      for (int i = 0; i < 3; ++i)
-        if (v.data[i] != nullptr) v.words[i][at] = tspmm_word(tspmm_value(v.data[i], v.spill[i], source), u & 7, lt);
-      if (v.dests != nullptr) v.dests[at] = (int)source;
+      place_entry(v, (long long)kg_ptr[item] * TSPMM_KGROUP + p, source, u & 7, lt);
     });
   __syncthreads();  // every entry written (and visible to the block) before the padding reads them
-  // The padding: 8 threads per group, as tspmm_place.
-  const int gi = lt >> 3;
+  const int gi = lt >> 3;  // the padding: 8 threads per group, as tspmm_place
   if (c0 + 8 * gi < c1) {
     const long long at = (long long)kg_ptr[(long long)(c0 / 8 + gi) * n_chunks + blockIdx.y] * TSPMM_KGROUP;
-    const OctetPlan plan = sh.plan[gi];
-    for (int p = lt & 7; p < 8 * plan.octets; p += 8) {
-      const int src = octet_padding_source(plan, sh.total[gi], p);
-      if (src < 0) continue;
-      const unsigned pad = (v.words[0][at + src] & 0xffffu) | TSPMM_PAD_BIT;
-#pragma unroll
-      for (int i = 0; i < 3; ++i)
-        if (v.data[i] != nullptr) v.words[i][at + p] = pad;
-      if (v.dests != nullptr) v.dests[at + p] = TSPMM_PAD;
-    }
+    place_padding(v, sh.plan[gi], sh.total[gi], at, lt & 7);
   }
 }
 
@@ -520,9 +514,8 @@ __global__ void __launch_bounds__(twell::TSPMM_WARPS * 32, 1) twell_tiled_spmm(
       return grp < n_groups ? grp : -1;
     };
     // The warp's k-group ranges at chunk c, one load a lane: lane j < 8 holds kg_ptr[item + (j &
-    // 1)] of its slot j / 2's group (0 past the groups or the chunks). Loaded one chunk ahead, and
-    // each k-group's words one k-group ahead (across the warp's groups), so that the L2 latency of
-    // the pack overlaps the MMAs instead of stalling the warp at every group and chunk.
+    // 1)] of its slot j / 2's group (0 past the groups or the chunks). Loaded one chunk ahead, so
+    // that the L2 latency of the pack overlaps the MMAs instead of stalling the warp at every chunk.
     const int lane_group = actual((lane & 7) >> 1);
     auto ranges = [&](int c) {
       if (c >= n_chunks || lane_group < 0) return 0;
@@ -543,35 +536,28 @@ __global__ void __launch_bounds__(twell::TSPMM_WARPS * 32, 1) twell_tiled_spmm(
       // Each k-group's words load two k-groups ahead in the warp's sequence for this chunk (its
       // group 0's range, then group 1's, ...): the L2's latency under two k-groups' MMAs (one
       // ahead left the warps stalled on these loads 40% of their cycles on the H200,
-      // twenty-sixth session). after1[i] / after2[i]: the first and second k-group of the
-      // sequence after group i (-1: none).
-      int after1[TSPMM_WARP_GROUPS], after2[TSPMM_WARP_GROUPS];
-      after1[TSPMM_WARP_GROUPS - 1] = after2[TSPMM_WARP_GROUPS - 1] = -1;
-#pragma unroll
-      for (int i = TSPMM_WARP_GROUPS - 2; i >= 0; --i) {
-        const int n = k_hi[i + 1] - k_lo[i + 1];
-        after1[i] = n > 0 ? k_lo[i + 1] : after1[i + 1];
-        after2[i] = n > 1 ? k_lo[i + 1] + 1 : (n == 1 ? after1[i + 1] : after2[i + 1]);
-      }
-      int first = -1, second = -1;  // the sequence's first two k-groups
+      // twenty-sixth session). from1[i] / from2[i]: the first and second k-group of the sequence
+      // from group i on (-1: none).
+      int from1[TSPMM_WARP_GROUPS + 1], from2[TSPMM_WARP_GROUPS + 1];
+      from1[TSPMM_WARP_GROUPS] = from2[TSPMM_WARP_GROUPS] = -1;
 #pragma unroll
       for (int i = TSPMM_WARP_GROUPS - 1; i >= 0; --i) {
         const int n = k_hi[i] - k_lo[i];
-        second = n > 1 ? k_lo[i] + 1 : (n == 1 ? first : second);
-        first = n > 0 ? k_lo[i] : first;
+        from1[i] = n > 0 ? k_lo[i] : from1[i + 1];
+        from2[i] = n > 1 ? k_lo[i] + 1 : (n == 1 ? from1[i + 1] : from2[i + 1]);
       }
       const unsigned* chunk_words = c < n1 ? words : words2;
       const uint2* pairs = reinterpret_cast<const uint2*>(chunk_words + 2 * t);
       const unsigned* own = chunk_words + entry;
-      TiledWords cur = tspmm_load(pairs, own, first);
-      TiledWords nxt = tspmm_load(pairs, own, second);
+      TiledWords cur = tspmm_load(pairs, own, from1[0]);
+      TiledWords nxt = tspmm_load(pairs, own, from2[0]);
       barrier_wait(full + 8 * s, parity);
       const unsigned stage_base = base + s * TSPMM_STAGE_BYTES;
 #pragma unroll
       for (int i = 0; i < TSPMM_WARP_GROUPS; ++i) {
 #pragma unroll 2
         for (int kg = k_lo[i]; kg < k_hi[i]; ++kg) {
-          const int ahead = kg + 2 < k_hi[i] ? kg + 2 : (kg + 2 == k_hi[i] ? after1[i] : after2[i]);
+          const int ahead = kg + 2 < k_hi[i] ? kg + 2 : (kg + 2 == k_hi[i] ? from1[i + 1] : from2[i + 1]);
           const TiledWords after = tspmm_load(pairs, own, ahead);
           const unsigned b0 = tspmm_one_hot(cur.lo.x, cur.lo.y, g << 9), b1 = tspmm_one_hot(cur.hi.x, cur.hi.y, g << 9);
           const unsigned b_row = cur.mine & 511u;

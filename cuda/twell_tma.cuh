@@ -75,6 +75,15 @@ __device__ __forceinline__ void barrier_arrive_in(unsigned bar, unsigned rank) {
       : "memory");
 }
 
+// A warp's release of a ring stage: an arrival on the stage's empty barrier in every CTA of the
+// cluster (each CTA's refilling thread copies into all of them), or in its own CTA alone.
+template <int CLUSTER> __device__ __forceinline__ void release_stage(unsigned bar) {
+  if (CLUSTER == 1) barrier_arrive(bar);
+  else
+#pragma unroll
+    for (unsigned c = 0; c < CLUSTER; ++c) barrier_arrive_in(bar, c);
+}
+
 __device__ __forceinline__ unsigned cluster_rank() {
   unsigned r;
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));

@@ -274,27 +274,22 @@ def emulate(kg_ptr, words, n_chunks: int, m: int, b: np.ndarray, b2=None, group_
                 for warp in range(T.WARPS):
                     # The warp's ranges (0 past the groups) and the kernel's prefetch: the words in
                     # hand are always those of the next two k-groups in (group, k-group) order;
-                    # after1[i] / after2[i]: the first two k-groups of the sequence after group i.
+                    # from1[i] / from2[i]: the first two k-groups of the sequence from group i on.
                     lo, hi = [], []
                     for i in range(4):
                         grp = actual(by * T.ROWS // T.GROUP + warp * 4 + i)
                         item = grp * n_chunks + c % n_chunks
                         lo.append(int(kg_ptr[item]) if grp >= 0 else 0)
                         hi.append(int(kg_ptr[item + 1]) if grp >= 0 else 0)
-                    after1, after2 = [-1] * 4, [-1] * 4
-                    for i in range(2, -1, -1):
-                        n_next = hi[i + 1] - lo[i + 1]
-                        after1[i] = lo[i + 1] if n_next > 0 else after1[i + 1]
-                        after2[i] = lo[i + 1] + 1 if n_next > 1 else (after1[i + 1] if n_next == 1 else after2[i + 1])
-                    first, second = -1, -1
+                    from1, from2 = [-1] * 5, [-1] * 5
                     for i in range(3, -1, -1):
                         n_here = hi[i] - lo[i]
-                        second = lo[i] + 1 if n_here > 1 else (first if n_here == 1 else second)
-                        first = lo[i] if n_here > 0 else first
-                    cur, nxt = _kgroup(chunk_words, first), _kgroup(chunk_words, second)
+                        from1[i] = lo[i] if n_here > 0 else from1[i + 1]
+                        from2[i] = lo[i] + 1 if n_here > 1 else (from1[i + 1] if n_here == 1 else from2[i + 1])
+                    cur, nxt = _kgroup(chunk_words, from1[0]), _kgroup(chunk_words, from2[0])
                     for i in range(4):
                         for kg in range(lo[i], hi[i]):
-                            ahead = kg + 2 if kg + 2 < hi[i] else (after1[i] if kg + 2 == hi[i] else after2[i])
+                            ahead = kg + 2 if kg + 2 < hi[i] else (from1[i + 1] if kg + 2 == hi[i] else from2[i + 1])
                             after = _kgroup(chunk_words, ahead)
                             w = cur.astype(np.int64)
                             rows_in_group, vals = (w >> 9) & 7, _value(w >> 16, source.dtype)
