@@ -233,19 +233,14 @@ __device__ __forceinline__ void tspmm_place(const TwellWalk& a, int n_chunks, lo
   if (p.item >= 0) place_padding(v, plan, total, at, p.r);
 }
 
-// The words of one k-group that a lane needs: entries 2t, 2t + 1 and 2t + 8, 2t + 9 (the one-hot
-// operand) and its ldmatrix entry. `pairs` points at word 2t of k-group 0 and `own` at word
-// `entry`: three loads at fixed offsets per k-group. kg < 0 (nothing to load) reads k-group 0
-// instead, never used: a load without a branch around it (the pack's words array always holds
-// at least one k-group's room).
-struct TiledWords {
-  uint2 lo, hi;
-  unsigned mine;
-};
-
-__device__ __forceinline__ TiledWords tspmm_load(const uint2* pairs, const unsigned* own, int kg) {
-  const long long at = (long long)max(kg, 0) * TSPMM_KGROUP;
-  return TiledWords{__ldg(pairs + at / 2), __ldg(pairs + at / 2 + 4), __ldg(own + at)};
+// A lane's word of one k-group: entry `entry` (its ldmatrix row, see twell_tiled_spmm), one
+// load at a fixed offset per k-group; the one-hot operand's four words come from the lanes that
+// hold them by shuffles (tspmm_operand). kg < 0 (nothing to load) reads k-group 0 instead, never
+// used: a load without a branch around it (the pack's words array always holds at least one
+// k-group's room). One register per k-group in flight, where loading the operand's words too
+// held five (the twenty-sixth session's kernel: 128 registers, one ldmatrix in flight at a time).
+__device__ __forceinline__ unsigned tspmm_load(const unsigned* own, int kg) {
+  return __ldg(own + (long long)max(kg, 0) * TSPMM_KGROUP);
 }
 
 // The one-hot operand's register for column g (g9 = g << 9): the value halves of words w0 (low
@@ -257,6 +252,26 @@ __device__ __forceinline__ unsigned tspmm_one_hot(unsigned w0, unsigned w1, unsi
   unsigned r;
   asm("prmt.b32 %0, %1, %2, 0x7632;" : "=r"(r) : "r"(a), "r"(b));  // a's high half, then b's
   return r;
+}
+
+// The one-hot operand of a k-group for lane (g, t) from the lanes' own words (`mine`: lane l holds
+// entry (l / 16) * 8 + l % 8): entries 2t, 2t + 1 sit in lanes 2t, 2t + 1 and entries 2t + 8,
+// 2t + 9 in lanes 2t + 16, 2t + 17.
+__device__ __forceinline__ void tspmm_operand(unsigned mine, unsigned t, unsigned g9, unsigned& b0, unsigned& b1) {
+  const int l = (int)(2 * t);
+  const unsigned w0 = __shfl_sync(0xffffffffu, mine, l), w1 = __shfl_sync(0xffffffffu, mine, l + 1);
+  const unsigned w8 = __shfl_sync(0xffffffffu, mine, l + 16), w9 = __shfl_sync(0xffffffffu, mine, l + 17);
+  b0 = tspmm_one_hot(w0, w1, g9);
+  b1 = tspmm_one_hot(w8, w9, g9);
+}
+
+// The shared address of this lane's ldmatrix row for column step 0 (word `mine`'s B row in the
+// stage at `stage_base`, 16-byte piece `piece` under the 128-byte swizzle: piece ^ row % 8);
+// step j's is this ^ (j << 5), the swizzle being an XOR of bits 4-6 that the 128-byte row
+// address leaves clear.
+__device__ __forceinline__ unsigned tspmm_row_address(unsigned stage_base, unsigned mine, unsigned piece) {
+  const unsigned b_row = mine & 511u;
+  return stage_base + (b_row << 7) + (((b_row ^ piece) & 7u) << 4);
 }
 
 }  // namespace twell
@@ -492,7 +507,8 @@ __global__ void __launch_bounds__(twell::TSPMM_WARPS * 32, 1) twell_tiled_spmm(
   // This lane's ldmatrix row: entry (lane / 16) * 8 + lane % 8 of a k-group, its 16-byte piece
   // (lane / 8) % 2 of each 16 columns (matrices 0-3: entries 0-7 and 8-15, columns 0-7 and 8-15,
   // which .trans turns into a0 .. a3 of A = B^T).
-  const int entry = (lane >> 4) * 8 + (lane & 7), piece = (lane >> 3) & 1;
+  const int entry = (lane >> 4) * 8 + (lane & 7);
+  const unsigned piece = (lane >> 3) & 1;
   int ring = 0;  // chunks consumed so far, all tiles (the ring position and phase)
   for (int tt = 0; tt < my_tiles; ++tt) {
     const int tile = (int)blockIdx.x + tt * (int)gridDim.x;
@@ -546,11 +562,9 @@ __global__ void __launch_bounds__(twell::TSPMM_WARPS * 32, 1) twell_tiled_spmm(
         from1[i] = n > 0 ? k_lo[i] : from1[i + 1];
         from2[i] = n > 1 ? k_lo[i] + 1 : (n == 1 ? from1[i + 1] : from2[i + 1]);
       }
-      const unsigned* chunk_words = c < n1 ? words : words2;
-      const uint2* pairs = reinterpret_cast<const uint2*>(chunk_words + 2 * t);
-      const unsigned* own = chunk_words + entry;
-      TiledWords cur = tspmm_load(pairs, own, from1[0]);
-      TiledWords nxt = tspmm_load(pairs, own, from2[0]);
+      const unsigned* own = (c < n1 ? words : words2) + entry;
+      unsigned cur = tspmm_load(own, from1[0]);
+      unsigned nxt = tspmm_load(own, from2[0]);
       barrier_wait(full + 8 * s, parity);
       const unsigned stage_base = base + s * TSPMM_STAGE_BYTES;
 #pragma unroll
@@ -558,14 +572,14 @@ __global__ void __launch_bounds__(twell::TSPMM_WARPS * 32, 1) twell_tiled_spmm(
 #pragma unroll 2
         for (int kg = k_lo[i]; kg < k_hi[i]; ++kg) {
           const int ahead = kg + 2 < k_hi[i] ? kg + 2 : (kg + 2 == k_hi[i] ? from1[i + 1] : from2[i + 1]);
-          const TiledWords after = tspmm_load(pairs, own, ahead);
-          const unsigned b0 = tspmm_one_hot(cur.lo.x, cur.lo.y, g << 9), b1 = tspmm_one_hot(cur.hi.x, cur.hi.y, g << 9);
-          const unsigned b_row = cur.mine & 511u;
-          const unsigned row_base = stage_base + b_row * 128u, swz = b_row & 7u;
+          const unsigned after = tspmm_load(own, ahead);
+          unsigned b0, b1;
+          tspmm_operand(cur, t, g << 9, b0, b1);
+          const unsigned row0 = tspmm_row_address(stage_base, cur, piece);
 #pragma unroll
           for (int j = 0; j < TSPMM_COL_STEPS; ++j) {
             unsigned a[4];
-            ldmatrix_x4_trans(a, row_base + ((((unsigned)(2 * j + piece)) ^ swz) << 4));
+            ldmatrix_x4_trans(a, row0 ^ ((unsigned)j << 5));
             mma_m16n8k16<T>(acc[i][j], a[0], a[1], a[2], a[3], b0, b1);
           }
           cur = nxt;
