@@ -286,21 +286,28 @@ def emulate(kg_ptr, words, n_chunks: int, m: int, b: np.ndarray, b2=None, group_
                         n_here = hi[i] - lo[i]
                         from1[i] = lo[i] if n_here > 0 else from1[i + 1]
                         from2[i] = lo[i] + 1 if n_here > 1 else (from1[i + 1] if n_here == 1 else from2[i + 1])
-                    cur, nxt = _kgroup(chunk_words, from1[0]), _kgroup(chunk_words, from2[0])
+                    # Each lane loads its own word (entry `entry`) of a k-group; the one-hot
+                    # operand's words 2t, 2t + 1, 2t + 8, 2t + 9 come from lanes 2t, 2t + 1, 2t + 16,
+                    # 2t + 17 by shuffles.
+                    cur, nxt = _kgroup(chunk_words, from1[0])[entry], _kgroup(chunk_words, from2[0])[entry]
                     for i in range(4):
                         for kg in range(lo[i], hi[i]):
                             ahead = kg + 2 if kg + 2 < hi[i] else (from1[i + 1] if kg + 2 == hi[i] else from2[i + 1])
-                            after = _kgroup(chunk_words, ahead)
-                            w = cur.astype(np.int64)
-                            rows_in_group, vals = (w >> 9) & 7, _value(w >> 16, source.dtype)
-                            one_hot = np.where(rows_in_group[None, :] == G[:, None], vals[None, :], 0.0)
-                            b_regs = np.stack(
-                                [one_hot[LANES, [2 * TQ, 2 * TQ + 1]].T, one_hot[LANES, [2 * TQ + 8, 2 * TQ + 9]].T],
-                                axis=1,
-                            )
-                            b_row = w[entry] & 511
+                            after = _kgroup(chunk_words, ahead)[entry]
+                            mine = cur.astype(np.int64)
+                            shuffled = [mine[2 * TQ + k] for k in (0, 1, 16, 17)]  # [word][lane]
+                            b_regs = np.zeros((32, 2, 2))
+                            for reg in range(2):
+                                for half in range(2):
+                                    w = shuffled[2 * reg + half]
+                                    b_regs[:, reg, half] = np.where(
+                                        ((w >> 9) & 7) == G, _value(w >> 16, source.dtype), 0.0
+                                    )
+                            b_row = mine & 511
+                            address0 = (b_row << 7) + (((b_row ^ piece) & 7) << 4)  # tspmm_row_address
                             for j in range(4):
-                                regs = _ldmatrix_x4_trans(stage, b_row, (2 * j + piece) ^ (b_row & 7))
+                                address = address0 ^ (j << 5)
+                                regs = _ldmatrix_x4_trans(stage, address >> 7, (address >> 4) & 7)
                                 acc[warp, i, j] += _mma_m16n8k16(regs, b_regs)
                             cur, nxt = nxt, after
             odd = (G & 1) == 1
