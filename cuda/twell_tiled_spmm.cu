@@ -425,11 +425,12 @@ __global__ void __launch_bounds__(twell::TT_TOKENS) tiled_spmm_place_t(const sho
 // patterns: a hot unit's group would make its warp the block's slowest): each group's load is
 // its k-group count over all chunks (kg_ptr is group-major), its rank the number of groups
 // heavier (ties by index). Rank r goes to block r % B of the B blocks (the heaviest open every
-// block), then within the block to pass p = (r / B) / 16 and warp (r / B) % 16, backwards on
-// odd passes, slot (block * 16 + warp) * 4 + pass: each warp gets one group of each pass.
+// block), then within the block to pass p = (r / B) / W and warp (r / B) % W (W: the product's
+// warps per block), backwards on odd passes, slot (block * W + warp) * (64 / W) + pass: each warp
+// gets one group of each pass.
 // group_map (64 B slots) starts at -1; a thread per group.
 __global__ void __launch_bounds__(256) tiled_spmm_balance(const int* __restrict__ kg_ptr, int n_chunks,
-                                                          int n_groups, int B, int* __restrict__ group_map) {
+                                                          int n_groups, int B, int warps, int* __restrict__ group_map) {
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= n_groups) return;
   const auto load = [&](int g) { return kg_ptr[(long long)(g + 1) * n_chunks] - kg_ptr[(long long)g * n_chunks]; };
@@ -440,9 +441,9 @@ __global__ void __launch_bounds__(256) tiled_spmm_balance(const int* __restrict_
     rank += other > mine || (other == mine && i < j);
   }
   const int block = rank % B, in_block = rank / B;
-  const int pass = in_block / twell::TSPMM_WARPS, pos = in_block % twell::TSPMM_WARPS;
-  const int warp = (pass & 1) ? twell::TSPMM_WARPS - 1 - pos : pos;
-  group_map[(block * twell::TSPMM_WARPS + warp) * twell::TSPMM_WARP_GROUPS + pass] = j;
+  const int pass = in_block / warps, pos = in_block % warps;
+  const int warp = (pass & 1) ? warps - 1 - pos : pos;
+  group_map[(block * warps + warp) * (twell::TSPMM_ROWS / twell::TSPMM_GROUP / warps) + pass] = j;
 }
 
 // The product (see the top of this file). Tile (x, y), x fastest, of a persistent 1-D grid:
@@ -455,13 +456,14 @@ __global__ void __launch_bounds__(256) tiled_spmm_balance(const int* __restrict_
 // of B and B2 [K, N] (boxes of 64 columns x 256 rows, 128-byte swizzle; rows past K read as
 // zeros; map_b2 is map_b when there is no B2). Thread 0 refills a stage once every warp has
 // released it (tests/test_ring_protocol.py runs this ring as a protocol).
-template <typename T>
-__global__ void __launch_bounds__(twell::TSPMM_WARPS * 32, 1) twell_tiled_spmm(
+template <typename T, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32, 1) twell_tiled_spmm(
     const __grid_constant__ twell::TensorMap map_b, const __grid_constant__ twell::TensorMap map_b2,
     const int* __restrict__ kg_ptr, const unsigned* __restrict__ words, const unsigned* __restrict__ words2, int M,
     int N, int n1, T* __restrict__ out, long long ldo, int* __restrict__ flags, const int* __restrict__ group_map,
     int n_slots) {
   using namespace twell;
+  constexpr int WG = TSPMM_ROWS / TSPMM_GROUP / WARPS;  // row groups per warp
   extern __shared__ __align__(1024) unsigned char raw[];
   const unsigned base = (smem_u32(raw) + 1023u) & ~1023u;
   const unsigned full = base + TSPMM_STAGES * TSPMM_STAGE_BYTES, empty = full + 8 * TSPMM_STAGES;
@@ -479,7 +481,7 @@ __global__ void __launch_bounds__(twell::TSPMM_WARPS * 32, 1) twell_tiled_spmm(
   if (threadIdx.x == 0) {
     for (int s = 0; s < TSPMM_STAGES; ++s) {
       barrier_init(full + 8 * s, 1);             // the refilling thread's expect_tx arrival
-      barrier_init(empty + 8 * s, TSPMM_WARPS);  // one arrival per warp done with the stage
+      barrier_init(empty + 8 * s, WARPS);  // one arrival per warp done with the stage
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -513,15 +515,15 @@ __global__ void __launch_bounds__(twell::TSPMM_WARPS * 32, 1) twell_tiled_spmm(
   for (int tt = 0; tt < my_tiles; ++tt) {
     const int tile = (int)blockIdx.x + tt * (int)gridDim.x;
     const int col0 = (tile % col_blocks) * TSPMM_COLS, row0 = (tile / col_blocks) * TSPMM_ROWS;
-    float acc[TSPMM_WARP_GROUPS][TSPMM_COL_STEPS][4];
+    float acc[WG][TSPMM_COL_STEPS][4];
 #pragma unroll
-    for (int i = 0; i < TSPMM_WARP_GROUPS; ++i)
+    for (int i = 0; i < WG; ++i)
 #pragma unroll
       for (int j = 0; j < TSPMM_COL_STEPS; ++j)
 #pragma unroll
         for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
 
-    const int group0 = (row0 >> 3) + warp * TSPMM_WARP_GROUPS;
+    const int group0 = (row0 >> 3) + warp * WG;
     // The row group this lane's ranges and this warp's slot i stand for: the slot's own, or with
     // group_map (tiled_spmm_balance: slots dealt by load) the group mapped there (-1: none).
     auto actual = [&](int slot) {
@@ -543,9 +545,9 @@ __global__ void __launch_bounds__(twell::TSPMM_WARPS * 32, 1) twell_tiled_spmm(
       const unsigned parity = (unsigned)(ring / TSPMM_STAGES) & 1u;
       const int kp = kp_next;
       kp_next = ranges(c + 1);
-      int k_lo[TSPMM_WARP_GROUPS], k_hi[TSPMM_WARP_GROUPS];
+      int k_lo[WG], k_hi[WG];
 #pragma unroll
-      for (int i = 0; i < TSPMM_WARP_GROUPS; ++i) {
+      for (int i = 0; i < WG; ++i) {
         k_lo[i] = __shfl_sync(0xffffffffu, kp, 2 * i);
         k_hi[i] = __shfl_sync(0xffffffffu, kp, 2 * i + 1);
       }
@@ -554,10 +556,10 @@ __global__ void __launch_bounds__(twell::TSPMM_WARPS * 32, 1) twell_tiled_spmm(
       // ahead left the warps stalled on these loads 40% of their cycles on the H200,
       // twenty-sixth session). from1[i] / from2[i]: the first and second k-group of the sequence
       // from group i on (-1: none).
-      int from1[TSPMM_WARP_GROUPS + 1], from2[TSPMM_WARP_GROUPS + 1];
-      from1[TSPMM_WARP_GROUPS] = from2[TSPMM_WARP_GROUPS] = -1;
+      int from1[WG + 1], from2[WG + 1];
+      from1[WG] = from2[WG] = -1;
 #pragma unroll
-      for (int i = TSPMM_WARP_GROUPS - 1; i >= 0; --i) {
+      for (int i = WG - 1; i >= 0; --i) {
         const int n = k_hi[i] - k_lo[i];
         from1[i] = n > 0 ? k_lo[i] : from1[i + 1];
         from2[i] = n > 1 ? k_lo[i] + 1 : (n == 1 ? from1[i + 1] : from2[i + 1]);
@@ -568,7 +570,7 @@ __global__ void __launch_bounds__(twell::TSPMM_WARPS * 32, 1) twell_tiled_spmm(
       barrier_wait(full + 8 * s, parity);
       const unsigned stage_base = base + s * TSPMM_STAGE_BYTES;
 #pragma unroll
-      for (int i = 0; i < TSPMM_WARP_GROUPS; ++i) {
+      for (int i = 0; i < WG; ++i) {
 #pragma unroll 2
         for (int kg = k_lo[i]; kg < k_hi[i]; ++kg) {
           const int ahead = kg + 2 < k_hi[i] ? kg + 2 : (kg + 2 == k_hi[i] ? from1[i + 1] : from2[i + 1]);
@@ -598,7 +600,7 @@ __global__ void __launch_bounds__(twell::TSPMM_WARPS * 32, 1) twell_tiled_spmm(
     // A row with a non-finite sum is flagged for tiled_spmm_fixup (see there).
     const bool odd = (g & 1u) != 0;
 #pragma unroll
-    for (int i = 0; i < TSPMM_WARP_GROUPS; ++i) {
+    for (int i = 0; i < WG; ++i) {
       const int grp = actual(i);
       const int row = grp < 0 ? M : grp * TSPMM_GROUP + 2 * (int)t + (odd ? 1 : 0);  // M: nothing to store
       bool bad = false;

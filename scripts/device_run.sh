@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledffn|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -242,6 +242,15 @@ for step in $what; do
       done
       stage_rows "down spmm,stationary pack,tiled spmm pack,one pack" "0.005 0.01 0.02" tiledquick
       ncu_rows twell_tiled_spmm "down spmm, tiled, packed" tiledquick
+      ;;&
+    tiledwarps)
+      # The tiled SpMM with 32 warps of 2 row groups (TWELL_TILED_WARPS=32) beside the default 16
+      # of 4: its tests, the tiled product rows (down, the backward's) both ways, Nsight Compute.
+      TWELL_TILED_WARPS=32 gpu_test_file tests/gpu/test_gpu_tiled_spmm.py tiledwarps 300
+      for w in 16 32; do
+        TWELL_TILED_WARPS=$w stage_rows "down spmm, tiled,bwd 3 transposed products, tiled,bwd dX, tiled" "0.005 0.01 0.02" tiledwarps
+      done
+      TWELL_TILED_WARPS=32 ncu_rows twell_tiled_spmm "down spmm, tiled, packed" tiledwarps
       ;;&
     tiledffn)
       # The gated consumer on one pack (cuda/twell_tiled_ffn.cu, opt-in): its tests, its stage

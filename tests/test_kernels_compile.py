@@ -47,6 +47,18 @@ def test_measurement_switches_reach_the_compiler_and_are_validated(monkeypatch):
         _kernels.compile_options()
 
 
+def test_tiled_warps_switch_is_validated(monkeypatch):
+    from twellsparse import _tiled_spmm
+
+    monkeypatch.setenv("TWELL_TILED_WARPS", "32")
+    assert _tiled_spmm._warps() == 32
+    monkeypatch.setenv("TWELL_TILED_WARPS", "")
+    assert _tiled_spmm._warps() == 16
+    monkeypatch.setenv("TWELL_TILED_WARPS", "8")
+    with pytest.raises(ValueError, match="TWELL_TILED_WARPS: expected 16 or 32, got '8'"):
+        _tiled_spmm._warps()
+
+
 def test_local_includes_expanded():
     code = _kernels.read_source("twell_spmm.cu")
     assert '#include "' not in code

@@ -237,13 +237,15 @@ def test_inf_and_nan_in_used_rows_spread_and_the_fixup_restores_ieee_results(rng
     np.testing.assert_allclose(got[~np.isnan(got)], expected[~np.isnan(expected)], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("warps", [16, 32])
 @pytest.mark.parametrize("m, k, n", [(600, 100, 8), (1100, 37, 16)])
-def test_balanced_slots_keep_the_product_exact(rng, m, k, n):
-    """The emulated A.T product with the deal's map (tiled_spmm_balance, emulated): every group
-    in exactly one slot, the product exact."""
+def test_balanced_slots_keep_the_product_exact(rng, m, k, n, warps):
+    """The emulated A.T product with the deal's map (tiled_spmm_balance, emulated) for either
+    warp count: every group in exactly one slot, the product exact (a block's slots are the same
+    64 positions, 4 or 2 per warp)."""
     h, a = _problem(rng, m, k, 32, 4, 0.08)
     kg_ptr, words, n_chunks = reference_pack_transposed(a.parts, 32, k)
-    group_map = balance(kg_ptr, n_chunks, k)
+    group_map = balance(kg_ptr, n_chunks, k, warps)
     assert sorted(group_map[group_map >= 0].tolist()) == list(range(-(-k // 8)))
     g = rng.standard_normal((m, n)).astype(ts.bfloat16)
     got = emulate(kg_ptr, words, n_chunks, k, g, group_map=group_map)

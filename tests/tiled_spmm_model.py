@@ -527,11 +527,11 @@ def emulate_pack_transposed(parts, tile_n: int, n_cols: int) -> tuple[np.ndarray
     return kg_ptr, [words], n_chunks
 
 
-def balance(kg_ptr, n_chunks: int, m: int) -> np.ndarray:
-    """``tiled_spmm_balance``'s map: each group's load (its k-groups over all chunks), its rank
-    (heavier first, ties by index), rank r to block r % B, then pass (r // B) // 16 and warp
-    (r // B) % 16 (odd passes reversed), slot (block * 16 + warp) * 4 + pass; -1 in the slots no
-    group takes."""
+def balance(kg_ptr, n_chunks: int, m: int, warps: int = 16) -> np.ndarray:
+    """``tiled_spmm_balance``'s map for a product of ``warps`` warps per block: each group's load
+    (its k-groups over all chunks), its rank (heavier first, ties by index), rank r to block r %
+    B, then pass (r // B) // warps and warp (r // B) % warps (odd passes reversed), slot (block *
+    warps + warp) * (64 // warps) + pass; -1 in the slots no group takes."""
     n_groups = -(-m // T.GROUP)
     blocks = -(-n_groups // 64)
     load = np.asarray(kg_ptr[n_chunks : (n_groups + 1) * n_chunks : n_chunks]) - np.asarray(
@@ -542,7 +542,7 @@ def balance(kg_ptr, n_chunks: int, m: int) -> np.ndarray:
     ranks = heavier.sum(axis=1)  # [j]: the groups i that come before j
     group_map = np.full(64 * blocks, -1, dtype=np.int64)
     for j, rank in enumerate(ranks.tolist()):
-        block, (passes, pos) = rank % blocks, divmod(rank // blocks, 16)
-        warp = 15 - pos if passes % 2 else pos
-        group_map[(block * 16 + warp) * 4 + passes] = j
+        block, (passes, pos) = rank % blocks, divmod(rank // blocks, warps)
+        warp = warps - 1 - pos if passes % 2 else pos
+        group_map[(block * warps + warp) * (64 // warps) + passes] = j
     return group_map

@@ -15,6 +15,7 @@ not finite and a second launch recomputes them exactly, so the results are the o
 
 from __future__ import annotations
 
+import os
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -35,9 +36,21 @@ BOX = 256
 #: (TSPMM_PAD_BIT: bit 12, which the products ignore).
 PAD = -(2**31)
 PAD_BIT = 1 << 12
-#: Words per k-group (TSPMM_KGROUP), warps per block (TSPMM_WARPS).
+#: Words per k-group (TSPMM_KGROUP).
 KGROUP = 16
-WARPS = 16
+
+
+def _warps() -> int:
+    value = os.environ.get("TWELL_TILED_WARPS", "") or "16"
+    if value not in ("16", "32"):
+        raise ValueError(f"TWELL_TILED_WARPS: expected 16 or 32, got {value!r}")
+    return int(value)
+
+
+#: Warps per block of the product (its template argument): 16 warps of 4 row groups (128
+#: registers a thread), or 32 of 2 (64 registers, twice the warps to hide latency);
+#: ``TWELL_TILED_WARPS`` picks (a measurement in progress, bench/NOTES.md).
+WARPS = _warps()
 #: Dynamic shared memory of one block (TSPMM_SHARED_BYTES): three 64 KB stages, their barriers
 #: and 1 KB of alignment slack.
 SHARED_BYTES = 1024 + 3 * CHUNK * COLS * 2 + 6 * 8
@@ -168,7 +181,7 @@ def pack_transposed(parts: TwELLParts, tile_n: int, n_cols: int, others: tuple[T
 def balance(packed: Pack, m: int) -> Any:
     """The row-group slots of an ``m``-row product on ``packed`` dealt by load
     (``tiled_spmm_balance``: groups ranked by their k-groups, the heaviest spread over the blocks
-    first, then snaking over each block's warps in passes of 16), as the int32 map
+    first, then snaking over each block's warps in passes of :data:`WARPS`), as the int32 map
     :func:`packed_spmm` takes: every warp gets one group of each pass, so a hot group (a unit
     that fires often, in A.T) does not make its warp the block's slowest. One launch, no host
     read."""
@@ -176,7 +189,7 @@ def balance(packed: Pack, m: int) -> Any:
     n_groups = -(-m // GROUP)
     blocks = -(-n_groups // 64)
     group_map = cp.full(64 * blocks, -1, dtype=cp.int32)
-    args = (packed.kg_ptr, np.int32(packed.n_chunks), np.int32(n_groups), np.int32(blocks), group_map)
+    args = (packed.kg_ptr, np.int32(packed.n_chunks), np.int32(n_groups), np.int32(blocks), np.int32(WARPS), group_map)
     K.launch_arch("tiled_spmm_balance", (-(-n_groups // 256),), (256,), args, 0)
     return group_map
 
@@ -211,7 +224,7 @@ def packed_spmm(packed: Pack, m: int, b: Any, out: Any, b2: Any = None, which: i
     grid = (min(tiles, K.sm_count()),)
     slots = (group_map, np.int32(group_map.size)) if group_map is not None else (K.null_pointer(), np.int32(0))
     args = (map_b, map_b2, *pattern, out, ldo, flags, *slots)
-    K.launch_arch(f"twell_tiled_spmm<{t}>", grid, (WARPS * 32,), args, SHARED_BYTES)
+    K.launch_arch(f"twell_tiled_spmm<{t}, {WARPS}>", grid, (WARPS * 32,), args, SHARED_BYTES)
     dense = (b, np.int64(ldb), b2 if b2 is not None else K.null_pointer(), np.int64(ldb2))
     K.launch_arch(f"tiled_spmm_fixup<{t}>", (-(-m // 8),), (256,), (*pattern, *dense, flags, out, ldo), 0)
     return out

@@ -170,7 +170,7 @@ def test_balance_deals_the_groups_as_the_model_does(cp, rng):
     _, a = _problem(cp, rng, 1500, 5632, 256, None, 0.01, ts.bfloat16)
     _skip_unless_hopper(cp.empty((1500, 8), dtype=ts.bfloat16), cp.empty((5632, 8), dtype=ts.bfloat16))
     packed = _tiled_spmm.pack_transposed(a.parts, 256, 5632)
-    want = balance(cp.asnumpy(packed.kg_ptr), packed.n_chunks, 5632)
+    want = balance(cp.asnumpy(packed.kg_ptr), packed.n_chunks, 5632, _tiled_spmm.WARPS)
     assert np.array_equal(cp.asnumpy(_tiled_spmm.balance(packed, 5632)), want)
 
 
