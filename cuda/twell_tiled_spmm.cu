@@ -243,6 +243,14 @@ __device__ __forceinline__ unsigned tspmm_load(const unsigned* own, int kg) {
   return __ldg(own + (long long)max(kg, 0) * TSPMM_KGROUP);
 }
 
+// The first two k-groups (-1: none) of the range [lo, hi) followed by a sequence whose first two
+// are (first, second), in place: applied from a warp's last range back to its first.
+__device__ __forceinline__ void prepend_range(int lo, int hi, int& first, int& second) {
+  const int n = hi - lo;
+  second = n > 1 ? lo + 1 : (n == 1 ? first : second);
+  first = n > 0 ? lo : first;
+}
+
 // The one-hot operand's register for column g (g9 = g << 9): the value halves of words w0 (low
 // half) and w1 (high half) where their row in group is g, zeros elsewhere. A LOP3 and a compare
 // per word, one byte permute for the pair.
@@ -539,34 +547,54 @@ __global__ void __launch_bounds__(WARPS * 32, 1) twell_tiled_spmm(
       if (c >= n_chunks || lane_group < 0) return 0;
       return __ldg(kg_ptr + (long long)lane_group * n1 + (c < n1 ? c : c - n1) + (lane & 1));
     };
-    int kp_next = ranges(0);
+    // Ranges two chunks ahead: the next chunk's are needed at this one's start (the prefetch
+    // runs on into it).
+    int kp_next = ranges(0), kp_after = ranges(1);
+    // The words in hand: always those of the next two k-groups of the warp's sequence (chunk,
+    // group, k-group), which runs on from one chunk into the next within a words array (so a
+    // chunk's first loads are issued during the previous chunk's last k-groups); `carried` says
+    // they were loaded so.
+    unsigned cur = 0u, nxt = 0u;
+    bool carried = false;
     for (int c = 0; c < n_chunks; ++c, ++ring) {
       const int s = ring % TSPMM_STAGES;
       const unsigned parity = (unsigned)(ring / TSPMM_STAGES) & 1u;
       const int kp = kp_next;
-      kp_next = ranges(c + 1);
+      kp_next = kp_after;
+      kp_after = ranges(c + 2);
       int k_lo[WG], k_hi[WG];
 #pragma unroll
       for (int i = 0; i < WG; ++i) {
         k_lo[i] = __shfl_sync(0xffffffffu, kp, 2 * i);
         k_hi[i] = __shfl_sync(0xffffffffu, kp, 2 * i + 1);
       }
-      // Each k-group's words load two k-groups ahead in the warp's sequence for this chunk (its
-      // group 0's range, then group 1's, ...): the L2's latency under two k-groups' MMAs (one
-      // ahead left the warps stalled on these loads 40% of their cycles on the H200,
-      // twenty-sixth session). from1[i] / from2[i]: the first and second k-group of the sequence
-      // from group i on (-1: none).
+      // Each k-group's word loads two k-groups ahead in the warp's sequence: the L2's latency
+      // under two k-groups' MMAs (one ahead left the warps stalled on these loads 40% of their
+      // cycles on the H200, twenty-sixth session). from1[i] / from2[i]: the first and second
+      // k-group of the sequence from group i on (-1: none); from1[WG] / from2[WG] the next
+      // chunk's first two, except at the tile's last chunk and before the dual form's switch to
+      // A2's words (another array).
+      const bool crosses = c + 1 < n_chunks && c + 1 != n1;  // warp-uniform
       int from1[WG + 1], from2[WG + 1];
       from1[WG] = from2[WG] = -1;
+      if (crosses) {
+#pragma unroll
+        for (int i = WG - 1; i >= 0; --i)
+          prepend_range(__shfl_sync(0xffffffffu, kp_next, 2 * i), __shfl_sync(0xffffffffu, kp_next, 2 * i + 1),
+                        from1[WG], from2[WG]);
+      }
 #pragma unroll
       for (int i = WG - 1; i >= 0; --i) {
-        const int n = k_hi[i] - k_lo[i];
-        from1[i] = n > 0 ? k_lo[i] : from1[i + 1];
-        from2[i] = n > 1 ? k_lo[i] + 1 : (n == 1 ? from1[i + 1] : from2[i + 1]);
+        from1[i] = from1[i + 1];
+        from2[i] = from2[i + 1];
+        prepend_range(k_lo[i], k_hi[i], from1[i], from2[i]);
       }
       const unsigned* own = (c < n1 ? words : words2) + entry;
-      unsigned cur = tspmm_load(own, from1[0]);
-      unsigned nxt = tspmm_load(own, from2[0]);
+      if (!carried) {
+        cur = tspmm_load(own, from1[0]);
+        nxt = tspmm_load(own, from2[0]);
+      }
+      carried = crosses;
       barrier_wait(full + 8 * s, parity);
       const unsigned stage_base = base + s * TSPMM_STAGE_BYTES;
 #pragma unroll

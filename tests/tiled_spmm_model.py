@@ -248,6 +248,16 @@ def _kgroup(words: np.ndarray, kg: int) -> np.ndarray:
     return words[kg * T.KGROUP : (kg + 1) * T.KGROUP]
 
 
+def sequence_heads(lo: list[int], hi: list[int], tail1: int, tail2: int) -> tuple[int, int]:
+    """The first two k-groups of the sequence ranges [lo[i], hi[i]) in turn, then (tail1, tail2):
+    the kernel's from1 / from2 (-1: none)."""
+    first, second = tail1, tail2
+    for a, z in zip(reversed(lo), reversed(hi), strict=True):
+        n = z - a
+        first, second = (a if n > 0 else first), (a + 1 if n > 1 else (first if n == 1 else second))
+    return first, second
+
+
 def emulate(kg_ptr, words, n_chunks: int, m: int, b: np.ndarray, b2=None, group_map=None) -> np.ndarray:
     """The kernel's sums (float64, before rounding) for an ``m``-row A packed as given (``words``:
     the pack's word arrays; with ``b2`` the dual form, A2's words the second array; with
@@ -263,33 +273,50 @@ def emulate(kg_ptr, words, n_chunks: int, m: int, b: np.ndarray, b2=None, group_
         grp = slot if group_map is None else (int(group_map[slot]) if slot < len(group_map) else -1)
         return grp if grp < n_groups else -1
 
+    chunks = n_chunks * (1 if b2 is None else 2)
+
+    def ranges(by: int, warp: int, c: int) -> tuple[list[int], list[int]]:
+        """Warp ``warp``'s k-group ranges in row block ``by`` at chunk c (empty past the groups or
+        the chunks)."""
+        lo, hi = [0] * 4, [0] * 4
+        for i in range(4):
+            grp = actual(by * T.ROWS // T.GROUP + warp * 4 + i)
+            if grp >= 0 and c < chunks:
+                item = grp * n_chunks + c % n_chunks
+                lo[i], hi[i] = int(kg_ptr[item]), int(kg_ptr[item + 1])
+        return lo, hi
+
     rows = m if group_map is None else max(m, T.GROUP * len(group_map))
     for by in range(-(-rows // T.ROWS)):
         for bx in range(-(-n // T.COLS)):
             col0 = bx * T.COLS
             acc = np.zeros((T.WARPS, 4, 4, 32, 4))  # [warp][group][column step][lane][d]
-            for c in range(n_chunks * (1 if b2 is None else 2)):
+            carried: dict[int, tuple] = {}  # per warp: the words in hand from the previous chunk
+            for c in range(chunks):
                 source, chunk_words = (b, words[0]) if c < n_chunks else (b2, words[1])
                 stage = _staged(source, (c % n_chunks) * T.CHUNK, col0)
                 for warp in range(T.WARPS):
-                    # The warp's ranges (0 past the groups) and the kernel's prefetch: the words in
-                    # hand are always those of the next two k-groups in (group, k-group) order;
-                    # from1[i] / from2[i]: the first two k-groups of the sequence from group i on.
-                    lo, hi = [], []
-                    for i in range(4):
-                        grp = actual(by * T.ROWS // T.GROUP + warp * 4 + i)
-                        item = grp * n_chunks + c % n_chunks
-                        lo.append(int(kg_ptr[item]) if grp >= 0 else 0)
-                        hi.append(int(kg_ptr[item + 1]) if grp >= 0 else 0)
+                    # The warp's ranges and the kernel's prefetch: the words in hand are always
+                    # those of the next two k-groups in (chunk, group, k-group) order, across the
+                    # chunks of one words array; from1[i] / from2[i]: the first two k-groups of the
+                    # sequence from group i on (from1[4] / from2[4]: the next chunk's first two,
+                    # -1 at the tile's last chunk and before the dual form's switch to A2's words).
+                    lo, hi = ranges(by, warp, c)
+                    crosses = c + 1 < chunks and c + 1 != n_chunks
+                    nlo, nhi = ranges(by, warp, c + 1)
                     from1, from2 = [-1] * 5, [-1] * 5
+                    if crosses:
+                        from1[4], from2[4] = sequence_heads(nlo, nhi, -1, -1)
                     for i in range(3, -1, -1):
-                        n_here = hi[i] - lo[i]
-                        from1[i] = lo[i] if n_here > 0 else from1[i + 1]
-                        from2[i] = lo[i] + 1 if n_here > 1 else (from1[i + 1] if n_here == 1 else from2[i + 1])
+                        from1[i], from2[i] = sequence_heads(lo[i : i + 1], hi[i : i + 1], from1[i + 1], from2[i + 1])
                     # Each lane loads its own word (entry `entry`) of a k-group; the one-hot
                     # operand's words 2t, 2t + 1, 2t + 8, 2t + 9 come from lanes 2t, 2t + 1, 2t + 16,
-                    # 2t + 17 by shuffles.
-                    cur, nxt = _kgroup(chunk_words, from1[0])[entry], _kgroup(chunk_words, from2[0])[entry]
+                    # 2t + 17 by shuffles. At a chunk's start the words come from the previous
+                    # chunk's prefetch where it ran on into this one.
+                    if warp in carried:
+                        cur, nxt = carried.pop(warp)
+                    else:
+                        cur, nxt = _kgroup(chunk_words, from1[0])[entry], _kgroup(chunk_words, from2[0])[entry]
                     for i in range(4):
                         for kg in range(lo[i], hi[i]):
                             ahead = kg + 2 if kg + 2 < hi[i] else (from1[i + 1] if kg + 2 == hi[i] else from2[i + 1])
@@ -310,6 +337,8 @@ def emulate(kg_ptr, words, n_chunks: int, m: int, b: np.ndarray, b2=None, group_
                                 regs = _ldmatrix_x4_trans(stage, address >> 7, (address >> 4) & 7)
                                 acc[warp, i, j] += _mma_m16n8k16(regs, b_regs)
                             cur, nxt = nxt, after
+                    if crosses:
+                        carried[warp] = (cur, nxt)
             odd = (G & 1) == 1
             for warp in range(T.WARPS):
                 for i in range(4):
