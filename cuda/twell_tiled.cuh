@@ -22,9 +22,14 @@ constexpr int TSPMM_SHARED_BYTES = 1024 + TSPMM_STAGES * TSPMM_STAGE_BYTES + 2 *
 static_assert(TSPMM_SHARED_BYTES <= 227 * 1024, "the ring fits one block's shared memory");
 
 constexpr int TSPMM_PAD = (int)0x80000000;  // a padding word's place in A's parts (no entry)
-// A padding word's mark (bit 12, which the products ignore): it repeats a real word of its item
+// A word: value bits << 16 | padding mark << 15 | row in group << 12 | B row field (bits 0-11:
+// B row in chunk << 3 | B row % 8, so that the product's swizzled ldmatrix offset of the row's
+// 16-byte piece p is (field ^ p) << 4: one LOP3 and one shift-add per k-group).
+// A padding word's mark (bit 15, which the products ignore): it repeats a real word of its item
 // with value zero, and the mark tells it from an entry whose value is zero.
-constexpr unsigned TSPMM_PAD_BIT = 1u << 12;
+constexpr unsigned TSPMM_PAD_BIT = 1u << 15;
+constexpr int TSPMM_ROW_SHIFT = 12;        // the row in group's bits 12-14
+constexpr unsigned TSPMM_B_FIELD = 0xfffu;  // the B row field
 
 // The placement of an item's entries over its octets (each ldmatrix matrix reads one octet's 8
 // B rows; rows of one class q = row % 8 sit in one 16-byte bank group of the swizzled stage, so
@@ -104,10 +109,14 @@ __device__ __forceinline__ int octet_padding_source(const OctetPlan& plan, const
   return 0;  // no entries: no positions either
 }
 
-// The word of one entry (value bits, row in its group, B row in its chunk).
-__device__ __forceinline__ unsigned tspmm_word(unsigned short value, int row, int b_row) {
-  return ((unsigned)value << 16) | ((unsigned)row << 9) | (unsigned)b_row;
+// The word of one entry (value bits, row in its group, B row in its chunk), and its row and B
+// row back.
+// (constexpr: tests/test_kernels_compile.py checks them against the Python side's at compile time)
+__host__ __device__ constexpr unsigned tspmm_word(unsigned short value, int row, int b_row) {
+  return ((unsigned)value << 16) | ((unsigned)row << TSPMM_ROW_SHIFT) | ((unsigned)b_row << 3) | ((unsigned)b_row & 7u);
 }
+__host__ __device__ constexpr unsigned tspmm_word_row(unsigned w) { return (w >> TSPMM_ROW_SHIFT) & 7u; }
+__host__ __device__ constexpr unsigned tspmm_word_b_row(unsigned w) { return (w & TSPMM_B_FIELD) >> 3; }
 
 // ldmatrix.sync.aligned.m8n8.x4(.trans).b16: lanes 8i .. 8i + 7 give the row addresses of
 // matrix i (16 bytes each); lane 4g + t receives in register i the matrix's (g, 2t .. 2t + 1),

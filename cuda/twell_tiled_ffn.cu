@@ -194,7 +194,7 @@ __device__ __forceinline__ void tiled_ffn_up_body(TFFN_ARGS) {
       const int q = lo + min(i, max(cnt - 1, 0));
       const int grp = tffn_group_of(before, q);
       const int kg = first_kg[grp] + q - before[grp];
-      const unsigned unit = cnt > 0 ? __ldg(words + (long long)kg * TSPMM_KGROUP + a_entry) & 511u : 0u;
+      const unsigned unit = cnt > 0 ? tspmm_word_b_row(__ldg(words + (long long)kg * TSPMM_KGROUP + a_entry)) : 0u;
       const unsigned w_off = unit * 64u + ((((unsigned)a_piece) ^ ((unit >> 1) & 3u)) << 4);
       where[i] = w_off | (((unsigned)grp * TSPMM_GROUP * 64u + x_lane) << 15);
 #pragma unroll
@@ -233,7 +233,7 @@ __device__ __forceinline__ void tiled_ffn_up_body(TFFN_ARGS) {
         for (int half = 0; half < 2; ++half) {
           const long long e = at + g + 8 * half;
           const unsigned w = __ldg(words + e);
-          const unsigned row = (w >> 9) & 7u;
+          const unsigned row = tspmm_word_row(w);
           if ((row >> 1) == t) {
             const float sum = (row & 1u) ? acc[i][2 * half + 1] : acc[i][2 * half];
             const int dest = dests != nullptr ? __ldg(dests + e) : TSPMM_PAD;

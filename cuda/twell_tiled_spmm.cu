@@ -9,7 +9,7 @@
 // ring of TSPMM_STAGES): L2 carries B once per 512 rows, and the products run on the tensor cores.
 //
 // The sparse operand is packed (tiled_spmm_place) per (group of 8 output rows, chunk) into
-// k-groups of 16 words, value bits << 16 | row in group << 9 | B row in chunk. One m16n8k16 MMA
+// k-groups of 16 words (value bits, row in group, B row in chunk: tspmm_word). One m16n8k16 MMA
 // is a transposed tile of the product: M = 16 output columns, N = the group's 8 rows, K = the
 // k-group's 16 entries. A[m][k] = B[row of entry k][m] comes from ldmatrix.trans: each of the
 // four 8 x 8 matrices is 8 entries' B rows (one 16-byte piece of each, a lane giving one entry's
@@ -234,13 +234,14 @@ __device__ __forceinline__ void tspmm_place(const TwellWalk& a, int n_chunks, lo
 }
 
 // A lane's word of one k-group: entry `entry` (its ldmatrix row, see twell_tiled_spmm), one
-// load at a fixed offset per k-group; the one-hot operand's four words come from the lanes that
+// load per k-group; the one-hot operand's four words come from the lanes that
 // hold them by shuffles (tspmm_operand). kg < 0 (nothing to load) reads k-group 0 instead, never
 // used: a load without a branch around it (the pack's words array always holds at least one
 // k-group's room). One register per k-group in flight, where loading the operand's words too
 // held five (the twenty-sixth session's kernel: 128 registers, one ldmatrix in flight at a time).
-__device__ __forceinline__ unsigned tspmm_load(const unsigned* own, int kg) {
-  return __ldg(own + (long long)max(kg, 0) * TSPMM_KGROUP);
+__device__ __forceinline__ unsigned tspmm_load(const unsigned* words, unsigned entry, int kg) {
+  // A 32-bit word offset (the pack's words number under 2^32): one wide multiply-add per address.
+  return __ldg(words + ((unsigned)max(kg, 0) * (unsigned)TSPMM_KGROUP + entry));
 }
 
 // The first two k-groups (-1: none) of the range [lo, hi) followed by a sequence whose first two
@@ -251,12 +252,13 @@ __device__ __forceinline__ void prepend_range(int lo, int hi, int& first, int& s
   first = n > 0 ? lo : first;
 }
 
-// The one-hot operand's register for column g (g9 = g << 9): the value halves of words w0 (low
-// half) and w1 (high half) where their row in group is g, zeros elsewhere. A LOP3 and a compare
-// per word, one byte permute for the pair.
-__device__ __forceinline__ unsigned tspmm_one_hot(unsigned w0, unsigned w1, unsigned g9) {
-  const unsigned a = ((w0 ^ g9) & 0xe00u) == 0u ? w0 : 0u;
-  const unsigned b = ((w1 ^ g9) & 0xe00u) == 0u ? w1 : 0u;
+// The one-hot operand's register for column g (gr = g << TSPMM_ROW_SHIFT): the value halves of
+// words w0 (low half) and w1 (high half) where their row in group is g, zeros elsewhere. A LOP3
+// and a compare per word, one byte permute for the pair.
+__device__ __forceinline__ unsigned tspmm_one_hot(unsigned w0, unsigned w1, unsigned gr) {
+  constexpr unsigned row_bits = 7u << TSPMM_ROW_SHIFT;
+  const unsigned a = ((w0 ^ gr) & row_bits) == 0u ? w0 : 0u;
+  const unsigned b = ((w1 ^ gr) & row_bits) == 0u ? w1 : 0u;
   unsigned r;
   asm("prmt.b32 %0, %1, %2, 0x7632;" : "=r"(r) : "r"(a), "r"(b));  // a's high half, then b's
   return r;
@@ -265,21 +267,21 @@ __device__ __forceinline__ unsigned tspmm_one_hot(unsigned w0, unsigned w1, unsi
 // The one-hot operand of a k-group for lane (g, t) from the lanes' own words (`mine`: lane l holds
 // entry (l / 16) * 8 + l % 8): entries 2t, 2t + 1 sit in lanes 2t, 2t + 1 and entries 2t + 8,
 // 2t + 9 in lanes 2t + 16, 2t + 17.
-__device__ __forceinline__ void tspmm_operand(unsigned mine, unsigned t, unsigned g9, unsigned& b0, unsigned& b1) {
+__device__ __forceinline__ void tspmm_operand(unsigned mine, unsigned t, unsigned gr, unsigned& b0, unsigned& b1) {
   const int l = (int)(2 * t);
   const unsigned w0 = __shfl_sync(0xffffffffu, mine, l), w1 = __shfl_sync(0xffffffffu, mine, l + 1);
   const unsigned w8 = __shfl_sync(0xffffffffu, mine, l + 16), w9 = __shfl_sync(0xffffffffu, mine, l + 17);
-  b0 = tspmm_one_hot(w0, w1, g9);
-  b1 = tspmm_one_hot(w8, w9, g9);
+  b0 = tspmm_one_hot(w0, w1, gr);
+  b1 = tspmm_one_hot(w8, w9, gr);
 }
 
-// The shared address of this lane's ldmatrix row for column step 0 (word `mine`'s B row in the
-// stage at `stage_base`, 16-byte piece `piece` under the 128-byte swizzle: piece ^ row % 8);
-// step j's is this ^ (j << 5), the swizzle being an XOR of bits 4-6 that the 128-byte row
-// address leaves clear.
+// The shared address of this lane's ldmatrix row for column step 0: word `mine`'s B row in the
+// stage at `stage_base`, 16-byte piece `piece` under the 128-byte swizzle (piece ^ row % 8), i.e.
+// (row << 3 | (row % 8 ^ piece)) << 4, which is the word's B row field ^ piece, shifted; step j's
+// is this ^ (j << 5), the swizzle being an XOR of bits 4-6 that the 128-byte row address leaves
+// clear.
 __device__ __forceinline__ unsigned tspmm_row_address(unsigned stage_base, unsigned mine, unsigned piece) {
-  const unsigned b_row = mine & 511u;
-  return stage_base + (b_row << 7) + (((b_row ^ piece) & 7u) << 4);
+  return stage_base + (((mine ^ piece) & TSPMM_B_FIELD) << 4);
 }
 
 }  // namespace twell
@@ -517,7 +519,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) twell_tiled_spmm(
   // This lane's ldmatrix row: entry (lane / 16) * 8 + lane % 8 of a k-group, its 16-byte piece
   // (lane / 8) % 2 of each 16 columns (matrices 0-3: entries 0-7 and 8-15, columns 0-7 and 8-15,
   // which .trans turns into a0 .. a3 of A = B^T).
-  const int entry = (lane >> 4) * 8 + (lane & 7);
+  const unsigned entry = (lane >> 4) * 8 + (lane & 7);
   const unsigned piece = (lane >> 3) & 1;
   int ring = 0;  // chunks consumed so far, all tiles (the ring position and phase)
   for (int tt = 0; tt < my_tiles; ++tt) {
@@ -589,10 +591,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) twell_tiled_spmm(
         from2[i] = from2[i + 1];
         prepend_range(k_lo[i], k_hi[i], from1[i], from2[i]);
       }
-      const unsigned* own = (c < n1 ? words : words2) + entry;
+      const unsigned* chunk_words = c < n1 ? words : words2;
       if (!carried) {
-        cur = tspmm_load(own, from1[0]);
-        nxt = tspmm_load(own, from2[0]);
+        cur = tspmm_load(chunk_words, entry, from1[0]);
+        nxt = tspmm_load(chunk_words, entry, from2[0]);
       }
       carried = crosses;
       barrier_wait(full + 8 * s, parity);
@@ -602,9 +604,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) twell_tiled_spmm(
 #pragma unroll 2
         for (int kg = k_lo[i]; kg < k_hi[i]; ++kg) {
           const int ahead = kg + 2 < k_hi[i] ? kg + 2 : (kg + 2 == k_hi[i] ? from1[i + 1] : from2[i + 1]);
-          const unsigned after = tspmm_load(own, ahead);
+          const unsigned after = tspmm_load(chunk_words, entry, ahead);
           unsigned b0, b1;
-          tspmm_operand(cur, t, g << 9, b0, b1);
+          tspmm_operand(cur, t, g << TSPMM_ROW_SHIFT, b0, b1);
           const unsigned row0 = tspmm_row_address(stage_base, cur, piece);
 #pragma unroll
           for (int j = 0; j < TSPMM_COL_STEPS; ++j) {
@@ -693,12 +695,12 @@ __global__ void __launch_bounds__(256) tiled_spmm_fixup(const int* __restrict__ 
         const unsigned mine = lane < valid ? __ldg(w + e0 + lane) : 0u;
         for (int i = 0; i < valid; ++i) {
           const unsigned word = __shfl_sync(0xffffffffu, mine, i);
-          if (((word >> 9) & 7u) != (unsigned)r || (word & TSPMM_PAD_BIT) != 0u) continue;  // warp-uniform
+          if (tspmm_word_row(word) != (unsigned)r || (word & TSPMM_PAD_BIT) != 0u) continue;  // warp-uniform
           T value;
           value.bits = (unsigned short)(word >> 16);
           const float v = to_acc(value);
           if (col < N) {
-            const T* src = bb + ((long long)chunk * TSPMM_CHUNK + (word & 511u)) * ld + col;
+            const T* src = bb + ((long long)chunk * TSPMM_CHUNK + tspmm_word_b_row(word)) * ld + col;
 #pragma unroll
             for (int k = 0; k < 8; ++k) acc[k] += v * to_acc(src[k]);
           }

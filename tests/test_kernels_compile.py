@@ -47,6 +47,45 @@ def test_measurement_switches_reach_the_compiler_and_are_validated(monkeypatch):
         _kernels.compile_options()
 
 
+def test_tiled_pack_constants_match_the_kernels():
+    """The tiled SpMM's pack layout as Python reads and writes it (the models, the tests, the
+    places of the one-pack FFN) against the kernels' own constants and word functions, checked
+    by NVRTC at compile time: a word built or decoded on either side means the same there."""
+    _nvrtc_or_skip()
+    from cupy_backends.cuda.libs import nvrtc
+
+    from twellsparse import _tiled_spmm as T
+
+    constants = {
+        "TSPMM_ROWS": T.ROWS,
+        "TSPMM_COLS": T.COLS,
+        "TSPMM_GROUP": T.GROUP,
+        "TSPMM_CHUNK": T.CHUNK,
+        "TSPMM_BOX": T.BOX,
+        "TSPMM_KGROUP": T.KGROUP,
+        "TSPMM_PAD": T.PAD,
+        "TSPMM_PAD_BIT": T.PAD_BIT,
+        "TSPMM_ROW_SHIFT": T.ROW_SHIFT,
+        "TSPMM_SHARED_BYTES": T.SHARED_BYTES,
+    }
+    checks = [f'static_assert(twell::{k} == {v}, "{k}");' for k, v in constants.items()]
+    for value, row, b_row in ((0x1234, 5, 300), (0xFFFF, 7, 511), (0, 0, 0), (0x8001, 3, 8)):
+        w = T.word(value, row, b_row)
+        assert (int(T.word_rows(w)), int(T.word_b_rows(w))) == (row, b_row)
+        checks += [
+            f'static_assert(twell::tspmm_word({value}, {row}, {b_row}) == {w}u, "word {value} {row} {b_row}");',
+            f'static_assert(twell::tspmm_word_row({w}u) == {row} && twell::tspmm_word_b_row({w}u) == {b_row}, "decode");',
+        ]
+    source = _kernels.read_source("twell_tiled_spmm.cu") + "\n" + "\n".join(checks) + "\n"
+    prog = nvrtc.createProgram(source, "tiled_check.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, ["-arch=compute_90a", *_kernels.compile_options()])
+    except Exception as exc:
+        pytest.fail(f"pack constants disagree with the kernels: {exc}\n{nvrtc.getProgramLog(prog)}")
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
 def test_tiled_warps_switch_is_validated(monkeypatch):
     from twellsparse import _tiled_spmm
 

@@ -105,7 +105,7 @@ def test_pack_holds_every_entry_once_with_padding_read_by_its_own_octet(rng, m, 
             item = words[kg_ptr[grp * n_chunks + c] * 16 : kg_ptr[grp * n_chunks + c + 1] * 16]
             pad = (item & _tiled_spmm.PAD_BIT) != 0
             values = (item >> 16).astype(np.uint16).view(h.dtype).astype(np.float64)
-            rows, cols = grp * 8 + ((item >> 9) & 7), c * 512 + (item & 511)
+            rows, cols = grp * 8 + _tiled_spmm.word_rows(item), c * 512 + _tiled_spmm.word_b_rows(item)
             assert (values[pad] == 0).all() and pad.sum() < 16  # within the words' bound (_tiled_spmm._packed)
             np.add.at(rebuilt, (rows[~pad], cols[~pad]), values[~pad])
             for o in range(0, item.size, 8):
@@ -159,7 +159,7 @@ def test_emulated_gated_up_writes_h_into_every_word(rng, m, f, d, density, dtype
     assert np.array_equal(h_words & 0xFFFF, words & 0xFFFF)
     grp = np.repeat(np.arange(kg_ptr.size - 1) // n_chunks, np.diff(kg_ptr) * 16)
     chunk = np.repeat(np.arange(kg_ptr.size - 1) % n_chunks, np.diff(kg_ptr) * 16)
-    rows, units = grp * 8 + ((words >> 9) & 7), chunk * 512 + (words & 511)
+    rows, units = grp * 8 + _tiled_spmm.word_rows(words), chunk * 512 + _tiled_spmm.word_b_rows(words)
     g_vals = (words >> 16).astype(np.uint16).view(dtype).astype(np.float64)
     h_vals = (h_words >> 16).astype(np.uint16).view(dtype).astype(np.float64)
     exact = g_vals * np.einsum("ij,ij->i", x[rows].astype(np.float64), w_up[units].astype(np.float64))

@@ -167,7 +167,7 @@ def _packed(lines, n_out: int, n_in: int, values, dests=None) -> tuple[np.ndarra
                 dests += [T.PAD if e is None else e[2] for e in slots]
             sources = padding_sources([e is not None for e in slots])
             for out, vals in zip(words, values, strict=True):
-                item = [None if e is None else _value_bits(vals, e[2]) << 16 | e[0] << 9 | e[1] for e in slots]
+                item = [None if e is None else T.word(_value_bits(vals, e[2]), e[0], e[1]) for e in slots]
                 out += [w if at is None else item[at] & 0xFFFF | T.PAD_BIT for w, at in zip(item, sources, strict=True)]
             padded = len(slots)
             kg_ptr.append(kg_ptr[-1] + padded // T.KGROUP)
@@ -328,10 +328,9 @@ def emulate(kg_ptr, words, n_chunks: int, m: int, b: np.ndarray, b2=None, group_
                                 for half in range(2):
                                     w = shuffled[2 * reg + half]
                                     b_regs[:, reg, half] = np.where(
-                                        ((w >> 9) & 7) == G, _value(w >> 16, source.dtype), 0.0
+                                        T.word_rows(w) == G, _value(w >> 16, source.dtype), 0.0
                                     )
-                            b_row = mine & 511
-                            address0 = (b_row << 7) + (((b_row ^ piece) & 7) << 4)  # tspmm_row_address
+                            address0 = ((mine ^ piece) & 0xFFF) << 4  # tspmm_row_address (stage offset)
                             for j in range(4):
                                 address = address0 ^ (j << 5)
                                 regs = _ldmatrix_x4_trans(stage, address >> 7, (address >> 4) & 7)
@@ -371,9 +370,9 @@ def fixup(out, kg_ptr, words, n_chunks: int, b: np.ndarray, b2=None) -> np.ndarr
                 source, chunk_words = (b, words[0]) if c < n_chunks else (b2, words[1])
                 item = (row // T.GROUP) * n_chunks + c % n_chunks
                 for w in chunk_words[int(kg_ptr[item]) * T.KGROUP : int(kg_ptr[item + 1]) * T.KGROUP].astype(np.int64):
-                    if (w >> 9) & 7 != row % T.GROUP or w & T.PAD_BIT:
+                    if T.word_rows(w) != row % T.GROUP or w & T.PAD_BIT:
                         continue
-                    b_row = (c % n_chunks) * T.CHUNK + (w & 511)
+                    b_row = (c % n_chunks) * T.CHUNK + T.word_b_rows(w)
                     acc += _value(np.array([w >> 16]), source.dtype)[0] * source[b_row].astype(np.float64)
             out[row] = acc
     return out
@@ -461,7 +460,7 @@ def emulate_gated_up(
                             if i == 0 or grp != groups[i - 1]:
                                 x_rows = grp * 8 + (LANES & 7)
                                 xf = _ldmatrix_x4(x_stage, x_rows, (LANES >> 3) ^ ((LANES & 7) >> 1))
-                            unit = words[kg * 16 + a_entry].astype(np.int64) & 511
+                            unit = T.word_b_rows(words[kg * 16 + a_entry].astype(np.int64))
                             for half in range(2):
                                 pieces = (2 * half + a_piece) ^ ((unit >> 1) & 3)
                                 a = _ldmatrix_x4(w_stage, unit, pieces)
@@ -472,7 +471,7 @@ def emulate_gated_up(
                             for half in range(2):
                                 at = kg * 16 + g + 8 * half
                                 w = int(words[at])
-                                row = (w >> 9) & 7
+                                row = T.word_rows(w)
                                 if row >> 1 != t:
                                     continue
                                 dot = np.float64(dtype.type(acc[i, lane, 2 * half + (row & 1)]))
@@ -543,7 +542,7 @@ def emulate_pack_transposed(parts, tile_n: int, n_cols: int) -> tuple[np.ndarray
             k += bin(int(bits[u, lt >> 5]) & (0x01010101 << q) & ((1 << (lt & 31)) - 1)).count("1")
             p = plans[gi][0][(q, k)]
             at = int(kg_ptr[(c0 // 8 + gi) * n_chunks + by]) * T.KGROUP
-            words[at + p] = _value_bits((parts.data, parts.spill_data), source) << 16 | (u & 7) << 9 | lt
+            words[at + p] = T.word(_value_bits((parts.data, parts.spill_data), source), u & 7, lt)
             filled.setdefault(gi, set()).add(p)
         for gi in range(64):
             if c0 + 8 * gi < c1:

@@ -33,9 +33,27 @@ GROUP = 8
 CHUNK = 512
 BOX = 256
 #: A padding word's place in :attr:`Pack.dests` (TSPMM_PAD), and its mark in the word
-#: (TSPMM_PAD_BIT: bit 12, which the products ignore).
+#: (TSPMM_PAD_BIT: bit 15, which the products ignore).
 PAD = -(2**31)
-PAD_BIT = 1 << 12
+PAD_BIT = 1 << 15
+#: A word: value bits << 16 | the padding mark | row in group << ROW_SHIFT | the B row field
+#: (bits 0-11: B row in chunk << 3 | B row % 8, the kernel's swizzled address; cuda/twell_tiled.cuh).
+ROW_SHIFT = 12
+
+
+def word_rows(words: Any) -> Any:
+    """The rows in group of an array of words (NumPy or CuPy)."""
+    return (words >> ROW_SHIFT) & 7
+
+
+def word_b_rows(words: Any) -> Any:
+    """The B rows in chunk (the operand's columns within their chunk) of an array of words."""
+    return (words & 0xFFF) >> 3
+
+
+def word(value_bits: int, row: int, b_row: int) -> int:
+    """One word (the pack's ``tspmm_word``)."""
+    return value_bits << 16 | row << ROW_SHIFT | b_row << 3 | b_row & 7
 #: Words per k-group (TSPMM_KGROUP).
 KGROUP = 16
 
@@ -110,6 +128,8 @@ def _packed(
     items = -(-rows // GROUP) * n_chunks
     kg_ptr = cp.empty(items + 1, dtype=cp.int32) if items else cp.zeros(1, dtype=cp.int32)  # the scan writes all
     size = stored + (KGROUP - 1) * items
+    if size >= 2**32:  # the product addresses words by 32-bit offsets
+        raise ValueError(f"A: expected fewer than 2**32 words in the tiled SpMM's pack, got {size}")
     words = tuple(cp.empty(size, dtype=cp.uint32) for _ in values)
     places = cp.empty(size, dtype=cp.int32) if dests else None
     if items == 0:

@@ -64,8 +64,8 @@ def test_up_words_hold_h_at_every_entry(cp, rng, pairs, dtype, m, f, d, tile_n, 
     words, h_words = words[:n], h_words[:n]
     assert np.array_equal(h_words & 0xFFFF, words & 0xFFFF)  # rows and units kept, all written
     item = np.repeat(np.arange(kg_ptr.size - 1), np.diff(kg_ptr) * 16)
-    rows = (item // packed.n_chunks) * 8 + ((words >> 9) & 7)
-    units = (item % packed.n_chunks) * 512 + (words & 511)
+    rows = (item // packed.n_chunks) * 8 + _tiled_spmm.word_rows(words)
+    units = (item % packed.n_chunks) * 512 + _tiled_spmm.word_b_rows(words)
     g_vals = (words >> 16).astype(np.uint16).view(dtype).astype(np.float64)
     h_vals = (h_words >> 16).astype(np.uint16).view(dtype).astype(np.float64)
     assert (h_vals[g_vals == 0] == 0).all()  # padding
