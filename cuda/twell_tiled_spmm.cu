@@ -14,8 +14,8 @@
 // k-group's 16 entries. A[m][k] = B[row of entry k][m] comes from ldmatrix.trans: each of the
 // four 8 x 8 matrices is 8 entries' B rows (one 16-byte piece of each, a lane giving one entry's
 // address), so the gather of arbitrary rows costs nothing extra. B[k][n] (the MMA's) is the
-// one-hot operand: entry k's value where its row in group is n, else zero, built in registers
-// from the words (a lane needs entries 2t, 2t + 1, 2t + 8, 2t + 9 for its column g).
+// one-hot operand: entry k's value where its row in group is n, else zero, built once per words
+// array by tiled_spmm_fragments (two registers per lane and k-group) and loaded with the words.
 //
 // Bank conflicts: an 8 x 8 matrix reads the same 16-byte column piece of 8 rows; with the
 // 128-byte swizzle the piece's bank group is (piece ^ row % 8), so 8 rows of distinct row
@@ -26,9 +26,9 @@
 // the item's first entry left 51% of the wavefronts as conflicts on the H200 (twenty-sixth
 // session).
 //
-// Latency: a warp's k-group ranges are loaded one chunk ahead and each k-group's words two
-// k-groups ahead, so the pack's L2 reads overlap the MMAs (about 50 instructions per k-group
-// and 64 columns in SASS, and 9 moves that rotate the prefetched words). The grid is persistent
+// Latency: a warp's k-group ranges are loaded two chunks ahead and each k-group's word and
+// operand two k-groups ahead, across chunk boundaries, so the pack's L2 reads overlap the MMAs.
+// The grid is persistent
 // (one block per SM walking the tiles), and the ring runs on from one tile into the next: the
 // next tile's first chunks load during this tile's last ones and its epilogue.
 //
@@ -233,15 +233,20 @@ __device__ __forceinline__ void tspmm_place(const TwellWalk& a, int n_chunks, lo
   if (p.item >= 0) place_padding(v, plan, total, at, p.r);
 }
 
-// A lane's word of one k-group: entry `entry` (its ldmatrix row, see twell_tiled_spmm), one
-// load per k-group; the one-hot operand's four words come from the lanes that
-// hold them by shuffles (tspmm_operand). kg < 0 (nothing to load) reads k-group 0 instead, never
-// used: a load without a branch around it (the pack's words array always holds at least one
-// k-group's room). One register per k-group in flight, where loading the operand's words too
-// held five (the twenty-sixth session's kernel: 128 registers, one ldmatrix in flight at a time).
-__device__ __forceinline__ unsigned tspmm_load(const unsigned* words, unsigned entry, int kg) {
-  // A 32-bit word offset (the pack's words number under 2^32): one wide multiply-add per address.
-  return __ldg(words + ((unsigned)max(kg, 0) * (unsigned)TSPMM_KGROUP + entry));
+// What a lane needs of one k-group: its word (entry `entry`: its ldmatrix row, see
+// twell_tiled_spmm) and its one-hot operand (b0, b1: tiled_spmm_fragments), two loads per
+// k-group. kg < 0 (nothing to load) reads k-group 0 instead, never used: loads without a branch
+// around them (the pack's arrays always hold at least one k-group's room).
+struct TiledKGroup {
+  unsigned mine;
+  uint2 b;
+};
+
+__device__ __forceinline__ TiledKGroup tspmm_load(const unsigned* words, const uint2* frags, unsigned entry,
+                                                  unsigned lane, int kg) {
+  // 32-bit offsets (the pack's words number under 2^32): one wide multiply-add per address.
+  const unsigned k = (unsigned)max(kg, 0);
+  return TiledKGroup{__ldg(words + (k * (unsigned)TSPMM_KGROUP + entry)), __ldg(frags + (k * 32u + lane))};
 }
 
 // The first two k-groups (-1: none) of the range [lo, hi) followed by a sequence whose first two
@@ -253,8 +258,7 @@ __device__ __forceinline__ void prepend_range(int lo, int hi, int& first, int& s
 }
 
 // The one-hot operand's register for column g (gr = g << TSPMM_ROW_SHIFT): the value halves of
-// words w0 (low half) and w1 (high half) where their row in group is g, zeros elsewhere. A LOP3
-// and a compare per word, one byte permute for the pair.
+// words w0 (low half) and w1 (high half) where their row in group is g, zeros elsewhere.
 __device__ __forceinline__ unsigned tspmm_one_hot(unsigned w0, unsigned w1, unsigned gr) {
   constexpr unsigned row_bits = 7u << TSPMM_ROW_SHIFT;
   const unsigned a = ((w0 ^ gr) & row_bits) == 0u ? w0 : 0u;
@@ -262,17 +266,6 @@ __device__ __forceinline__ unsigned tspmm_one_hot(unsigned w0, unsigned w1, unsi
   unsigned r;
   asm("prmt.b32 %0, %1, %2, 0x7632;" : "=r"(r) : "r"(a), "r"(b));  // a's high half, then b's
   return r;
-}
-
-// The one-hot operand of a k-group for lane (g, t) from the lanes' own words (`mine`: lane l holds
-// entry (l / 16) * 8 + l % 8): entries 2t, 2t + 1 sit in lanes 2t, 2t + 1 and entries 2t + 8,
-// 2t + 9 in lanes 2t + 16, 2t + 17.
-__device__ __forceinline__ void tspmm_operand(unsigned mine, unsigned t, unsigned gr, unsigned& b0, unsigned& b1) {
-  const int l = (int)(2 * t);
-  const unsigned w0 = __shfl_sync(0xffffffffu, mine, l), w1 = __shfl_sync(0xffffffffu, mine, l + 1);
-  const unsigned w8 = __shfl_sync(0xffffffffu, mine, l + 16), w9 = __shfl_sync(0xffffffffu, mine, l + 17);
-  b0 = tspmm_one_hot(w0, w1, gr);
-  b1 = tspmm_one_hot(w8, w9, gr);
 }
 
 // The shared address of this lane's ldmatrix row for column step 0: word `mine`'s B row in the
@@ -315,6 +308,24 @@ __global__ void __launch_bounds__(256) tiled_spmm_place(const short* __restrict_
                                                         TSPMM_VALUES) {
   const twell::TwellWalk walk{indices, counts, spill_indptr, spill_cols, M, K, n_tiles, tile_n, capacity};
   twell::tspmm_place(walk, n_chunks, items, kg_ptr, twell::PackValues TSPMM_PACK_VALUES);
+}
+
+// The one-hot operands of a pack's k-groups (the MMA's B: entry k's value where its row in
+// group is n, else zero), built once per words array rather than by every column block of the
+// product: lane 4g + t of k-group kg gets (b0, b1) at frags[32 kg + lane], b0 from entries 2t,
+// 2t + 1 and b1 from 2t + 8, 2t + 9, each for column g. Building them inside the product took
+// four shuffles and 14 dependent integer instructions per k-group and column block (the
+// twenty-seventh session's count, ~49 instructions per k-group in all). A thread per (k-group,
+// lane) of an upper bound of k-groups; those past kg_ptr[items] return.
+__global__ void __launch_bounds__(256) tiled_spmm_fragments(const int* __restrict__ kg_ptr, long long items,
+                                                            const unsigned* __restrict__ words,
+                                                            uint2* __restrict__ frags) {
+  using namespace twell;
+  const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x, kg = i >> 5;
+  if (kg >= kg_ptr[items]) return;
+  const unsigned lane = (unsigned)(i & 31), gr = (lane >> 2) << TSPMM_ROW_SHIFT, t = lane & 3u;
+  const unsigned* w = words + kg * TSPMM_KGROUP + 2 * t;
+  frags[i] = make_uint2(tspmm_one_hot(w[0], w[1], gr), tspmm_one_hot(w[8], w[9], gr));
 }
 
 // The pack of A.T (N x M: items are groups of 8 columns of A x chunks of 512 tokens, item =
@@ -461,17 +472,18 @@ __global__ void __launch_bounds__(256) tiled_spmm_balance(const int* __restrict_
 // 4 w .. 4 w + 3 of the tile, slot s being row group s, or with group_map (n_slots entries) row
 // group group_map[s] (-1: none).
 // Item (group, chunk)'s k-groups are kg_ptr[item] .. kg_ptr[item + 1], item = group * n1 +
-// chunk. With words2 (A2's words at the same places: the dual form) the block streams B's n1
-// chunks with words, then B2's with words2, into the same sums. map_b / map_b2: TMA descriptors
+// chunk; frags: the one-hot operands of words (tiled_spmm_fragments). With words2 and frags2
+// (A2's at the same places: the dual form) the block streams B's n1 chunks with words, then
+// B2's with words2, into the same sums. map_b / map_b2: TMA descriptors
 // of B and B2 [K, N] (boxes of 64 columns x 256 rows, 128-byte swizzle; rows past K read as
 // zeros; map_b2 is map_b when there is no B2). Thread 0 refills a stage once every warp has
 // released it (tests/test_ring_protocol.py runs this ring as a protocol).
 template <typename T, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32, 1) twell_tiled_spmm(
     const __grid_constant__ twell::TensorMap map_b, const __grid_constant__ twell::TensorMap map_b2,
-    const int* __restrict__ kg_ptr, const unsigned* __restrict__ words, const unsigned* __restrict__ words2, int M,
-    int N, int n1, T* __restrict__ out, long long ldo, int* __restrict__ flags, const int* __restrict__ group_map,
-    int n_slots) {
+    const int* __restrict__ kg_ptr, const unsigned* __restrict__ words, const unsigned* __restrict__ words2,
+    const uint2* __restrict__ frags, const uint2* __restrict__ frags2, int M, int N, int n1, T* __restrict__ out,
+    long long ldo, int* __restrict__ flags, const int* __restrict__ group_map, int n_slots) {
   using namespace twell;
   constexpr int WG = TSPMM_ROWS / TSPMM_GROUP / WARPS;  // row groups per warp
   extern __shared__ __align__(1024) unsigned char raw[];
@@ -556,7 +568,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) twell_tiled_spmm(
     // group, k-group), which runs on from one chunk into the next within a words array (so a
     // chunk's first loads are issued during the previous chunk's last k-groups); `carried` says
     // they were loaded so.
-    unsigned cur = 0u, nxt = 0u;
+    TiledKGroup cur{0u, {0u, 0u}}, nxt{0u, {0u, 0u}};
     bool carried = false;
     for (int c = 0; c < n_chunks; ++c, ++ring) {
       const int s = ring % TSPMM_STAGES;
@@ -592,9 +604,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) twell_tiled_spmm(
         prepend_range(k_lo[i], k_hi[i], from1[i], from2[i]);
       }
       const unsigned* chunk_words = c < n1 ? words : words2;
+      const uint2* chunk_frags = c < n1 ? frags : frags2;
       if (!carried) {
-        cur = tspmm_load(chunk_words, entry, from1[0]);
-        nxt = tspmm_load(chunk_words, entry, from2[0]);
+        cur = tspmm_load(chunk_words, chunk_frags, entry, lane, from1[0]);
+        nxt = tspmm_load(chunk_words, chunk_frags, entry, lane, from2[0]);
       }
       carried = crosses;
       barrier_wait(full + 8 * s, parity);
@@ -604,15 +617,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) twell_tiled_spmm(
 #pragma unroll 2
         for (int kg = k_lo[i]; kg < k_hi[i]; ++kg) {
           const int ahead = kg + 2 < k_hi[i] ? kg + 2 : (kg + 2 == k_hi[i] ? from1[i + 1] : from2[i + 1]);
-          const unsigned after = tspmm_load(chunk_words, entry, ahead);
-          unsigned b0, b1;
-          tspmm_operand(cur, t, g << TSPMM_ROW_SHIFT, b0, b1);
-          const unsigned row0 = tspmm_row_address(stage_base, cur, piece);
+          const TiledKGroup after = tspmm_load(chunk_words, chunk_frags, entry, lane, ahead);
+          const unsigned row0 = tspmm_row_address(stage_base, cur.mine, piece);
 #pragma unroll
           for (int j = 0; j < TSPMM_COL_STEPS; ++j) {
             unsigned a[4];
             ldmatrix_x4_trans(a, row0 ^ ((unsigned)j << 5));
-            mma_m16n8k16<T>(acc[i][j], a[0], a[1], a[2], a[3], b0, b1);
+            mma_m16n8k16<T>(acc[i][j], a[0], a[1], a[2], a[3], cur.b.x, cur.b.y);
           }
           cur = nxt;
           nxt = after;

@@ -74,7 +74,8 @@ def test_tiled_pack_constants_match_the_kernels():
         assert (int(T.word_rows(w)), int(T.word_b_rows(w))) == (row, b_row)
         checks += [
             f'static_assert(twell::tspmm_word({value}, {row}, {b_row}) == {w}u, "word {value} {row} {b_row}");',
-            f'static_assert(twell::tspmm_word_row({w}u) == {row} && twell::tspmm_word_b_row({w}u) == {b_row}, "decode");',
+            f'static_assert(twell::tspmm_word_row({w}u) == {row}, "row of {w}");',
+            f'static_assert(twell::tspmm_word_b_row({w}u) == {b_row}, "B row of {w}");',
         ]
     source = _kernels.read_source("twell_tiled_spmm.cu") + "\n" + "\n".join(checks) + "\n"
     prog = nvrtc.createProgram(source, "tiled_check.cu", [], [])

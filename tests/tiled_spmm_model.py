@@ -248,6 +248,21 @@ def _kgroup(words: np.ndarray, kg: int) -> np.ndarray:
     return words[kg * T.KGROUP : (kg + 1) * T.KGROUP]
 
 
+def fragments(kg_ptr, words: np.ndarray) -> np.ndarray:
+    """``tiled_spmm_fragments``: per k-group and lane 4g + t the one-hot operand (b0, b1) as uint32
+    pairs, [k-group][lane][register]: b0's low half the value of entry 2t where its row in group
+    is g (else zero), its high half entry 2t + 1's; b1 the same of entries 2t + 8, 2t + 9."""
+    n = int(kg_ptr[-1])
+    w = words[: n * T.KGROUP].astype(np.uint64).reshape(n, T.KGROUP)
+    frags = np.zeros((max(n, 1), 32, 2), dtype=np.uint32)
+    for reg, first in enumerate((0, 8)):
+        for half in range(2):
+            e = w[:, first + 2 * TQ + half]  # [k-group][lane]
+            hit = T.word_rows(e) == G[None, :].astype(np.uint64)
+            frags[:n, :, reg] |= (np.where(hit, e >> 16, 0) << (16 * half)).astype(np.uint32)
+    return frags
+
+
 def sequence_heads(lo: list[int], hi: list[int], tail1: int, tail2: int) -> tuple[int, int]:
     """The first two k-groups of the sequence ranges [lo[i], hi[i]) in turn, then (tail1, tail2):
     the kernel's from1 / from2 (-1: none)."""
@@ -267,6 +282,7 @@ def emulate(kg_ptr, words, n_chunks: int, m: int, b: np.ndarray, b2=None, group_
     n = b.shape[1]
     out = np.full((m, n), np.nan)
     entry, piece = (LANES >> 4) * 8 + (LANES & 7), (LANES >> 3) & 1
+    frags = [fragments(kg_ptr, w) for w in words]
     n_groups = -(-m // T.GROUP)
 
     def actual(slot: int) -> int:  # the kernel's actual(): the slot's row group, or -1
@@ -309,27 +325,28 @@ def emulate(kg_ptr, words, n_chunks: int, m: int, b: np.ndarray, b2=None, group_
                         from1[4], from2[4] = sequence_heads(nlo, nhi, -1, -1)
                     for i in range(3, -1, -1):
                         from1[i], from2[i] = sequence_heads(lo[i : i + 1], hi[i : i + 1], from1[i + 1], from2[i + 1])
-                    # Each lane loads its own word (entry `entry`) of a k-group; the one-hot
-                    # operand's words 2t, 2t + 1, 2t + 8, 2t + 9 come from lanes 2t, 2t + 1, 2t + 16,
-                    # 2t + 17 by shuffles. At a chunk's start the words come from the previous
+                    # Each lane loads its own word (entry `entry`) of a k-group and its one-hot
+                    # operand (the fragments). At a chunk's start both come from the previous
                     # chunk's prefetch where it ran on into this one.
-                    if warp in carried:
-                        cur, nxt = carried.pop(warp)
-                    else:
-                        cur, nxt = _kgroup(chunk_words, from1[0])[entry], _kgroup(chunk_words, from2[0])[entry]
+                    chunk_frags = frags[0] if c < n_chunks else frags[1]
+
+                    def load(kg: int, chunk_words=chunk_words, chunk_frags=chunk_frags) -> tuple:
+                        return _kgroup(chunk_words, kg)[entry], chunk_frags[max(kg, 0)]
+
+                    cur, nxt = carried.pop(warp) if warp in carried else (load(from1[0]), load(from2[0]))
                     for i in range(4):
                         for kg in range(lo[i], hi[i]):
                             ahead = kg + 2 if kg + 2 < hi[i] else (from1[i + 1] if kg + 2 == hi[i] else from2[i + 1])
-                            after = _kgroup(chunk_words, ahead)[entry]
-                            mine = cur.astype(np.int64)
-                            shuffled = [mine[2 * TQ + k] for k in (0, 1, 16, 17)]  # [word][lane]
-                            b_regs = np.zeros((32, 2, 2))
-                            for reg in range(2):
-                                for half in range(2):
-                                    w = shuffled[2 * reg + half]
-                                    b_regs[:, reg, half] = np.where(
-                                        T.word_rows(w) == G, _value(w >> 16, source.dtype), 0.0
-                                    )
+                            after = load(ahead)
+                            mine, b_bits = cur[0].astype(np.int64), cur[1]
+                            b_regs = np.stack(
+                                [
+                                    _value((b_bits[:, reg] >> (16 * h)) & 0xFFFF, source.dtype)
+                                    for reg in range(2)
+                                    for h in range(2)
+                                ],
+                                axis=1,
+                            ).reshape(32, 2, 2)
                             address0 = ((mine ^ piece) & 0xFFF) << 4  # tspmm_row_address (stage offset)
                             for j in range(4):
                                 address = address0 ^ (j << 5)

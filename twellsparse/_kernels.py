@@ -206,7 +206,8 @@ ARCH_SOURCES: dict[str, tuple[str, list[str]]] = {
         "sm_90a",
         [f"twell_tiled_spmm<{CXX_TYPE[d]}, {w}>" for d in (np.dtype(np.float16), bfloat16) for w in (16, 32)]
         + [f"tiled_spmm_fixup<{CXX_TYPE[d]}>" for d in (np.dtype(np.float16), bfloat16)]
-        + ["tiled_spmm_count", "tiled_spmm_place", "tiled_spmm_count_t", "tiled_spmm_place_t", "tiled_spmm_balance"],
+        + ["tiled_spmm_count", "tiled_spmm_place", "tiled_spmm_count_t", "tiled_spmm_place_t", "tiled_spmm_balance"]
+        + ["tiled_spmm_fragments"],
     ),
     # The gated consumer's up projection on the tiled SpMM's pack of the gate.
     "twell_tiled_ffn.cu": (

@@ -54,6 +54,8 @@ def word_b_rows(words: Any) -> Any:
 def word(value_bits: int, row: int, b_row: int) -> int:
     """One word (the pack's ``tspmm_word``)."""
     return value_bits << 16 | row << ROW_SHIFT | b_row << 3 | b_row & 7
+
+
 #: Words per k-group (TSPMM_KGROUP).
 KGROUP = 16
 
@@ -214,6 +216,22 @@ def balance(packed: Pack, m: int) -> Any:
     return group_map
 
 
+def fragments(packed: Pack, which: int = 0) -> Any:
+    """The MMA's one-hot operands of ``packed.words[which]`` (``tiled_spmm_fragments``: two uint32
+    per lane and k-group, the value of each entry where its row in group is the lane's column),
+    which the product loads beside the words instead of building them in every column block. One
+    launch over an upper bound of k-groups (the pack's word room / 16), no host read."""
+    cp = _cp()
+    words = packed.words[which]
+    kgroups = max(1, words.size // KGROUP)  # at least one k-group's room: the product's branch-free loads
+    frags = cp.empty(kgroups * 32 * 2, dtype=cp.uint32)
+    items = packed.kg_ptr.size - 1
+    if items > 0:
+        args = (packed.kg_ptr, np.int64(items), words, frags)
+        K.launch_arch("tiled_spmm_fragments", (-(-kgroups * 32 // 256),), (256,), args, 0)
+    return frags
+
+
 def packed_spmm(packed: Pack, m: int, b: Any, out: Any, b2: Any = None, which: int = 0, group_map: Any = None) -> Any:
     """``out = A @ b`` for an ``m``-row A packed by :func:`pack` or :func:`pack_transposed`
     (A's values: ``packed.words[which]``), or with ``b2`` ``out = A @ b + A2 @ b2`` (A2's words
@@ -233,6 +251,8 @@ def packed_spmm(packed: Pack, m: int, b: Any, out: Any, b2: Any = None, which: i
     map_b = tensor_map(b, BOX, COLS, SWIZZLE_128B)
     map_b2 = map_b if b2 is None else tensor_map(b2, BOX, COLS, SWIZZLE_128B)
     words2 = K.null_pointer() if b2 is None else packed.words[which + 1]
+    frags = fragments(packed, which)
+    frags2 = K.null_pointer() if b2 is None else fragments(packed, which + 1)
     pattern = (packed.kg_ptr, packed.words[which], words2, np.int32(m), np.int32(n), np.int32(packed.n_chunks))
     ldo = np.int64(leading_dim(out))
     flags = _cp().zeros(m, dtype=np.int32)  # rows with a non-finite sum, for the fixup
@@ -243,7 +263,7 @@ def packed_spmm(packed: Pack, m: int, b: Any, out: Any, b2: Any = None, which: i
     tiles = -(-n // COLS) * -(-rows // ROWS)
     grid = (min(tiles, K.sm_count()),)
     slots = (group_map, np.int32(group_map.size)) if group_map is not None else (K.null_pointer(), np.int32(0))
-    args = (map_b, map_b2, *pattern, out, ldo, flags, *slots)
+    args = (map_b, map_b2, *pattern[:3], frags, frags2, *pattern[3:], out, ldo, flags, *slots)
     K.launch_arch(f"twell_tiled_spmm<{t}, {WARPS}>", grid, (WARPS * 32,), args, SHARED_BYTES)
     dense = (b, np.int64(ldb), b2 if b2 is not None else K.null_pointer(), np.int64(ldb2))
     K.launch_arch(f"tiled_spmm_fixup<{t}>", (-(-m // 8),), (256,), (*pattern, *dense, flags, out, ldo), 0)

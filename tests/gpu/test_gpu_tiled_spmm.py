@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers import check_spmm_result, inf_in_an_unused_row, rounding_bound, skewed_twell, twin_values
-from tiled_spmm_model import balance, reference_pack, reference_pack_transposed
+from tiled_spmm_model import balance, fragments, reference_pack, reference_pack_transposed
 
 import twellsparse as ts
 from twellsparse import _gpu_ops, _tiled_spmm
@@ -71,6 +71,20 @@ def test_pack_matches_the_model_word_for_word(cp, rng, others, m, n, k, tile_n, 
     _same_pack(cp, packed, reference)
     if others:  # each word's place in A's parts: slot index, ~spill index, PAD for padding
         assert np.array_equal(cp.asnumpy(packed.dests[: len(dests)]), np.array(dests, dtype=np.int32))
+
+
+@pytest.mark.parametrize("m, n, k, tile_n, capacity, density", SHAPES[:3])
+def test_fragments_match_the_model(cp, rng, m, n, k, tile_n, capacity, density):
+    """The one-hot operands the product loads (tiled_spmm_fragments) bit for bit against the
+    model's, every lane of every k-group."""
+    _, a = _problem(cp, rng, m, n, tile_n, capacity, density, np.float16)
+    _skip_unless_hopper(cp.empty((n, 8), dtype=np.float16), cp.empty((m, 8), dtype=np.float16))
+    packed = _tiled_spmm.pack(a.parts, tile_n, n)
+    got = cp.asnumpy(_tiled_spmm.fragments(packed)).reshape(-1, 32, 2)
+    kg_ptr, words = cp.asnumpy(packed.kg_ptr), cp.asnumpy(packed.words[0])
+    want = fragments(kg_ptr, words)
+    n_kg = int(kg_ptr[-1])
+    assert np.array_equal(got[:n_kg], want[:n_kg])
 
 
 @pytest.mark.parametrize(
