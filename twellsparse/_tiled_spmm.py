@@ -4,10 +4,12 @@ of 512 output rows x 64 columns whose fp32 sums stay in registers while b's rows
 through shared memory in chunks of 512 (TMA), instead of one row of b read from L2 per entry.
 
 A is first packed on the device (four launches, no host read, so the pair runs inside a CUDA
-graph capture) into k-groups of 16 words per (8 output rows, chunk). :func:`applies` says
+graph capture) into k-groups of 16 words per (8 output rows, chunk), and each product first
+builds the MMA's one-hot operands of its words (:func:`fragments`). :func:`applies` says
 whether the kernel serves the operands, :func:`spmm` runs it. Opt-in (``TWELL_TILED_SPMM=1`` or
 ``matmul``'s ``path="tiled"``): on the H200 it is still slower than the stationary kernel with
-its pack (bench/NOTES.md, twenty-sixth session). A documented
+its pack (bench/NOTES.md, twenty-sixth session; the twenty-seventh session's changes to its
+inner loop are not yet measured). A documented
 detail: inside the MMA an Inf or NaN in a row of b that an entry uses would reach the other 7
 rows of that entry's group of 8 as NaN (0 x Inf); the product flags the rows whose sums are
 not finite and a second launch recomputes them exactly, so the results are the other paths'.
@@ -236,9 +238,10 @@ def packed_spmm(packed: Pack, m: int, b: Any, out: Any, b2: Any = None, which: i
     """``out = A @ b`` for an ``m``-row A packed by :func:`pack` or :func:`pack_transposed`
     (A's values: ``packed.words[which]``), or with ``b2`` ``out = A @ b + A2 @ b2`` (A2's words
     the next array, ``which + 1``) in the same sums; the caller has checked :func:`applies`.
-    Two launches: the product, then ``tiled_spmm_fixup``, which recomputes exactly the rows
-    whose sums came out non-finite (an Inf or NaN in a row of b that an entry uses spreads to
-    its group's other rows inside the MMA), so the results are the other paths'. ``group_map``:
+    Three launches: :func:`fragments` (for each words array), the product, then
+    ``tiled_spmm_fixup``, which recomputes exactly the rows whose sums came out non-finite (an
+    Inf or NaN in a row of b that an entry uses spreads to its group's other rows inside the
+    MMA), so the results are the other paths'. ``group_map``:
     the row groups' slots (:func:`balance`), or None for the natural order."""
     b, ldb = row_stride(b)
     n = b.shape[1]
