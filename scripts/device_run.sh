@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -72,6 +72,26 @@ for step in $what; do
       (cd "$tree" && TWELL_COMMIT=$(cat "$here/.branches/$name.commit") OUT="$OUT/$name" \
         bash scripts/device_run.sh ${steps//,/ }) 2>&1 | tee -a "$OUT/branches.log" | tail -40
       status=$((status | ${PIPESTATUS[0]}))
+      python3 -m pip install --no-deps --no-build-isolation -q -e . 2>&1 | tail -3
+      continue
+      ;;
+    branchrows=*)
+      # branchrows=NAME: the tiled product's stage rows (A/B of kernel versions; any commit packed
+      # by bundle_branches.sh) in NAME's unpacked tree, records under $OUT/NAME, then this tree.
+      name=${step#branchrows=}
+      here=$PWD
+      tree=/tmp/branches/$name
+      if [ ! -f ".branches/$name.tar.gz" ]; then
+        echo "branch $name: .branches/$name.tar.gz missing (bundle_branches.sh, carry .branches)" | tee -a "$OUT/branches.log"
+        status=1
+        continue
+      fi
+      rm -rf "$tree" && mkdir -p "$tree" "$OUT/$name" && tar -xzf ".branches/$name.tar.gz" -C "$tree"
+      (cd "$tree" && python3 -m pip install --no-deps --no-build-isolation -q -e . 2>&1 | tail -3
+        for d in 0.005 0.01 0.02; do
+          TWELL_COMMIT=$(cat "$here/.branches/$name.commit") timeout 200 python3 bench/stage_times.py --density "$d" \
+            --only "down spmm, tiled, packed" --out "$OUT/$name/stages.jsonl"
+        done) 2>&1 | tee -a "$OUT/branches.log" | grep -E "tiled|Error|error" | tail -12
       python3 -m pip install --no-deps --no-build-isolation -q -e . 2>&1 | tail -3
       continue
       ;;
