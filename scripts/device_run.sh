@@ -53,6 +53,16 @@ ncu_rows() {
     python3 bench/stage_times.py --density 0.01 --reps 3 --only "$2" 2>&1 | tail -150 | tee -a "$OUT/$3_ncu.log" \
     | grep -E "Duration|Throughput|Issued|Stall|stalled|wavefronts|conflicts|sectors|inst_executed|Eligible" | head -50
 }
+# A branch packed by scripts/bundle_branches.sh unpacked into TREE (a fresh directory); a
+# missing pack is logged and fails the run. Usage: unpack_branch NAME TREE
+unpack_branch() {
+  if [ ! -f ".branches/$1.tar.gz" ]; then
+    echo "branch $1: .branches/$1.tar.gz missing (bundle_branches.sh, carry .branches)" | tee -a "$OUT/branches.log"
+    status=1
+    return 1
+  fi
+  rm -rf "$2" && mkdir -p "$2" && tar -xzf ".branches/$1.tar.gz" -C "$2"
+}
 for step in $what; do
   case $step in
     branch=*)
@@ -63,12 +73,7 @@ for step in $what; do
       steps=${spec#*:}
       here=$PWD
       tree=/tmp/branches/$name
-      if [ ! -f ".branches/$name.tar.gz" ]; then
-        echo "branch $name: .branches/$name.tar.gz missing (bundle_branches.sh, carry .branches)" | tee -a "$OUT/branches.log"
-        status=1
-        continue
-      fi
-      rm -rf "$tree" && mkdir -p "$tree" && tar -xzf ".branches/$name.tar.gz" -C "$tree"
+      unpack_branch "$name" "$tree" || continue
       (cd "$tree" && TWELL_COMMIT=$(cat "$here/.branches/$name.commit") OUT="$OUT/$name" \
         bash scripts/device_run.sh ${steps//,/ }) 2>&1 | tee -a "$OUT/branches.log" | tail -40
       status=$((status | ${PIPESTATUS[0]}))
@@ -81,12 +86,8 @@ for step in $what; do
       name=${step#branchrows=}
       here=$PWD
       tree=/tmp/branches/$name
-      if [ ! -f ".branches/$name.tar.gz" ]; then
-        echo "branch $name: .branches/$name.tar.gz missing (bundle_branches.sh, carry .branches)" | tee -a "$OUT/branches.log"
-        status=1
-        continue
-      fi
-      rm -rf "$tree" && mkdir -p "$tree" "$OUT/$name" && tar -xzf ".branches/$name.tar.gz" -C "$tree"
+      unpack_branch "$name" "$tree" || continue
+      mkdir -p "$OUT/$name"
       (cd "$tree" && python3 -m pip install --no-deps --no-build-isolation -q -e . 2>&1 | tail -3
         for d in 0.005 0.01 0.02; do
           TWELL_COMMIT=$(cat "$here/.branches/$name.commit") timeout 200 python3 bench/stage_times.py --density "$d" \

@@ -47,12 +47,26 @@ def test_measurement_switches_reach_the_compiler_and_are_validated(monkeypatch):
         _kernels.compile_options()
 
 
+def _compiles_with(source_name: str, checks: str, failure: str) -> None:
+    """Compile a kernel source (NVRTC, sm_90a) with ``checks`` (static_asserts) appended; fail
+    the test with ``failure`` and the compiler's log when they do not hold."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    source = _kernels.read_source(source_name) + "\n" + checks + "\n"
+    prog = nvrtc.createProgram(source, "check.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, ["-arch=compute_90a", *_kernels.compile_options()])
+    except Exception as exc:
+        pytest.fail(f"{failure}: {exc}\n{nvrtc.getProgramLog(prog)}")
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
 def test_tiled_pack_constants_match_the_kernels():
     """The tiled SpMM's pack layout as Python reads and writes it (the models, the tests, the
     places of the one-pack FFN) against the kernels' own constants and word functions, checked
     by NVRTC at compile time: a word built or decoded on either side means the same there."""
     _nvrtc_or_skip()
-    from cupy_backends.cuda.libs import nvrtc
 
     from twellsparse import _tiled_spmm as T
 
@@ -77,14 +91,7 @@ def test_tiled_pack_constants_match_the_kernels():
             f'static_assert(twell::tspmm_word_row({w}u) == {row}, "row of {w}");',
             f'static_assert(twell::tspmm_word_b_row({w}u) == {b_row}, "B row of {w}");',
         ]
-    source = _kernels.read_source("twell_tiled_spmm.cu") + "\n" + "\n".join(checks) + "\n"
-    prog = nvrtc.createProgram(source, "tiled_check.cu", [], [])
-    try:
-        nvrtc.compileProgram(prog, ["-arch=compute_90a", *_kernels.compile_options()])
-    except Exception as exc:
-        pytest.fail(f"pack constants disagree with the kernels: {exc}\n{nvrtc.getProgramLog(prog)}")
-    finally:
-        nvrtc.destroyProgram(prog)
+    _compiles_with("twell_tiled_spmm.cu", "\n".join(checks), "pack constants disagree with the kernels")
 
 
 def test_tiled_warps_switch_is_validated(monkeypatch):
@@ -115,7 +122,6 @@ def test_hopper_launch_shape_matches_the_kernel():
     """The fused producer's launch (threads, dynamic shared memory, hand-off words) is computed in
     Python; the kernel's own constants must agree, or a launch would overrun shared memory."""
     _nvrtc_or_skip()
-    from cupy_backends.cuda.libs import nvrtc
 
     from twellsparse import _hopper_producer as hp
 
@@ -128,14 +134,7 @@ def test_hopper_launch_shape_matches_the_kernel():
     )
     constants = {"BM": hp.BLOCK_ROWS, "BN": hp.BLOCK_COLS, "BK": hp.BLOCK_K, "MAX_ROW_SLOTS": hp.MAX_ROW_SLOTS}
     checks += "".join(f'\nstatic_assert(twell::hopper::{k} == {v}, "{k}");' for k, v in constants.items())
-    source = _kernels.read_source("twell_hopper_gemm.cu") + "\n" + checks + "\n"
-    prog = nvrtc.createProgram(source, "hopper_check.cu", [], [])
-    try:
-        nvrtc.compileProgram(prog, ["-arch=compute_90a", *_kernels.compile_options()])
-    except Exception as exc:
-        pytest.fail(f"launch constants disagree with the kernel: {exc}\n{nvrtc.getProgramLog(prog)}")
-    finally:
-        nvrtc.destroyProgram(prog)
+    _compiles_with("twell_hopper_gemm.cu", checks, "launch constants disagree with the kernel")
 
 
 def test_arch_cubins_are_cached_on_disk_by_content(tmp_path, monkeypatch):
