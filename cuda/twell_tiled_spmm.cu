@@ -620,10 +620,12 @@ __global__ void __launch_bounds__(WARPS * 32, 1) twell_tiled_spmm(
           const TiledKGroup after = tspmm_load(chunk_words, chunk_frags, entry, lane, ahead);
           const unsigned row0 = tspmm_row_address(stage_base, cur.mine, piece);
 #pragma unroll
-          for (int j = 0; j < TSPMM_COL_STEPS; ++j) {
-            unsigned a[4];
+          for (int j = 0; j < TSPMM_COL_STEPS; j += 2) {
+            unsigned a[4], a2[4];  // two column steps' ldmatrix before their MMAs
             ldmatrix_x4_trans(a, row0 ^ ((unsigned)j << 5));
+            ldmatrix_x4_trans(a2, row0 ^ ((unsigned)(j + 1) << 5));
             mma_m16n8k16<T>(acc[i][j], a[0], a[1], a[2], a[3], cur.b.x, cur.b.y);
+            mma_m16n8k16<T>(acc[i][j + 1], a2[0], a2[1], a2[2], a2[3], cur.b.x, cur.b.y);
           }
           cur = nxt;
           nxt = after;
