@@ -109,7 +109,15 @@ def packed_stats(fire: np.ndarray, d_model: int, rows: int = 8, chunk: int = 512
     busy = warp_load.max(axis=1).sum() / max(warp_load.mean(axis=1).sum(), 1e-9)
     dealt = dealt_loads(loads).reshape(-1, 16, 4).sum(axis=2)
     busy_dealt = dealt.max(axis=1).sum() / max(dealt.mean(axis=1).sum(), 1e-9)
+    # The down product's L2-to-SM bytes: every tile (512 rows x 64 columns) streams its B chunks
+    # (512 x 64 x 2 bytes each), and every column block re-reads the operand: 64 bytes of words
+    # and 256 of one-hot fragments per k-group (tiled_spmm_fragments).
+    col_blocks = -(-d_model // 64)
+    b_chunk_bytes = (pad_m // 512) * col_blocks * (pad_n // chunk) * chunk * 64 * 2
+    operand_bytes = col_blocks * kgs.sum() * (kgroup * 4 + 32 * 8)
     return {
+        "spmm_l2_gb": float((b_chunk_bytes + operand_bytes) / 1e9),
+        "spmm_l2_operand": float(operand_bytes / b_chunk_bytes),
         "padding": float(kgs.sum() * kgroup / max(entries.sum(), 1) - 1),
         "rounds": float(rounds.mean()),
         "two_rounds": float((rounds >= 2).mean()),
@@ -161,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{pattern:>7}  {density:6.2%}  {hot:11d}  {split_ms:16.3f}  {gathers_ms:16.3f}")
     print(
         "\npattern  density  padding  up rounds (2+)  busiest warp (A.T, dealt)  conflicts (A.T)  "
-        f"shared-memory GB (ms at {args.smem_tbs} TB/s, with the conflicts): down, up, each transposed"
+        f"shared-memory GB (ms at {args.smem_tbs} TB/s, with the conflicts): down, up, each transposed;"
+        f"  down's L2 GB (ms at {args.l2_tbs} TB/s; operand / B chunks)"
     )
     for pattern, density, st in packed:
         t = {k: st[k] / args.smem_tbs for k in ("spmm_gb", "up_gb", "transposed_gb")}
@@ -170,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{pattern:>7}  {density:6.2%}  {st['padding']:7.1%}  {st['rounds']:5.2f} ({st['two_rounds']:4.0%})"
             f"  {st['busiest_warp']:14.2f} ({st['busiest_warp_dealt']:.2f})  {c:9.2f} ({ct:.2f})"
             f"  {st['spmm_gb']:.2f} ({t['spmm_gb'] * c:.3f}), {st['up_gb']:.2f} ({t['up_gb'] * c:.3f}),"
-            f" {st['transposed_gb']:.2f} ({t['transposed_gb'] * ct:.3f})"
+            f" {st['transposed_gb']:.2f} ({t['transposed_gb'] * ct:.3f});"
+            f"  {st['spmm_l2_gb']:.2f} ({st['spmm_l2_gb'] / args.l2_tbs:.3f}; {st['spmm_l2_operand']:.2f})"
         )
     return 0
 

@@ -91,6 +91,10 @@ def test_packed_stats_counts_kgroups_rounds_and_warps():
     assert st["rounds"] == (1 + 0) / 2 and st["two_rounds"] == 0  # the second chunk's block: none
     assert st["spmm_gb"] == 9 * 16 * 2 * 64 / 1e9
     assert st["transposed_gb"] == 9 * 16 * 2 * 64 / 1e9
+    # one tile (512 rows x 64 columns) streams both chunks of B (512 x 64 x 2 bytes each); its one
+    # column block reads the 9 k-groups' words (64 bytes) and fragments (256 bytes)
+    b_chunks = 2 * 512 * 64 * 2
+    assert st["spmm_l2_gb"] == (b_chunks + 9 * (64 + 256)) / 1e9 and st["spmm_l2_operand"] == 9 * 320 / b_chunks
     # class 0 (columns 0, 8, 16) holds 24 entries against the item's 18 octets; A.T's items
     # (tokens 0-7: one per class and unit) conflict-free
     assert st["conflicts"] == 24 / 18 and st["conflicts_t"] == 1.0
