@@ -200,6 +200,32 @@ def test_transposed_products_with_and_without_the_deal_agree(cp, rng, monkeypatc
     assert rel_error(out, expected) <= rounding_bound(ts.bfloat16, expected)
 
 
+@pytest.mark.parametrize("m, n, k, tile_n, capacity, density", [SHAPES[1], SHAPES[2], SHAPES[4]])
+def test_both_warp_counts_give_the_same_bits(cp, rng, monkeypatch, m, n, k, tile_n, capacity, density):
+    """The product with 32 warps of 2 row groups against 16 warps of 4, bit for bit: every row
+    group's sums take the same MMAs in the same order either way (plain, dual form, and the
+    transposed products with their deal of the groups, which depends on the warp count)."""
+    h, a = _problem(cp, rng, m, n, tile_n, capacity, density, ts.bfloat16)
+    _, a2 = _twin(cp, rng, h, a)
+    b, b2, g = (cp.asarray(rng.standard_normal(shape).astype(ts.bfloat16)) for shape in ((n, k), (n, k), (m, k)))
+    _skip_unless_hopper(b, cp.empty((m, k), dtype=ts.bfloat16))
+
+    def products() -> list:
+        plain = _gpu_ops.spmm(a.parts, tile_n, b, cp.full((m, k), np.nan, dtype=ts.bfloat16), path="tiled")
+        dual = cp.full((m, k), np.nan, dtype=ts.bfloat16)
+        _gpu_ops.spmm(a.parts, tile_n, b, dual, path="tiled", second=(a2.parts, b2))
+        transposed = cp.full((n, k), np.nan, dtype=ts.bfloat16)
+        _tiled_spmm.spmm_transposed(tile_n, n, [(a.parts, g, transposed)])
+        return [cp.asnumpy(x).view(np.uint16) for x in (plain, dual, transposed)]
+
+    results = {}
+    for warps in (16, 32):
+        monkeypatch.setattr(_tiled_spmm, "WARPS", warps)
+        results[warps] = products()
+    for x16, x32 in zip(results[16], results[32], strict=True):
+        assert np.array_equal(x16, x32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m, n, k, tile_n, capacity, density", [SHAPES[1], SHAPES[2], SHAPES[4], SHAPES[5]])
 def test_transposed_products_match_float64(cp, rng, dtype, m, n, k, tile_n, capacity, density):
