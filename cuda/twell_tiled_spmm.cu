@@ -553,8 +553,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) twell_tiled_spmm(
       const int grp = group_map != nullptr ? (vg < n_slots ? __ldg(group_map + vg) : -1) : vg;
       return grp < n_groups ? grp : -1;
     };
-    // The warp's k-group ranges at chunk c, one load a lane: lane j < 8 holds kg_ptr[item + (j &
-    // 1)] of its slot j / 2's group (0 past the groups or the chunks). Loaded one chunk ahead, so
+    // The warp's k-group ranges at chunk c, one load a lane: lane j < 2 WG holds kg_ptr[item + (j
+    // & 1)] of its slot j / 2's group (0 past the groups or the chunks). Loaded ahead (below), so
     // that the L2 latency of the pack overlaps the MMAs instead of stalling the warp at every chunk.
     const int lane_group = actual((lane & 7) >> 1);
     auto ranges = [&](int c) {
@@ -582,9 +582,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) twell_tiled_spmm(
         k_lo[i] = __shfl_sync(0xffffffffu, kp, 2 * i);
         k_hi[i] = __shfl_sync(0xffffffffu, kp, 2 * i + 1);
       }
-      // Each k-group's word loads two k-groups ahead in the warp's sequence: the L2's latency
-      // under two k-groups' MMAs (one ahead left the warps stalled on these loads 40% of their
-      // cycles on the H200, twenty-sixth session). from1[i] / from2[i]: the first and second
+      // Each k-group's word and operand load two k-groups ahead in the warp's sequence: the L2's
+      // latency under two k-groups' MMAs (one ahead left the warps stalled on these loads 40% of
+      // their cycles on the H200, twenty-sixth session). from1[i] / from2[i]: the first and second
       // k-group of the sequence from group i on (-1: none); from1[WG] / from2[WG] the next
       // chunk's first two, except at the tile's last chunk and before the dual form's switch to
       // A2's words (another array).
