@@ -20,6 +20,12 @@ products' warp imbalance (a warp owns 4 groups of 8 units: the block waits for i
 as they come and as ``tiled_spmm_balance`` deals them by load), and the shared-memory bytes and
 time each kernel needs at an assumed shared-memory rate (their bound if nothing else binds).
 
+Fourth table, the down product's ring: its warps own fixed row groups and a chunk's stage is
+refilled only when every warp is done with it, so a warp runs at most STAGES - 1 chunks ahead of
+the slowest; the block then takes longer than its warps' mean work. :func:`ring_efficiency`
+simulates that (each k-group one unit of a warp's time, refills instant) for 16 warps of 4 groups
+and 32 of 2.
+
 Usage: python bench/model.py [--m 16384] [--d-model 2048] [--d-ff 5632] [--l2-tbs 9.0]
        [--tflops 700] [--gather-tbs 6.4] [--smem-tbs 29.6]
 """
@@ -69,6 +75,26 @@ def dealt_loads(loads: np.ndarray) -> np.ndarray:
     return slots
 
 
+def ring_efficiency(kgs: np.ndarray, warps: int, stages: int = 3) -> float:
+    """The mean warp's work over the block's time, summed over blocks, for k-group counts ``kgs``
+    [group, chunk] (blocks of 64 groups, ``warps`` warps of 64 / warps consecutive groups): warp w
+    starts chunk c when it is done with chunk c - 1 and every warp is done with chunk c - stages
+    (the stage's release; its refill taken as instant), and takes its k-groups of chunk c."""
+    groups, chunks = kgs.shape
+    blocks = -(-groups // 64)
+    padded = np.zeros((blocks * 64, chunks))
+    padded[:groups] = kgs
+    load = padded.reshape(blocks, warps, 64 // warps, chunks).sum(axis=2)  # [block, warp, chunk]
+    done = np.zeros((blocks, warps, chunks))
+    for c in range(chunks):
+        start = done[:, :, c - 1] if c > 0 else np.zeros((blocks, warps))
+        if c >= stages:
+            start = np.maximum(start, done[:, :, c - stages].max(axis=1, keepdims=True))
+        done[:, :, c] = start + load[:, :, c]
+    busy = done[:, :, -1].max(axis=1) if chunks else np.zeros(blocks)
+    return float(load.sum(axis=2).mean(axis=1).sum() / max(busy.sum(), 1e-9))
+
+
 def packed_stats(fire: np.ndarray, d_model: int, rows: int = 8, chunk: int = 512, kgroup: int = 16) -> dict:
     """The packed kernels' geometry on one activation pattern (tokens x units, padded to whole
     groups and chunks): padding of the k-groups, the up kernel's rounds per (512 tokens, chunk)
@@ -116,6 +142,8 @@ def packed_stats(fire: np.ndarray, d_model: int, rows: int = 8, chunk: int = 512
     b_chunk_bytes = (pad_m // 512) * col_blocks * (pad_n // chunk) * chunk * 64 * 2
     operand_bytes = col_blocks * kgs.sum() * (kgroup * 4 + 32 * 8)
     return {
+        "ring_16": ring_efficiency(kgs, 16),
+        "ring_32": ring_efficiency(kgs, 32),
         "spmm_l2_gb": float((b_chunk_bytes + operand_bytes) / 1e9),
         "spmm_l2_operand": float(operand_bytes / b_chunk_bytes),
         "padding": float(kgs.sum() * kgroup / max(entries.sum(), 1) - 1),
@@ -182,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
             f" {st['transposed_gb']:.2f} ({t['transposed_gb'] * ct:.3f});"
             f"  {st['spmm_l2_gb']:.2f} ({st['spmm_l2_gb'] / args.l2_tbs:.3f}; {st['spmm_l2_operand']:.2f})"
         )
+    print("\npattern  density  down product's ring efficiency: 16 warps x 4 groups, 32 x 2")
+    for pattern, density, st in packed:
+        print(f"{pattern:>7}  {density:6.2%}  {st['ring_16']:.3f}  {st['ring_32']:.3f}")
     return 0
 
 

@@ -104,6 +104,20 @@ def test_packed_stats_counts_kgroups_rounds_and_warps():
     assert st["busiest_warp_dealt"] == 8 / (9 / 16)
 
 
+def test_ring_efficiency_waits_for_the_slowest_warps_release():
+    import numpy as np
+
+    model = _load("model")
+    even = np.full((128, 5), 3)
+    assert model.ring_efficiency(even, 16) == 1.0 and model.ring_efficiency(even, 32) == 1.0
+    kgs = np.zeros((64, 4))
+    kgs[0, 0] = 4  # warp 0 (groups 0-3): all its work in chunk 0
+    kgs[4, 3] = 4  # warp 1 (groups 4-7): all its work in chunk 3
+    # chunk 3 reuses chunk 0's stage: warp 1 starts it when warp 0 has released chunk 0 (t = 4)
+    assert model.ring_efficiency(kgs, 16) == (8 / 16) / 8
+    assert model.ring_efficiency(kgs, 16, stages=4) == (8 / 16) / 4  # a stage more: no wait
+
+
 def test_deal_spreads_the_heaviest_groups_over_blocks_and_warps():
     import numpy as np
 
