@@ -43,19 +43,6 @@ def _example() -> Any:
     return module
 
 
-class ThresholdedDenseMLP(nn.Module):
-    """Dense gated MLP computing relu(z) only where z > threshold (the sparse model's function)."""
-
-    def __init__(self, src: nn.Module, threshold: float) -> None:
-        super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = src.gate_proj, src.up_proj, src.down_proj
-        self.threshold = threshold
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        z = self.gate_proj(x)
-        return self.down_proj(torch.where(z > self.threshold, z, 0.0) * self.up_proj(x))
-
-
 def build(ex: Any, cfg: Any, n_layers: int, density: float, device: str, dtype: torch.dtype, x: torch.Tensor):
     """(sparse blocks, dense blocks) sharing weights; per-layer gate thresholds set the density,
     chosen layer by layer on a sample of the input (each layer sees the thresholds before it)."""
@@ -73,7 +60,7 @@ def build(ex: Any, cfg: Any, n_layers: int, density: float, device: str, dtype: 
             z = block_d.mlp.gate_proj(seen[0]).float().flatten()
             t = max(float(torch.quantile(z[: 1 << 24], 1.0 - density)), 0.0)
             block_s.mlp.threshold = t
-            block_d.mlp = ThresholdedDenseMLP(block_d.mlp, t)
+            block_d.mlp.threshold = t  # DenseGatedMLP's gate then keeps z > t, as the sparse one
             h = block_d(h)
     return sparse, dense
 

@@ -2,13 +2,19 @@
 
     torchrun --nproc_per_node=2 examples/distributed_train.py [--fsdp] [--steps 5] [--out r.pt]
     python examples/distributed_train.py --single [--out r.pt]     # the whole batch, one process
+    torchrun --nproc_per_node=2 examples/distributed_train.py --dtype bfloat16 --density 0.01 \
+        --tokens 32768 --d-model 2048 --d-ff 5632 --layers 4 --steps 8 [--dense] --json r.jsonl
 
 On GPUs each rank uses ``cuda:LOCAL_RANK`` with NCCL and the CUDA kernels; on CPUs gloo and the
 reference path (what CI runs: tests/test_distributed.py). Every rank trains on an equal slice of
 one global batch, and DDP and FSDP2 average the gradients, so the losses and final weights match
 the single-process run on the whole batch up to the order of floating-point sums. Each step
 prints the global loss and, per rank, the step time and tokens/s; ``--dense`` swaps in dense
-MLPs with the same initial weights, the throughput baseline.
+MLPs with the same initial weights, the throughput baseline. ``--density`` sets each layer's
+gate threshold so that it keeps that fraction of the first batch's activations (the dense twin
+applies the same thresholds: both compute one function), and ``--json`` appends rank 0's record
+of the run (the median step time of the slowest rank after the first step, tokens/s per GPU,
+the layers' measured density, where it ran).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import time
 
 import torch
@@ -25,6 +32,7 @@ from tiny_llama import DenseGatedMLP  # the dense twin of TwELLGatedMLP (the scr
 from torch import nn
 
 import twellsparse.torch as tt
+from twellsparse._environment import append_records, environment
 
 
 class Block(nn.Module):
@@ -52,6 +60,24 @@ class Model(nn.Module):
         return torch.stack(terms).sum() if terms else torch.zeros(())
 
 
+def set_density(model: Model, x: torch.Tensor, density: float) -> None:
+    """Each block's gate threshold so that it keeps ``density`` of its activations on ``x``,
+    layer by layer (each layer sees the thresholds before it); the same on every rank."""
+    h = x
+    with torch.no_grad():
+        for block in model.blocks:
+            z = block.mlp.gate_proj(h).float().flatten()
+            block.mlp.threshold = max(float(torch.quantile(z[: 1 << 24], 1.0 - density)), 0.0)
+            h = block(h)
+
+
+def measured_density(model: Model) -> float | None:
+    """The TwELL layers' mean density in the last forward (None for dense MLPs)."""
+    values = [b.mlp.stats().get("density") for b in model.blocks if hasattr(b.mlp, "stats")]
+    values = [v for v in values if v is not None]
+    return float(sum(values) / len(values)) if values else None
+
+
 def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded CPU copies of the parameters (FSDP2 holds DTensor shards)."""
     state = {}
@@ -76,8 +102,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tile-n", type=int, default=64)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--l1", type=float, default=1e-3)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    ap.add_argument("--density", type=float, help="set the gates' thresholds to keep this fraction")
     ap.add_argument("--out", help="rank 0 saves {'losses', 'state'} here (torch.save)")
+    ap.add_argument("--json", help="rank 0 appends the run's record here (JSON lines)")
     args = ap.parse_args(argv)
+    if args.density is not None and not 0.0 < args.density <= 1.0:
+        raise SystemExit(f"--density: expected a fraction in (0, 1], got {args.density}")
+    dtype = getattr(torch, args.dtype)
 
     use_cuda = torch.cuda.is_available() and not args.cpu
     if args.single:
@@ -93,11 +125,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--tokens: expected a multiple of the world size {world}, got {args.tokens}")
 
     torch.manual_seed(0)  # the same initial weights on every rank and in --single
-    model: nn.Module = Model(args.d_model, args.d_ff, args.layers, args.dense, args.tile_n).to(device)
+    model: nn.Module = Model(args.d_model, args.d_ff, args.layers, args.dense, args.tile_n).to(device, dtype)
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(args.tokens, args.d_model, generator=gen).to(device)
-    y = torch.randn(args.tokens, args.d_model, generator=gen).to(device)
+    x = torch.randn(args.tokens, args.d_model, generator=gen).to(device, dtype)
+    y = torch.randn(args.tokens, args.d_model, generator=gen).to(device, dtype)
     shard = slice(rank * args.tokens // world, (rank + 1) * args.tokens // world)
+    if args.density is not None:
+        set_density(model, x, args.density)  # type: ignore[arg-type]
     inner = model
     if not args.single:
         if args.fsdp:
@@ -110,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
             model = nn.parallel.DistributedDataParallel(model, device_ids=[local] if use_cuda else None)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
 
-    losses = []
+    losses, step_ms = [], []
     loss = total = None  # the last step's (their autograd nodes can hold FSDP/DDP hook state)
     for step in range(args.steps):
         if use_cuda:
@@ -124,9 +158,12 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
         total = loss.detach().clone()
+        slowest = torch.tensor([dt], dtype=torch.float64, device=device)
         if not args.single:
             dist.all_reduce(total)
-        losses.append(total.item() / world)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the step ends when every rank's does
+        losses.append(total.float().item() / world)
+        step_ms.append(slowest.item() * 1e3)
         print(
             f"rank {rank} step {step}: loss {losses[-1]:.6f}, {dt * 1e3:.1f} ms, "
             f"{(shard.stop - shard.start) / dt:.0f} tokens/s",
@@ -135,6 +172,27 @@ def main(argv: list[str] | None = None) -> None:
     state = full_state(model)
     if rank == 0 and args.out:
         torch.save({"losses": losses, "state": state}, args.out)
+    if rank == 0 and args.json:
+        timed = step_ms[1:] or step_ms  # the first step pays the compiles and the allocations
+        per_rank = shard.stop - shard.start
+        record = {
+            "kind": "distributed",
+            "framework": "torch",
+            "mode": "single" if args.single else ("fsdp2" if args.fsdp else "ddp"),
+            "mlp": "dense" if args.dense else "twell",
+            "world": world,
+            "device_kind": "cuda" if use_cuda else "cpu",
+            "dtype": args.dtype,
+            "tokens_per_rank": per_rank,
+            "shape": [args.tokens, args.d_model, args.d_ff],
+            "layers": args.layers,
+            "density_target": args.density,
+            "density": measured_density(inner),  # type: ignore[arg-type]
+            "step_ms": {"median": statistics.median(timed), "all": step_ms},
+            "tokens_per_s_per_rank": per_rank / (statistics.median(timed) / 1e3),
+            "losses": losses,
+        }
+        append_records(args.json, [{**record, **environment()}])
     if not args.single:
         # Drop everything that may still hold the group's work objects (FSDP2's pending reduce and
         # gather state, DDP's reducer) while the interpreter is fully alive, wait for rank 0 to

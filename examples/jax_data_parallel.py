@@ -8,12 +8,21 @@ same model on one device with the whole batch and compares losses and weights.
 
     python examples/jax_data_parallel.py [--steps 3] [--check]
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python examples/jax_data_parallel.py --check  # 2 CPUs
+    python examples/jax_data_parallel.py --dtype bfloat16 --density 0.01 --tokens 32768 \
+        --d-model 2048 --d-ff 5632 --steps 8 [--dense] --json r.jsonl            # throughput
+
+``--density`` builds the gate so that it fires at that rate (``twellsparse.testing.ffn_problem``:
+a constant input feature and a matching gate column), ``--dense`` runs the same step with the
+dense FFN (jnp matmuls), and ``--json`` appends the run's record: the median step time after the
+first (the compile), tokens/s per device, where it ran.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from typing import Any
 
 import jax
@@ -22,27 +31,35 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import twellsparse.jax as tsj
+from twellsparse._environment import append_records, environment
+from twellsparse.testing import ffn_problem
 
 
-def init(d_model: int, d_ff: int, seed: int = 0) -> dict[str, jax.Array]:
+def init(d_model: int, d_ff: int, seed: int = 0, dtype: Any = np.float32) -> dict[str, jax.Array]:
     rng = np.random.default_rng(seed)
     scale = 1 / np.sqrt(d_model)
     shapes = {"w_gate": (d_ff, d_model), "w_up": (d_ff, d_model), "w_down": (d_model, d_ff), "head": (d_model, d_model)}
-    return {k: jnp.asarray((rng.standard_normal(s) * scale).astype(np.float32)) for k, s in shapes.items()}
+    return {k: jnp.asarray((rng.standard_normal(s) * scale).astype(dtype)) for k, s in shapes.items()}
 
 
-def loss_fn(params: dict[str, jax.Array], x: jax.Array, y: jax.Array, tile_n: int) -> jax.Array:
-    h = x + tsj.gated_ffn(x, params["w_gate"], params["w_up"], params["w_down"], tile_n=tile_n)
-    return jnp.mean((h @ params["head"].T - y) ** 2)
+def dense_gated_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """The dense block (the throughput baseline): relu(x Wg^T) * (x Wu^T), then W_down."""
+    return (jax.nn.relu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T
 
 
-def make_step(mesh: Any, lr: float, tile_n: int) -> Any:
+def loss_fn(params: dict[str, jax.Array], x: jax.Array, y: jax.Array, tile_n: int, dense: bool = False) -> jax.Array:
+    ws = (params["w_gate"], params["w_up"], params["w_down"])
+    h = x + (dense_gated_ffn(x, *ws) if dense else tsj.gated_ffn(x, *ws, tile_n=tile_n))
+    return jnp.mean((h @ params["head"].T - y).astype(jnp.float32) ** 2)
+
+
+def make_step(mesh: Any, lr: float, tile_n: int, dense: bool = False) -> Any:
     """One SGD step on the global loss (the mean of the shards' losses): the batch is sharded
     over the mesh's "data" axis, the parameters are replicated, and JAX's shard_map autodiff
     sums the shards' gradient contributions for them."""
 
     def global_loss(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
-        return jax.lax.pmean(loss_fn(params, x, y, tile_n), "data")
+        return jax.lax.pmean(loss_fn(params, x, y, tile_n, dense), "data")
 
     def local(params: dict, x: jax.Array, y: jax.Array) -> tuple:
         return jax.value_and_grad(global_loss)(params, x, y)
@@ -52,23 +69,42 @@ def make_step(mesh: Any, lr: float, tile_n: int) -> Any:
     @jax.jit
     def step(params: dict, x: jax.Array, y: jax.Array) -> tuple:
         loss, grads = sharded(params, x, y)
-        return loss, jax.tree_util.tree_map(lambda p, g: p - lr * g, params, grads)
+        return loss, jax.tree_util.tree_map(lambda p, g: (p - lr * g).astype(p.dtype), params, grads)
 
     return step
 
 
-def train(devices: list, steps: int, tokens: int, d_model: int, d_ff: int, lr: float, tile_n: int) -> tuple:
+def train(
+    devices: list,
+    steps: int,
+    tokens: int,
+    d_model: int,
+    d_ff: int,
+    lr: float,
+    tile_n: int,
+    dtype: Any = np.float32,
+    density: float | None = None,
+    dense: bool = False,
+) -> tuple:
+    """(losses, parameters, step times in ms) of ``steps`` SGD steps on one batch."""
     mesh = jax.sharding.Mesh(np.array(devices), ("data",))
-    step = make_step(mesh, lr, tile_n)
+    step = make_step(mesh, lr, tile_n, dense)
     rng = np.random.default_rng(1)
-    x = jnp.asarray(rng.standard_normal((tokens, d_model)).astype(np.float32))
-    y = jnp.asarray(rng.standard_normal((tokens, d_model)).astype(np.float32))
-    params = init(d_model, d_ff)
-    losses = []
+    params = init(d_model, d_ff, dtype=dtype)
+    if density is None:
+        x = jnp.asarray(rng.standard_normal((tokens, d_model)).astype(dtype))
+    else:  # a gate that fires at `density` on this batch
+        p = ffn_problem(tokens, d_model, d_ff, density, dtype=np.float32, rng=2)
+        x = jnp.asarray(p["x"].astype(dtype))
+        params["w_gate"] = jnp.asarray(p["w_gate"].astype(dtype))
+    y = jnp.asarray(rng.standard_normal((tokens, d_model)).astype(dtype))
+    losses, times = [], []
     for _ in range(steps):
+        t0 = time.perf_counter()
         loss, params = step(params, x, y)
-        losses.append(float(loss))
-    return losses, params
+        losses.append(float(loss))  # waits for the step
+        times.append((time.perf_counter() - t0) * 1e3)
+    return losses, params, times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,18 +115,53 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--d-ff", type=int, default=256)
     ap.add_argument("--tile-n", type=int, default=64)
     ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--density", type=float, help="a gate that fires at this rate on the batch")
+    ap.add_argument("--dense", action="store_true", help="the dense FFN (the throughput baseline)")
+    ap.add_argument("--devices", type=int, help="use the first N devices (default: all)")
     ap.add_argument("--check", action="store_true", help="compare with one device on the whole batch")
+    ap.add_argument("--rtol", type=float, default=1e-5, help="--check's relative tolerance")
+    ap.add_argument("--json", help="append the run's record here (JSON lines)")
     args = ap.parse_args(argv)
-    devices = jax.devices()
-    shape = (args.steps, args.tokens, args.d_model, args.d_ff, args.lr, args.tile_n)
-    losses, params = train(devices, *shape)
+    if args.density is not None and not 0.0 < args.density <= 1.0:
+        raise SystemExit(f"--density: expected a fraction in (0, 1], got {args.density}")
+    devices = jax.devices()[: args.devices]
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else np.float32
+    shape = (args.steps, args.tokens, args.d_model, args.d_ff, args.lr, args.tile_n, dtype, args.density, args.dense)
+    losses, params, times = train(devices, *shape)
     print(f"{len(devices)} device(s) ({devices[0].platform}): losses " + ", ".join(f"{v:.6f}" for v in losses))
+    if args.json:
+        timed = times[1:] or times  # the first step compiles
+        per_device = args.tokens // len(devices)
+        record = {
+            "kind": "distributed",
+            "framework": "jax",
+            "mode": "shard_map",
+            "mlp": "dense" if args.dense else "twell",
+            "world": len(devices),
+            "device_kind": devices[0].platform,
+            "dtype": args.dtype,
+            "tokens_per_rank": per_device,
+            "shape": [args.tokens, args.d_model, args.d_ff],
+            "layers": 1,
+            "density_target": args.density,
+            "step_ms": {"median": statistics.median(timed), "all": times},
+            "tokens_per_s_per_rank": per_device / (statistics.median(timed) / 1e3),
+            "losses": losses,
+        }
+        append_records(args.json, [{**record, **environment()}])
     if args.check:
-        ref_losses, ref_params = train(devices[:1], *shape)
+        ref_losses, ref_params, _ = train(devices[:1], *shape)
         print("1 device:            losses " + ", ".join(f"{v:.6f}" for v in ref_losses))
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(losses, ref_losses, rtol=args.rtol, atol=args.rtol / 10)
         for k in params:
-            np.testing.assert_allclose(params[k], ref_params[k], rtol=1e-5, atol=1e-6, err_msg=k)
+            np.testing.assert_allclose(
+                np.asarray(params[k], dtype=np.float32),
+                np.asarray(ref_params[k], dtype=np.float32),
+                rtol=args.rtol,
+                atol=args.rtol / 10,
+                err_msg=k,
+            )
         print("data-parallel result matches the single-device one")
     return 0
 

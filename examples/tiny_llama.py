@@ -47,16 +47,20 @@ class RMSNorm(nn.Module):
 
 
 class DenseGatedMLP(nn.Module):
-    """The dense twin of TwELLGatedMLP (same parameter names)."""
+    """The dense twin of TwELLGatedMLP (same parameter names; with a ``threshold`` the gate keeps
+    ``relu(z)`` only where ``z`` exceeds it, as the sparse module does)."""
 
     def __init__(self, d: int, f: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(d, f, bias=False)
         self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
+        self.threshold: float | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.relu(self.gate_proj(x)) * self.up_proj(x))
+        z = self.gate_proj(x)
+        gate = F.relu(z) if self.threshold is None else torch.where(z > self.threshold, z, 0.0)
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class Block(nn.Module):

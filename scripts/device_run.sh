@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -272,6 +272,30 @@ for step in $what; do
         TWELL_TILED_WARPS=$w stage_rows "down spmm, tiled,bwd 3 transposed products, tiled,bwd dX, tiled" "0.005 0.01 0.02" tiledwarps
       done
       TWELL_TILED_WARPS=32 ncu_rows twell_tiled_spmm "down spmm, tiled, packed" tiledwarps
+      ;;&
+    multigpu)
+      # Issue 7 on a machine with two GPUs (nvidia-h200-x2): the 2-GPU tests (DDP and FSDP2 over
+      # NCCL against one GPU, JAX over two GPUs), then training throughput per GPU against dense
+      # (gated MLP stacks of the standard widths, bf16, gates thresholded to 0.5% and 1%): one GPU
+      # with 16384 tokens (the scaling baseline), torch DDP and FSDP2 over two with 16384 tokens a
+      # rank, JAX's shard_map step on one GPU and on two. Records in $OUT/distributed.jsonl.
+      gpu_test_file tests/gpu/test_gpu_distributed.py multigpu 600
+      shape="--dtype bfloat16 --d-model 2048 --d-ff 5632 --steps 8"
+      for density in 0.005 0.01; do
+        for mlp in "" --dense; do
+          timeout 300 python3 examples/distributed_train.py --single $shape --layers 4 --tokens 16384 --density $density \
+            $mlp --json "$OUT/distributed.jsonl" 2>&1 | tail -2 | tee -a "$OUT/multigpu.log"
+          for mode in "" --fsdp; do
+            timeout 300 python3 -m torch.distributed.run --standalone --nproc_per_node=2 examples/distributed_train.py \
+              $mode $shape --layers 4 --tokens 32768 --density $density $mlp --json "$OUT/distributed.jsonl" 2>&1 \
+              | tail -2 | tee -a "$OUT/multigpu.log"
+          done
+          for devices in "--devices 1 --tokens 16384" "--tokens 32768"; do
+            timeout 300 python3 examples/jax_data_parallel.py $shape $devices --density $density $mlp \
+              --json "$OUT/distributed.jsonl" 2>&1 | tail -2 | tee -a "$OUT/multigpu.log"
+          done
+        done
+      done
       ;;&
     tiledffn)
       # The gated consumer on one pack (cuda/twell_tiled_ffn.cu, opt-in): its tests, its stage

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import pathlib
+import subprocess
+import sys
+from typing import Any
+
 import numpy as np
 
 import twellsparse as ts
@@ -83,3 +88,31 @@ def check_spmm_result(cp, parts, tile_n, b_gpu, out, expected, dtype):
     assert rel_error(got, expected) <= bound
     gathered = _gpu_ops.spmm(parts, tile_n, b_gpu, cp.empty_like(out), path="gather")
     assert rel_error(got, cp.asnumpy(gathered).astype(np.float64)) <= 2 * bound
+
+
+#: The examples folder, and a two-rank torchrun on this machine.
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+# torch's gloo teardown can still abort a rank after the run is complete (a joinable C++ thread
+# destroyed at exit, pytorch/pytorch#179291); that says nothing about the training, so such a run
+# is repeated once. Any other failure, or the abort before every step printed, fails at once.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def train_example(launcher: list[str], options: list[str], out: pathlib.Path, steps: int = 3, cpu: bool = True) -> Any:
+    """examples/distributed_train.py under ``launcher`` (the interpreter, or :data:`TORCHRUN`)
+    with ``options``, on the CPUs (gloo, the reference path) or with ``cpu=False`` on the GPUs
+    (NCCL, the kernels); returns what rank 0 saved to ``out`` (``{'losses', 'state'}``)."""
+    import torch
+
+    script = EXAMPLES / "distributed_train.py"
+    cmd = [*launcher, str(script), *(["--cpu"] if cpu else []), "--steps", str(steps), *options, "--out", str(out)]
+    for attempt in range(2):
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        finished = f"step {steps - 1}:" in done.stdout and out.exists()
+        if done.returncode == 0 or attempt == 1 or not (finished and TEARDOWN_ABORT in done.stderr):
+            break
+        out.unlink()
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return torch.load(out)
