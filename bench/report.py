@@ -323,6 +323,38 @@ def jax_table(records: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def distributed_table(records: list[dict[str, Any]]) -> str:
+    """Training throughput per GPU with TwELL MLPs against the same stack with dense ones, on one
+    GPU and over two (examples/distributed_train.py and jax_data_parallel.py ``--json``;
+    ``device_run.sh multigpu``): tokens/s per GPU, the speed-up over dense, and the scaling (two
+    GPUs' per-GPU rate against one GPU's, same tokens per GPU)."""
+    recs = [r for r in latest(records, "distributed") if r.get("device_kind") in ("cuda", "gpu")]
+    if not recs:
+        return ""
+    rate = {(r["framework"], r["mode"], r["mlp"], r["density_target"], r["world"]): r for r in recs}
+    out = [
+        f"Multi-GPU training steps (gated MLP stacks, {recs[0]['dtype']}, shape {recs[0]['shape'][1:]}, "
+        f"{recs[0]['tokens_per_rank']} tokens per GPU); {_provenance(recs)}. Tokens/s per GPU: dense / TwELL "
+        "(speed-up); scaling: the two-GPU per-GPU rate against one GPU's.",
+        "",
+        "| framework | mode | GPUs | density | tokens/s per GPU: dense / TwELL | scaling: dense / TwELL |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (framework, mode, mlp, density, world), r in sorted(rate.items(), key=lambda kv: str(kv[0])):
+        if mlp != "twell" or (framework, mode, "dense", density, world) not in rate:
+            continue
+        dense = rate[(framework, mode, "dense", density, world)]
+        t, d = r["tokens_per_s_per_rank"], dense["tokens_per_s_per_rank"]
+        one = "single" if framework == "torch" else mode
+        base_t, base_d = (rate.get((framework, one, mlp_, density, 1)) for mlp_ in ("twell", "dense"))
+        scaling = ""
+        if world > 1 and base_t and base_d:
+            scaling = f"{d / base_d['tokens_per_s_per_rank']:.2f} / {t / base_t['tokens_per_s_per_rank']:.2f}"
+        rates = f"{d:,.0f} / {t:,.0f} ({t / d:.2f}x)"
+        out.append(f"| {framework} | {mode} | {world} | {density:.2%} | {rates} | {scaling} |")
+    return "\n".join(out)
+
+
 def tables(records: list[dict[str, Any]]) -> str:
     """The FFN tables (one per problem shape, the standard problem first), the training ones, the
     plans with fp8 rows, the microbenchmarks against cuSPARSE and the JAX adapter."""
@@ -332,7 +364,7 @@ def tables(records: list[dict[str, Any]]) -> str:
     models = latest_per_case(records, "model", ("density_target", "layers", "tokens"))
     training = training_table(latest(records, "train_step"), models)
     text = "\n\n".join(parts) + ("\n" + training if training else "")
-    for extra in (fp8_table(ffn), micro_tables(records), jax_table(records)):
+    for extra in (fp8_table(ffn), micro_tables(records), jax_table(records), distributed_table(records)):
         if extra:
             text += "\n\n" + extra
     return text

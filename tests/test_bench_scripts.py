@@ -45,6 +45,34 @@ def test_switches_are_recorded_and_kept_out_of_the_tables(monkeypatch):
     assert report.latest([base, switched], "ffn") == [base]
 
 
+def test_distributed_table_gives_speed_up_and_scaling():
+    """The multi-GPU table from examples' --json records: per-GPU rates, TwELL over dense, and
+    two GPUs' per-GPU rate over one GPU's; CPU runs and other commits stay out."""
+    report = _load("report")
+    env = {
+        "kind": "distributed",
+        "commit": "abc1234",
+        "date": "2026-12-06T00:00:00+00:00",
+        "gpu": "NVIDIA H200",
+        "dtype": "bfloat16",
+        "shape": [32768, 2048, 5632],
+        "tokens_per_rank": 16384,
+        "density_target": 0.01,
+        "device_kind": "cuda",
+    }
+    rates = {("single", 1, "dense"): 100.0, ("single", 1, "twell"): 150.0, ("ddp", 2, "dense"): 90.0}
+    rates[("ddp", 2, "twell")] = 120.0
+    recs = [
+        {**env, "framework": "torch", "mode": m, "world": w, "mlp": mlp, "tokens_per_s_per_rank": v}
+        for (m, w, mlp), v in rates.items()
+    ]
+    recs.append({**recs[0], "device_kind": "cpu", "date": "2026-12-07T00:00:00+00:00", "commit": "fff"})
+    assert report.distributed_table(recs[-1:]) == ""
+    table = report.distributed_table(recs[:-1])
+    assert "| torch | ddp | 2 | 1.00% | 90 / 120 (1.33x) | 0.90 / 0.80 |" in table
+    assert "| torch | single | 1 | 1.00% | 100 / 150 (1.50x) |  |" in table
+
+
 def test_ffn_bench_summary_line():
     bench = _load("ffn_bench")
     record = next(r for r in _load("report").load(ROOT / "bench" / "results") if r["kind"] == "ffn")
