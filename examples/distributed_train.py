@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         if use_cuda:
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
-        total = loss.detach().clone()
+        total = loss.detach().float()  # reduced in float32 (the loss may be bf16)
         slowest = torch.tensor([dt], dtype=torch.float64, device=device)
         if not args.single:
             dist.all_reduce(total)
