@@ -244,7 +244,8 @@ struct TiledKGroup {
 
 __device__ __forceinline__ TiledKGroup tspmm_load(const unsigned* words, const uint2* frags, unsigned entry,
                                                   unsigned lane, int kg) {
-  // 32-bit offsets (the pack's words number under 2^32): one wide multiply-add per address.
+  // 32-bit offsets (the pack's words number under 2^31, _tiled_spmm._packed checks; its
+  // fragments 2 uint2 per word): one wide multiply-add per address.
   const unsigned k = (unsigned)max(kg, 0);
   return TiledKGroup{__ldg(words + (k * (unsigned)TSPMM_KGROUP + entry)), __ldg(frags + (k * 32u + lane))};
 }

@@ -132,8 +132,8 @@ def _packed(
     items = -(-rows // GROUP) * n_chunks
     kg_ptr = cp.empty(items + 1, dtype=cp.int32) if items else cp.zeros(1, dtype=cp.int32)  # the scan writes all
     size = stored + (KGROUP - 1) * items
-    if size >= 2**32:  # the product addresses words by 32-bit offsets
-        raise ValueError(f"A: expected fewer than 2**32 words in the tiled SpMM's pack, got {size}")
+    if size >= 2**31:  # the product addresses words and fragments (2 per word) by 32-bit offsets
+        raise ValueError(f"A: expected fewer than 2**31 words in the tiled SpMM's pack, got {size}")
     words = tuple(cp.empty(size, dtype=cp.uint32) for _ in values)
     places = cp.empty(size, dtype=cp.int32) if dests else None
     if items == 0:
