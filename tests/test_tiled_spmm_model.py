@@ -115,22 +115,24 @@ def test_pack_holds_every_entry_once_with_padding_read_by_its_own_octet(rng, m, 
     assert np.array_equal(rebuilt, h.astype(np.float64))
 
 
+@pytest.mark.parametrize("warps", [16, 32])
 @pytest.mark.parametrize("m, k, n, tile_n, capacity, density", CASES)
-def test_emulated_kernel_matches_the_float64_product(rng, m, k, n, tile_n, capacity, density):
+def test_emulated_kernel_matches_the_float64_product(rng, m, k, n, tile_n, capacity, density, warps):
     h, a = _problem(rng, m, k, tile_n, capacity, density)
     b = rng.standard_normal((k, n)).astype(ts.bfloat16)
-    got = emulate(*reference_pack(a.parts, tile_n, k), m, b)
+    got = emulate(*reference_pack(a.parts, tile_n, k), m, b, warps=warps)
     expected = h.astype(np.float64) @ b.astype(np.float64)
     assert np.isfinite(got).all()  # every element written
     np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
 
 
-def test_emulated_dual_form_sums_both_products(rng):
+@pytest.mark.parametrize("warps", [16, 32])
+def test_emulated_dual_form_sums_both_products(rng, warps):
     m, k, n = 21, 600, 24
     h, a = _problem(rng, m, k, 32, 3, 0.08, np.float16)
     h2, a2 = _twin(rng, h, a)
     b, b2 = (rng.standard_normal((k, n)).astype(np.float16) for _ in range(2))
-    got = emulate(*reference_pack(a.parts, 32, k, others=(a2.parts,)), m, b, b2)
+    got = emulate(*reference_pack(a.parts, 32, k, others=(a2.parts,)), m, b, b2, warps=warps)
     expected = h.astype(np.float64) @ b.astype(np.float64) + h2.astype(np.float64) @ b2.astype(np.float64)
     np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
 
@@ -248,7 +250,7 @@ def test_balanced_slots_keep_the_product_exact(rng, m, k, n, warps):
     group_map = balance(kg_ptr, n_chunks, k, warps)
     assert sorted(group_map[group_map >= 0].tolist()) == list(range(-(-k // 8)))
     g = rng.standard_normal((m, n)).astype(ts.bfloat16)
-    got = emulate(kg_ptr, words, n_chunks, k, g, group_map=group_map)
+    got = emulate(kg_ptr, words, n_chunks, k, g, group_map=group_map, warps=warps)
     np.testing.assert_allclose(got, h.astype(np.float64).T @ g.astype(np.float64), rtol=1e-12, atol=1e-12)
 
 

@@ -273,17 +273,20 @@ def sequence_heads(lo: list[int], hi: list[int], tail1: int, tail2: int) -> tupl
     return first, second
 
 
-def emulate(kg_ptr, words, n_chunks: int, m: int, b: np.ndarray, b2=None, group_map=None) -> np.ndarray:
+def emulate(
+    kg_ptr, words, n_chunks: int, m: int, b: np.ndarray, b2=None, group_map=None, warps: int = 16
+) -> np.ndarray:
     """The kernel's sums (float64, before rounding) for an ``m``-row A packed as given (``words``:
     the pack's word arrays; with ``b2`` the dual form, A2's words the second array; with
-    ``group_map`` the row groups in the slots it names), lane by lane: its ldmatrix addresses
-    into swizzled stages, its one-hot registers, the MMAs and the epilogue's exchange of lanes g
-    and g ^ 1 and 4-byte pair stores."""
+    ``group_map`` the row groups in the slots it names), with ``warps`` warps of 64 / warps row
+    groups per block, lane by lane: its ldmatrix addresses into swizzled stages, its one-hot
+    registers, the MMAs and the epilogue's exchange of lanes g and g ^ 1 and 4-byte pair stores."""
     n = b.shape[1]
     out = np.full((m, n), np.nan)
     entry, piece = (LANES >> 4) * 8 + (LANES & 7), (LANES >> 3) & 1
     frags = [fragments(kg_ptr, w) for w in words]
     n_groups = -(-m // T.GROUP)
+    wg = T.ROWS // T.GROUP // warps  # row groups per warp
 
     def actual(slot: int) -> int:  # the kernel's actual(): the slot's row group, or -1
         grp = slot if group_map is None else (int(group_map[slot]) if slot < len(group_map) else -1)
@@ -294,9 +297,9 @@ def emulate(kg_ptr, words, n_chunks: int, m: int, b: np.ndarray, b2=None, group_
     def ranges(by: int, warp: int, c: int) -> tuple[list[int], list[int]]:
         """Warp ``warp``'s k-group ranges in row block ``by`` at chunk c (empty past the groups or
         the chunks)."""
-        lo, hi = [0] * 4, [0] * 4
-        for i in range(4):
-            grp = actual(by * T.ROWS // T.GROUP + warp * 4 + i)
+        lo, hi = [0] * wg, [0] * wg
+        for i in range(wg):
+            grp = actual(by * T.ROWS // T.GROUP + warp * wg + i)
             if grp >= 0 and c < chunks:
                 item = grp * n_chunks + c % n_chunks
                 lo[i], hi[i] = int(kg_ptr[item]), int(kg_ptr[item + 1])
@@ -306,24 +309,24 @@ def emulate(kg_ptr, words, n_chunks: int, m: int, b: np.ndarray, b2=None, group_
     for by in range(-(-rows // T.ROWS)):
         for bx in range(-(-n // T.COLS)):
             col0 = bx * T.COLS
-            acc = np.zeros((T.WARPS, 4, 4, 32, 4))  # [warp][group][column step][lane][d]
+            acc = np.zeros((warps, wg, 4, 32, 4))  # [warp][group][column step][lane][d]
             carried: dict[int, tuple] = {}  # per warp: the words in hand from the previous chunk
             for c in range(chunks):
                 source, chunk_words = (b, words[0]) if c < n_chunks else (b2, words[1])
                 stage = _staged(source, (c % n_chunks) * T.CHUNK, col0)
-                for warp in range(T.WARPS):
+                for warp in range(warps):
                     # The warp's ranges and the kernel's prefetch: the words in hand are always
                     # those of the next two k-groups in (chunk, group, k-group) order, across the
                     # chunks of one words array; from1[i] / from2[i]: the first two k-groups of the
-                    # sequence from group i on (from1[4] / from2[4]: the next chunk's first two,
+                    # sequence from group i on (from1[wg] / from2[wg]: the next chunk's first two,
                     # -1 at the tile's last chunk and before the dual form's switch to A2's words).
                     lo, hi = ranges(by, warp, c)
                     crosses = c + 1 < chunks and c + 1 != n_chunks
                     nlo, nhi = ranges(by, warp, c + 1)
-                    from1, from2 = [-1] * 5, [-1] * 5
+                    from1, from2 = [-1] * (wg + 1), [-1] * (wg + 1)
                     if crosses:
-                        from1[4], from2[4] = sequence_heads(nlo, nhi, -1, -1)
-                    for i in range(3, -1, -1):
+                        from1[wg], from2[wg] = sequence_heads(nlo, nhi, -1, -1)
+                    for i in range(wg - 1, -1, -1):
                         from1[i], from2[i] = sequence_heads(lo[i : i + 1], hi[i : i + 1], from1[i + 1], from2[i + 1])
                     # Each lane loads its own word (entry `entry`) of a k-group and its one-hot
                     # operand (the fragments). At a chunk's start both come from the previous
@@ -334,7 +337,7 @@ def emulate(kg_ptr, words, n_chunks: int, m: int, b: np.ndarray, b2=None, group_
                         return _kgroup(chunk_words, kg)[entry], chunk_frags[max(kg, 0)]
 
                     cur, nxt = carried.pop(warp) if warp in carried else (load(from1[0]), load(from2[0]))
-                    for i in range(4):
+                    for i in range(wg):
                         for kg in range(lo[i], hi[i]):
                             ahead = kg + 2 if kg + 2 < hi[i] else (from1[i + 1] if kg + 2 == hi[i] else from2[i + 1])
                             after = load(ahead)
@@ -356,9 +359,9 @@ def emulate(kg_ptr, words, n_chunks: int, m: int, b: np.ndarray, b2=None, group_
                     if crosses:
                         carried[warp] = (cur, nxt)
             odd = (G & 1) == 1
-            for warp in range(T.WARPS):
-                for i in range(4):
-                    grp = actual(by * T.ROWS // T.GROUP + warp * 4 + i)
+            for warp in range(warps):
+                for i in range(wg):
+                    grp = actual(by * T.ROWS // T.GROUP + warp * wg + i)
                     row = grp * T.GROUP + 2 * TQ + odd if grp >= 0 else np.full(32, m)
                     for j in range(4):
                         for h in range(2):
