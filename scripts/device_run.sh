@@ -309,7 +309,7 @@ for step in $what; do
       ;;&
     tiledcheck)
       # compute-sanitizer memcheck and racecheck on the tiled kernels' small test cases.
-      sanitize_tests tests/gpu/test_gpu_tiled_spmm.py "40-16 or strided or graph or 300-2000" tiledcheck
+      sanitize_tests tests/gpu/test_gpu_tiled_spmm.py "40-16 or strided or graph or 300-2000" tiledcheck  # both warp counts
       sanitize_tests tests/gpu/test_gpu_tiled_ffn.py "40-16 or 40-32 or switched" tiledcheck
       ;;&
     tiledmodel)
