@@ -140,6 +140,7 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         "down spmm, tiled": lambda: _tiled_spmm.spmm(g.parts, g.tile_n, wd_t, down_out),
         "tiled spmm pack": lambda: _tiled_spmm.pack(g.parts, g.tile_n, g.shape[1]),
         "down spmm, tiled, packed": lambda: _tiled_spmm.packed_spmm(down_pack(), m, wd_t, down_out),
+        "tiled spmm fragments": lambda: _tiled_spmm.fragments(down_pack()),  # part of the packed row
         # The gated consumer on one pack (opt-in): whole, and its up projection on a pack.
         "gated consumer, one pack": lambda: _tiled_ffn.gated_consumer(g.parts, g.tile_n, x, wu, wd_t, down_out),
         "gated up, one pack, packed": lambda: _tiled_ffn.gated_up_words(down_pack(), m, x, wu),

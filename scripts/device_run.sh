@@ -261,7 +261,7 @@ for step in $what; do
       for f in test_gpu_ops test_gpu_torch; do
         TWELL_TILED_SPMM=1 TWELL_TILED_FFN=1 gpu_test_file tests/gpu/$f.py tiledquick 240
       done
-      stage_rows "down spmm,stationary pack,tiled spmm pack,one pack" "0.005 0.01 0.02" tiledquick
+      stage_rows "down spmm,stationary pack,tiled spmm pack,tiled spmm fragments,one pack" "0.005 0.01 0.02" tiledquick
       ncu_rows twell_tiled_spmm "down spmm, tiled, packed" tiledquick
       ;;&
     tiledwarps)
