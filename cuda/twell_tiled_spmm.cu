@@ -15,7 +15,8 @@
 // four 8 x 8 matrices is 8 entries' B rows (one 16-byte piece of each, a lane giving one entry's
 // address), so the gather of arbitrary rows costs nothing extra. B[k][n] (the MMA's) is the
 // one-hot operand: entry k's value where its row in group is n, else zero, built once per words
-// array by tiled_spmm_fragments (two registers per lane and k-group) and loaded with the words.
+// array by tiled_spmm_fragments (two registers per lane and k-group) and loaded with the words,
+// or (FRAGS = false) built by each lane from four words shuffled from the lanes that hold them.
 //
 // Bank conflicts: an 8 x 8 matrix reads the same 16-byte column piece of 8 rows; with the
 // 128-byte swizzle the piece's bank group is (piece ^ row % 8), so 8 rows of distinct row
@@ -234,20 +235,22 @@ __device__ __forceinline__ void tspmm_place(const TwellWalk& a, int n_chunks, lo
 }
 
 // What a lane needs of one k-group: its word (entry `entry`: its ldmatrix row, see
-// twell_tiled_spmm) and its one-hot operand (b0, b1: tiled_spmm_fragments), two loads per
-// k-group. kg < 0 (nothing to load) reads k-group 0 instead, never used: loads without a branch
-// around them (the pack's arrays always hold at least one k-group's room).
+// twell_tiled_spmm) and, with FRAGS, its one-hot operand (b0, b1: tiled_spmm_fragments); one or
+// two loads per k-group. kg < 0 (nothing to load) reads k-group 0 instead, never used: loads
+// without a branch around them (the pack's arrays always hold at least one k-group's room).
 struct TiledKGroup {
   unsigned mine;
   uint2 b;
 };
 
+template <bool FRAGS>
 __device__ __forceinline__ TiledKGroup tspmm_load(const unsigned* words, const uint2* frags, unsigned entry,
                                                   unsigned lane, int kg) {
   // 32-bit offsets (the pack's words number under 2^31, _tiled_spmm._packed checks; its
   // fragments 2 uint2 per word): one wide multiply-add per address.
   const unsigned k = (unsigned)max(kg, 0);
-  return TiledKGroup{__ldg(words + (k * (unsigned)TSPMM_KGROUP + entry)), __ldg(frags + (k * 32u + lane))};
+  const unsigned mine = __ldg(words + (k * (unsigned)TSPMM_KGROUP + entry));
+  return TiledKGroup{mine, FRAGS ? __ldg(frags + (k * 32u + lane)) : make_uint2(0u, 0u)};
 }
 
 // The first two k-groups (-1: none) of the range [lo, hi) followed by a sequence whose first two
@@ -267,6 +270,17 @@ __device__ __forceinline__ unsigned tspmm_one_hot(unsigned w0, unsigned w1, unsi
   unsigned r;
   asm("prmt.b32 %0, %1, %2, 0x7632;" : "=r"(r) : "r"(a), "r"(b));  // a's high half, then b's
   return r;
+}
+
+// The one-hot operand of a k-group for lane (g, t) from the lanes' own words (`mine`: lane l holds
+// entry (l / 16) * 8 + l % 8): entries 2t, 2t + 1 sit in lanes 2t, 2t + 1 and entries 2t + 8,
+// 2t + 9 in lanes 2t + 16, 2t + 17 (the product without fragments: four shuffles and 14 integer
+// instructions a k-group, but no fragment bytes from L2).
+__device__ __forceinline__ uint2 tspmm_shuffled_operand(unsigned mine, unsigned t, unsigned gr) {
+  const int l = (int)(2 * t);
+  const unsigned w0 = __shfl_sync(0xffffffffu, mine, l), w1 = __shfl_sync(0xffffffffu, mine, l + 1);
+  const unsigned w8 = __shfl_sync(0xffffffffu, mine, l + 16), w9 = __shfl_sync(0xffffffffu, mine, l + 17);
+  return make_uint2(tspmm_one_hot(w0, w1, gr), tspmm_one_hot(w8, w9, gr));
 }
 
 // The shared address of this lane's ldmatrix row for column step 0: word `mine`'s B row in the
@@ -473,13 +487,14 @@ __global__ void __launch_bounds__(256) tiled_spmm_balance(const int* __restrict_
 // 4 w .. 4 w + 3 of the tile, slot s being row group s, or with group_map (n_slots entries) row
 // group group_map[s] (-1: none).
 // Item (group, chunk)'s k-groups are kg_ptr[item] .. kg_ptr[item + 1], item = group * n1 +
-// chunk; frags: the one-hot operands of words (tiled_spmm_fragments). With words2 and frags2
+// chunk; with FRAGS, frags: the one-hot operands of words (tiled_spmm_fragments), else the
+// lanes build them from the words by shuffles (null frags). With words2 and frags2
 // (A2's at the same places: the dual form) the block streams B's n1 chunks with words, then
 // B2's with words2, into the same sums. map_b / map_b2: TMA descriptors
 // of B and B2 [K, N] (boxes of 64 columns x 256 rows, 128-byte swizzle; rows past K read as
 // zeros; map_b2 is map_b when there is no B2). Thread 0 refills a stage once every warp has
 // released it (tests/test_ring_protocol.py runs this ring as a protocol).
-template <typename T, int WARPS>
+template <typename T, int WARPS, bool FRAGS>
 __global__ void __launch_bounds__(WARPS * 32, 1) twell_tiled_spmm(
     const __grid_constant__ twell::TensorMap map_b, const __grid_constant__ twell::TensorMap map_b2,
     const int* __restrict__ kg_ptr, const unsigned* __restrict__ words, const unsigned* __restrict__ words2,
@@ -607,8 +622,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) twell_tiled_spmm(
       const unsigned* chunk_words = c < n1 ? words : words2;
       const uint2* chunk_frags = c < n1 ? frags : frags2;
       if (!carried) {
-        cur = tspmm_load(chunk_words, chunk_frags, entry, lane, from1[0]);
-        nxt = tspmm_load(chunk_words, chunk_frags, entry, lane, from2[0]);
+        cur = tspmm_load<FRAGS>(chunk_words, chunk_frags, entry, lane, from1[0]);
+        nxt = tspmm_load<FRAGS>(chunk_words, chunk_frags, entry, lane, from2[0]);
       }
       carried = crosses;
       barrier_wait(full + 8 * s, parity);
@@ -618,15 +633,16 @@ __global__ void __launch_bounds__(WARPS * 32, 1) twell_tiled_spmm(
 #pragma unroll 2
         for (int kg = k_lo[i]; kg < k_hi[i]; ++kg) {
           const int ahead = kg + 2 < k_hi[i] ? kg + 2 : (kg + 2 == k_hi[i] ? from1[i + 1] : from2[i + 1]);
-          const TiledKGroup after = tspmm_load(chunk_words, chunk_frags, entry, lane, ahead);
+          const TiledKGroup after = tspmm_load<FRAGS>(chunk_words, chunk_frags, entry, lane, ahead);
           const unsigned row0 = tspmm_row_address(stage_base, cur.mine, piece);
+          const uint2 b = FRAGS ? cur.b : tspmm_shuffled_operand(cur.mine, t, g << TSPMM_ROW_SHIFT);
 #pragma unroll
           for (int j = 0; j < TSPMM_COL_STEPS; j += 2) {
             unsigned a[4], a2[4];  // two column steps' ldmatrix before their MMAs
             ldmatrix_x4_trans(a, row0 ^ ((unsigned)j << 5));
             ldmatrix_x4_trans(a2, row0 ^ ((unsigned)(j + 1) << 5));
-            mma_m16n8k16<T>(acc[i][j], a[0], a[1], a[2], a[3], cur.b.x, cur.b.y);
-            mma_m16n8k16<T>(acc[i][j + 1], a2[0], a2[1], a2[2], a2[3], cur.b.x, cur.b.y);
+            mma_m16n8k16<T>(acc[i][j], a[0], a[1], a[2], a[3], b.x, b.y);
+            mma_m16n8k16<T>(acc[i][j + 1], a2[0], a2[1], a2[2], a2[3], b.x, b.y);
           }
           cur = nxt;
           nxt = after;

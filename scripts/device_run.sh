@@ -266,10 +266,15 @@ for step in $what; do
       ;;&
     tiledwarps)
       # The tiled SpMM with 32 warps of 2 row groups (TWELL_TILED_WARPS=32) beside the default 16
-      # of 4: its tests, the tiled product rows (down, the backward's) both ways, Nsight Compute.
+      # of 4, each with the one-hot operand loaded (fragments) or shuffled from the words
+      # (TWELL_TILED_OPERAND=shuffles): its tests, the tiled product rows (down, the backward's)
+      # all four ways, Nsight Compute.
       TWELL_TILED_WARPS=32 gpu_test_file tests/gpu/test_gpu_tiled_spmm.py tiledwarps 300
       for w in 16 32; do
-        TWELL_TILED_WARPS=$w stage_rows "down spmm, tiled,bwd 3 transposed products, tiled,bwd dX, tiled" "0.005 0.01 0.02" tiledwarps
+        for operand in fragments shuffles; do
+          TWELL_TILED_WARPS=$w TWELL_TILED_OPERAND=$operand stage_rows \
+            "down spmm, tiled,bwd 3 transposed products, tiled,bwd dX, tiled" "0.005 0.01 0.02" tiledwarps
+        done
       done
       TWELL_TILED_WARPS=32 ncu_rows twell_tiled_spmm "down spmm, tiled, packed" tiledwarps
       ;;&

@@ -94,7 +94,7 @@ def test_tiled_pack_constants_match_the_kernels():
     _compiles_with("twell_tiled_spmm.cu", "\n".join(checks), "pack constants disagree with the kernels")
 
 
-def test_tiled_warps_switch_is_validated(monkeypatch):
+def test_tiled_switches_are_validated(monkeypatch):
     from twellsparse import _tiled_spmm
 
     monkeypatch.setenv("TWELL_TILED_WARPS", "32")
@@ -104,6 +104,13 @@ def test_tiled_warps_switch_is_validated(monkeypatch):
     monkeypatch.setenv("TWELL_TILED_WARPS", "8")
     with pytest.raises(ValueError, match="TWELL_TILED_WARPS: expected 16 or 32, got '8'"):
         _tiled_spmm._warps()
+    monkeypatch.setenv("TWELL_TILED_OPERAND", "shuffles")
+    assert _tiled_spmm._operand() == "shuffles"
+    monkeypatch.setenv("TWELL_TILED_OPERAND", "")
+    assert _tiled_spmm._operand() == "fragments"
+    monkeypatch.setenv("TWELL_TILED_OPERAND", "words")
+    with pytest.raises(ValueError, match="TWELL_TILED_OPERAND: expected 'fragments' or 'shuffles', got 'words'"):
+        _tiled_spmm._operand()
 
 
 def test_local_includes_expanded():

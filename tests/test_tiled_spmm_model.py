@@ -16,6 +16,7 @@ from tiled_spmm_model import (
     emulate_gated_up,
     emulate_pack_transposed,
     fixup,
+    fragments,
     kernel_octet_plan,
     kernel_octet_position,
     kernel_padding_source,
@@ -23,6 +24,7 @@ from tiled_spmm_model import (
     padding_sources,
     reference_pack,
     reference_pack_transposed,
+    shuffled_operand,
 )
 
 import twellsparse as ts
@@ -124,6 +126,22 @@ def test_emulated_kernel_matches_the_float64_product(rng, m, k, n, tile_n, capac
     expected = h.astype(np.float64) @ b.astype(np.float64)
     assert np.isfinite(got).all()  # every element written
     np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_both_operand_sources_give_the_same_bits(rng):
+    """The one-hot operand the fragments pass writes, and the one the shuffle version builds from
+    the lanes' own words, bit for bit for every k-group and lane; and the emulated product on
+    either."""
+    m, k, n = 300, 2000, 16
+    h, a = _problem(rng, m, k, 32, 2, 0.08)
+    kg_ptr, words, n_chunks = reference_pack(a.parts, 32, k)
+    entry = (np.arange(32) >> 4) * 8 + (np.arange(32) & 7)
+    frags = fragments(kg_ptr, words[0])
+    for kg in range(int(kg_ptr[-1])):
+        assert np.array_equal(shuffled_operand(words[0][kg * 16 + entry]), frags[kg])
+    b = rng.standard_normal((k, n)).astype(ts.bfloat16)
+    got = emulate(kg_ptr, words, n_chunks, m, b, operand="shuffles")
+    np.testing.assert_allclose(got, h.astype(np.float64) @ b.astype(np.float64), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("warps", [16, 32])

@@ -263,6 +263,20 @@ def fragments(kg_ptr, words: np.ndarray) -> np.ndarray:
     return frags
 
 
+def shuffled_operand(mine: np.ndarray) -> np.ndarray:
+    """The one-hot operand as the shuffle version builds it, [lane][register] uint32: lane l's
+    own word is ``mine[l]`` (entry (l / 16) * 8 + l % 8); lane 4g + t takes the words of lanes 2t,
+    2t + 1 (b0) and 2t + 16, 2t + 17 (b1) and keeps each value half whose row in group is g."""
+    w = mine.astype(np.uint64)
+    regs = np.zeros((32, 2), dtype=np.uint32)
+    for reg, first in enumerate((0, 16)):
+        for half in range(2):
+            e = w[first + 2 * TQ + half]  # [lane]
+            hit = T.word_rows(e) == G.astype(np.uint64)
+            regs[:, reg] |= (np.where(hit, e >> 16, 0) << (16 * half)).astype(np.uint32)
+    return regs
+
+
 def sequence_heads(lo: list[int], hi: list[int], tail1: int, tail2: int) -> tuple[int, int]:
     """The first two k-groups of the sequence ranges [lo[i], hi[i]) in turn, then (tail1, tail2):
     the kernel's from1 / from2 (-1: none)."""
@@ -274,12 +288,21 @@ def sequence_heads(lo: list[int], hi: list[int], tail1: int, tail2: int) -> tupl
 
 
 def emulate(
-    kg_ptr, words, n_chunks: int, m: int, b: np.ndarray, b2=None, group_map=None, warps: int = 16
+    kg_ptr,
+    words,
+    n_chunks: int,
+    m: int,
+    b: np.ndarray,
+    b2=None,
+    group_map=None,
+    warps: int = 16,
+    operand: str = "fragments",
 ) -> np.ndarray:
     """The kernel's sums (float64, before rounding) for an ``m``-row A packed as given (``words``:
     the pack's word arrays; with ``b2`` the dual form, A2's words the second array; with
     ``group_map`` the row groups in the slots it names), with ``warps`` warps of 64 / warps row
-    groups per block, lane by lane: its ldmatrix addresses into swizzled stages, its one-hot
+    groups per block and the one-hot ``operand`` loaded ("fragments") or shuffled from the words
+    ("shuffles"), lane by lane: its ldmatrix addresses into swizzled stages, its one-hot
     registers, the MMAs and the epilogue's exchange of lanes g and g ^ 1 and 4-byte pair stores."""
     n = b.shape[1]
     out = np.full((m, n), np.nan)
@@ -287,6 +310,8 @@ def emulate(
     frags = [fragments(kg_ptr, w) for w in words]
     n_groups = -(-m // T.GROUP)
     wg = T.ROWS // T.GROUP // warps  # row groups per warp
+    if operand not in ("fragments", "shuffles"):
+        raise ValueError(f"operand: expected 'fragments' or 'shuffles', got {operand!r}")
 
     def actual(slot: int) -> int:  # the kernel's actual(): the slot's row group, or -1
         grp = slot if group_map is None else (int(group_map[slot]) if slot < len(group_map) else -1)
@@ -329,12 +354,14 @@ def emulate(
                     for i in range(wg - 1, -1, -1):
                         from1[i], from2[i] = sequence_heads(lo[i : i + 1], hi[i : i + 1], from1[i + 1], from2[i + 1])
                     # Each lane loads its own word (entry `entry`) of a k-group and its one-hot
-                    # operand (the fragments). At a chunk's start both come from the previous
+                    # operand: the fragments, or (shuffles) built from the words of lanes 2t,
+                    # 2t + 1, 2t + 16, 2t + 17. At a chunk's start both come from the previous
                     # chunk's prefetch where it ran on into this one.
                     chunk_frags = frags[0] if c < n_chunks else frags[1]
 
                     def load(kg: int, chunk_words=chunk_words, chunk_frags=chunk_frags) -> tuple:
-                        return _kgroup(chunk_words, kg)[entry], chunk_frags[max(kg, 0)]
+                        mine = _kgroup(chunk_words, kg)[entry]
+                        return mine, chunk_frags[max(kg, 0)] if operand == "fragments" else shuffled_operand(mine)
 
                     cur, nxt = carried.pop(warp) if warp in carried else (load(from1[0]), load(from2[0]))
                     for i in range(wg):

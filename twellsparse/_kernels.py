@@ -204,7 +204,12 @@ ARCH_SOURCES: dict[str, tuple[str, list[str]]] = {
     # The tiled SpMM on the tensor cores (B's chunks staged by TMA) and its pack.
     "twell_tiled_spmm.cu": (
         "sm_90a",
-        [f"twell_tiled_spmm<{CXX_TYPE[d]}, {w}>" for d in (np.dtype(np.float16), bfloat16) for w in (16, 32)]
+        [
+            f"twell_tiled_spmm<{CXX_TYPE[d]}, {w}, {f}>"
+            for d in (np.dtype(np.float16), bfloat16)
+            for w in (16, 32)
+            for f in ("false", "true")
+        ]
         + [f"tiled_spmm_fixup<{CXX_TYPE[d]}>" for d in (np.dtype(np.float16), bfloat16)]
         + ["tiled_spmm_count", "tiled_spmm_place", "tiled_spmm_count_t", "tiled_spmm_place_t", "tiled_spmm_balance"]
         + ["tiled_spmm_fragments"],

@@ -73,6 +73,20 @@ def _warps() -> int:
 #: registers a thread), or 32 of 2 (64 registers, twice the warps to hide latency);
 #: ``TWELL_TILED_WARPS`` picks (a measurement in progress, bench/NOTES.md).
 WARPS = _warps()
+
+
+def _operand() -> str:
+    value = os.environ.get("TWELL_TILED_OPERAND", "") or "fragments"
+    if value not in ("fragments", "shuffles"):
+        raise ValueError(f"TWELL_TILED_OPERAND: expected 'fragments' or 'shuffles', got {value!r}")
+    return value
+
+
+#: Where the product's MMAs take their one-hot operand: ``"fragments"`` (:func:`fragments`, one
+#: pass per words array, then two loads a k-group; ~35 instructions a k-group, about 4x the
+#: words' bytes from L2) or ``"shuffles"`` (each lane builds it from four shuffled words; ~45
+#: instructions, no extra bytes). ``TWELL_TILED_OPERAND`` picks (a measurement in progress).
+OPERAND = _operand()
 #: Dynamic shared memory of one block (TSPMM_SHARED_BYTES): three 64 KB stages, their barriers
 #: and 1 KB of alignment slack.
 SHARED_BYTES = 1024 + 3 * CHUNK * COLS * 2 + 6 * 8
@@ -238,7 +252,8 @@ def packed_spmm(packed: Pack, m: int, b: Any, out: Any, b2: Any = None, which: i
     """``out = A @ b`` for an ``m``-row A packed by :func:`pack` or :func:`pack_transposed`
     (A's values: ``packed.words[which]``), or with ``b2`` ``out = A @ b + A2 @ b2`` (A2's words
     the next array, ``which + 1``) in the same sums; the caller has checked :func:`applies`.
-    Three launches: :func:`fragments` (for each words array), the product, then
+    Three launches: :func:`fragments` (for each words array, with :data:`OPERAND` "fragments"),
+    the product, then
     ``tiled_spmm_fixup``, which recomputes exactly the rows whose sums came out non-finite (an
     Inf or NaN in a row of b that an entry uses spreads to its group's other rows inside the
     MMA), so the results are the other paths'. ``group_map``:
@@ -254,8 +269,9 @@ def packed_spmm(packed: Pack, m: int, b: Any, out: Any, b2: Any = None, which: i
     map_b = tensor_map(b, BOX, COLS, SWIZZLE_128B)
     map_b2 = map_b if b2 is None else tensor_map(b2, BOX, COLS, SWIZZLE_128B)
     words2 = K.null_pointer() if b2 is None else packed.words[which + 1]
-    frags = fragments(packed, which)
-    frags2 = K.null_pointer() if b2 is None else fragments(packed, which + 1)
+    use_fragments = OPERAND == "fragments"
+    frags = fragments(packed, which) if use_fragments else K.null_pointer()
+    frags2 = fragments(packed, which + 1) if use_fragments and b2 is not None else K.null_pointer()
     pattern = (packed.kg_ptr, packed.words[which], words2, np.int32(m), np.int32(n), np.int32(packed.n_chunks))
     ldo = np.int64(leading_dim(out))
     flags = _cp().zeros(m, dtype=np.int32)  # rows with a non-finite sum, for the fixup
@@ -267,7 +283,8 @@ def packed_spmm(packed: Pack, m: int, b: Any, out: Any, b2: Any = None, which: i
     grid = (min(tiles, K.sm_count()),)
     slots = (group_map, np.int32(group_map.size)) if group_map is not None else (K.null_pointer(), np.int32(0))
     args = (map_b, map_b2, *pattern[:3], frags, frags2, *pattern[3:], out, ldo, flags, *slots)
-    K.launch_arch(f"twell_tiled_spmm<{t}, {WARPS}>", grid, (WARPS * 32,), args, SHARED_BYTES)
+    expr = f"twell_tiled_spmm<{t}, {WARPS}, {'true' if use_fragments else 'false'}>"
+    K.launch_arch(expr, grid, (WARPS * 32,), args, SHARED_BYTES)
     dense = (b, np.int64(ldb), b2 if b2 is not None else K.null_pointer(), np.int64(ldb2))
     K.launch_arch(f"tiled_spmm_fixup<{t}>", (-(-m // 8),), (256,), (*pattern, *dense, flags, out, ldo), 0)
     return out

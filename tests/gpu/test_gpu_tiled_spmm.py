@@ -202,8 +202,9 @@ def test_transposed_products_with_and_without_the_deal_agree(cp, rng, monkeypatc
 
 @pytest.mark.parametrize("m, n, k, tile_n, capacity, density", [SHAPES[1], SHAPES[2], SHAPES[4]])
 def test_both_warp_counts_give_the_same_bits(cp, rng, monkeypatch, m, n, k, tile_n, capacity, density):
-    """The product with 32 warps of 2 row groups against 16 warps of 4, bit for bit: every row
-    group's sums take the same MMAs in the same order either way (plain, dual form, and the
+    """The product with 32 warps of 2 row groups against 16 warps of 4, and with the one-hot
+    operand shuffled from the words against loaded fragments, bit for bit: every row group's sums
+    take the same MMAs on the same operands in the same order (plain, dual form, and the
     transposed products with their deal of the groups, which depends on the warp count)."""
     h, a = _problem(cp, rng, m, n, tile_n, capacity, density, ts.bfloat16)
     _, a2 = _twin(cp, rng, h, a)
@@ -220,10 +221,13 @@ def test_both_warp_counts_give_the_same_bits(cp, rng, monkeypatch, m, n, k, tile
 
     results = {}
     for warps in (16, 32):
-        monkeypatch.setattr(_tiled_spmm, "WARPS", warps)
-        results[warps] = products()
-    for x16, x32 in zip(results[16], results[32], strict=True):
-        assert np.array_equal(x16, x32)
+        for operand in ("fragments", "shuffles"):
+            monkeypatch.setattr(_tiled_spmm, "WARPS", warps)
+            monkeypatch.setattr(_tiled_spmm, "OPERAND", operand)
+            results[warps, operand] = products()
+    for variant, got in results.items():
+        for want, x in zip(results[16, "fragments"], got, strict=True):
+            assert np.array_equal(want, x), variant
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
