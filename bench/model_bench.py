@@ -57,8 +57,7 @@ def build(ex: Any, cfg: Any, n_layers: int, density: float, device: str, dtype: 
             hook = block_d.mlp.register_forward_pre_hook(lambda _m, inp, seen=seen: seen.append(inp[0]))
             block_d(h)
             hook.remove()
-            z = block_d.mlp.gate_proj(seen[0]).float().flatten()
-            t = max(float(torch.quantile(z[: 1 << 24], 1.0 - density)), 0.0)
+            t = ex.gate_threshold(block_d.mlp.gate_proj(seen[0]), density)
             block_s.mlp.threshold = t
             block_d.mlp.threshold = t  # DenseGatedMLP's gate then keeps z > t, as the sparse one
             h = block_d(h)

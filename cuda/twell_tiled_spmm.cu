@@ -29,9 +29,8 @@
 //
 // Latency: a warp's k-group ranges are loaded two chunks ahead and each k-group's word and
 // operand two k-groups ahead, across chunk boundaries, so the pack's L2 reads overlap the MMAs.
-// The grid is persistent
-// (one block per SM walking the tiles), and the ring runs on from one tile into the next: the
-// next tile's first chunks load during this tile's last ones and its epilogue.
+// The grid is persistent (one block per SM walking the tiles), and the ring runs on from one tile
+// into the next: the next tile's first chunks load during this tile's last ones and its epilogue.
 //
 // A.T @ G (the backward's weight gradients) runs the same kernel on a pack of A.T made straight
 // from A's parts (tiled_spmm_count_t / _place_t below: no transposed structure), one pack for up
@@ -483,9 +482,9 @@ __global__ void __launch_bounds__(256) tiled_spmm_balance(const int* __restrict_
 }
 
 // The product (see the top of this file). Tile (x, y), x fastest, of a persistent 1-D grid:
-// output columns [64 x, 64 x + 64) and row-group slots [64 y, 64 y + 64); warp w sums slots
-// 4 w .. 4 w + 3 of the tile, slot s being row group s, or with group_map (n_slots entries) row
-// group group_map[s] (-1: none).
+// output columns [64 x, 64 x + 64) and row-group slots [64 y, 64 y + 64); warp w of WARPS sums
+// slots WG w .. WG w + WG - 1 of the tile (WG = 64 / WARPS), slot s being row group s, or with
+// group_map (n_slots entries) row group group_map[s] (-1: none).
 // Item (group, chunk)'s k-groups are kg_ptr[item] .. kg_ptr[item + 1], item = group * n1 +
 // chunk; with FRAGS, frags: the one-hot operands of words (tiled_spmm_fragments), else the
 // lanes build them from the words by shuffles (null frags). With words2 and frags2

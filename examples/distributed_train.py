@@ -22,17 +22,16 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import statistics
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tiny_llama import DenseGatedMLP  # the dense twin of TwELLGatedMLP (the script's folder is on sys.path)
+from tiny_llama import DenseGatedMLP, gate_threshold  # the script's folder is on sys.path
 from torch import nn
 
 import twellsparse.torch as tt
-from twellsparse._environment import append_records, environment
+from twellsparse._environment import append_records, run_record
 
 
 class Block(nn.Module):
@@ -66,8 +65,7 @@ def set_density(model: Model, x: torch.Tensor, density: float) -> None:
     h = x
     with torch.no_grad():
         for block in model.blocks:
-            z = block.mlp.gate_proj(h).float().flatten()
-            block.mlp.threshold = max(float(torch.quantile(z[: 1 << 24], 1.0 - density)), 0.0)
+            block.mlp.threshold = gate_threshold(block.mlp.gate_proj(h), density)
             h = block(h)
 
 
@@ -162,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.single:
             dist.all_reduce(total)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the step ends when every rank's does
-        losses.append(total.float().item() / world)
+        losses.append(total.item() / world)
         step_ms.append(slowest.item() * 1e3)
         print(
             f"rank {rank} step {step}: loss {losses[-1]:.6f}, {dt * 1e3:.1f} ms, "
@@ -173,26 +171,23 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0 and args.out:
         torch.save({"losses": losses, "state": state}, args.out)
     if rank == 0 and args.json:
-        timed = step_ms[1:] or step_ms  # the first step pays the compiles and the allocations
-        per_rank = shard.stop - shard.start
-        record = {
-            "kind": "distributed",
-            "framework": "torch",
-            "mode": "single" if args.single else ("fsdp2" if args.fsdp else "ddp"),
-            "mlp": "dense" if args.dense else "twell",
-            "world": world,
-            "device_kind": "cuda" if use_cuda else "cpu",
-            "dtype": args.dtype,
-            "tokens_per_rank": per_rank,
-            "shape": [args.tokens, args.d_model, args.d_ff],
-            "layers": args.layers,
-            "density_target": args.density,
-            "density": measured_density(inner),  # type: ignore[arg-type]
-            "step_ms": {"median": statistics.median(timed), "all": step_ms},
-            "tokens_per_s_per_rank": per_rank / (statistics.median(timed) / 1e3),
-            "losses": losses,
-        }
-        append_records(args.json, [{**record, **environment()}])
+        record = run_record(
+            step_ms,
+            shard.stop - shard.start,
+            kind="distributed",
+            framework="torch",
+            mode="single" if args.single else ("fsdp2" if args.fsdp else "ddp"),
+            mlp="dense" if args.dense else "twell",
+            world=world,
+            device_kind="cuda" if use_cuda else "cpu",
+            dtype=args.dtype,
+            shape=[args.tokens, args.d_model, args.d_ff],
+            layers=args.layers,
+            density_target=args.density,
+            density=measured_density(inner),  # type: ignore[arg-type]
+            losses=losses,
+        )
+        append_records(args.json, [record])
     if not args.single:
         # Drop everything that may still hold the group's work objects (FSDP2's pending reduce and
         # gather state, DDP's reducer) while the interpreter is fully alive, wait for rank 0 to

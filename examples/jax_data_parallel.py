@@ -20,7 +20,6 @@ first (the compile), tokens/s per device, where it ran.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from typing import Any
@@ -31,7 +30,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import twellsparse.jax as tsj
-from twellsparse._environment import append_records, environment
+from twellsparse._environment import append_records, run_record
 from twellsparse.testing import ffn_problem
 
 
@@ -131,25 +130,22 @@ def main(argv: list[str] | None = None) -> int:
     losses, params, times = train(devices, *shape)
     print(f"{len(devices)} device(s) ({devices[0].platform}): losses " + ", ".join(f"{v:.6f}" for v in losses))
     if args.json:
-        timed = times[1:] or times  # the first step compiles
-        per_device = args.tokens // len(devices)
-        record = {
-            "kind": "distributed",
-            "framework": "jax",
-            "mode": "shard_map",
-            "mlp": "dense" if args.dense else "twell",
-            "world": len(devices),
-            "device_kind": devices[0].platform,
-            "dtype": args.dtype,
-            "tokens_per_rank": per_device,
-            "shape": [args.tokens, args.d_model, args.d_ff],
-            "layers": 1,
-            "density_target": args.density,
-            "step_ms": {"median": statistics.median(timed), "all": times},
-            "tokens_per_s_per_rank": per_device / (statistics.median(timed) / 1e3),
-            "losses": losses,
-        }
-        append_records(args.json, [{**record, **environment()}])
+        record = run_record(
+            times,
+            args.tokens // len(devices),
+            kind="distributed",
+            framework="jax",
+            mode="shard_map",
+            mlp="dense" if args.dense else "twell",
+            world=len(devices),
+            device_kind=devices[0].platform,
+            dtype=args.dtype,
+            shape=[args.tokens, args.d_model, args.d_ff],
+            layers=1,
+            density_target=args.density,
+            losses=losses,
+        )
+        append_records(args.json, [record])
     if args.check:
         ref_losses, ref_params, _ = train(devices[:1], *shape)
         print("1 device:            losses " + ", ".join(f"{v:.6f}" for v in ref_losses))

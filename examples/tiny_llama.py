@@ -46,6 +46,12 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
 
 
+def gate_threshold(z: torch.Tensor, density: float) -> float:
+    """The gate threshold that keeps a ``density`` fraction of the pre-activations ``z`` (at least
+    0, relu's): their quantile, over at most 2**24 of them (torch.quantile's limit)."""
+    return max(float(torch.quantile(z.float().flatten()[: 1 << 24], 1.0 - density)), 0.0)
+
+
 class DenseGatedMLP(nn.Module):
     """The dense twin of TwELLGatedMLP (same parameter names; with a ``threshold`` the gate keeps
     ``relu(z)`` only where ``z`` exceeds it, as the sparse module does)."""

@@ -248,18 +248,27 @@ def _kgroup(words: np.ndarray, kg: int) -> np.ndarray:
     return words[kg * T.KGROUP : (kg + 1) * T.KGROUP]
 
 
+def _one_hot(words: np.ndarray, stride: int) -> np.ndarray:
+    """The one-hot operand of lanes 4g + t, [..., lane, register] uint32, from ``words`` [..., 16
+    or 32] holding entry 2t + h of b0 at 2t + h and of b1 at ``stride`` + 2t + h: each value half
+    kept where its word's row in group is g (tspmm_one_hot), the lower entry in the low half."""
+    w = words.astype(np.uint64)
+    regs = np.zeros((*w.shape[:-1], 32, 2), dtype=np.uint32)
+    for reg in range(2):
+        for half in range(2):
+            e = w[..., reg * stride + 2 * TQ + half]  # [..., lane]
+            hit = T.word_rows(e) == G.astype(np.uint64)
+            regs[..., reg] |= (np.where(hit, e >> 16, 0) << (16 * half)).astype(np.uint32)
+    return regs
+
+
 def fragments(kg_ptr, words: np.ndarray) -> np.ndarray:
     """``tiled_spmm_fragments``: per k-group and lane 4g + t the one-hot operand (b0, b1) as uint32
     pairs, [k-group][lane][register]: b0's low half the value of entry 2t where its row in group
     is g (else zero), its high half entry 2t + 1's; b1 the same of entries 2t + 8, 2t + 9."""
     n = int(kg_ptr[-1])
-    w = words[: n * T.KGROUP].astype(np.uint64).reshape(n, T.KGROUP)
     frags = np.zeros((max(n, 1), 32, 2), dtype=np.uint32)
-    for reg, first in enumerate((0, 8)):
-        for half in range(2):
-            e = w[:, first + 2 * TQ + half]  # [k-group][lane]
-            hit = T.word_rows(e) == G[None, :].astype(np.uint64)
-            frags[:n, :, reg] |= (np.where(hit, e >> 16, 0) << (16 * half)).astype(np.uint32)
+    frags[:n] = _one_hot(words[: n * T.KGROUP].reshape(n, T.KGROUP), 8)
     return frags
 
 
@@ -267,14 +276,7 @@ def shuffled_operand(mine: np.ndarray) -> np.ndarray:
     """The one-hot operand as the shuffle version builds it, [lane][register] uint32: lane l's
     own word is ``mine[l]`` (entry (l / 16) * 8 + l % 8); lane 4g + t takes the words of lanes 2t,
     2t + 1 (b0) and 2t + 16, 2t + 17 (b1) and keeps each value half whose row in group is g."""
-    w = mine.astype(np.uint64)
-    regs = np.zeros((32, 2), dtype=np.uint32)
-    for reg, first in enumerate((0, 16)):
-        for half in range(2):
-            e = w[first + 2 * TQ + half]  # [lane]
-            hit = T.word_rows(e) == G.astype(np.uint64)
-            regs[:, reg] |= (np.where(hit, e >> 16, 0) << (16 * half)).astype(np.uint32)
-    return regs
+    return _one_hot(mine, 16)
 
 
 def sequence_heads(lo: list[int], hi: list[int], tail1: int, tail2: int) -> tuple[int, int]:

@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -78,3 +79,12 @@ def environment() -> dict[str, Any]:
         except OSError:
             pass
     return env
+
+
+def run_record(step_ms: list[float], tokens_per_rank: int, **fields: Any) -> dict[str, Any]:
+    """A timed run's record (the multi-device examples' ``--json``): ``fields``, the step times
+    in ms with their median over the steps after the first (which pays the compiles and the
+    allocations), the tokens per second per rank at that median, and :func:`environment`."""
+    median = statistics.median(step_ms[1:] or step_ms)
+    timing = {"step_ms": {"median": median, "all": step_ms}, "tokens_per_s_per_rank": tokens_per_rank / (median / 1e3)}
+    return {**fields, "tokens_per_rank": tokens_per_rank, **timing, **environment()}
