@@ -163,7 +163,7 @@ def test_matmul_inner_dims(rng, a):
 
 def test_rmatmul_inner_dims(rng, a):
     g = rng.standard_normal((K, N))  # dense @ a needs M columns
-    expect_error(ValueError, "b", lambda: g @ a)
+    expect_error(ValueError, "other", lambda: g @ a)
 
 
 def test_matmul_out_mismatch(rng, a):
@@ -459,6 +459,12 @@ def _full_check_cases(mat):
     i = idx.copy()
     i[ru, tu, su] = 0
     cases["padding-not-minus-one"] = ("indices", dict(p, indices=i))
+    d = p["data"].copy()
+    d[ru, tu, su] = np.nan  # what 0 * inf would leave there
+    cases["padding-value-not-zero"] = ("data", dict(p, data=d))
+    sp_ptr = p["spill_indptr"].copy()
+    sp_ptr[1:-1] = sp_ptr[-1] + 1 - np.arange(1, sp_ptr.size - 1)  # decreasing between valid ends
+    cases["spill-indptr-decreasing"] = ("spill_indptr", dict(p, spill_indptr=sp_ptr))
 
     # a spilled column that is also in its row-tile's slots
     row = int(np.flatnonzero(np.diff(p["spill_indptr"]))[0])
@@ -473,9 +479,11 @@ def _full_check_cases(mat):
 
 
 FULL_CASES = [
-    "counts-over-capacity", "counts-negative", "index-tile_n", "index-negative", "index-minus-one-in-used-slot",
-    "index-beyond-N", "duplicate-column", "padding-not-minus-one", "spill-clash",
+    "index-tile_n", "index-negative", "index-minus-one-in-used-slot", "index-beyond-N", "duplicate-column",
+    "padding-not-minus-one", "padding-value-not-zero", "spill-clash",
 ]  # fmt: skip
+#: Caught by every constructor: counts and spill_indptr are small and trusted by nnz and the kernels.
+CHEAP_CASES = ["counts-over-capacity", "counts-negative", "spill-indptr-decreasing"]
 
 
 @pytest.mark.parametrize("case", FULL_CASES)
@@ -490,6 +498,36 @@ def test_check_format_full(rng, case):
     bad.check_format(full_check=False)
     err = expect_error(TwELLFormatError, name, bad.check_format, full_check=True)
     assert isinstance(err, ValueError)
+
+
+@pytest.mark.parametrize("case", CHEAP_CASES)
+def test_constructor_checks_counts_and_spill_pointers(rng, case):
+    x = _sparse_dense(rng, m=12, density=0.25)
+    x[:, :TILE][rng.random((12, TILE)) < 0.5] = 1.0
+    mat = ts.twell_array(x, tile_n=TILE, capacity=4)
+    name, p = _full_check_cases(mat)[case]
+    expect_error(TwELLFormatError, name, _build, p, mat)
+
+
+def test_empty_spill_with_decreasing_pointers_is_caught(rng):
+    mat = ts.twell_array(np.eye(3, 40), tile_n=TILE, capacity=2)
+    p = mat.parts._asdict()
+    p["spill_indptr"] = np.array([0, 1, 0, 0], np.int32)
+    expect_error(TwELLFormatError, "spill_indptr", _build, p, mat)
+
+
+def test_spill_dtype_must_match_unless_asked(rng):
+    x = np.zeros((1, 64))
+    x[0, :5] = [1, 2, 3, 4, 1 / 3]
+    mat = ts.twell_array(x, tile_n=TILE, capacity=2)
+    p = mat.parts._asdict()
+    p["data"] = p["data"].astype(np.float16)
+    expect_error(TwELLFormatError, "spill_data", _build, p, mat)  # float64 spill: no silent rounding
+    asked = _build(p, mat, dtype=np.float16)  # a conversion the caller asked for
+    assert asked.spill_data.dtype == np.float16
+    p["spill_data"], p["spill_indices"] = np.empty(0), np.empty(0, np.int32)  # an empty spill of any dtype
+    p["spill_indptr"] = np.zeros(2, np.int32)
+    assert _build(p, mat).spill_data.dtype == np.float16
 
 
 # ----------------------------------------------------------------------------- unknown options

@@ -6,6 +6,10 @@ where callers may want to tell cases apart.
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+
 __all__ = [
     "TwELLCapacityError",
     "TwELLSpillCapacityError",
@@ -74,3 +78,18 @@ class TwELLDroppedEntriesWarning(UserWarning):
 
 class TwELLFallbackWarning(UserWarning):
     """An operation ran on a slower path than the one asked for (never silently)."""
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` attributed to the first frame outside twellsparse: the stack depth
+    between a public entry point and the code that warns varies (plans, adapters, conversions),
+    so no fixed ``stacklevel`` names the caller's line."""
+    frame = sys._getframe(1)
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    warnings.warn(message, category, stacklevel=level)

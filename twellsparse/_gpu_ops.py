@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +11,7 @@ import numpy as np
 from . import _kernels as K
 from . import _stationary, _tiled_ffn, _tiled_spmm, _tiled_up
 from ._backend import bfloat16, cupy_module, is_cupy_array
-from ._errors import TwELLFallbackWarning
+from ._errors import TwELLFallbackWarning, warn
 from ._gpu_convert import TransposedPattern, leading_dim, row_stride, rows_aligned, transposed_pattern
 from ._parts import TwELLParts
 from ._quantize import QuantizedRows
@@ -57,12 +56,11 @@ def _choose_path(path: str, gather_ok: bool, op: str) -> str:
 
 def warn_portable(op: str) -> None:
     """Say that ``op`` runs its portable kernel because an operand lacks 16-byte rows."""
-    warnings.warn(
+    warn(
         f"{op}: an operand's rows are not 16-byte aligned multiples of 16 bytes, so the portable "
         "kernel runs, several times slower than the row-gather one; pad the feature dimension to "
         "a multiple of 8 values (bf16/fp16), 4 (fp32) or 2 (fp64) for the fast path",
         TwELLFallbackWarning,
-        stacklevel=4,
     )
 
 

@@ -45,6 +45,8 @@ def _cast_parts(parts: TwELLParts, dtype: Any) -> TwELLParts:
 
 def check_out_shape(out: Any, shape: tuple[int, ...], dtype: Any) -> None:
     """An ``out`` argument must have the result's shape and dtype (one-line error otherwise)."""
+    if not hasattr(out, "shape") or not hasattr(out, "dtype"):
+        raise TypeError(f"out: expected a NumPy or CuPy array, got {type(out).__name__}")
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
         raise ValueError(
             f"out: expected shape {tuple(shape)} and dtype {dtype.name}, got {tuple(out.shape)} {out.dtype}"
@@ -86,8 +88,8 @@ def matmul(a: Any, b: Any, *, out: Any = None) -> Any:
     dt = result_dtype(base.dtype, bb.dtype)
     shape = (a.shape[0], b2.shape[1])
     if out is not None:
-        _same_device("a", base.data, out=out)
         check_out_shape(out, shape[:1] if vector else shape, dt)
+        _same_device("a", base.data, out=out)
     if is_cupy_array(bb):
         result = _matmul_gpu(base, b2.astype(dt, copy=False), dt, shape, transposed, out, vector)
     else:
@@ -111,8 +113,8 @@ def _matmul_quantized_rows(a: Any, base: twell_array, b: QuantizedRows, out: Any
     _same_device("a", base.data, b=b.data)
     shape = (a.shape[0], b.shape[1])
     if out is not None:
-        _same_device("a", base.data, out=out)
         check_out_shape(out, shape, base.dtype)
+        _same_device("a", base.data, out=out)
     return matmul_quantized(base, b, base.dtype, out)
 
 
@@ -214,6 +216,11 @@ def matmul_sum(a: twell_array, b: Any, a2: twell_array, b2: Any) -> Any:
 def rmatmul(a: Any, other: Any) -> Any:
     """``other @ a`` for dense ``other`` and a TwELL matrix (or its ``.T``): ``(a.T @ other.T).T``."""
     x = as_array(other, "other")
+    check_ndim(x, (1, 2), "other")
+    if x.shape[-1] != a.shape[0]:
+        raise ValueError(
+            f"other: expected {a.shape[0]} columns to match a's shape {a.shape}, got shape {tuple(x.shape)}"
+        )
     if x.ndim == 1:
         return matmul(a.T, x)
     return matmul(a.T, x.T).T
@@ -254,7 +261,8 @@ def sddmm(x: Any, y: Any, pattern: twell_array) -> twell_array:
     Returns
     -------
     twell_array
-        Same structure as ``pattern``, dtype ``result_type(x.dtype, y.dtype)``.
+        Same structure as ``pattern`` (its structure arrays shared, not copied: see
+        docs/FORMAT.md), dtype ``result_type(x.dtype, y.dtype)``.
     """
     if not isinstance(pattern, twell_array):
         raise TypeError(f"pattern: expected a twell_array, got {type(pattern).__name__}")

@@ -9,7 +9,6 @@ would silently go stale when weights are updated in place.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +17,7 @@ import numpy as np
 from . import _reference as ref
 from ._backend import array_module, cupy_module, is_cupy_array, result_dtype, value_dtype
 from ._dispatch import breakeven_for
-from ._errors import TwELLFallbackWarning, TwELLSpillCapacityError
+from ._errors import TwELLFallbackWarning, TwELLSpillCapacityError, warn
 from ._ops import (
     _dense,
     _same_device,
@@ -35,7 +34,14 @@ from ._parts import DeferredFinish, trimmed_spill
 from ._posted import PostedScalar
 from ._quantize import check_format, quantize_rows
 from ._twell import twell_array
-from ._validation import check_activation, check_capacity, check_spill_capacity, check_threshold, check_tile_n
+from ._validation import (
+    check_activation,
+    check_capacity,
+    check_fraction,
+    check_spill_capacity,
+    check_threshold,
+    check_tile_n,
+)
 
 #: Rows sampled to estimate the activation density before choosing a path.
 DENSITY_SAMPLE_ROWS = 256
@@ -104,7 +110,7 @@ class _FFNPlanBase:
         if dispatch not in DISPATCH:
             raise ValueError(f"dispatch: expected one of {', '.join(DISPATCH)}, got {dispatch!r}")
         self.dispatch = dispatch
-        self.breakeven = None if breakeven is None else float(breakeven)
+        self.breakeven = None if breakeven is None else check_fraction(breakeven, "breakeven")
         self._kind = kind
         self._calls_since_sample = 0
         arrays = {name: _dense(w, name) for name, w in weights.items()}
@@ -196,10 +202,13 @@ class _FFNPlanBase:
         _same_device("w_down", w["w_down"], x=xx)
         if xx.shape[1] != first.shape[1]:
             raise ValueError(f"x: expected {first.shape[1]} columns (d_model), got shape {tuple(xx.shape)}")
-        dt = result_dtype(xx.dtype, w[act_name].dtype)
+        # One dtype whatever the path: the sparse tail's products would otherwise promote with
+        # w_up / w_down where the dense one does not (and "auto" picks by the data).
+        dt = result_dtype(xx.dtype, *(a.dtype for a in w.values()))
         if out is not None:
             _check_out(out, (xx.shape[0], w["w_down"].shape[0]), dt, xx)
-        return _deliver(self._compute(xx, act_name, lin_name, dt, out), out)
+        result = self._compute(xx, act_name, lin_name, dt, out)
+        return _deliver(result if result.dtype == dt else result.astype(dt), out)
 
     def _compute(self, xx: Any, act_name: str, lin_name: str | None, dt: Any, out: Any) -> Any:
         """The call after validation; the result lands in ``out`` where the kernels can write it
@@ -344,11 +353,10 @@ class _FFNPlanBase:
         ok = gather_tail_eligible(x, w_lin, self._down_rows, dt)
         if not ok and not self._warned_static:
             self._warned_static = True
-            warnings.warn(
+            warn(
                 "spill_capacity: the operands lack one dtype or 16-byte rows, so calls read the "
                 "overflow count back to the host (exact, not capturable in a CUDA graph)",
                 TwELLFallbackWarning,
-                stacklevel=4,
             )
         return ok
 
@@ -420,8 +428,8 @@ def _check_out(out: Any, shape: tuple[int, int], dtype: Any, x: Any) -> None:
     """A plan call's ``out``: an array of x's kind and device with the result's shape and dtype."""
     if type(out) is not type(x):
         raise TypeError(f"out: expected a {type(x).__module__}.{type(x).__name__} like x, got {type(out).__name__}")
-    _same_device("x", x, out=out)
     check_out_shape(out, shape, dtype)
+    _same_device("x", x, out=out)
     if array_module(x).may_share_memory(out, x):
         raise ValueError("out: expected an array apart from x (x is read after out is written), got one overlapping x")
 
@@ -519,9 +527,10 @@ class FFN(_FFNPlanBase):
         (``_dispatch.E4M3_CROSSING_FACTOR``, a conservative reading of the measured crossings).
 
     Calling the plan, ``plan(x, out=None)``, returns the block's output (M x d_model) in
-    ``result_type(x, w_up)``. ``out`` (optional): an array of that shape and dtype on x's device,
-    apart from x, that receives the result; with unit column stride and operands of one dtype
-    with 16-byte rows the kernels write it directly, otherwise the result is copied into it.
+    ``result_type(x, w_up, w_down)`` (:class:`GatedFFN`: with ``w_gate`` too) on every path.
+    ``out`` (optional): an array of that shape and dtype on x's device, apart from x, that
+    receives the result; with unit column stride and operands of one dtype with 16-byte rows
+    the kernels write it directly, otherwise the result is copied into it.
 
     Attributes
     ----------
@@ -621,7 +630,8 @@ def ffn(
     Returns
     -------
     array, shape (M, d_model)
-        Exact with respect to the sparse hidden layer (overflowing row-tiles spill).
+        In ``result_type(x, w_up, w_down)``; exact with respect to the sparse hidden layer
+        (overflowing row-tiles spill).
 
     See Also
     --------
@@ -662,6 +672,7 @@ def gated_ffn(
     Returns
     -------
     array, shape (M, d_model)
+        In ``result_type(x, w_gate, w_up, w_down)``.
 
     See Also
     --------

@@ -10,14 +10,13 @@ The products then accumulate in float32 as with 2-byte weights.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
 from ._backend import array_module, is_cupy_array
-from ._errors import TwELLFallbackWarning
+from ._errors import TwELLFallbackWarning, warn
 
 #: Formats :func:`quantize_rows` knows.
 FORMATS = ("e4m3",)
@@ -41,12 +40,11 @@ def decoded_for_fallback(rows: QuantizedRows, dt: Any, op: str) -> Any:
     """``rows`` decoded to float32 (float64 for float64 ``dt``) where the fp8 kernels cannot
     take them on the GPU, with the :class:`TwELLFallbackWarning` that says so."""
     wide = np.float64 if np.dtype(dt) == np.float64 else np.float32
-    warnings.warn(
+    warn(
         f"{op}: quantized rows take the fp8 kernels with bfloat16/float16 values, 16-byte-aligned rows and rows "
         f"of a multiple of 8 codes; here ({np.dtype(dt).name}, {rows.shape[1]} per row) they are decoded to "
         f"{np.dtype(wide).name} for the usual product",
         TwELLFallbackWarning,
-        stacklevel=5,
     )
     return rows.dequantize(wide)
 
@@ -75,6 +73,7 @@ class QuantizedRows:
 
     @property
     def shape(self) -> tuple[int, int]:
+        """``(N, K)`` of the matrix the rows came from."""
         return (int(self.data.shape[0]), int(self.data.shape[1]))
 
     def dequantize(self, dtype: Any = np.float32) -> Any:
@@ -119,7 +118,14 @@ def quantize_rows(b: Any, format: str = "e4m3") -> QuantizedRows:
     Raises
     ------
     ValueError
-        For another format, a non-2-D ``b`` or a non-finite value in it.
+        For another format, a non-2-D ``b``, a non-finite value in it or one beyond float32's
+        range.
+
+    Notes
+    -----
+    The error bound of the module docstring holds for rows whose largest magnitude is at least
+    448 times float32's smallest normal (about 5e-36): below that the float32 scale is
+    subnormal and loses precision, and rows below about 6e-43 quantize to zeros.
     """
     check_format(format)
     xp = array_module(b)
@@ -128,8 +134,10 @@ def quantize_rows(b: Any, format: str = "e4m3") -> QuantizedRows:
         raise ValueError(f"b: expected a 2-D array, got {b.ndim}-D of shape {tuple(b.shape)}")
     if b.dtype.kind != "f" and b.dtype != np.dtype(ml_dtypes.bfloat16):
         raise ValueError(f"b: expected floating-point values, got {b.dtype}")
-    if b.size and not bool(xp.isfinite(b.astype(np.float32) if b.dtype.itemsize == 2 else b).all()):
+    if b.size and not bool(xp.isfinite(b).all() if b.dtype.itemsize >= 4 else xp.isfinite(b.astype(np.float32)).all()):
         raise ValueError("b: expected finite values (fp8 e4m3 has no infinities), got inf or NaN")
+    if b.dtype == np.float64 and b.size and not bool((xp.abs(b) <= np.finfo(np.float32).max).all()):
+        raise ValueError("b: expected magnitudes within float32's range (the scales are float32), got larger ones")
     if is_cupy_array(b):
         from . import _gpu_ops
 

@@ -8,12 +8,11 @@ rows or tiles, so it stays usable at the sizes of the demo and tests.
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 import scipy.sparse as sp
 
-from ._errors import TwELLCapacityError, TwELLDroppedEntriesWarning
+from ._errors import TwELLCapacityError, TwELLDroppedEntriesWarning, warn
 from ._parts import TwELLParts
 from ._validation import n_tiles
 
@@ -101,10 +100,9 @@ def overflow_excess(row_tile_nnz, capacity: int, overflow: str, xp=np, excess: i
         n_over = int((flat > capacity).sum())
         raise TwELLCapacityError(row, tile, int(flat[worst]), capacity, n_over)
     if overflow == "drop":
-        warnings.warn(
+        warn(
             f'overflow="drop" discarded {excess} entries beyond capacity {capacity}',
             TwELLDroppedEntriesWarning,
-            stacklevel=4,
         )
     return excess
 

@@ -11,7 +11,16 @@ from typing import Any
 
 import numpy as np
 
-from ._twell import broadcast_operand, issparse, twell_array
+from . import _convert as conv
+from ._twell import (
+    _is_scalar,
+    broadcast_operand,
+    check_format_name,
+    check_order,
+    issparse,
+    twell_array,
+    write_out,
+)
 
 
 class twell_transpose:
@@ -24,78 +33,106 @@ class twell_transpose:
     format = "twell_transpose"
     ndim = 2
     __array_priority__ = 10.1
+    __array_ufunc__ = None  # NumPy's operators defer (see twell_array)
 
     def __init__(self, base: twell_array) -> None:
         self._base = base
 
     @property
     def base(self) -> twell_array:
+        """The matrix this view transposes (shared, not copied)."""
         return self._base
 
     @property
     def shape(self) -> tuple[int, int]:
+        """``(N, M)`` for a base of shape ``(M, N)``."""
         m, n = self._base.shape
         return (n, m)
 
     @property
     def dtype(self) -> np.dtype:
+        """The base's value dtype."""
         return self._base.dtype
 
     @property
     def nnz(self) -> int:
+        """The base's stored entries."""
         return self._base.nnz
 
     @property
     def device(self) -> Any:
+        """The base's device."""
         return self._base.device
 
     def __repr__(self) -> str:
         return f"<transposed view of {self._base!r}>"
 
     def transpose(self, axes: Any = None, copy: bool = False) -> twell_array:
+        """The base matrix (``axes``: None or (1, 0))."""
+        if axes is not None and tuple(axes) != (1, 0):
+            raise ValueError(f"axes: expected None or (1, 0), got {axes!r}")
         return self._base
 
     @property
     def T(self) -> twell_array:
+        """The base matrix."""
         return self._base
 
     def toarray(self, order: str | None = None, out: Any = None) -> Any:
+        """Dense copy of the transpose (``order`` and ``out`` as in ``twell_array.toarray``)."""
+        check_order(order)
         dense = self._base.toarray().T
         xp = self._base._xp()
         dense = xp.asfortranarray(dense) if order == "F" else xp.ascontiguousarray(dense)
-        if out is None:
-            return dense
-        out[...] = dense
-        return out
+        return write_out(dense, out, self.dtype)
 
     todense = toarray
 
     def tocsr(self, copy: bool = False) -> Any:
+        """CSR of the transpose (float32 values for 16-bit matrices, as ``twell_array.tocsr``)."""
         return self._base.tocsr().T.tocsr()
 
     def tocoo(self, copy: bool = False) -> Any:
+        """COO of the transpose (float32 values for 16-bit matrices)."""
         return self._base.tocoo().T
 
     def asformat(self, format: str | None, copy: bool = False) -> Any:
+        """This view (``None``; a copy with ``copy=True``), a real N x M ``twell_array``
+        ("twell": the base's tile_n, capacity and dtype) or a scipy.sparse format."""
+        check_format_name(format)
+        if format is None:
+            return self.copy() if copy else self
         if format == "twell":
-            return twell_array(self.tocsr(), tile_n=self._base.tile_n, capacity=self._base.capacity)
+            rows, cols, vals = self._base._coo()
+            xp = self._base._xp()
+            order = xp.argsort(cols.astype(xp.int64) * self._base.shape[0] + rows, kind="stable")
+            parts, _ = conv.coo_to_twell(
+                cols[order], rows[order], vals[order], self.shape, self._base.tile_n, self._base.capacity, "spill"
+            )
+            return twell_array._from_parts(parts, self.shape, self._base.tile_n)
         return self.tocsr().asformat(format)
 
     def astype(self, dtype: Any, copy: bool = True) -> twell_transpose:
+        """The view of the base cast to ``dtype``."""
         return twell_transpose(self._base.astype(dtype, copy=copy))
 
     def copy(self) -> twell_transpose:
+        """The view of a deep copy of the base."""
         return twell_transpose(self._base.copy())
 
     def get(self, stream: Any = None) -> twell_transpose:
+        """The view of a NumPy-backed copy of the base."""
         return twell_transpose(self._base.get(stream))
 
     def sum(self, axis: int | None = None, dtype: Any = None) -> Any:
+        """Sum of entries, per column (``axis=0``) or per row (``axis=1``) of the transpose."""
+        if axis is not None and axis not in (0, 1, -1, -2):
+            raise ValueError(f"axis: expected None, 0 or 1, got {axis}")
         return self._base.sum(axis=None if axis is None else 1 - axis % 2, dtype=dtype)
 
     def multiply(self, other: Any) -> twell_transpose:
         """Elementwise product (see ``twell_array.multiply``), as a transposed view."""
-        if isinstance(other, (int, float, np.integer, np.floating)):
+        if _is_scalar(other):
             return twell_transpose(self._base.multiply(other))
         if issparse(other):
             return twell_transpose(self._base.multiply(other.T))
@@ -108,19 +145,25 @@ class twell_transpose:
         return twell_transpose(-self._base)
 
     def __truediv__(self, other: Any) -> twell_transpose:
-        if not isinstance(other, (int, float, np.integer, np.floating)):
+        """Division by a scalar, as a transposed view."""
+        if not _is_scalar(other):
             return NotImplemented
         return twell_transpose(self._base / other)
 
     def dot(self, other: Any) -> Any:
+        """``self @ other``."""
         return self @ other
 
     def __matmul__(self, other: Any) -> Any:
         from ._ops import matmul
 
+        if issparse(other) and not getattr(other, "format", "").startswith("twell"):
+            return self.tocsr() @ other
         return matmul(self, other)
 
     def __rmatmul__(self, other: Any) -> Any:
         from ._ops import rmatmul
 
+        if issparse(other) and not getattr(other, "format", "").startswith("twell"):
+            return other @ self.tocsr()
         return rmatmul(self, other)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import operator
-import warnings
 from typing import Any
 
 import numpy as np
@@ -19,10 +18,11 @@ from ._backend import (
     result_dtype,
     value_dtype,
 )
-from ._errors import TwELLFallbackWarning, TwELLFormatError
+from ._errors import TwELLFallbackWarning, TwELLFormatError, warn
 from ._parts import TwELLParts
 from ._validation import (
     check_capacity,
+    check_int,
     check_ndim,
     check_overflow,
     check_shape,
@@ -81,6 +81,9 @@ class twell_array:
     format = "twell"
     ndim = 2
     __array_priority__ = 10.1  # let NumPy defer ``dense @ twell`` to __rmatmul__
+    # NumPy's operators return NotImplemented instead of treating the matrix as an opaque
+    # object (``a / ndarray`` would otherwise build an object array of matrices).
+    __array_ufunc__ = None
 
     def __init__(
         self,
@@ -99,7 +102,11 @@ class twell_array:
             shape = check_shape(shape)
         if isinstance(arg, tuple) and not (len(arg) == 2 and all(isinstance(s, (int, np.integer)) for s in arg)):
             if shape is None:
-                raise TypeError("shape: expected (M, N) with component arrays, got None")
+                raise TypeError(
+                    "shape: expected (M, N) with component arrays (a tuple arg is read as "
+                    "(data, indices, counts[, spill_data, spill_indices, spill_indptr]); pass a "
+                    "dense matrix as an array or a list), got None"
+                )
             self._init_from_parts(arg, shape, tile_n, capacity, dt)
             return
         capacity = check_capacity(capacity, tile_n)
@@ -109,6 +116,8 @@ class twell_array:
                 raise ValueError(f"shape: expected {(m, n)} to match arg, got {shape}")
             self._init_from_coo(*_empty_coo(dt or np.dtype(np.float64)), (m, n), tile_n, capacity, overflow, None)
             return
+        if getattr(arg, "format", None) == "twell_transpose":
+            arg = arg.asformat("twell")
         if isinstance(arg, twell_array):
             src = arg if dt is None else arg.astype(dt)
             self._init_from_coo(*src._coo(), src.shape, tile_n, capacity, overflow, shape)
@@ -178,9 +187,10 @@ class twell_array:
             raise ValueError(f"capacity: expected data.shape[2] ({data.shape[2]}), got {capacity}")
         vdt = value_dtype(dt or data.dtype, "data.dtype")
         parts = TwELLParts(*arrays)
-        parts = parts._replace(
-            data=parts.data.astype(vdt, copy=False), spill_data=parts.spill_data.astype(vdt, copy=False)
-        )
+        spill = parts.spill_data
+        if dt is not None or spill.size == 0:  # asked for, or lossless: else _check_parts names it
+            spill = spill.astype(vdt, copy=False)
+        parts = parts._replace(data=parts.data.astype(vdt, copy=False), spill_data=spill)
         _check_parts(parts, shape, tile_n, full=False)
         self._set(parts, shape, tile_n)
 
@@ -188,22 +198,27 @@ class twell_array:
 
     @property
     def shape(self) -> tuple[int, int]:
+        """``(M, N)``."""
         return self._shape
 
     @property
     def dtype(self) -> np.dtype:
+        """The value dtype (float16, bfloat16, float32 or float64)."""
         return self._parts.data.dtype
 
     @property
     def tile_n(self) -> int:
+        """Columns per tile."""
         return self._tile_n
 
     @property
     def capacity(self) -> int:
+        """Slots per row-tile (``data.shape[2]``)."""
         return int(self._parts.data.shape[2])
 
     @property
     def n_tiles(self) -> int:
+        """Tiles per row, ``ceil(N / tile_n)``."""
         return int(self._parts.data.shape[1])
 
     @property
@@ -218,6 +233,7 @@ class twell_array:
 
     @property
     def size(self) -> int:
+        """Stored entries, as in scipy.sparse (the same as :attr:`nnz`)."""
         return self.nnz
 
     @property
@@ -251,6 +267,7 @@ class twell_array:
         raise TypeError("sparse array length is ambiguous; use getnnz() or shape[0]")
 
     def getnnz(self) -> int:
+        """Stored entries (:attr:`nnz`)."""
         return self.nnz
 
     # ------------------------------------------------------------------ conversions
@@ -259,42 +276,42 @@ class twell_array:
         return conv.twell_to_coo(self._parts, self.shape, self.tile_n)
 
     def toarray(self, order: str | None = None, out: Any = None) -> Any:
-        """Dense copy (NumPy or CuPy, on the matrix's device)."""
+        """Dense copy (NumPy or CuPy, on the matrix's device).
+
+        ``order``: "C" (default) or "F"; ``out``: an array of this shape and dtype on the
+        matrix's device to write into (returned).
+        """
+        check_order(order)
         dense = conv.twell_to_dense(self._parts, self.shape, self.tile_n)
         if order == "F":
             dense = self._xp().asfortranarray(dense)
-        if out is None:
-            return dense
-        if tuple(out.shape) != self.shape or out.dtype != self.dtype:
-            raise ValueError(
-                f"out: expected shape {self.shape} and dtype {self.dtype.name}, got {tuple(out.shape)} {out.dtype}"
-            )
-        out[...] = dense
-        return out
+        return write_out(dense, out, self.dtype)
 
     todense = toarray
 
     def tocsr(self, copy: bool = False) -> Any:
-        """``scipy.sparse.csr_array`` (CPU) or ``cupyx.scipy.sparse.csr_matrix`` (GPU).
+        """``scipy.sparse.csr_array`` (CPU) or ``cupyx.scipy.sparse.csr_matrix`` (GPU), a new
+        matrix either way (``copy`` is accepted for scipy compatibility).
 
-        cupyx.scipy.sparse holds no 16-bit values, so a GPU float16/bfloat16 matrix comes back as
-        float32 (exact) with a :class:`TwELLFallbackWarning`.
+        Neither scipy.sparse nor cupyx.scipy.sparse holds 16-bit values, so a float16/bfloat16
+        matrix comes back with float32 values (exact) and a :class:`TwELLFallbackWarning`.
         """
         vals, cols, indptr = conv.twell_to_csr_arrays(self._parts, self.shape, self.tile_n)
+        if vals.dtype.itemsize == 2:
+            warn(
+                f"tocsr: scipy.sparse and cupyx.scipy.sparse hold no {vals.dtype.name}; returning "
+                "float32 values (exact)",
+                TwELLFallbackWarning,
+            )
+            vals = vals.astype(np.float32)
         if not is_cupy_array(vals):
             return sp.csr_array((vals, cols, indptr), shape=self.shape)
         import cupyx.scipy.sparse as csp
 
-        if vals.dtype.itemsize == 2:
-            warnings.warn(
-                f"tocsr: cupyx.scipy.sparse has no {vals.dtype.name}; returning float32 values (exact)",
-                TwELLFallbackWarning,
-                stacklevel=2,
-            )
-            vals = vals.astype(np.float32)
         return csp.csr_matrix((vals, cols, indptr), shape=self.shape)
 
     def tocoo(self, copy: bool = False) -> Any:
+        """COO through :meth:`tocsr` (float32 values for 16-bit matrices, as there)."""
         return self.tocsr().tocoo()
 
     def toell(self, width: int | None = None) -> tuple[Any, Any]:
@@ -303,28 +320,32 @@ class twell_array:
         ``width`` defaults to the largest row's nonzero count.
         """
         if width is not None:
-            width = operator.index(width)
+            width = check_int(width, "width", "an int or None")
         rows, cols, vals = self._coo()
         return conv.coo_to_ell(rows, cols, vals, self.shape[0], width)
 
     def asformat(self, format: str | None, copy: bool = False) -> Any:
+        """This matrix (``None`` or "twell"; a copy with ``copy=True``) or a scipy.sparse /
+        cupyx.scipy.sparse matrix in ``format`` (always new, through :meth:`tocsr`)."""
+        check_format_name(format)
         if format is None or format == "twell":
             return self.copy() if copy else self
         if format == "csr":
             return self.tocsr()
-        if format in ("coo", "csc", "bsr", "dia", "dok", "lil"):
-            return self.tocsr().asformat(format)
-        raise ValueError(f"format: expected twell, csr, coo, csc, bsr, dia, dok or lil, got {format!r}")
+        return self.tocsr().asformat(format)
 
     def astype(self, dtype: Any, copy: bool = True) -> twell_array:
+        """The matrix with values cast to ``dtype`` (this one if it has it and ``copy=False``).
+        The structure arrays are shared with this matrix, not copied."""
         dt = value_dtype(dtype)
         if dt == self.dtype and not copy:
             return self
         p = self._parts
         parts = p._replace(data=p.data.astype(dt), spill_data=p.spill_data.astype(dt))
-        return twell_array._from_parts(parts, self.shape, self.tile_n)
+        return twell_array._from_parts(parts, self.shape, self.tile_n, self.n_dropped)
 
     def copy(self) -> twell_array:
+        """A deep copy (every component array copied)."""
         parts = TwELLParts(*(a.copy() for a in self._parts))
         return twell_array._from_parts(parts, self.shape, self.tile_n, self.n_dropped)
 
@@ -342,7 +363,7 @@ class twell_array:
         cp = cupy_module()
         if cp is None:
             raise RuntimeError("device: moving to a GPU needs CuPy, which is not installed")
-        dev_id = int(str(device).split(":")[-1]) if isinstance(device, str) else getattr(device, "id", device)
+        dev_id = _device_id(device)
         with cp.cuda.Device(dev_id):
             parts = TwELLParts(*(cp.asarray(a) for a in self._parts))
         return twell_array._from_parts(parts, self.shape, self.tile_n, self.n_dropped)
@@ -400,19 +421,14 @@ class twell_array:
 
     def multiply(self, other: Any) -> twell_array:
         """Elementwise product with a scalar, a dense array broadcastable to ``shape``, or another
-        sparse matrix; the result keeps this matrix's pattern.
+        sparse matrix; the result keeps this matrix's pattern (new values, the structure arrays
+        shared: docs/FORMAT.md).
 
         Dtypes promote as in NumPy: a Python scalar keeps this matrix's dtype, a NumPy scalar or
         array promotes (float32 * float64 scalar is float64).
         """
-        if isinstance(other, (int, float, np.integer, np.floating)):
-            # NumPy scalars promote; Python scalars (np.float64 subclasses float) keep the dtype.
-            numpy_scalar = isinstance(other, (np.integer, np.floating))
-            dt = value_dtype(np.result_type(self.dtype, other), "other.dtype") if numpy_scalar else self.dtype
-            scalar = dt.type(other)
-            p = self._parts
-            parts = p._replace(data=p.data.astype(dt) * scalar, spill_data=p.spill_data.astype(dt) * scalar)
-            return twell_array._from_parts(parts, self.shape, self.tile_n)
+        if _is_scalar(other):
+            return _scaled(self, other, np.multiply)
         if is_twell(other) or sp.issparse(other) or _is_cupyx_sparse(other):
             other = other.toarray()
         dense = broadcast_operand(other, self.shape, self.data)
@@ -428,9 +444,10 @@ class twell_array:
         return self.multiply(-1.0)
 
     def __truediv__(self, other: Any) -> twell_array:
-        if not isinstance(other, (int, float, np.integer, np.floating)):
+        """Division by a scalar (dtypes as in :meth:`multiply`); the pattern is kept."""
+        if not _is_scalar(other):
             return NotImplemented
-        return self.multiply(1.0 / float(other))
+        return _scaled(self, other, np.true_divide)
 
     def transpose(self, axes: Any = None, copy: bool = False) -> Any:
         """A lazy transposed view (``twell_transpose``): ``a.T @ g`` runs without conversion."""
@@ -442,9 +459,11 @@ class twell_array:
 
     @property
     def T(self) -> Any:
+        """The lazy transposed view (:meth:`transpose`)."""
         return self.transpose()
 
     def dot(self, other: Any) -> Any:
+        """``self @ other``."""
         return self @ other
 
     def __matmul__(self, other: Any) -> Any:
@@ -457,7 +476,76 @@ class twell_array:
     def __rmatmul__(self, other: Any) -> Any:
         from ._ops import rmatmul
 
+        if sp.issparse(other) or _is_cupyx_sparse(other):
+            return other @ self.tocsr()
         return rmatmul(self, other)
+
+
+def _is_scalar(other: Any) -> bool:
+    return isinstance(other, (int, float, np.integer, np.floating)) and not isinstance(other, (bool, np.bool_))
+
+
+def _scaled(a: Any, scalar: Any, op: Any) -> Any:
+    """``op(a, scalar)`` on the stored values; unused slots stay 0 (``0 * inf`` would be NaN).
+
+    Dtypes promote as in NumPy: a Python scalar keeps ``a``'s dtype, a NumPy scalar promotes.
+    """
+    numpy_scalar = isinstance(scalar, (np.integer, np.floating))
+    dt = value_dtype(np.result_type(a.dtype, scalar), "other.dtype") if numpy_scalar else a.dtype
+    s = dt.type(scalar)
+    p = a.parts
+    xp = array_module(p.data)
+    used = xp.arange(p.data.shape[2]) < p.counts[..., None]
+    with np.errstate(invalid="ignore", divide="ignore"):  # the padding's 0 * inf, 0 / 0: discarded
+        data = xp.where(used, op(p.data.astype(dt), s), dt.type(0)).astype(dt, copy=False)
+    parts = p._replace(data=data, spill_data=op(p.spill_data.astype(dt), s).astype(dt, copy=False))
+    return twell_array._from_parts(parts, a.shape, a.tile_n)
+
+
+def _device_id(device: Any) -> int:
+    """A GPU ordinal from an int, ``"cuda:N"``, ``"N"`` or a ``cupy.cuda.Device``."""
+    dev = getattr(device, "id", device)
+    if isinstance(dev, str):
+        dev = dev.split(":")[-1] if dev.startswith("cuda:") else dev
+        if dev.isdigit():
+            return int(dev)
+    elif isinstance(dev, (int, np.integer)) and not isinstance(dev, bool) and dev >= 0:
+        return int(dev)
+    raise ValueError(f'device: expected "cpu", a GPU id, "cuda:N" or a cupy.cuda.Device, got {device!r}')
+
+
+def check_order(order: Any) -> None:
+    if order not in (None, "C", "F"):
+        raise ValueError(f'order: expected None, "C" or "F", got {order!r}')
+
+
+#: Formats ``asformat`` converts to (scipy.sparse's, through CSR).
+FORMATS = ("twell", "csr", "coo", "csc", "bsr", "dia", "dok", "lil")
+
+
+def check_format_name(format: Any) -> None:
+    if format is not None and format not in FORMATS:
+        raise ValueError(f"format: expected None or one of {', '.join(FORMATS)}, got {format!r}")
+
+
+def write_out(dense: Any, out: Any, dtype: np.dtype) -> Any:
+    """``dense`` itself, or copied into ``out`` (same shape, dtype and device) and ``out``."""
+    if out is None:
+        return dense
+    shape = getattr(out, "shape", None)
+    if (
+        shape is None
+        or tuple(shape) != tuple(dense.shape)
+        or getattr(out, "dtype", None) != dtype
+        or device_name(out) != device_name(dense)
+    ):
+        got = f"{tuple(shape)} {getattr(out, 'dtype', '?')}" if shape is not None else type(out).__name__
+        raise ValueError(
+            f"out: expected an array of shape {tuple(dense.shape)} and dtype {np.dtype(dtype).name} on "
+            f"{device_name(dense)}, got {got}"
+        )
+    out[...] = dense
+    return out
 
 
 def broadcast_operand(other: Any, shape: tuple[int, int], like: Any) -> Any:
@@ -541,10 +629,14 @@ def _check_parts(parts: TwELLParts, shape: tuple[int, int], tile_n: int, full: b
         fail(f"spill_indptr: expected int32 of shape ({m + 1},), got {sptr.dtype} {tuple(sptr.shape)}")
     if int(sptr[0]) != 0 or int(sptr[-1]) != sdata.size:
         fail(f"spill_indptr: expected to start at 0 and end at {sdata.size}, got {int(sptr[0])} and {int(sptr[-1])}")
+    # counts and spill_indptr are small (M x n_tiles, M + 1): checked by every constructor, since
+    # nnz and every kernel trust them.
+    if m and nt and bool(((counts < 0) | (counts > cap)).any()):
+        fail(f"counts: expected values in [0, {cap}]")
+    if m and bool((sptr[1:] < sptr[:-1]).any()):
+        fail("spill_indptr: expected a non-decreasing array")
     if sdata.size:
         # The kernels binary-search the spill: its columns must increase within each row.
-        if bool((sptr[1:] < sptr[:-1]).any()):
-            fail("spill_indptr: expected a non-decreasing array")
         if bool(((sind < 0) | (sind >= n)).any()):
             fail(f"spill_indices: expected columns in [0, {n})")
         rows = conv.csr_rows(sptr, sdata.size)
@@ -552,11 +644,11 @@ def _check_parts(parts: TwELLParts, shape: tuple[int, int], tile_n: int, full: b
             fail("spill_indices: expected strictly increasing columns within each row")
     if not full:
         return
-    if bool(((counts < 0) | (counts > cap)).any()):
-        fail(f"counts: expected values in [0, {cap}]")
     used = xp.arange(cap) < counts[..., None]
     if bool((~used & (indices != -1)).any()):
         fail("indices: expected -1 in every unused slot")
+    if bool((~used & (data != 0)).any()):
+        fail("data: expected 0 in every unused slot")
     limit = xp.minimum(tile_n, n - xp.arange(nt) * tile_n)[None, :, None]
     if bool((used & ((indices < 0) | (indices >= limit))).any()):
         fail("indices: expected tile-local columns in [0, tile_n) that stay below N")

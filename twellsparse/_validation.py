@@ -5,6 +5,8 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+import numpy as np
+
 OVERFLOW_POLICIES = ("spill", "error", "drop")
 ACTIVATIONS = ("relu", "relu2", "silu", "gelu", "identity")
 MIN_TILE_N, MAX_TILE_N = 32, 1024
@@ -12,11 +14,19 @@ MIN_TILE_N, MAX_TILE_N = 32, 1024
 MAX_DIM = 2**31 - 1
 
 
-def check_tile_n(tile_n: Any) -> int:
+def check_int(value: Any, name: str, expected: str = "an int") -> int:
+    """``value`` as an int (Python or NumPy integers; never a bool, which ``operator.index``
+    would take as 0 or 1)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected {expected}, got {value!r}")
     try:
-        t = operator.index(tile_n)
+        return operator.index(value)
     except TypeError:
-        raise TypeError(f"tile_n: expected an int, got {type(tile_n).__name__}") from None
+        raise TypeError(f"{name}: expected {expected}, got {type(value).__name__}") from None
+
+
+def check_tile_n(tile_n: Any) -> int:
+    t = check_int(tile_n, "tile_n")
     if t < MIN_TILE_N or t > MAX_TILE_N or t & (t - 1):
         raise ValueError(f"tile_n: expected a power of two from {MIN_TILE_N} to {MAX_TILE_N}, got {t}")
     return t
@@ -26,10 +36,7 @@ def check_capacity(capacity: Any, tile_n: int) -> int:
     """``None`` means the default, ``tile_n // 8``."""
     if capacity is None:
         return tile_n // 8
-    try:
-        c = operator.index(capacity)
-    except TypeError:
-        raise TypeError(f"capacity: expected an int or None, got {type(capacity).__name__}") from None
+    c = check_int(capacity, "capacity", "an int or None")
     if c < 1 or c > tile_n:
         raise ValueError(f"capacity: expected 1 <= capacity <= tile_n ({tile_n}), got {c}")
     return c
@@ -56,11 +63,23 @@ def check_activation(activation: Any) -> str:
 
 
 def check_spill_capacity(spill_capacity: Any) -> int | None:
-    if spill_capacity is not None and (
-        isinstance(spill_capacity, bool) or not isinstance(spill_capacity, int) or spill_capacity < 0
-    ):
-        raise ValueError(f"spill_capacity: expected None or a non-negative int, got {spill_capacity!r}")
-    return spill_capacity
+    if spill_capacity is None:
+        return None
+    s = check_int(spill_capacity, "spill_capacity", "None or a non-negative int")
+    if s < 0:
+        raise ValueError(f"spill_capacity: expected None or a non-negative int, got {s}")
+    return s
+
+
+def check_fraction(value: Any, name: str) -> float:
+    """A finite float in [0, 1] (a density, a break-even)."""
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a float in [0, 1], got {value!r}") from None
+    if not 0.0 <= f <= 1.0:
+        raise ValueError(f"{name}: expected a float in [0, 1], got {value!r}")
+    return f
 
 
 def check_threshold(threshold: Any) -> float | None:

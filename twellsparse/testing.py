@@ -3,7 +3,7 @@
 The activation patterns follow ``TARGETS.md``: (a) *uniform*, every unit fires with probability
 ``density`` for every token; (b) *skewed*, 30% of the units never fire and the others get
 log-normal (sigma = 1) firing rates rescaled so the mean over all units is ``density``, each
-capped at 0.5.
+capped at 0.5 (so its mean is at most 0.35).
 """
 
 from __future__ import annotations
@@ -14,15 +14,23 @@ import numpy as np
 import scipy.special
 
 from ._backend import to_host, value_dtype
+from ._validation import check_fraction
 
 __all__ = ["firing_rates", "sparse_activations", "ffn_problem", "rel_error", "assert_twell_equal"]
 
 
+#: The skewed pattern's largest mean: 70% of the units fire, each at most at 0.5.
+MAX_SKEWED_DENSITY = 0.35
+
+
 def firing_rates(n_units: int, density: float, pattern: str = "uniform", rng: Any = None) -> np.ndarray:
-    """Per-unit firing probabilities with mean ``density`` (see the module docstring)."""
+    """Per-unit firing probabilities with mean ``density``, a float in [0, 1] (see the module
+    docstring). The skewed pattern saturates at :data:`MAX_SKEWED_DENSITY`: above it every
+    firing unit fires at 0.5 and the mean stays 0.35 (the tests use that for dense rows)."""
     rng = np.random.default_rng(rng)
+    density = check_fraction(density, "density")
     if pattern == "uniform":
-        return np.full(n_units, float(density))
+        return np.full(n_units, density)
     if pattern != "skewed":
         raise ValueError(f"pattern: expected 'uniform' or 'skewed', got {pattern!r}")
     rates = rng.lognormal(0.0, 1.0, n_units)
@@ -67,9 +75,12 @@ def ffn_problem(
 
     ``x ~ N(0, 1)`` with its last feature held at 1; for unit j the matching weight column is
     ``-z_j * ||w_j||`` with ``z_j`` the standard normal quantile of ``1 - rate_j``, so
-    ``relu(x . w_j) > 0`` with probability ``rate_j``. Returns ``x``, ``w_gate``, ``w_up``,
-    ``w_down`` (torch.nn.Linear layout) and the ``rates``.
+    ``relu(x . w_j) > 0`` with probability ``rate_j`` (so ``d_model`` is at least 2: one random
+    feature and the constant one). Returns ``x``, ``w_gate``, ``w_up``, ``w_down``
+    (torch.nn.Linear layout) and the ``rates``.
     """
+    if d_model < 2:
+        raise ValueError(f"d_model: expected at least 2 (the last feature is the constant 1), got {d_model}")
     rng = np.random.default_rng(rng)
     dt = value_dtype(dtype)
     rates = firing_rates(d_ff, density, pattern, rng)
@@ -78,7 +89,7 @@ def ffn_problem(
     scale = 1.0 / np.sqrt(d_model)
     w_gate = rng.standard_normal((d_ff, d_model), dtype=np.float32) * scale
     w_gate[:, -1] = 0.0
-    z = scipy.special.ndtri(1.0 - np.clip(rates, 1e-9, 1.0))
+    z = scipy.special.ndtri(1.0 - np.clip(rates, 1e-9, 1.0 - 1e-9))  # rates 0 and 1: finite weights
     w_gate[:, -1] = -z * np.linalg.norm(w_gate[:, :-1], axis=1)
     w_up = rng.standard_normal((d_ff, d_model), dtype=np.float32) * scale
     w_down = rng.standard_normal((d_model, d_ff), dtype=np.float32) / np.sqrt(max(density * d_ff, 1.0))
@@ -89,17 +100,18 @@ def ffn_problem(
 
 
 def rel_error(out: Any, ref: Any) -> float:
-    """``||out - ref|| / ||ref||`` in float64 on the host (NaN anywhere gives inf)."""
+    """``||out - ref|| / ||ref||`` in float64 on the host (a NaN or Inf in either gives inf)."""
     o = to_host(out).astype(np.float64)
     r = to_host(ref).astype(np.float64)
-    if not np.isfinite(o).all():
+    if not (np.isfinite(o).all() and np.isfinite(r).all()):
         return float("inf")
     denom = np.linalg.norm(r)
     return float(np.linalg.norm(o - r) / (denom if denom > 0 else 1.0))
 
 
 def assert_twell_equal(a: Any, b: Any) -> None:
-    """Exact equality of two TwELL matrices' contents (shape, dtype and every stored entry)."""
+    """Exact equality of two matrices' values: shape, dtype and every value bit for bit, compared
+    densified (a stored zero equals an absent entry; compare ``parts`` for the layout)."""
     assert a.shape == b.shape, f"shape {a.shape} != {b.shape}"
     assert a.dtype == b.dtype, f"dtype {a.dtype} != {b.dtype}"
     da, db = to_host(a.toarray()), to_host(b.toarray())

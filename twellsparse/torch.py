@@ -30,7 +30,14 @@ from ._plans import DENSITY_SAMPLE_ROWS, DISPATCH, FFN, GatedFFN, raise_for_prev
 from ._posted import PostedScalar
 from ._quantize import check_format
 from ._twell import twell_array
-from ._validation import check_activation, check_capacity, check_spill_capacity, check_threshold, check_tile_n
+from ._validation import (
+    check_activation,
+    check_capacity,
+    check_fraction,
+    check_spill_capacity,
+    check_threshold,
+    check_tile_n,
+)
 
 __all__ = [
     "TwELLGatedMLP",
@@ -478,7 +485,7 @@ class _TwELLMLPBase(nn.Module):
             raise ValueError(f"dispatch: expected one of {', '.join(DISPATCH)}, got {dispatch!r}")
         self.dispatch = dispatch
         self._kind = "gated_ffn" if "gate_proj" in projections else "ffn"
-        self.breakeven = None if breakeven is None else float(breakeven)
+        self.breakeven = None if breakeven is None else check_fraction(breakeven, "breakeven")
         self._hidden: list[Tensor] | None = None  # the last sparse forward's TwELL parts
         self._dense_hidden: Tensor | None = None  # the last dense forward's activations
         self._density = PostedScalar()
