@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.density is not None and not 0.0 < args.density <= 1.0:
         raise SystemExit(f"--density: expected a fraction in (0, 1], got {args.density}")
+    if args.steps < 1:
+        raise SystemExit(f"--steps: expected at least 1, got {args.steps}")
     dtype = getattr(torch, args.dtype)
 
     use_cuda = torch.cuda.is_available() and not args.cpu

@@ -124,11 +124,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.density is not None and not 0.0 < args.density <= 1.0:
         raise SystemExit(f"--density: expected a fraction in (0, 1], got {args.density}")
+    if args.steps < 1:
+        raise SystemExit(f"--steps: expected at least 1, got {args.steps}")
     devices = jax.devices()[: args.devices]
+    if args.tokens % len(devices):
+        raise SystemExit(f"--tokens: expected a multiple of the {len(devices)} devices, got {args.tokens}")
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else np.float32
     shape = (args.steps, args.tokens, args.d_model, args.d_ff, args.lr, args.tile_n, dtype, args.density, args.dense)
     losses, params, times = train(devices, *shape)
     print(f"{len(devices)} device(s) ({devices[0].platform}): losses " + ", ".join(f"{v:.6f}" for v in losses))
+    if not np.isfinite(losses).all():
+        raise SystemExit("losses: expected finite values, got NaN or Inf")
     if args.json:
         record = run_record(
             times,
@@ -149,13 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         ref_losses, ref_params, _ = train(devices[:1], *shape)
         print("1 device:            losses " + ", ".join(f"{v:.6f}" for v in ref_losses))
-        np.testing.assert_allclose(losses, ref_losses, rtol=args.rtol, atol=args.rtol / 10)
+        np.testing.assert_allclose(losses, ref_losses, rtol=args.rtol, atol=args.rtol / 10, equal_nan=False)
         for k in params:
             np.testing.assert_allclose(
                 np.asarray(params[k], dtype=np.float32),
                 np.asarray(ref_params[k], dtype=np.float32),
                 rtol=args.rtol,
                 atol=args.rtol / 10,
+                equal_nan=False,
                 err_msg=k,
             )
         print("data-parallel result matches the single-device one")

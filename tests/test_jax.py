@@ -161,3 +161,92 @@ def test_ffn_spill_capacity_is_validated(rng):
     with pytest.raises(ValueError, match="spill_capacity: expected None or a non-negative int, got -1"):
         tsj.ffn(x, wg, wd, spill_capacity=-1)
     tsj.check_spill()  # no jitted call with a fixed spill on a GPU: nothing to report
+
+
+def test_transposed_and_vector_products_with_gradients(rng):
+    h, a = _pattern(rng)
+    g = jnp.asarray(rng.standard_normal((23, 5)).astype(np.float32))
+    v = jnp.asarray(rng.standard_normal(300).astype(np.float32))
+    np.testing.assert_allclose(jax.jit(tsj.matmul)(a.T, g), h.T @ np.asarray(g), **TOL)
+    np.testing.assert_allclose(tsj.matmul(a, v), h @ np.asarray(v), **TOL)
+    np.testing.assert_allclose(a.T @ g, h.T @ np.asarray(g), **TOL)  # the operator takes the JAX op
+    c = jnp.asarray(rng.standard_normal((300, 5)).astype(np.float32))
+
+    def loss(data, spill, gg):
+        aa = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(a), [data, *a.parts[1:3], spill, *a.parts[4:]])
+        return jnp.sum(tsj.matmul(aa.T, gg) * c)
+
+    d_data, d_spill, d_g = jax.grad(loss, argnums=(0, 1, 2))(a.parts.data, a.parts.spill_data, g)
+    np.testing.assert_allclose(d_g, h @ np.asarray(c), **TOL)
+    got = tsj.from_jax(
+        jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(a), [d_data, *a.parts[1:3], d_spill, *a.parts[4:]])
+    )
+    dense_dh = np.asarray(g) @ np.asarray(c).T  # d loss / d h[i, j] = sum_k g[i, k] c[j, k]
+    np.testing.assert_allclose(got.toarray(), np.where(h != 0, dense_dh, 0), **TOL)
+
+
+def test_linear_to_twell_output_behaves_like_a_matrix(rng):
+    """The padded spill (static length under jit) does not leak: nnz, n_spilled, toarray and the
+    products agree with the NumPy producer's matrix."""
+    x = rng.standard_normal((16, 8)).astype(np.float32)
+    w = rng.standard_normal((100, 8)).astype(np.float32)
+    h = tsj.linear_to_twell(jnp.asarray(x), jnp.asarray(w), tile_n=32, capacity=2, spill_capacity=5000)
+    want = ts.linear_to_twell(x, w, tile_n=32, capacity=2)
+    assert want.n_spilled > 0
+    assert (h.nnz, h.n_spilled) == (want.nnz, want.n_spilled)
+    np.testing.assert_array_equal(h.toarray(), want.toarray())
+    b = rng.standard_normal((100, 3)).astype(np.float32)
+    np.testing.assert_allclose(h @ jnp.asarray(b), want @ b, **TOL)
+    assert "629 spilled" not in repr(h) or want.n_spilled == 629
+
+
+def test_n_dropped_survives_the_pytree():
+    with pytest.warns(ts.TwELLDroppedEntriesWarning):
+        a = ts.twell_array(np.ones((3, 40), np.float32), tile_n=32, capacity=2, overflow="drop")
+    j = tsj.to_jax(a)
+    assert j.n_dropped == tsj.from_jax(j).n_dropped == jax.tree_util.tree_map(lambda v: v, j).n_dropped == a.n_dropped
+
+
+def test_identity_activation_by_none_differentiates(rng):
+    p = ffn_problem(12, 8, 64, 0.2, rng=rng)
+    x, w_up, w_down = (jnp.asarray(p[k]) for k in ("x", "w_gate", "w_down"))
+    grad_none = jax.grad(lambda xx: tsj.ffn(xx, w_up, w_down, activation=None, threshold=0.5, tile_n=32).sum())(x)
+    grad_id = jax.grad(lambda xx: tsj.ffn(xx, w_up, w_down, activation="identity", threshold=0.5, tile_n=32).sum())(x)
+    np.testing.assert_array_equal(grad_none, grad_id)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "name"),
+    [
+        (lambda x, w, wd: tsj.ffn(x[:, :7], w, wd, tile_n=32), ValueError, "w_up"),
+        (lambda x, w, wd: tsj.ffn(x, w, wd[:, :5], tile_n=32), ValueError, "w_down"),
+        (lambda x, w, wd: tsj.gated_ffn(x, w, w.astype(jnp.bfloat16), wd), TypeError, "w_up"),
+        (lambda x, w, wd: tsj.linear_to_twell(x, w, activation="bogus"), ValueError, "activation"),
+        (lambda x, w, wd: tsj.linear_to_twell(x, w, spill_capacity=True), TypeError, "spill_capacity"),
+        (lambda x, w, wd: tsj.linear_to_twell(x, w[:, :3]), ValueError, "w"),
+        (lambda x, w, wd: tsj.ffn(x, w, wd, threshold=-1.0), ValueError, "threshold"),
+        (lambda x, w, wd: tsj.ffn(x.astype(jnp.int32), w, wd), TypeError, "x"),
+    ],
+)
+def test_bad_arguments_fail_while_tracing(rng, call, error, name):
+    """Every check runs at trace time (jax.eval_shape), with the library's one-line message."""
+    p = ffn_problem(16, 8, 64, 0.2, rng=rng)
+    args = tuple(jnp.asarray(p[k]) for k in ("x", "w_gate", "w_down"))
+    with pytest.raises(error, match=rf"^{name}: expected") as info:
+        jax.eval_shape(call, *args)
+    assert "\n" not in str(info.value)
+
+
+def test_traced_settings_ask_to_be_static(rng):
+    p = ffn_problem(16, 8, 64, 0.2, rng=rng)
+    args = tuple(jnp.asarray(p[k]) for k in ("x", "w_gate", "w_down"))
+    with pytest.raises(TypeError, match="threshold: expected a static Python value"):
+        jax.jit(lambda x, w, wd, t: tsj.ffn(x, w, wd, threshold=t))(*args, 0.5)
+
+
+def test_fixed_spill_on_the_cpu_raises_at_once(rng):
+    p = ffn_problem(40, 16, 200, 0.3, rng=rng)
+    args = tuple(jnp.asarray(p[k]) for k in ("x", "w_gate", "w_down"))
+    f = jax.jit(lambda *a: tsj.ffn(*a, tile_n=32, capacity=1, spill_capacity=0))
+    with pytest.raises(Exception, match="spill_capacity: expected at most 0 spilled entries"):
+        jax.block_until_ready(f(*args))

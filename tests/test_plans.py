@@ -72,17 +72,23 @@ def test_dispatch_validation(rng):
         ts.FFN(p["w_gate"], p["w_down"], dispatch="fast")
 
 
-def test_fixed_spill_capacity_on_the_cpu_stays_exact(rng):
-    """On the CPU a fixed spill_capacity changes nothing: the count costs no sync there, so the
-    spill is never cut short, even when it needs more than the capacity given."""
+def test_fixed_spill_capacity_on_the_cpu_is_exact_and_kept(rng):
+    """On the CPU (an exact path) a fixed spill_capacity is a promise checked at once: a call
+    whose spill fits is exact; one that needs more raises, returning nothing (as the torch
+    adapter's exact path does), so CPU runs raise where a GPU run would."""
     p = ffn_problem(70, 48, 600, 0.03, "skewed", np.float64, rng)
     weights = (p["w_gate"], p["w_up"], p["w_down"])
-    plan = ts.GatedFFN(*weights, tile_n=64, capacity=2, dispatch="sparse", spill_capacity=3)
     exact = ref.gated_ffn_dense(p["x"], *weights, "relu")
+    roomy = ts.GatedFFN(*weights, tile_n=64, capacity=2, dispatch="sparse", spill_capacity=10_000)
     for _ in range(2):
-        assert rel_error(plan(p["x"]), exact) < 1e-10
-        plan.check_spill()
-    assert plan.last_stats["n_spilled"] > 3
+        assert rel_error(roomy(p["x"]), exact) < 1e-10
+        roomy.check_spill()
+    needed = roomy.last_stats["n_spilled"]
+    assert needed > 3
+    tight = ts.GatedFFN(*weights, tile_n=64, capacity=2, dispatch="sparse", spill_capacity=3)
+    with pytest.raises(ts.TwELLSpillCapacityError, match=f"this call had {needed} .no output was returned") as info:
+        tight(p["x"])
+    assert (info.value.n_left_out, info.value.spill_capacity) == (needed - 3, 3)
 
 
 @pytest.mark.parametrize(("bad", "error"), [(-1, ValueError), (2.5, TypeError), (True, TypeError), ("8", TypeError)])

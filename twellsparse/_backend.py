@@ -49,6 +49,12 @@ def is_cupy_array(x: Any) -> bool:
     return cp is not None and isinstance(x, cp.ndarray)
 
 
+def is_jax_array(x: Any) -> bool:
+    """A ``jax.Array`` (or tracer), told apart without importing JAX: the JAX adapter's matrices
+    hold these, their spill padded to a static length."""
+    return type(x).__module__.split(".")[0] in ("jax", "jaxlib")
+
+
 def array_module(x: Any) -> ModuleType:
     """NumPy or CuPy, whichever owns ``x``."""
     if is_cupy_array(x):

@@ -340,6 +340,13 @@ class _FFNPlanBase:
                 )
                 return result
             result, parts = tail_then_finish(first_parts, finish, tail)
+        n_spilled = parts.spill_data.shape[0]
+        if self.spill_capacity is not None and n_spilled > self.spill_capacity:
+            # The exact path holds the count already: the fixed capacity's promise is checked at
+            # once (as the torch adapter's exact path does), so the CPU raises where a GPU would.
+            raise TwELLSpillCapacityError(
+                n_spilled - self.spill_capacity, self.spill_capacity, "this call", computed=False
+            )
         self._last = ("sparse", sampled, twell_array._from_parts(parts, shape, self.tile_n))
         return result
 
@@ -513,7 +520,9 @@ class FFN(_FFNPlanBase):
         ``"sparse"`` or ``"dense"``). Entries beyond it are left out of that call's output and
         :class:`twellsparse.TwELLSpillCapacityError` is raised at the next call or by
         :meth:`check_spill`. Default None: the overflow count is read back (exact, one sync).
-        Needs operands of one dtype with 16-byte rows; otherwise calls stay exact and warn once.
+        Needs GPU operands of one dtype with 16-byte rows; otherwise (the CPU included) calls
+        read the count back, stay exact, and raise the error at once, returning nothing, when
+        more entries spill than it holds (a GPU call warns once that it reads back).
     down_format : {None, "e4m3"}, optional
         Opt-in, lossy: keep ``w_down``'s rows (one per hidden unit) in fp8 e4m3 with one float32
         scale per row (:func:`twellsparse.quantize_rows`), so the sparse down projection reads

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from . import _convert as conv
+from ._backend import is_jax_array
 from ._twell import (
     _is_scalar,
     broadcast_operand,
@@ -159,6 +160,10 @@ class twell_transpose:
 
         if issparse(other) and not getattr(other, "format", "").startswith("twell"):
             return self.tocsr() @ other
+        if is_jax_array(self._base.data):  # the JAX adapter's op
+            from .jax import matmul as jax_matmul
+
+            return jax_matmul(self, other)
         return matmul(self, other)
 
     def __rmatmul__(self, other: Any) -> Any:

@@ -15,6 +15,7 @@ from ._backend import (
     cupy_module,
     device_name,
     is_cupy_array,
+    is_jax_array,
     result_dtype,
     value_dtype,
 )
@@ -224,12 +225,15 @@ class twell_array:
     @property
     def nnz(self) -> int:
         """Stored entries (slots in use plus spilled ones; explicit zeros included)."""
-        return int(self._parts.counts.sum()) + int(self._parts.spill_data.size)
+        return int(self._parts.counts.sum()) + self.n_spilled
 
     @property
     def n_spilled(self) -> int:
         """Entries held in the spill part (beyond the capacity of their row-tile)."""
-        return int(self._parts.spill_data.size)
+        p = self._parts
+        if is_jax_array(p.spill_indptr):  # the JAX adapter's spill is padded: its pointers count
+            return int(p.spill_indptr[-1])
+        return int(p.spill_data.size)
 
     @property
     def size(self) -> int:
@@ -272,8 +276,18 @@ class twell_array:
 
     # ------------------------------------------------------------------ conversions
 
+    def _concrete(self) -> twell_array:
+        """This matrix with NumPy or CuPy components: JAX ones (the JAX adapter's matrices,
+        their spill padded to a static length) are viewed through DLPack and trimmed."""
+        if not is_jax_array(self._parts.data):
+            return self
+        from .jax import from_jax
+
+        return from_jax(self)
+
     def _coo(self) -> tuple[Any, Any, Any]:
-        return conv.twell_to_coo(self._parts, self.shape, self.tile_n)
+        a = self._concrete()
+        return conv.twell_to_coo(a._parts, a.shape, a.tile_n)
 
     def toarray(self, order: str | None = None, out: Any = None) -> Any:
         """Dense copy (NumPy or CuPy, on the matrix's device).
@@ -282,9 +296,10 @@ class twell_array:
         matrix's device to write into (returned).
         """
         check_order(order)
-        dense = conv.twell_to_dense(self._parts, self.shape, self.tile_n)
+        a = self._concrete()
+        dense = conv.twell_to_dense(a._parts, a.shape, a.tile_n)
         if order == "F":
-            dense = self._xp().asfortranarray(dense)
+            dense = a._xp().asfortranarray(dense)
         return write_out(dense, out, self.dtype)
 
     todense = toarray
@@ -296,7 +311,8 @@ class twell_array:
         Neither scipy.sparse nor cupyx.scipy.sparse holds 16-bit values, so a float16/bfloat16
         matrix comes back with float32 values (exact) and a :class:`TwELLFallbackWarning`.
         """
-        vals, cols, indptr = conv.twell_to_csr_arrays(self._parts, self.shape, self.tile_n)
+        a = self._concrete()
+        vals, cols, indptr = conv.twell_to_csr_arrays(a._parts, a.shape, a.tile_n)
         if vals.dtype.itemsize == 2:
             warn(
                 f"tocsr: scipy.sparse and cupyx.scipy.sparse hold no {vals.dtype.name}; returning "
@@ -471,6 +487,10 @@ class twell_array:
 
         if sp.issparse(other) or _is_cupyx_sparse(other):
             return self.tocsr() @ other
+        if is_jax_array(self._parts.data):  # the JAX adapter's op: traceable, differentiable
+            from .jax import matmul as jax_matmul
+
+            return jax_matmul(self, other)
         return matmul(self, other)
 
     def __rmatmul__(self, other: Any) -> Any:

@@ -62,12 +62,13 @@ def check_activation(activation: Any) -> str:
     return str(activation)
 
 
-def check_spill_capacity(spill_capacity: Any) -> int | None:
-    if spill_capacity is None:
+def check_spill_capacity(spill_capacity: Any, optional: bool = True) -> int | None:
+    expected = "None or a non-negative int" if optional else "a non-negative int (the spill's static length)"
+    if spill_capacity is None and optional:
         return None
-    s = check_int(spill_capacity, "spill_capacity", "None or a non-negative int")
+    s = check_int(spill_capacity, "spill_capacity", expected)
     if s < 0:
-        raise ValueError(f"spill_capacity: expected None or a non-negative int, got {s}")
+        raise ValueError(f"spill_capacity: expected {expected}, got {s}")
     return s
 
 

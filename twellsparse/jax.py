@@ -11,7 +11,11 @@ FFN forward's read but are slower on the H200); the backward's transposed produc
 
 - :class:`twellsparse.twell_array` is a pytree of its six component arrays (data, indices,
   counts, spill data, spill indices, spill row pointers) with the shape and tile width as static
-  data; :func:`to_jax` / :func:`from_jax` move one between NumPy/CuPy and JAX through DLPack.
+  data (and its ``n_dropped``), its ``.T`` a pytree of that matrix; :func:`to_jax` /
+  :func:`from_jax` move one between NumPy/CuPy and JAX through DLPack. A matrix with JAX
+  components still answers ``nnz``, ``toarray()`` and ``@`` (its padded spill trimmed).
+- Arguments are checked while tracing (shapes, dtypes, settings, which must be static), with
+  the library's one-line errors, so ``jax.eval_shape`` and ``jit`` reject a bad call up front.
 - Gradients are custom VJPs built on the sparse backward products (SDDMM and transposed SpMM at
   the pattern); no dense tokens x d_ff array is formed. ``ffn`` / ``gated_ffn`` save only their
   inputs and recompute the activation pattern in the backward pass, because jit residuals need
@@ -47,8 +51,9 @@ from ._backend import cupy_view, is_cupy_array
 from ._ffn_autodiff import backward_arrays, forward_arrays
 from ._parts import TwELLParts
 from ._plans import FFN, GatedFFN, raise_for_previous, raise_left_out
+from ._transpose import twell_transpose
 from ._twell import twell_array
-from ._validation import check_capacity, check_spill_capacity, check_tile_n
+from ._validation import check_activation, check_capacity, check_spill_capacity, check_threshold, check_tile_n
 
 __all__ = ["check_spill", "ffn", "from_jax", "gated_ffn", "linear_to_twell", "matmul", "sddmm", "to_jax"]
 
@@ -59,15 +64,17 @@ _KDL_CPU = 1
 
 
 def _flatten(a: twell_array) -> tuple[tuple, tuple]:
-    return tuple(a.parts), (a.shape, a.tile_n)
+    return tuple(a.parts), (a.shape, a.tile_n, a.n_dropped)
 
 
 def _unflatten(aux: tuple, leaves: Any) -> twell_array:
-    shape, tile_n = aux
-    return twell_array._from_parts(TwELLParts(*leaves), shape, tile_n)
+    shape, tile_n, dropped = aux
+    return twell_array._from_parts(TwELLParts(*leaves), shape, tile_n, dropped)
 
 
 jax.tree_util.register_pytree_node(twell_array, _flatten, _unflatten)
+# The lazy transpose holds its matrix: a pytree of one child, so a.T crosses jit and grad.
+jax.tree_util.register_pytree_node(twell_transpose, lambda t: ((t.base,), None), lambda _, c: twell_transpose(c[0]))
 
 
 def to_jax(a: twell_array) -> twell_array:
@@ -82,7 +89,7 @@ def from_jax(a: twell_array) -> twell_array:
     parts = TwELLParts(*(_array(leaf) for leaf in a.parts))
     n_spill = int(parts.spill_indptr[-1]) if parts.spill_indptr.size else 0
     parts = parts._replace(spill_data=parts.spill_data[:n_spill], spill_indices=parts.spill_indices[:n_spill])
-    return twell_array._from_parts(parts, a.shape, a.tile_n)
+    return twell_array._from_parts(parts, a.shape, a.tile_n, a.n_dropped)
 
 
 def _array(x: Any) -> Any:
@@ -242,14 +249,75 @@ def _same_dtype(**arrays: Any) -> Any:
     return first
 
 
+def _static(check: Callable[..., Any], value: Any, name: str, *args: Any) -> Any:
+    """``check(value, *args)`` for an argument that must be a Python value at trace time."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"{name}: expected a static Python value (a static argument of jax.jit), got a tracer")
+    return check(value, *args)
+
+
+def _operand(x: Any, name: str, ndims: tuple[int, ...] = (2,)) -> jax.Array:
+    """``x`` as a JAX array with a floating dtype and one of ``ndims``, checked while tracing
+    (a bad operand then fails at the call, not inside XLA's runtime)."""
+    x = jnp.asarray(x)
+    if x.ndim not in ndims:
+        want = " or ".join(f"{d}-D" for d in ndims)
+        raise ValueError(f"{name}: expected a {want} array, got {x.ndim}-D with shape {tuple(x.shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name}: expected floating-point values, got {x.dtype}")
+    return x
+
+
+def _settings(activation: Any, threshold: Any, tile_n: Any, capacity: Any) -> tuple[str, float | None, int, int]:
+    """The static settings of a producer, validated (``activation=None`` is the identity)."""
+    tile_n = _static(check_tile_n, tile_n, "tile_n")
+    return (
+        _static(check_activation, activation, "activation"),
+        _static(check_threshold, threshold, "threshold"),
+        tile_n,
+        _static(check_capacity, capacity, "capacity", tile_n),
+    )
+
+
+def _check_weights(x: jax.Array, d_ff: int, **weights: jax.Array) -> None:
+    """Each weight's shape against ``x``'s width and the hidden width ``d_ff`` (torch.nn.Linear
+    layout: ``w_down`` is d_model x d_ff, the others d_ff x d_model)."""
+    d_model = x.shape[1]
+    for name, w in weights.items():
+        want = (d_model, d_ff) if name == "w_down" else (d_ff, d_model)
+        if tuple(w.shape) != want:
+            raise ValueError(f"{name}: expected shape {want} for x of shape {tuple(x.shape)}, got {tuple(w.shape)}")
+
+
 # ----------------------------------------------------------------------------- products
 
 
+def matmul(a: twell_array | twell_transpose, b: jax.Array) -> jax.Array:
+    """``a @ b`` for a TwELL matrix ``a`` (JAX components) or its ``.T`` and a dense ``b``
+    (2-D, or 1-D for a vector); see :func:`twellsparse.matmul`. Differentiable in ``b`` and in
+    ``a``'s values."""
+    transposed = isinstance(a, twell_transpose)
+    base = a.base if isinstance(a, twell_transpose) else a
+    if not isinstance(base, twell_array):
+        raise TypeError(f"a: expected a twell_array (JAX components) or its .T, got {type(a).__name__}")
+    b = _operand(b, "b", (1, 2))
+    if b.shape[0] != a.shape[1]:
+        raise ValueError(f"b: expected {a.shape[1]} rows to match a's shape {a.shape}, got shape {tuple(b.shape)}")
+    b2 = b[:, None] if b.ndim == 1 else b
+    out = _matmul_t(base, b2) if transposed else _matmul_n(base, b2)
+    return out[:, 0] if b.ndim == 1 else out
+
+
 @jax.custom_vjp
-def matmul(a: twell_array, b: jax.Array) -> jax.Array:
-    """``a @ b`` for a TwELL matrix ``a`` (JAX components) and a dense ``b``; see
-    :func:`twellsparse.matmul`. Differentiable in ``b`` and in ``a``'s values."""
+def _matmul_n(a: twell_array, b: jax.Array) -> jax.Array:
+    """``a @ b``."""
     return _matmul(a, b, transposed=False)
+
+
+@jax.custom_vjp
+def _matmul_t(a: twell_array, b: jax.Array) -> jax.Array:
+    """``a.T @ b``."""
+    return _matmul(a, b, transposed=True)
 
 
 def _matmul(a: twell_array, b: jax.Array, transposed: bool) -> jax.Array:
@@ -263,28 +331,38 @@ def _matmul(a: twell_array, b: jax.Array, transposed: bool) -> jax.Array:
     return _call(run, _struct((rows, b.shape[1]), dt), tuple(a.parts), b)
 
 
-def _matmul_fwd(a: twell_array, b: jax.Array) -> tuple[jax.Array, tuple]:
-    return matmul(a, b), (a, b)
+def _matmul_bwd_for(transposed: bool) -> Callable[[tuple, jax.Array], tuple]:
+    """The VJP of ``a @ b`` (``a.T @ b`` when ``transposed``): ``d_b`` is the other product
+    with ``g``; ``a``'s value cotangent is ``g @ b.T`` at its pattern (``b @ g.T`` transposed)."""
+
+    def bwd(res: tuple, g: jax.Array) -> tuple:
+        a, b = res
+        d_b = _matmul(a, g, transposed=not transposed)
+        left, right = (b, g) if transposed else (g, b)
+
+        def run(outs: tuple, parts: tuple, ll: Any, rr: Any) -> None:
+            _copy_values(outs, _ops.sddmm(ll, rr, _matrix(parts, a)))
+
+        d_data, d_spill = _call(run, _values_struct(a), tuple(a.parts), left, right)
+        return _cotangents((_zero_cotangent(a, d_data, d_spill), d_b), (a, b))
+
+    return bwd
 
 
-def _matmul_bwd(res: tuple, g: jax.Array) -> tuple:
-    a, b = res
-    d_b = _matmul(a, g, transposed=True)
-
-    def run(outs: tuple, parts: tuple, gg: Any, bb: Any) -> None:
-        _copy_values(outs, _ops.sddmm(gg, bb, _matrix(parts, a)))
-
-    d_data, d_spill = _call(run, _values_struct(a), tuple(a.parts), g, b)
-    return _cotangents((_zero_cotangent(a, d_data, d_spill), d_b), (a, b))
-
-
-matmul.defvjp(_matmul_fwd, _matmul_bwd)
+_matmul_n.defvjp(lambda a, b: (_matmul_n(a, b), (a, b)), _matmul_bwd_for(False))
+_matmul_t.defvjp(lambda a, b: (_matmul_t(a, b), (a, b)), _matmul_bwd_for(True))
 
 
 @jax.custom_vjp
 def sddmm(x: jax.Array, y: jax.Array, pattern: twell_array) -> twell_array:
     """``x @ y.T`` at the stored entries of ``pattern`` (a TwELL matrix with JAX components);
     see :func:`twellsparse.sddmm`. Differentiable in ``x`` and ``y``."""
+    m, n = pattern.shape
+    if x.ndim != 2 or y.ndim != 2 or x.shape[0] != m or y.shape[0] != n or x.shape[1] != y.shape[1]:
+        raise ValueError(
+            f"x, y: expected shapes ({m}, K) and ({n}, K) for a pattern of shape {pattern.shape}, "
+            f"got {tuple(x.shape)} and {tuple(y.shape)}"
+        )
     _same_dtype(x=x, y=y)
 
     def run(outs: tuple, xx: Any, yy: Any, parts: tuple) -> None:
@@ -404,10 +482,13 @@ def linear_to_twell(
     ``capacity`` go there, and a call needing more raises. Differentiable in ``x`` and ``w``
     through the stored values.
     """
-    tile_n = check_tile_n(tile_n)
-    capacity = check_capacity(capacity, tile_n)
-    if not isinstance(spill_capacity, int) or spill_capacity < 0:
-        raise ValueError(f"spill_capacity: expected a non-negative int, got {spill_capacity!r}")
+    activation, threshold, tile_n, capacity = _settings(activation, threshold, tile_n, capacity)
+    spill_capacity = _static(check_spill_capacity, spill_capacity, "spill_capacity", False)
+    x = _operand(x, "x")
+    w = _operand(w, "w")
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"w: expected {x.shape[1]} columns to match x of shape {tuple(x.shape)}, got {tuple(w.shape)}")
+    _same_dtype(x=x, w=w)
     return _linear_to_twell(x, w, activation, tile_n, capacity, threshold, spill_capacity)
 
 
@@ -559,10 +640,14 @@ def ffn(
     stream never waits for it; entries beyond it are left out of that call's output and
     :class:`twellsparse.TwELLSpillCapacityError` is raised by the next call of the same jitted
     function (inside an XLA runtime error) or by :func:`check_spill`. Default None: exact, one
-    read-back per call. The backward pass always recomputes the pattern exactly."""
-    tile_n = check_tile_n(tile_n)
-    capacity = check_capacity(capacity, tile_n)
-    return _ffn(x, w_up, None, w_down, activation, tile_n, capacity, threshold, check_spill_capacity(spill_capacity))
+    read-back per call. On the CPU (an exact path) a call whose spill needs more raises at once.
+    The backward pass always recomputes the pattern exactly."""
+    activation, threshold, tile_n, capacity = _settings(activation, threshold, tile_n, capacity)
+    spill_capacity = _static(check_spill_capacity, spill_capacity, "spill_capacity")
+    x, w_up, w_down = _operand(x, "x"), _operand(w_up, "w_up"), _operand(w_down, "w_down")
+    _check_weights(x, w_up.shape[0], w_up=w_up, w_down=w_down)
+    _same_dtype(x=x, w_up=w_up, w_down=w_down)
+    return _ffn(x, w_up, None, w_down, activation, tile_n, capacity, threshold, spill_capacity)
 
 
 def gated_ffn(
@@ -580,6 +665,10 @@ def gated_ffn(
     """Gated sparse FFN ``(act(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T``; see
     :func:`twellsparse.gated_ffn`. Differentiable in ``x`` and every weight. ``spill_capacity``
     as for :func:`ffn`."""
-    tile_n = check_tile_n(tile_n)
-    capacity = check_capacity(capacity, tile_n)
-    return _ffn(x, w_gate, w_up, w_down, activation, tile_n, capacity, threshold, check_spill_capacity(spill_capacity))
+    activation, threshold, tile_n, capacity = _settings(activation, threshold, tile_n, capacity)
+    spill_capacity = _static(check_spill_capacity, spill_capacity, "spill_capacity")
+    x, w_gate = _operand(x, "x"), _operand(w_gate, "w_gate")
+    w_up, w_down = _operand(w_up, "w_up"), _operand(w_down, "w_down")
+    _check_weights(x, w_gate.shape[0], w_gate=w_gate, w_up=w_up, w_down=w_down)
+    _same_dtype(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down)
+    return _ffn(x, w_gate, w_up, w_down, activation, tile_n, capacity, threshold, spill_capacity)
