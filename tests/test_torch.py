@@ -199,7 +199,7 @@ def test_backward_gets_no_activation_gradient_unless_one_reached_them(monkeypatc
 
 def test_bad_inputs():
     x, wg, wu, wd = _problem(10, requires_grad=False)
-    with pytest.raises(TypeError, match="w_lin"):
+    with pytest.raises(TypeError, match="w_up"):
         tt.gated_ffn(x, wg, wu.float(), wd)
     with pytest.raises(ValueError, match="activation"):
         tt.ffn(x, wg, wd, activation="tanh")
@@ -373,3 +373,150 @@ def test_e4m3_module_arguments():
         tt.from_module(plain, up_format="e4m3")
     converted = tt.from_module(plain, down_format="e4m3")
     assert converted.down_format == "e4m3" and converted.up_proj.weight is plain.up_proj.weight
+
+
+class _LlamaMLP(torch.nn.Module):
+    def __init__(self, d=16, f=96, bias=False, up_f=None):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(d, f, bias=bias)
+        self.up_proj = torch.nn.Linear(d, up_f or f, bias=False)
+        self.down_proj = torch.nn.Linear(f, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(torch.relu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@pytest.mark.parametrize("settings", [dict(dispatch="auto"), dict(spill_capacity=5000), dict(down_format="e4m3")])
+def test_modules_with_host_reads_compile(settings):
+    """The host reads ("auto"'s density, the fixed spill's check, the fp8 plan) are graph breaks,
+    not dynamo errors; the compiled module matches the eager one."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = tt.TwELLGatedMLP(16, 128, tile_n=32, **settings)
+    x = torch.randn(40, 16)
+    with torch.no_grad():
+        want = m(x)
+        got = torch.compile(m, backend="aot_eager")(x)
+        got = torch.compile(m, backend="aot_eager")(x)  # a second call: the posted state read
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("activation", ["relu", "silu"])
+def test_dense_dispatch_keeps_float64_precision(activation):
+    torch.manual_seed(0)
+    threshold = 0.05 if activation == "silu" else None
+    sparse = tt.TwELLGatedMLP(16, 96, tile_n=32, dtype=torch.float64, activation=activation, threshold=threshold)
+    dense = tt.TwELLGatedMLP(
+        16, 96, tile_n=32, dtype=torch.float64, dispatch="dense", activation=activation, threshold=threshold
+    )
+    dense.load_state_dict(sparse.state_dict())
+    x = torch.randn(50, 16, dtype=torch.float64)
+    torch.testing.assert_close(dense(x), sparse(x), rtol=1e-13, atol=1e-13)
+
+
+def test_autocast_computes_in_the_autocast_dtype_like_the_replaced_mlp():
+    torch.manual_seed(0)
+    pre, mlp = torch.nn.Linear(16, 16), _LlamaMLP()
+    sparse = tt.from_module(mlp, tile_n=32)
+    x = torch.randn(8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = pre(x)
+        want, got = mlp(h), sparse(h)
+        assert got.dtype == want.dtype == torch.bfloat16
+        assert sparse(x).dtype == torch.bfloat16  # an fp32 input too, as nn.Linear gives
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    got.float().sum().backward()  # the casts are differentiable: fp32 master weights get grads
+    assert mlp.gate_proj.weight.grad is not None and mlp.gate_proj.weight.grad.dtype == torch.float32
+
+
+def test_deepcopy_and_pickle_after_a_training_forward():
+    import copy
+    import pickle
+
+    m = tt.TwELLGatedMLP(16, 96, tile_n=32)
+    x = torch.randn(20, 16, requires_grad=True)
+    m(x).sum().backward()
+    m(x)  # a forward whose graph is still alive
+    twin = copy.deepcopy(m)
+    torch.testing.assert_close(twin(x), m(x))
+    again = pickle.loads(pickle.dumps(m))
+    torch.testing.assert_close(again(x), m(x))
+
+
+@pytest.mark.parametrize("frozen", ["weights", "x"])
+def test_backward_skips_the_products_nobody_needs(monkeypatch, frozen):
+    seen = []
+    original = tt.backward_arrays
+
+    def spy(*args):
+        seen.append(args[-1])
+        return original(*args)
+
+    monkeypatch.setattr(tt, "backward_arrays", spy)
+    x, wg, wu, wd = _problem(3, requires_grad=False)
+    (x if frozen == "weights" else wg).requires_grad_(True)
+    if frozen == "x":
+        wu.requires_grad_(True)
+        wd.requires_grad_(True)
+    out = tt.gated_ffn(x, wg, wu, wd, tile_n=64)
+    grads = torch.autograd.grad(out.square().sum(), [t for t in (x, wg, wu, wd) if t.requires_grad])
+    want = torch.autograd.grad(
+        _dense(x, wg, wu, wd, "relu").square().sum(), [t for t in (x, wg, wu, wd) if t.requires_grad]
+    )
+    for a, b in zip(grads, want, strict=True):
+        torch.testing.assert_close(a, b)
+    assert seen[-1] == ((True, False, False, False) if frozen == "weights" else (False, True, True, True))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error", "message"),
+    [
+        (lambda x, wg, wu, wd: (x[:, :8], wg, wu, wd), ValueError, "x: expected a last dimension of 16"),
+        (lambda x, wg, wu, wd: (x, wg, wu[:200], wd), ValueError, "w_up: expected shape"),
+        (lambda x, wg, wu, wd: (x, wg, wu, wd[:, :200]), ValueError, "w_down: expected shape"),
+        (lambda x, wg, wu, wd: (x, wg, wu[0], wd), TypeError, "w_up: expected a 2-D"),
+        (lambda x, wg, wu, wd: (x.tolist(), wg, wu, wd), TypeError, "x: expected a torch.Tensor"),
+        (lambda x, wg, wu, wd: (x.long(), wg, wu, wd), TypeError, "x: expected a floating-point"),
+    ],
+)
+def test_bad_operands_name_the_argument(mutate, error, message):
+    args = mutate(*_problem(4, requires_grad=False))
+    with pytest.raises(error, match=message) as info:
+        tt.gated_ffn(*args, tile_n=64)
+    assert "\n" not in str(info.value)
+
+
+def test_module_errors_name_the_parameter_and_fp8_checks_dtypes_too():
+    m = tt.TwELLGatedMLP(32, 300, tile_n=32)
+    with pytest.raises(ValueError, match=r"x: expected a last dimension of 32 \(gate_proj.weight's columns\)"):
+        m(torch.randn(3, 16))
+    fp8 = tt.TwELLGatedMLP(32, 300, tile_n=32, down_format="e4m3")
+    with torch.inference_mode(), pytest.raises(TypeError, match="gate_proj.weight: expected dtype torch.float64"):
+        fp8(torch.randn(4, 32, dtype=torch.float64))
+
+
+def test_swap_mlps_keeps_twell_modules_and_is_all_or_nothing():
+    class Block(torch.nn.Module):
+        def __init__(self, bias=False):
+            super().__init__()
+            self.mlp = _LlamaMLP(bias=bias)
+
+    model = torch.nn.Sequential(Block(), Block())
+    settings = dict(tile_n=64, capacity=16, dispatch="dense", activation="silu", threshold=0.05)
+    assert tt.swap_mlps(model, **settings) == 2
+    assert tt.swap_mlps(model) == 0  # already TwELL: kept, settings and all
+    m = model[0].mlp
+    assert (m.tile_n, m.capacity, m.dispatch, m.activation, m.threshold) == (64, 16, "dense", "silu", 0.05)
+    mixed = torch.nn.Sequential(Block(), Block(bias=True))
+    with pytest.raises(ValueError, match=r"^1\.mlp\.gate_proj: expected a Linear without bias"):
+        tt.swap_mlps(mixed)
+    assert [type(b.mlp).__name__ for b in mixed] == ["_LlamaMLP", "_LlamaMLP"]  # nothing swapped
+    with pytest.raises(ValueError, match="mlp.up_proj: expected 16 -> 96 features like gate_proj"):
+        tt.from_module(_LlamaMLP(up_f=64))
+
+
+def test_double_backward_says_it_is_unsupported():
+    x, wg, wu, wd = _problem(5)
+    (g,) = torch.autograd.grad(tt.gated_ffn(x, wg, wu, wd, tile_n=64).square().sum(), x, create_graph=True)
+    with pytest.raises(NotImplementedError, match="double backward"):
+        torch.autograd.grad(g.sum(), x)

@@ -110,20 +110,39 @@ def _padded_spill(a: Any, spill_capacity: int) -> Any:
     return twell_array._from_parts(parts._replace(spill_data=data, spill_indices=indices), a.shape, a.tile_n)
 
 
-def backward_arrays(grad_out, grad_act, x, w_act, w_lin, w_down, g, u, activation):
-    """(dx, dw_act, dw_lin or None, dw_down); ``grad_act`` (a TwELL of g's pattern) may be None."""
+#: Every gradient of the backward: (dx, dw_act, dw_lin, dw_down).
+ALL_GRADS = (True, True, True, True)
+
+
+def backward_arrays(grad_out, grad_act, x, w_act, w_lin, w_down, g, u, activation, needs=ALL_GRADS):
+    """(dx, dw_act, dw_lin or None, dw_down); ``grad_act`` (a TwELL of g's pattern) may be None.
+
+    ``needs``: which of (dx, dw_act, dw_lin, dw_down) to compute; the others come back None and
+    their products are not run (frozen weights skip the transposed products, a first layer
+    skips dX)."""
+    need_dx, need_act, need_lin, need_down = needs
+
+    def weight_grads(h: Any, d_z: Any, d_u: Any) -> tuple[Any, Any, Any]:
+        # The transposed products share g's pattern: its transpose is sorted once, and the two
+        # with x as their dense operand stay adjacent (one pass reads each row of x for both).
+        candidates = [("down", h, grad_out, need_down), ("act", d_z, x, need_act), ("lin", d_u, x, need_lin)]
+        wanted = [(name, a, b) for name, a, b, need in candidates if need and a is not None]
+        results = transposed_products(g, [(a, b) for _, a, b in wanted]) if wanted else []
+        got = {name: r for (name, _, _), r in zip(wanted, results, strict=True)}
+        dw_down_t = got.get("down")
+        return got.get("act"), got.get("lin"), dw_down_t.T if dw_down_t is not None else None
+
     fused = None
     if u is not None and grad_act is None and activation in ("relu", "identity"):
         one_pack = tiled_gated_backward(grad_out, w_down.T, g, u, w_act, w_lin)  # opt-in: TWELL_TILED_FFN=1
         if one_pack is not None:
             dx, f_z, f_u, f_h = one_pack
-            dw_down_t, dw_act, dw_lin = transposed_products(g, [(f_h, grad_out), (f_z, x), (f_u, x)])
-            return dx, dw_act, dw_lin, dw_down_t.T
+            return (dx if need_dx else None, *weight_grads(f_h, f_z, f_u))
         fused = fused_gated_backward(grad_out, w_down.T, g, u)  # d_h and its products in one pass
     if fused is not None:
         f_z, f_u, f_h = fused
-        dw_down_t, dw_act, dw_lin = transposed_products(g, [(f_h, grad_out), (f_z, x), (f_u, x)])
-        return matmul_sum(f_z, w_act, f_u, w_lin), dw_act, dw_lin, dw_down_t.T
+        dx = matmul_sum(f_z, w_act, f_u, w_lin) if need_dx else None
+        return (dx, *weight_grads(f_h, f_z, f_u))
     d_h = sddmm(grad_out, w_down.T, g)
     if u is None:
         h, d_act = g, d_h
@@ -142,9 +161,7 @@ def backward_arrays(grad_out, grad_act, x, w_act, w_lin, w_down, g, u, activatio
         grad = lambda dz, zz: dz * _activation_grad(activation, zz)  # noqa: E731
         d_z = with_values(g, _values_op(grad, d_act.data, z.data), _values_op(grad, d_act.spill_data, z.spill_data))
     d_u = product_values(d_h, g) if u is not None else None
-    # The three transposed products share g's pattern: its transpose is sorted once.
-    pairs = [(h, grad_out), (d_z, x)] + ([(d_u, x)] if d_u is not None else [])
-    dw_down_t, dw_act, *dw_lin_or_none = transposed_products(g, pairs)
-    if d_u is None:
-        return matmul(d_z, w_act), dw_act, None, dw_down_t.T
-    return matmul_sum(d_z, w_act, d_u, w_lin), dw_act, dw_lin_or_none[0], dw_down_t.T
+    dx = None
+    if need_dx:
+        dx = matmul(d_z, w_act) if d_u is None else matmul_sum(d_z, w_act, d_u, w_lin)
+    return (dx, *weight_grads(h, d_z, d_u))

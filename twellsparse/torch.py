@@ -3,7 +3,13 @@
 Torch tensors go in and out zero-copy through DLPack. CUDA tensors run the CuPy kernels on
 torch's current stream and device; CPU tensors run the NumPy reference path. The ops are
 registered with fake (meta) implementations and autograd formulas, so modules built on them
-trace under ``torch.compile`` without graph breaks.
+trace under ``torch.compile``: in one graph with ``fullgraph=True`` (or with
+``torch._dynamo.config.capture_dynamic_output_shape_ops = True``: the spill part's length
+depends on the data, which dynamo otherwise leaves to eager with a graph break per op). The
+modules' host reads (``dispatch="auto"``'s density, a fixed ``spill_capacity``'s check, the fp8
+plans) run as graph breaks. Under ``torch.autocast`` the blocks compute in the autocast dtype,
+as the Linears they replace do. Not supported: double backward (``create_graph=True``: a
+second backward through the op raises) and ``torch.func`` transforms.
 
 The backward never forms a dense tokens x d_ff tensor; its formulas are in
 ``twellsparse._ffn_autodiff`` (shared with the other framework adapters).
@@ -270,12 +276,14 @@ def _ffn_bwd(
     activation: str,
     tile_n: int,
     fixed_spill: bool = False,
+    needs: int = 0b1111,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, dw_act, dw_lin (empty when non-gated), dw_down); empty grad_act means none.
     ``fixed_spill``: the forward ran with a ``spill_capacity`` (spill arrays longer than their
     entries). The GPU kernels read the spill by its row pointers, so nothing is read back and
     the backward can be captured in a CUDA graph; the CPU reference wants exact arrays, which
-    it trims to for free."""
+    it trims to for free. ``needs``: bit i set computes the i-th result (:func:`_need_bits`);
+    the others come back empty and their products are skipped."""
     with _on_device(x):
         a = {
             k: _to_array(t)
@@ -303,13 +311,11 @@ def _ffn_bwd(
         if grad_act.numel() or grad_act_spill.numel():
             d_act = with_values(g, _to_array(grad_act), _to_array(grad_act_spill)[:n])
         w_lin_a = _to_array(w_lin) if w_lin is not None else None
-        dx, dw_act, dw_lin, dw_down = backward_arrays(
-            a["go"], d_act, a["x"], a["wa"], w_lin_a, a["wd"], g, u, activation
-        )
+        wanted = tuple(bool(needs >> i & 1) for i in range(4))
+        results = backward_arrays(a["go"], d_act, a["x"], a["wa"], w_lin_a, a["wd"], g, u, activation, wanted)
         xp = array_module(a["x"])
-        if dw_lin is None:
-            dw_lin = xp.empty(_EMPTY, dtype=a["x"].dtype)
-        return tuple(_contiguous_tensor(r) for r in (dx, dw_act, dw_lin, dw_down))  # type: ignore[return-value]
+        empty = xp.empty(_EMPTY, dtype=a["x"].dtype)
+        return tuple(_contiguous_tensor(r if r is not None else empty) for r in results)  # type: ignore[return-value]
 
 
 def _contiguous_tensor(a: Any) -> Tensor:
@@ -321,13 +327,19 @@ def _contiguous_tensor(a: Any) -> Tensor:
 
 
 @_ffn_bwd.register_fake
-def _ffn_bwd_fake(grad_out, grad_act, grad_act_spill, x, w_act, w_lin, w_down, *rest):
-    return (
-        torch.empty_like(x),
-        torch.empty_like(w_act),
-        torch.empty_like(w_lin) if w_lin is not None else x.new_empty(_EMPTY),
-        torch.empty_like(w_down),
+def _ffn_bwd_fake(grad_out, grad_act, grad_act_spill, x, w_act, w_lin, w_down, *rest, needs=0b1111):
+    if len(rest) > 11:  # needs passed positionally
+        needs = rest[11]
+    like = (x, w_act, w_lin, w_down)
+    return tuple(
+        torch.empty_like(t) if t is not None and needs >> i & 1 else x.new_empty(_EMPTY) for i, t in enumerate(like)
     )
+
+
+def _need_bits(needs_input_grad: tuple) -> int:
+    """The bit mask of ``_ffn_bwd``'s ``needs`` from autograd's flags for (x, w_act, w_lin,
+    w_down)."""
+    return sum(1 << i for i, need in enumerate(needs_input_grad[:4]) if need)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
@@ -365,24 +377,84 @@ def _backward(ctx: Any, grad_out, grad_act, _gi, _gc, grad_act_spill, _gsi, _gsp
         ctx.activation,
         ctx.tile_n,
         ctx.fixed_spill,
+        _need_bits(ctx.needs_input_grad),
     )
-    return dx, dw_act, dw_lin if ctx.gated else None, dw_down, None, None, None, None, None
+    grads = [g if need else None for g, need in zip((dx, dw_act, dw_lin, dw_down), ctx.needs_input_grad, strict=False)]
+    if not ctx.gated:
+        grads[2] = None
+    return (*grads, None, None, None, None, None)
 
 
 _ffn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _no_double_backward(ctx: Any, *grads: Any) -> tuple:
+    raise NotImplementedError(
+        "twellsparse.torch: double backward (a backward through the sparse backward, as "
+        "create_graph=True asks for) is not supported"
+    )
+
+
+_ffn_bwd.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
 # ----------------------------------------------------------------------------- functions
 
 
-def _run(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold, spill_capacity=None):
-    act = check_activation(activation)
-    tile_n = check_tile_n(tile_n)
-    capacity = check_capacity(capacity, tile_n)
-    thr = check_threshold(threshold)
-    for name, t in (("w_act", w_act), ("w_lin", w_lin), ("w_down", w_down)):
+#: The argument names of the gated and the non-gated functions' weights (w_act, w_lin, w_down).
+GATED_NAMES, PLAIN_NAMES = ("w_gate", "w_up", "w_down"), ("w_up", None, "w_down")
+
+
+def _autocast(x: Tensor, *weights: Tensor | None) -> tuple[Any, ...]:
+    """``x`` and the weights in the autocast dtype inside a ``torch.autocast`` region (as the
+    Linears a block replaces would compute), unchanged elsewhere."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return (x, *weights)
+    dt = torch.get_autocast_dtype(device)
+    return tuple(t if t is None or not t.is_floating_point() else t.to(dt) for t in (x, *weights))
+
+
+def _check_operands(x: Any, w_act: Any, w_lin: Any, w_down: Any, names: tuple) -> None:
+    """Types, shapes and dtypes of a block's operands, with one-line errors in the caller's
+    names (``names``: those of w_act, w_lin, w_down)."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.ndim < 1 or not x.is_floating_point():
+        raise TypeError(f"x: expected a floating-point tensor of at least 1 dimension, got {x.dtype} {tuple(x.shape)}")
+    act_name, lin_name, down_name = names
+    for name, t in ((act_name, w_act), (lin_name, w_lin), (down_name, w_down)):
+        if name is not None and (not isinstance(t, Tensor) or t.ndim != 2):
+            got = f"{t.ndim}-D {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+            raise TypeError(f"{name}: expected a 2-D torch.Tensor, got {got}")
+    d_ff, d_model = w_act.shape
+    if x.shape[-1] != d_model:
+        raise ValueError(
+            f"x: expected a last dimension of {d_model} ({act_name}'s columns), got shape {tuple(x.shape)}"
+        )
+    if w_lin is not None and w_lin.shape != w_act.shape:
+        raise ValueError(f"{lin_name}: expected shape {tuple(w_act.shape)} like {act_name}, got {tuple(w_lin.shape)}")
+    if tuple(w_down.shape) != (d_model, d_ff):
+        raise ValueError(f"{down_name}: expected shape {(d_model, d_ff)}, got {tuple(w_down.shape)}")
+    if torch.is_autocast_enabled(x.device.type):  # _autocast gives them one dtype
+        return
+    for name, t in ((act_name, w_act), (lin_name, w_lin), (down_name, w_down)):
         if t is not None and t.dtype != x.dtype:
             raise TypeError(f"{name}: expected dtype {x.dtype} like x, got {t.dtype}")
+
+
+def _run(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold, spill_capacity=None, names=GATED_NAMES):
+    """The op on (x, weights) after the checks and the autocast cast; ``names=None``: done by
+    the caller (the modules), which also validated the settings."""
+    if names is None:
+        act, thr = activation, threshold
+    else:
+        act = check_activation(activation)
+        tile_n = check_tile_n(tile_n)
+        capacity = check_capacity(capacity, tile_n)
+        thr = check_threshold(threshold)
+        _check_operands(x, w_act, w_lin, w_down, names)
+        x, w_act, w_lin, w_down = _autocast(x, w_act, w_lin, w_down)
     lead = x.shape[:-1]
     out, *hidden = torch.ops.twellsparse.ffn_fwd(
         x.reshape(-1, x.shape[-1]).contiguous(), w_act, w_lin, w_down, act, tile_n, capacity, thr, spill_capacity
@@ -401,7 +473,7 @@ def ffn(
     threshold: float | None = None,
 ) -> Tensor:
     """Differentiable non-gated sparse FFN ``act(x @ w_up.T) @ w_down.T`` (see the module doc)."""
-    return _run(x, w_up, None, w_down, activation, tile_n, capacity, threshold)[0]
+    return _run(x, w_up, None, w_down, activation, tile_n, capacity, threshold, names=PLAIN_NAMES)[0]
 
 
 def gated_ffn(
@@ -420,9 +492,10 @@ def gated_ffn(
 
 
 def _dense_activation(z: Tensor, activation: str, threshold: float | None) -> Tensor:
-    """``act(z)`` in float32 rounded to z's dtype, with the producers' keep rule (entries whose
-    ``|act|`` is at most ``threshold`` zeroed), as the sparse path stores it."""
-    zf = z.float()
+    """``act(z)`` in float32 (float64 for float64 z) rounded to z's dtype, with the producers'
+    keep rule (entries whose ``|act|`` is at most ``threshold`` zeroed), as the sparse path
+    stores it."""
+    zf = z.to(torch.promote_types(z.dtype, torch.float32))
     if activation == "relu":
         a = torch.relu(zf)
     elif activation == "relu2":
@@ -435,7 +508,7 @@ def _dense_activation(z: Tensor, activation: str, threshold: float | None) -> Te
         a = zf
     a = a.to(z.dtype)
     if threshold is not None:
-        a = torch.where(a.float().abs() > threshold, a, torch.zeros_like(a))
+        a = torch.where(a.to(zf.dtype).abs() > threshold, a, torch.zeros_like(a))
     return a
 
 
@@ -495,6 +568,20 @@ class _TwELLMLPBase(nn.Module):
         self.up_format = check_format(up_format, "up_format", optional=True)
         self._plan: FFN | GatedFFN | None = None  # the fp8 forward's plan
         self._plan_key: tuple = ((), ())  # the (layout, versions) of the weights it was built on
+        gated = "gate_proj" in projections
+        self._names = ("gate_proj", "up_proj", "down_proj") if gated else ("up_proj", None, "down_proj")
+
+    #: What the last forward left for stats() and l1_penalty(), and the plans' host state: not
+    #: part of a copy (the hidden tensors hold that forward's autograd graph, which deepcopy and
+    #: pickling refuse or would drag along).
+    _TRANSIENT = ("_hidden", "_dense_hidden", "_density", "_left_out", "_plan", "_plan_key")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
+        state = dict(state)
+        fresh = {"_hidden": None, "_dense_hidden": None, "_plan": None, "_plan_key": ((), ())}
+        state.update(fresh, _density=PostedScalar(), _left_out=PostedScalar())
+        return state
 
     @property
     def _fp8_rows(self) -> bool:
@@ -502,6 +589,9 @@ class _TwELLMLPBase(nn.Module):
         return self.down_format is not None or self.up_format is not None
 
     def _forward(self, x: Tensor, w_act: Tensor, w_lin: Tensor | None, w_down: Tensor) -> Tensor:
+        names = tuple(f"{n}.weight" if n else None for n in self._names)
+        _check_operands(x, w_act, w_lin, w_down, names)
+        x, w_act, w_lin, w_down = _autocast(x, w_act, w_lin, w_down)
         if self._fp8_rows:
             return self._quantized_forward(x, w_act, w_lin, w_down)
         if self._path(x.numel() // max(x.shape[-1], 1)) == "dense":
@@ -514,19 +604,29 @@ class _TwELLMLPBase(nn.Module):
             return out
         # The previous forward's entries left out are read after this forward is queued, so the
         # wait overlaps this forward's kernels.
-        previous = self._left_out.pop() if self.spill_capacity is not None and not _capturing(x) else None
+        previous = self._pop_left_out(x) if self.spill_capacity is not None else None
         settings = (self.activation, self.tile_n, self.capacity, self.threshold, self.spill_capacity)
-        out, hidden = _run(x, w_act, w_lin, w_down, *settings)
+        out, hidden = _run(x, w_act, w_lin, w_down, *settings, names=None)
         self._hidden, self._dense_hidden = hidden, None
         if self.spill_capacity is not None:
-            with _on_device(hidden[-1]):
-                self._left_out.post(_to_array(hidden[-1]).reshape(()))
-        raise_for_previous(previous, self._left_out, self.spill_capacity, "the previous forward")
+            self._post_left_out(hidden[-1], previous)
         if self.dispatch == "auto":
             counts, spill_indptr = hidden[2], hidden[5]
             self._post_density((counts.sum() + spill_indptr[-1]) / max(counts.shape[0] * self.intermediate_size, 1))
         return out
 
+    @torch.compiler.disable  # host work around a plan (a graph break under torch.compile)
+    def _pop_left_out(self, x: Tensor) -> Any:
+        return None if _capturing(x) else self._left_out.pop()
+
+    @torch.compiler.disable
+    def _post_left_out(self, left_out: Tensor, previous: Any) -> None:
+        """Post this forward's entries left out (no sync), then check the previous forward's."""
+        with _on_device(left_out):
+            self._left_out.post(_to_array(left_out).reshape(()))
+        raise_for_previous(previous, self._left_out, self.spill_capacity, "the previous forward")
+
+    @torch.compiler.disable
     def _quantized_forward(self, x: Tensor, w_act: Tensor, w_lin: Tensor | None, w_down: Tensor) -> Tensor:
         """The inference forward with fp8 e4m3 weight rows: a :class:`twellsparse.GatedFFN` /
         :class:`twellsparse.FFN` plan on the module's weights, built on the first call and again
@@ -575,11 +675,13 @@ class _TwELLMLPBase(nn.Module):
             return
         raise_left_out(self._left_out, self.spill_capacity, "the previous forward")
 
+    @torch.compiler.disable
     def _post_density(self, fraction: Tensor) -> None:
         """Hand the 0-d density to the plans' posted scalar (copied on torch's stream, no sync)."""
         with _on_device(fraction):
             self._density.post(_to_array(fraction.to(torch.float64)))
 
+    @torch.compiler.disable
     def _path(self, tokens: int) -> str:
         """``"sparse"`` or ``"dense"``: under ``dispatch="auto"`` the previous forward's density
         (posted without a host sync) against ``breakeven`` (by default the measured break-even
@@ -592,7 +694,9 @@ class _TwELLMLPBase(nn.Module):
 
     def l1_penalty(self) -> Tensor:
         """Mean over tokens of the L1 norm of the last forward's hidden activations (the gate's,
-        for the gated block); differentiable, for adding to the training loss."""
+        for the gated block); differentiable, for adding to the training loss. The module holds
+        those activations (and so that forward's autograd graph) until its next forward; run
+        forwards whose graph is not needed under ``torch.no_grad()``."""
         if self._dense_hidden is not None:
             h = self._dense_hidden
             return h.abs().sum() / max(h.numel() // max(h.shape[-1], 1), 1)
@@ -761,6 +865,17 @@ def from_module(
             raise ValueError(f"mlp.{name}: expected a Linear without bias, got one with a bias")
     up = linears["up_proj"]
     assert up is not None
+    gate, down = linears["gate_proj"], linears["down_proj"]
+    if gate is not None and (gate.in_features, gate.out_features) != (up.in_features, up.out_features):
+        raise ValueError(
+            f"mlp.up_proj: expected {gate.in_features} -> {gate.out_features} features like gate_proj, got "
+            f"{up.in_features} -> {up.out_features}"
+        )
+    if (down.in_features, down.out_features) != (up.out_features, up.in_features):
+        raise ValueError(
+            f"mlp.down_proj: expected {up.out_features} -> {up.in_features} features (up_proj's reversed), "
+            f"got {down.in_features} -> {down.out_features}"
+        )
     kwargs: dict[str, Any] = dict(
         activation=activation,
         tile_n=tile_n,
@@ -786,11 +901,24 @@ def from_module(
 
 def swap_mlps(model: nn.Module, **kwargs: Any) -> int:
     """Replace, in place, every submodule called ``mlp`` that has ``up_proj``/``down_proj``
-    with its TwELL counterpart (``from_module(child, **kwargs)``); returns how many."""
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
+    with its TwELL counterpart (``from_module(child, **kwargs)``); returns how many.
+
+    MLPs that are TwELL modules already are left as they are (with their settings). Every
+    candidate is converted before any is swapped in, so an MLP that cannot be converted (a
+    bias, mismatched widths) raises, naming its path in ``model``, with the model unchanged."""
+    found = []
+    for parent_name, parent in model.named_modules():
+        for name, child in parent.named_children():
             if name == "mlp" and hasattr(child, "up_proj") and hasattr(child, "down_proj"):
-                setattr(parent, name, from_module(child, **kwargs))
-                count += 1
-    return count
+                if not isinstance(child, _TwELLMLPBase):
+                    found.append((parent, name, child, f"{parent_name}.{name}" if parent_name else name))
+    converted = []
+    for parent, name, child, path in found:
+        try:
+            converted.append((parent, name, from_module(child, **kwargs)))
+        except (TypeError, ValueError) as err:
+            msg = str(err)  # from_module names the module "mlp": name it by its path instead
+            raise type(err)(path + msg[3:] if msg.startswith(("mlp.", "mlp:")) else f"{path}: {msg}") from None
+    for parent, name, new in converted:
+        setattr(parent, name, new)
+    return len(converted)
