@@ -520,3 +520,16 @@ def test_double_backward_says_it_is_unsupported():
     (g,) = torch.autograd.grad(tt.gated_ffn(x, wg, wu, wd, tile_n=64).square().sum(), x, create_graph=True)
     with pytest.raises(NotImplementedError, match="double backward"):
         torch.autograd.grad(g.sum(), x)
+
+
+@pytest.mark.parametrize("dispatch", ["sparse", "dense"])
+def test_modules_compile_in_one_graph(dispatch):
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    m = tt.TwELLGatedMLP(16, 128, tile_n=32, dispatch=dispatch)
+    x = torch.randn(40, 16, requires_grad=True)
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), m(x))
+    (gx,) = torch.autograd.grad(compiled(x).sum(), x)
+    (want,) = torch.autograd.grad(m(x).sum(), x)
+    torch.testing.assert_close(gx, want)

@@ -681,13 +681,16 @@ class _TwELLMLPBase(nn.Module):
         with _on_device(fraction):
             self._density.post(_to_array(fraction.to(torch.float64)))
 
-    @torch.compiler.disable
     def _path(self, tokens: int) -> str:
         """``"sparse"`` or ``"dense"``: under ``dispatch="auto"`` the previous forward's density
         (posted without a host sync) against ``breakeven`` (by default the measured break-even
         of the module's widths and this forward's tokens); the first forward runs sparse."""
         if self.dispatch != "auto":
-            return self.dispatch
+            return self.dispatch  # traced through: "sparse" and "dense" compile in one graph
+        return self._auto_path(tokens)
+
+    @torch.compiler.disable  # a host read of the posted density: a graph break
+    def _auto_path(self, tokens: int) -> str:
         density = self._density.value()
         breakeven = breakeven_for(self.breakeven, self._kind, tokens, self.hidden_size, self.intermediate_size)
         return "dense" if density is not None and density > breakeven else "sparse"
