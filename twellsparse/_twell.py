@@ -444,7 +444,7 @@ class twell_array:
         array promotes (float32 * float64 scalar is float64).
         """
         if _is_scalar(other):
-            return _scaled(self, other, np.multiply)
+            return _scaled(self, other, operator.mul)
         if is_twell(other) or sp.issparse(other) or _is_cupyx_sparse(other):
             other = other.toarray()
         dense = broadcast_operand(other, self.shape, self.data)
@@ -463,7 +463,7 @@ class twell_array:
         """Division by a scalar (dtypes as in :meth:`multiply`); the pattern is kept."""
         if not _is_scalar(other):
             return NotImplemented
-        return _scaled(self, other, np.true_divide)
+        return _scaled(self, other, operator.truediv)
 
     def transpose(self, axes: Any = None, copy: bool = False) -> Any:
         """A lazy transposed view (``twell_transpose``): ``a.T @ g`` runs without conversion."""
