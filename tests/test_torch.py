@@ -491,7 +491,7 @@ def test_module_errors_name_the_parameter_and_fp8_checks_dtypes_too():
     with pytest.raises(ValueError, match=r"x: expected a last dimension of 32 \(gate_proj.weight's columns\)"):
         m(torch.randn(3, 16))
     fp8 = tt.TwELLGatedMLP(32, 300, tile_n=32, down_format="e4m3")
-    with torch.inference_mode(), pytest.raises(TypeError, match="gate_proj.weight: expected dtype torch.float64"):
+    with torch.inference_mode(), pytest.raises(TypeError, match=r"gate_proj\.weight: expected dtype torch\.float64"):
         fp8(torch.randn(4, 32, dtype=torch.float64))
 
 
@@ -511,7 +511,7 @@ def test_swap_mlps_keeps_twell_modules_and_is_all_or_nothing():
     with pytest.raises(ValueError, match=r"^1\.mlp\.gate_proj: expected a Linear without bias"):
         tt.swap_mlps(mixed)
     assert [type(b.mlp).__name__ for b in mixed] == ["_LlamaMLP", "_LlamaMLP"]  # nothing swapped
-    with pytest.raises(ValueError, match="mlp.up_proj: expected 16 -> 96 features like gate_proj"):
+    with pytest.raises(ValueError, match=r"mlp\.up_proj: expected 16 -> 96 features like gate_proj"):
         tt.from_module(_LlamaMLP(up_f=64))
 
 
