@@ -29,13 +29,24 @@ def _cp() -> Any:
 
 
 def row_stride(x: Any) -> tuple[Any, int]:
-    """``x`` with unit column stride and its row stride in elements (copying only if needed)."""
+    """``x`` with unit column stride and its row stride in elements (copying only if needed:
+    other column strides, and rows that are not apart, such as a broadcast's stride 0 or a
+    reversed view's negative one, which the kernels' row arithmetic cannot follow)."""
     cp = _cp()
-    item = x.itemsize
-    unit_cols = x.shape[1] <= 1 or x.strides[1] == item
-    if not unit_cols or x.strides[0] % item or x.strides[0] < 0:
+    if not direct_rows(x):
         x = cp.ascontiguousarray(x)
     return x, leading_dim(x)
+
+
+def direct_rows(x: Any) -> bool:
+    """Whether kernels can address ``x`` (2-D) as rows at a fixed positive stride, each row's
+    elements adjacent: unit column stride and, with several rows, a row stride of whole elements
+    at least a row long. Outputs that are not are computed elsewhere and copied in."""
+    rows, cols = x.shape
+    item = x.itemsize
+    if cols > 1 and x.strides[1] != item:
+        return False
+    return rows <= 1 or (x.strides[0] % item == 0 and x.strides[0] >= cols * item)
 
 
 def leading_dim(x: Any) -> int:
@@ -311,6 +322,8 @@ def csr_to_parts(
     cp = _cp()
     m, n = shape
     nt = n_tiles(n, tile_n)
+    if int(cols.size) >= 2**31:
+        raise ValueError(f"arg: expected fewer than 2**31 entries (int32 row pointers), got {int(cols.size)}")
     indptr = cp.ascontiguousarray(indptr, dtype=cp.int32)
     cols = cp.ascontiguousarray(cols, dtype=cp.int32)
     vals = cp.ascontiguousarray(vals)
@@ -383,6 +396,8 @@ def parts_to_csr(parts: TwELLParts, shape: tuple[int, int], tile_n: int) -> tupl
     ends = cp.cumsum(flat)
     offsets = ends - flat
     nnz = int(ends[-1]) if ends.size else 0  # the one host read: the CSR arrays' length
+    if nnz >= 2**31:
+        raise ValueError(f"a: expected fewer than 2**31 entries for CSR's int32 row pointers, got {nnz}")
     indptr = cp.zeros(m + 1, dtype=cp.int32)
     if m and nt:
         indptr[1:] = ends.reshape(m, nt)[:, -1]

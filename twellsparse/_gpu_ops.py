@@ -103,12 +103,14 @@ def spmm(
         )
     if path == "tiled" or (path == "auto" and _tiled_spmm.chosen(b, out, b2)):
         return _tiled_spmm.spmm(parts, tile_n, b, out, second)
-    if path == "stationary" and not _stationary.applies(b.shape[0], b, out, b2):
+    fits = _stationary.fits(parts, second is not None)  # its int32 row pointers
+    if path == "stationary" and not (fits and _stationary.applies(b.shape[0], b, out, b2)):
         raise ValueError(
-            "path: 'stationary' needs 2-byte values, 16-byte-aligned rows and a 16-column slice of b "
-            f"(b.shape[0] * 32 bytes) that fits in shared memory; got {b.dtype} b of shape {b.shape}"
+            "path: 'stationary' needs 2-byte values, 16-byte-aligned rows, a 16-column slice of b "
+            f"(b.shape[0] * 32 bytes) that fits in shared memory and fewer than 2**31 packed words; got "
+            f"{b.dtype} b of shape {b.shape}"
         )
-    if path == "stationary" or (path == "auto" and _stationary.chosen(m, b.shape[0], b, out, b2)):
+    if path == "stationary" or (path == "auto" and fits and _stationary.chosen(m, b.shape[0], b, out, b2)):
         return _stationary.spmm(parts, tile_n, b, out, second)
     k = b.shape[1]
     ldo = np.int64(leading_dim(out))
@@ -481,10 +483,11 @@ def gated_up(
     x, ldx = row_stride(x)
 
     # The kernels write the stored slots only: h's padding is never read (the SpMMs walk the
-    # counts), a kept u is handed out and so starts zeroed.
+    # counts), a kept u is handed out and so starts zeroed, its spill too (a fixed spill's arrays
+    # run past the entries).
     def values(fill: Any) -> TwELLParts:
         return gate._replace(
-            data=fill(gate.data.shape, dtype=x.dtype), spill_data=cp.empty(gate.spill_data.shape, dtype=x.dtype)
+            data=fill(gate.data.shape, dtype=x.dtype), spill_data=fill(gate.spill_data.shape, dtype=x.dtype)
         )
 
     h = values(cp.empty)
@@ -559,11 +562,18 @@ _CUDA_R = {np.dtype(np.float16): 2, bfloat16: 14, np.dtype(np.float32): 0, np.dt
 _COMPUTE_32F, _COMPUTE_64F, _OP_N, _OP_T, _GEMM_DEFAULT = 68, 70, 0, 1, -1
 
 
-@functools.lru_cache(maxsize=128)  # each plan holds its workspace
 def lt_gemm(kind: str, m: int, f: int, k: int, dtype_name: str, device: int) -> Any:
-    """The cuBLASLt plan (``"Gemm"``, ``"ReluGemm"`` or ``"ReluMaskGemm"``) of one shape, capturable in a CUDA
-    graph; None for float64, or where the library does not load or offers no algorithm (the
-    callers then take CuPy's cuBLAS or the dense-scan producer)."""
+    """The cuBLASLt plan (``"Gemm"``, ``"ReluGemm"`` or ``"ReluMaskGemm"``) of one shape for the
+    current stream, capturable in a CUDA graph; None for float64, or where the library does not
+    load or offers no algorithm (the callers then take CuPy's cuBLAS or the dense-scan producer).
+
+    One plan per stream: a plan's workspace (and the ReLU mask pointer it sets on its
+    descriptor) must not serve two streams at once."""
+    return _lt_gemm(kind, m, f, k, dtype_name, device, _cp().cuda.get_current_stream().ptr)
+
+
+@functools.lru_cache(maxsize=128)  # each plan holds its workspace (plans used in a capture stay alive)
+def _lt_gemm(kind: str, m: int, f: int, k: int, dtype_name: str, device: int, stream: int) -> Any:
     if dtype_name == "float64":
         return None
     try:
@@ -583,6 +593,9 @@ def gemm_nt(x: Any, w: Any, relu: bool = False) -> Any:
     cp = _cp()
     from cupy_backends.cuda.libs import cublas
 
+    K.check_current_device((x,))
+    if w.dtype != x.dtype:
+        raise TypeError(f"w: expected dtype {x.dtype} like x, got {w.dtype}")
     x = cp.ascontiguousarray(x)
     w = cp.ascontiguousarray(w)
     m, k = x.shape

@@ -448,13 +448,32 @@ def max_active_clusters(expression: str, device_id: int, threads: int, shared_me
     return max(count.value, 0)
 
 
+def check_current_device(args: tuple) -> int:
+    """The current device's id, after checking that the launch's first array argument lives
+    there (CuPy's convention: work runs on the current device, whose allocations, stream and
+    compiled modules the launch uses; an array of another device would be read through a
+    pointer that device 0 cannot follow)."""
+    cp = cupy_module()
+    assert cp is not None
+    current = cp.cuda.Device().id
+    for a in args:
+        if isinstance(a, cp.ndarray):
+            if a.device.id != current:
+                raise ValueError(
+                    f"device: expected the arrays on the current device cuda:{current}, got them on "
+                    f"cuda:{a.device.id}; call under `with cupy.cuda.Device({a.device.id}):`"
+                )
+            break
+    return current
+
+
 def launch_arch(expression: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int) -> None:
     """Launch an :data:`ARCH_SOURCES` kernel on CuPy's current stream (empty grids are skipped)."""
     if min(grid) <= 0:
         return
     cp = cupy_module()
     assert cp is not None
-    func = _arch_function(expression, cp.cuda.Device().id, shared_mem)
+    func = _arch_function(expression, check_current_device(args), shared_mem)
     func(grid, block, args, shared_mem=shared_mem, stream=cp.cuda.get_current_stream())
 
 
@@ -493,7 +512,7 @@ def launch_grid(
     """
     if min(grid) <= 0:
         return
-    kernel = get_kernel(expression)
+    kernel = _function(expression, check_current_device(args))
     if shared_mem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_mem:
         kernel.max_dynamic_shared_size_bytes = shared_mem
     kernel(grid, block, args, shared_mem=shared_mem)

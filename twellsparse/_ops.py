@@ -124,12 +124,15 @@ def _matmul_gpu(
     import cupy as cp
 
     from . import _gpu_ops
+    from ._gpu_convert import direct_rows
 
     target = None
     if out is not None:
         target = out.reshape(shape) if vector else out
-        if shape[1] > 1 and target.strides[1] != target.itemsize:
-            target = None  # the kernels want unit column stride; copy at the end
+        # The kernels write rows at a positive stride, while other blocks still read b: an
+        # out they cannot address so, or one sharing memory with b, gets the result copied in.
+        if not direct_rows(target) or cp.may_share_memory(target, b):
+            target = None
     result = target if target is not None else cp.empty(shape, dtype=dt)
     parts = _cast_parts(base.parts, dt)
     if transposed:
@@ -530,6 +533,7 @@ def dense_ffn_tail(
 
         if activated and w_lin is None and threshold is None and z.dtype == dtype:
             return _gpu_ops.gemm_nt(z, w_down.astype(dtype, copy=False))
+        z = z.astype(dtype, copy=False)  # mixed weights: z is in x's and the activation's dtype
         z_lin = (
             None if w_lin is None else _gpu_ops.gemm_nt(x.astype(dtype, copy=False), w_lin.astype(dtype, copy=False))
         )

@@ -189,9 +189,15 @@ class _FFNPlanBase:
         checked after this call's work is queued (its wait then overlaps this call's kernels)."""
         previous = self._left_out.pop() if self.spill_capacity is not None and not _capturing() else None
         try:
-            return self._run_call(x, act_name, lin_name, out)
-        finally:
-            raise_for_previous(previous, self._left_out, self.spill_capacity, "the previous call")
+            result = self._run_call(x, act_name, lin_name, out)
+        except Exception as err:  # this call's error stays the one raised; the previous call's rides along
+            try:
+                raise_for_previous(previous, self._left_out, self.spill_capacity, "the previous call")
+            except TwELLSpillCapacityError as spill:
+                raise err from spill
+            raise
+        raise_for_previous(previous, self._left_out, self.spill_capacity, "the previous call")
+        return result
 
     def _run_call(self, x: Any, act_name: str, lin_name: str | None, out: Any) -> Any:
         """Validate x (and out), compute the activation's pre-activations, choose the path, finish
@@ -313,7 +319,9 @@ class _FFNPlanBase:
         with the overflow policy of the plan (fixed spill, or the exact read-back)."""
 
         # The tails write into `out` directly when every operand has one dtype and 16-byte rows.
-        unit_columns = out is not None and (out.shape[1] <= 1 or out.strides[1] == out.itemsize)
+        from ._gpu_convert import direct_rows
+
+        unit_columns = out is not None and is_cupy_array(out) and direct_rows(out)
         target = out if unit_columns and gather_tail_eligible(xx, w_lin, self._down_rows, dt) else None
 
         def tail(parts: Any) -> Any:

@@ -69,7 +69,8 @@ class QuantizedRows:
             raise ValueError(f"data: expected a 2-D uint8 array of codes, got {data.ndim}-D {data.dtype}")
         if scales.dtype != np.float32 or scales.shape != data.shape[:1]:
             raise ValueError(f"scales: expected float32 of shape ({data.shape[0]},), got {scales.dtype} {scales.shape}")
-        self.data, self.scales, self.format = data, scales, format
+        xp = array_module(data)  # the fp8 kernels read rows of K codes back to back
+        self.data, self.scales, self.format = xp.ascontiguousarray(data), xp.ascontiguousarray(scales), format
 
     @property
     def shape(self) -> tuple[int, int]:

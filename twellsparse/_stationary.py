@@ -111,6 +111,18 @@ def chosen(m: int, n: int, b: Any, out: Any, b2: Any = None) -> bool:
     return applies(n, b, out, b2)
 
 
+def words_bound(parts: TwELLParts, dual: bool) -> int:
+    """The packed words' room: every slot and spill entry (twice in the dual form) and each
+    row's padding."""
+    m, nt, cap = parts.data.shape
+    return (2 if dual else 1) * (m * nt * cap + int(parts.spill_data.size) + m * (BATCH - 1))
+
+
+def fits(parts: TwELLParts, dual: bool) -> bool:
+    """Whether :func:`pack`'s int32 row pointers can address A's words (below 2**31)."""
+    return words_bound(parts, dual) < 2**31
+
+
 def pack(parts: TwELLParts, tile_n: int, n: int, second: TwELLParts | None = None) -> tuple[Any, Any]:
     """A's rows as packed words (column << 16 | value bits), each row padded to a multiple of
     :data:`BATCH` with words of the zero rows ``n`` .. ``n + 3``, in the kernel's order against
@@ -120,9 +132,11 @@ def pack(parts: TwELLParts, tile_n: int, n: int, second: TwELLParts | None = Non
     ``indptr[-1]`` are written."""
     cp = _cp()
     m, nt, cap = parts.data.shape
-    per_entry = 1 if second is None else 2
+    bound = words_bound(parts, second is not None)
+    if bound >= 2**31:
+        raise ValueError(f"a: expected fewer than 2**31 packed words for the stationary kernel, got room for {bound}")
     indptr = cp.empty(m + 1, dtype=cp.int32)
-    words = cp.empty(per_entry * (m * nt * cap + int(parts.spill_data.size) + m * (BATCH - 1)), dtype=cp.uint32)
+    words = cp.empty(bound, dtype=cp.uint32)
     if m == 0:
         indptr[0] = 0
         return indptr, words

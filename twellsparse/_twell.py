@@ -174,8 +174,10 @@ class twell_array:
             )
         names = TwELLParts._fields
         arrays = [as_array(a, names[i]) for i, a in enumerate(arg)]
+        xp = array_module(arrays[0])
+        # The kernels index every part as a dense C-order array: other layouts are copied.
+        arrays = [xp.ascontiguousarray(a) if device_name(a) == device_name(arrays[0]) else a for a in arrays]
         data = arrays[0]
-        xp = array_module(data)
         for name, a in zip(names[1:], arrays[1:], strict=False):
             if device_name(a) != device_name(data):
                 raise ValueError(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -76,6 +77,9 @@ ENV_LIBRARY = "TWELL_CUBLASLT"
 ENV_CANDIDATES = "TWELL_GEMM_CANDIDATES"
 #: Launches per candidate when a plan times the heuristic's candidates (after one warm-up).
 TUNING_REPS = 3
+#: Plans launched inside a CUDA graph capture: the graph replays their workspace address, so
+#: they live as long as the process (a plan cache may drop its own reference).
+_CAPTURED: set[Any] = set()
 
 
 def candidates_from_environment() -> int:
@@ -154,6 +158,7 @@ class Gemm:
             raise ValueError(f"dtype: expected one of {', '.join(CUDA_R)}, got {name}")
         lib, ffi = library(), _ffi()
         self.shape, self.dtype = (m, f, k), np.dtype(dtype)
+        self._lock = threading.Lock()
         self._keep: list = []  # cffi buffers the descriptors point to
         dt = CUDA_R[name]
         desc = ffi.new("cublasLtMatmulDesc_t*")
@@ -243,8 +248,11 @@ class Gemm:
     def _launch(self, x: Any, w: Any, out: Any) -> None:
         import cupy as cp
 
-        if len(self._candidates) > 1 and not cp.cuda.get_current_stream().is_capturing():
+        capturing = cp.cuda.get_current_stream().is_capturing()
+        if len(self._candidates) > 1 and not capturing:
             self._tune(x, w, out)
+        if capturing:  # the graph holds this plan's workspace address: never free it
+            _CAPTURED.add(self)
         self._matmul(x, w, out, self._candidates[0][0])
 
     def _matmul(self, x: Any, w: Any, out: Any, algo: Any) -> None:
@@ -298,8 +306,11 @@ class ReluMaskGemm(Gemm):
             raise ValueError(f"mask: expected {m * mask_ld(f) // 32} uint32 words, got {got}")
         ffi = _ffi()
         aux = ffi.new("void**", ffi.cast("void*", int(mask.data.ptr)))
-        _check(
-            library().cublasLtMatmulDescSetAttribute(self._desc, DESC_EPILOGUE_AUX_POINTER, aux, ffi.sizeof("void*")),
-            "cublasLtMatmulDescSetAttribute",
-        )
-        self._launch(x, w, out)
+        with self._lock:  # the mask pointer lives on the descriptor until the launch has read it
+            _check(
+                library().cublasLtMatmulDescSetAttribute(
+                    self._desc, DESC_EPILOGUE_AUX_POINTER, aux, ffi.sizeof("void*")
+                ),
+                "cublasLtMatmulDescSetAttribute",
+            )
+            self._launch(x, w, out)
