@@ -14,7 +14,7 @@ status=0
   python3 -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVersion())"
 } 2>&1 | tee "$OUT/env.txt"
 # The device image has no cffi (the cuSPARSE/cuBLASLt bindings need it) and no internet: carry
-# its wheels in .whl/ (see docs/ARCHITECTURE.md, "device runs") and they are installed here.
+# its wheels in .whl/ (see docs/ARCHITECTURE.md, "Layout", scripts/) and they are installed here.
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}

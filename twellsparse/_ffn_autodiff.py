@@ -1,6 +1,6 @@
 """The FFN blocks' forward and sparse backward on NumPy/CuPy arrays, framework-neutral.
 
-The framework adapters (``twellsparse.torch``, and the JAX adapter to come) wrap these in their
+The framework adapters (``twellsparse.torch``, ``twellsparse.jax``) wrap these in their
 own autodiff machinery. With ``P`` the activation's TwELL pattern, ``h = act(z) * u`` on ``P``
 (``u = 1`` for the non-gated block) and ``out = h @ W_down.T``::
 

@@ -2,7 +2,8 @@
 
 Kernel sources are the ``.cu``/``.cuh`` files of the ``twellsparse.cuda`` package, found with
 :mod:`importlib.resources` (so an installed wheel works, not only a checkout). Each source is
-compiled once per device with every template instantiation it needs (``name_expressions``).
+compiled once per (value type, device) with the template instantiations of that value type
+(``name_expressions``).
 Local ``#include "x.cuh"`` lines are expanded here, so the code handed to NVRTC is
 self-contained (no ``-I`` path into the install, which an installed namespace package need not
 have). The options also carry a hash of every kernel source, as CuPy's on-disk cache keys on code

@@ -10,7 +10,8 @@ Ops, each over a density sweep and the token counts M asked for:
   ceiling), with GB/s on the bytes each one reads and writes.
 - ``sddmm``: TwELL beside cuSPARSE SDDMM at the same pattern and the dense GEMM.
 - ``ffn``: the gated FFN block (d_model = K, d_ff = N) with the sparse path forced and with the
-  default dispatch, beside the dense cuBLAS block (bench/ffn_bench.py compares with torch).
+  default dispatch, beside the dense block by cuBLAS and by torch (``dense-torch``, the baseline
+  where torch is installed).
 
 Every provider's result is checked against the dense one before it is timed; a failure (or a
 combination cuSPARSE refuses) is recorded instead of a time. On a machine without a GPU, or

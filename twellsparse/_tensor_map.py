@@ -1,6 +1,7 @@
 """TMA descriptors (``CUtensorMap``) of row-major 2-D CuPy arrays, encoded by the driver's
 ``cuTensorMapEncodeTiled`` and passed to kernels by value (``__grid_constant__``; the CUDA
-side is ``cuda/twell_tma.cuh``). Used by the fused Hopper producer and the tiled up projection.
+side is ``cuda/twell_tma.cuh``). Used by the fused Hopper producer and the tiled kernels (up
+projection, SpMM, one-pack FFN).
 """
 
 from __future__ import annotations

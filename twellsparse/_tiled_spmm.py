@@ -7,7 +7,7 @@ A is first packed on the device (four launches, no host read, so the pair runs i
 graph capture) into k-groups of 16 words per (8 output rows, chunk), and each product first
 builds the MMA's one-hot operands of its words (:func:`fragments`). :func:`applies` says
 whether the kernel serves the operands, :func:`spmm` runs it. Opt-in (``TWELL_TILED_SPMM=1`` or
-``matmul``'s ``path="tiled"``): on the H200 it is still slower than the stationary kernel with
+``_gpu_ops.spmm(..., path="tiled")``): on the H200 it is still slower than the stationary kernel with
 its pack (bench/NOTES.md, twenty-sixth session; the twenty-seventh session's changes to its
 inner loop are not yet measured). A documented
 detail: inside the MMA an Inf or NaN in a row of b that an entry uses would reach the other 7

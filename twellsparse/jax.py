@@ -2,7 +2,8 @@
 
 Every op runs twellsparse's own code through :func:`jax.experimental.buffer_callback.buffer_callback`:
 on a GPU the callback receives XLA's device buffers and computation stream, views the buffers as
-CuPy arrays through DLPack (zero-copy) and launches the CUDA kernels on that stream, so no array
+CuPy arrays from their ``__cuda_array_interface__`` pointers (zero-copy, no stream handshake) and
+launches the CUDA kernels on that stream, so no array
 goes through the host; on the CPU it runs the NumPy reference path on the host buffers. Outputs
 are written in place into XLA's result buffers. Where an exact spill's length must be known
 (the producer's overflow count), the callback reads that one scalar back, which waits for XLA's

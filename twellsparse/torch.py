@@ -1,9 +1,10 @@
 """PyTorch adapter: sparse FFN blocks as ``torch.library`` custom ops with a sparse backward.
 
-Torch tensors go in and out zero-copy through DLPack. CUDA tensors run the CuPy kernels on
-torch's current stream and device; CPU tensors run the NumPy reference path. The ops are
-registered with fake (meta) implementations and autograd formulas, so modules built on them
-trace under ``torch.compile``: in one graph with ``fullgraph=True`` (or with
+Torch tensors go in and out zero-copy (CUDA inputs as CuPy views of their pointers, outputs
+through DLPack). CUDA tensors run the CuPy kernels on torch's current stream and device; CPU
+tensors run the NumPy reference path. The ops are registered with fake (meta) implementations
+and autograd formulas, so modules built on them trace under ``torch.compile``: in one graph
+with ``fullgraph=True`` (for ``dispatch="sparse"`` or ``"dense"``; or with
 ``torch._dynamo.config.capture_dynamic_output_shape_ops = True``: the spill part's length
 depends on the data, which dynamo otherwise leaves to eager with a graph break per op). The
 modules' host reads (``dispatch="auto"``'s density, a fixed ``spill_capacity``'s check, the fp8
