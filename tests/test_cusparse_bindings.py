@@ -53,3 +53,16 @@ def test_gemm_candidates_setting_is_checked(monkeypatch, raw):
         cublaslt.candidates_from_environment()
     monkeypatch.setenv(cublaslt.ENV_CANDIDATES, "3")
     assert cublaslt.candidates_from_environment() == 3
+
+
+def test_timed_choices_are_shared_by_size_class():
+    """Token counts in (2**(c - 1), 2**c] share a timed algorithm: a plan adopts it when the
+    heuristic offers it again, and keeps every candidate (to time them) otherwise."""
+    from twellsparse.bindings import cublaslt
+
+    assert [cublaslt.size_class(m) for m in (1, 2, 3, 4, 5, 4096, 4097, 8192)] == [0, 1, 2, 2, 3, 12, 13, 13]
+    offered = [(b"a", 0), (b"b", 64), (b"c", 32)]
+    same = lambda algo: algo  # noqa: E731  (the algorithms here are their own bytes)
+    assert cublaslt.adopt(offered, b"c", same) == [(b"c", 32)]
+    assert cublaslt.adopt(offered, b"z", same) == offered  # not offered for this count: time again
+    assert cublaslt.adopt(offered, None, same) == offered

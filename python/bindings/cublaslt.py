@@ -80,6 +80,24 @@ TUNING_REPS = 3
 #: Plans launched inside a CUDA graph capture: the graph replays their workspace address, so
 #: they live as long as the process (a plan cache may drop its own reference).
 _CAPTURED: set[Any] = set()
+#: The algorithm a plan chose by timing (its bytes), per (plan class, F, K, dtype, device, size
+#: class of M): a later plan of that key adopts it without timing where the heuristic offers
+#: it, so a server meeting many token counts times once per size class, not once per count.
+_CHOSEN: dict[tuple, bytes] = {}
+
+
+def size_class(m: int) -> int:
+    """The token counts that share a timed choice: M in (2**(c - 1), 2**c] is class c."""
+    return max(m - 1, 0).bit_length()
+
+
+def adopt(candidates: list, chosen: bytes | None, key: Any) -> list:
+    """``candidates`` narrowed to the one whose ``key(algorithm)`` bytes equal ``chosen`` (a
+    timed choice of the same size class), or unchanged when there is none or it is not offered."""
+    if chosen is None:
+        return candidates
+    same = [c for c in candidates if key(c[0]) == chosen]
+    return same[:1] or candidates
 
 
 def candidates_from_environment() -> int:
@@ -132,6 +150,11 @@ def _handle(device: int) -> Any:
     return h[0]
 
 
+def _algo_bytes(algo: Any) -> bytes:
+    """The bytes of a ``cublasLtMatmulAlgo_t*`` (the opaque algorithm, compared by value)."""
+    return bytes(_ffi().buffer(algo))
+
+
 class Gemm:
     """``out = x @ w.T`` (row-major, M x F), planned once for one shape: fp32 accumulation, on
     CuPy's current stream, capturable in a CUDA graph (no host synchronisation, a workspace
@@ -139,12 +162,13 @@ class Gemm:
 
     The plan asks the heuristic for up to :func:`candidates_from_environment` algorithms and, on
     its first call outside a CUDA-graph capture, times each on that call's operands and keeps the
-    fastest (a host synchronisation, once per plan). Why: the heuristic's first choice ran 5-12%
-    slower than torch's GEMM at 16384 x 4096 -> 14336 in bf16 on the H200 (bench/NOTES.md,
-    fifteenth session), which cost the dense remainder of ``dispatch="auto"`` as much. Calls
-    inside a capture before that take the first choice. Another process may time its way to
-    another algorithm, and so to other last bits; ``TWELL_GEMM_CANDIDATES=1`` keeps the
-    heuristic's first choice.
+    fastest (a host synchronisation, once per plan; a plan whose size class of M already has a
+    timed choice that the heuristic offers again takes it untimed, :func:`adopt`). Why: the
+    heuristic's first choice ran 5-12% slower than torch's GEMM at 16384 x 4096 -> 14336 in
+    bf16 on the H200 (bench/NOTES.md, fifteenth session), which cost the dense remainder of
+    ``dispatch="auto"`` as much. Calls inside a capture before that take the first choice.
+    Another process may time its way to another algorithm, and so to other last bits;
+    ``TWELL_GEMM_CANDIDATES=1`` keeps the heuristic's first choice.
     """
 
     #: cuBLASLt epilogue (CUBLASLT_EPILOGUE_DEFAULT).
@@ -191,7 +215,9 @@ class Gemm:
             raise CuBlasLtError(f"cuBLASLt: no algorithm for the {type(self).__name__} of shape {self.shape} in {name}")
         # (algorithm, workspace bytes), the heuristic's order; the first is the one launched, and
         # the only one left once the plan is tuned.
-        self._candidates = [(ffi.new("cublasLtMatmulAlgo_t*", r.algo), int(r.workspaceSize)) for r in found]
+        candidates = [(ffi.new("cublasLtMatmulAlgo_t*", r.algo), int(r.workspaceSize)) for r in found]
+        self._tuning_key = (type(self).__name__, f, k, name, cp.cuda.Device().id, size_class(m))
+        self._candidates = adopt(candidates, _CHOSEN.get(self._tuning_key), _algo_bytes)
         self._workspace = cp.empty(max(max(size for _, size in self._candidates), 1), dtype=cp.uint8)
         self._alpha, self._beta = np.ones(1, np.float32), np.zeros(1, np.float32)
 
@@ -221,6 +247,7 @@ class Gemm:
             raise CuBlasLtError(f"cuBLASLt: every algorithm refused the {type(self).__name__} of shape {self.shape}")
         best = min(times, key=lambda t: t[0])[1]
         self._candidates = [best]
+        _CHOSEN[self._tuning_key] = _algo_bytes(best[0])
         self._workspace = cp.empty(max(best[1], 1), dtype=cp.uint8)
 
     def _configure_epilogue(self) -> None:
