@@ -108,7 +108,7 @@ def test_linear_to_twell_values_overflow_and_gradient(rng):
         np.testing.assert_allclose(g, e, **TOL)
 
 
-@pytest.mark.parametrize("spill_capacity", [None, 4096])  # the CPU path stays exact with either
+@pytest.mark.parametrize("spill_capacity", [None, 4096])  # the CPU path is exact with either (4096 holds the spill)
 @pytest.mark.parametrize("gated", [False, True])
 def test_ffn_blocks_under_jit_with_gradients(rng, gated, spill_capacity):
     p = ffn_problem(48, 32, 256, 0.05, "skewed", np.float32, rng)
@@ -250,3 +250,30 @@ def test_fixed_spill_on_the_cpu_raises_at_once(rng):
     f = jax.jit(lambda *a: tsj.ffn(*a, tile_n=32, capacity=1, spill_capacity=0))
     with pytest.raises(Exception, match="spill_capacity: expected at most 0 spilled entries"):
         jax.block_until_ready(f(*args))
+
+
+@pytest.mark.parametrize(("activation", "threshold"), [("relu2", None), ("silu", 0.05), ("gelu", 0.05)])
+def test_other_activations_values_and_gradients(rng, activation, threshold):
+    p = ffn_problem(40, 16, 128, 0.1, "uniform", np.float32, rng)
+    x, wg, wu, wd = (jnp.asarray(p[k]) for k in ("x", "w_gate", "w_up", "w_down"))
+    act = {
+        "relu2": lambda z: jnp.square(jax.nn.relu(z)),
+        "silu": jax.nn.silu,
+        "gelu": lambda z: jax.nn.gelu(z, approximate=True),
+    }[activation]
+
+    def dense(xx, g, u, d):
+        a = act(xx @ g.T)
+        if threshold is not None:
+            a = jnp.where(jnp.abs(a) > threshold, a, 0.0)
+        return (a * (xx @ u.T)) @ d.T
+
+    def sparse(xx, g, u, d):
+        return tsj.gated_ffn(xx, g, u, d, activation=activation, threshold=threshold, tile_n=32, capacity=4)
+
+    np.testing.assert_allclose(jax.jit(sparse)(x, wg, wu, wd), dense(x, wg, wu, wd), **TOL)
+    c = jnp.asarray(rng.standard_normal((40, 16)).astype(np.float32))
+    got = jax.grad(lambda *a: jnp.sum(sparse(*a) * c), (0, 1, 2, 3))(x, wg, wu, wd)
+    want = jax.grad(lambda *a: jnp.sum(dense(*a) * c), (0, 1, 2, 3))(x, wg, wu, wd)
+    for g, e in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-3, atol=1e-3)
