@@ -570,7 +570,8 @@ class _TwELLMLPBase(nn.Module):
         self._plan: FFN | GatedFFN | None = None  # the fp8 forward's plan
         self._plan_key: tuple = ((), ())  # the (layout, versions) of the weights it was built on
         gated = "gate_proj" in projections
-        self._names = ("gate_proj", "up_proj", "down_proj") if gated else ("up_proj", None, "down_proj")
+        names = ("gate_proj", "up_proj", "down_proj") if gated else ("up_proj", None, "down_proj")
+        self._weight_names = tuple(f"{n}.weight" if n else None for n in names)  # for error messages
 
     #: What the last forward left for stats() and l1_penalty(), and the plans' host state: not
     #: part of a copy (the hidden tensors hold that forward's autograd graph, which deepcopy and
@@ -590,7 +591,7 @@ class _TwELLMLPBase(nn.Module):
         return self.down_format is not None or self.up_format is not None
 
     def _forward(self, x: Tensor, w_act: Tensor, w_lin: Tensor | None, w_down: Tensor) -> Tensor:
-        names = tuple(f"{n}.weight" if n else None for n in self._names)
+        names = self._weight_names
         _check_operands(x, w_act, w_lin, w_down, names)
         x, w_act, w_lin, w_down = _autocast(x, w_act, w_lin, w_down)
         if self._fp8_rows:
