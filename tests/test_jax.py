@@ -277,3 +277,28 @@ def test_other_activations_values_and_gradients(rng, activation, threshold):
     want = jax.grad(lambda *a: jnp.sum(dense(*a) * c), (0, 1, 2, 3))(x, wg, wu, wd)
     for g, e in zip(got, want, strict=True):
         np.testing.assert_allclose(g, e, rtol=1e-3, atol=1e-3)
+
+
+def test_leading_dimensions_are_tokens(rng):
+    p = ffn_problem(24, 16, 128, 0.1, "uniform", np.float32, rng)
+    x, wg, wu, wd = (jnp.asarray(p[k]) for k in ("x", "w_gate", "w_up", "w_down"))
+    flat = tsj.gated_ffn(x, wg, wu, wd, tile_n=32)
+    np.testing.assert_array_equal(tsj.gated_ffn(x.reshape(4, 6, 16), wg, wu, wd, tile_n=32), flat.reshape(4, 6, 16))
+    np.testing.assert_array_equal(tsj.ffn(x[0], wg, wd, tile_n=32), tsj.ffn(x[:1], wg, wd, tile_n=32)[0])
+
+
+def test_scalar_arithmetic_on_jax_matrices_under_jit(rng):
+    h, a = _pattern(rng)
+    scaled = jax.jit(lambda m: (m * 2.0) / 4.0)(a)
+    np.testing.assert_allclose(tsj.from_jax(scaled).toarray(), h / 2, **TOL)
+    np.testing.assert_allclose((-a).toarray(), -h, **TOL)
+
+
+def test_gradients_through_a_matrix_with_dropped_entries(rng):
+    h = sparse_activations(23, 300, 0.2, "skewed", np.float32, rng)
+    with pytest.warns(ts.TwELLDroppedEntriesWarning):
+        a = tsj.to_jax(ts.twell_array(h, tile_n=64, capacity=2, overflow="drop"))
+    assert a.n_dropped > 0
+    b = jnp.asarray(rng.standard_normal((300, 4)).astype(np.float32))
+    d_b = jax.grad(lambda bb: jnp.sum(tsj.matmul(a, bb)))(b)
+    np.testing.assert_allclose(d_b, np.broadcast_to(a.toarray().sum(axis=0)[:, None], (300, 4)), **TOL)

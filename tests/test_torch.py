@@ -533,3 +533,17 @@ def test_modules_compile_in_one_graph(dispatch):
     (gx,) = torch.autograd.grad(compiled(x).sum(), x)
     (want,) = torch.autograd.grad(m(x).sum(), x)
     torch.testing.assert_close(gx, want)
+
+
+def test_autocast_leaves_float64_alone_and_keeps_the_fp8_plan():
+    m64 = tt.TwELLGatedMLP(16, 96, tile_n=32, dtype=torch.float64)
+    x64 = torch.randn(8, 16, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert m64(x64).dtype == torch.float64  # autocast does not cast float64, nor do the blocks
+    fp8 = tt.TwELLGatedMLP(32, 300, tile_n=32, down_format="e4m3")
+    x = torch.randn(4, 32)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        fp8(x)
+        plan = fp8._plan
+        fp8(x.bfloat16())
+        assert fp8._plan is plan  # built on the weights as they are, not on autocast's copies

@@ -119,14 +119,15 @@ def quantize_rows(b: Any, format: str = "e4m3") -> QuantizedRows:
     Raises
     ------
     ValueError
-        For another format, a non-2-D ``b``, a non-finite value in it or one beyond float32's
-        range.
+        For another format, a non-2-D ``b``, a non-finite value in it, one beyond float32's
+        range, or a row whose largest magnitude is positive but below about 3.1e-43 (its
+        float32 scale would underflow to 0).
 
     Notes
     -----
     The error bound of the module docstring holds for rows whose largest magnitude is at least
     448 times float32's smallest normal (about 5e-36): below that the float32 scale is
-    subnormal and loses precision, and rows below about 6e-43 quantize to zeros.
+    subnormal and loses precision.
     """
     check_format(format)
     xp = array_module(b)
@@ -139,6 +140,13 @@ def quantize_rows(b: Any, format: str = "e4m3") -> QuantizedRows:
         raise ValueError("b: expected finite values (fp8 e4m3 has no infinities), got inf or NaN")
     if b.dtype == np.float64 and b.size and not bool((xp.abs(b) <= np.finfo(np.float32).max).all()):
         raise ValueError("b: expected magnitudes within float32's range (the scales are float32), got larger ones")
+    if b.size:
+        amax = xp.abs(b.astype(np.float32)).max(axis=1)  # as the codec takes each row's scale
+        if bool(((amax > 0) & (amax / np.float32(E4M3_MAX) == 0)).any()):
+            raise ValueError(
+                "b: expected each row's largest magnitude 0 or above about 3.1e-43 (its float32 scale, "
+                "the largest / 448, would underflow to 0), got a smaller one"
+            )
     if is_cupy_array(b):
         from . import _gpu_ops
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from . import _convert as conv
-from ._backend import is_jax_array
+from ._backend import array_module, is_jax_array
 from ._twell import (
     _is_scalar,
     broadcast_operand,
@@ -83,7 +83,7 @@ class twell_transpose:
         """Dense copy of the transpose (``order`` and ``out`` as in ``twell_array.toarray``)."""
         check_order(order)
         dense = self._base.toarray().T
-        xp = self._base._xp()
+        xp = array_module(dense)  # the base's concrete arrays' (a JAX base gives NumPy or CuPy)
         dense = xp.asfortranarray(dense) if order == "F" else xp.ascontiguousarray(dense)
         return write_out(dense, out, self.dtype)
 
@@ -105,7 +105,7 @@ class twell_transpose:
             return self.copy() if copy else self
         if format == "twell":
             rows, cols, vals = self._base._coo()
-            xp = self._base._xp()
+            xp = array_module(rows)
             order = xp.argsort(cols.astype(xp.int64) * self._base.shape[0] + rows, kind="stable")
             parts, _ = conv.coo_to_twell(
                 cols[order], rows[order], vals[order], self.shape, self._base.tile_n, self._base.capacity, "spill"

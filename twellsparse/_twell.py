@@ -508,20 +508,26 @@ def _is_scalar(other: Any) -> bool:
 
 
 def _scaled(a: Any, scalar: Any, op: Any) -> Any:
-    """``op(a, scalar)`` on the stored values; unused slots stay 0 (``0 * inf`` would be NaN).
+    """``op(a, scalar)`` on the stored values, computed in at least float32 and rounded once (a
+    16-bit matrix divided by 1e5 would otherwise divide by float16's inf); unused slots stay 0
+    (``0 * inf`` would be NaN).
 
     Dtypes promote as in NumPy: a Python scalar keeps ``a``'s dtype, a NumPy scalar promotes.
     """
     numpy_scalar = isinstance(scalar, (np.integer, np.floating))
     dt = value_dtype(np.result_type(a.dtype, scalar), "other.dtype") if numpy_scalar else a.dtype
-    s = dt.type(scalar)
+    wide = np.promote_types(dt, np.float32)
+    s = wide.type(scalar)
     p = a.parts
-    xp = array_module(p.data)
+    if is_jax_array(p.data):  # the JAX adapter's matrices (under jit too): jax.numpy's ops
+        import jax.numpy as xp
+    else:
+        xp = array_module(p.data)
     used = xp.arange(p.data.shape[2]) < p.counts[..., None]
-    with np.errstate(invalid="ignore", divide="ignore"):  # the padding's 0 * inf, 0 / 0: discarded
-        data = xp.where(used, op(p.data.astype(dt), s), dt.type(0)).astype(dt, copy=False)
-    parts = p._replace(data=data, spill_data=op(p.spill_data.astype(dt), s).astype(dt, copy=False))
-    return twell_array._from_parts(parts, a.shape, a.tile_n)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # the padding's 0 * inf, 0 / 0
+        data = xp.where(used, op(p.data.astype(wide), s), 0).astype(dt)
+        spill = op(p.spill_data.astype(wide), s).astype(dt)
+    return twell_array._from_parts(p._replace(data=data, spill_data=spill), a.shape, a.tile_n, a.n_dropped)
 
 
 def _device_id(device: Any) -> int:

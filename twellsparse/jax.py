@@ -202,8 +202,9 @@ def _values_struct(a: twell_array) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtype
 
 
 def _rebuild(parts: TwELLParts, like: twell_array) -> twell_array:
-    """A twell_array over JAX arrays (outside callbacks), with ``like``'s shape and tile."""
-    return twell_array._from_parts(parts, like.shape, like.tile_n)
+    """A twell_array over JAX arrays (outside callbacks), with ``like``'s shape, tile and
+    dropped count (the pytree's static data, which cotangents must match)."""
+    return twell_array._from_parts(parts, like.shape, like.tile_n, like.n_dropped)
 
 
 def _matrix(parts: Any, like: twell_array) -> twell_array:
@@ -238,7 +239,7 @@ def _zero_cotangent(a: twell_array, data: Any, spill: Any) -> twell_array:
         np.zeros(p.spill_indices.shape, f0),
         np.zeros(p.spill_indptr.shape, f0),
     )
-    return twell_array._from_parts(parts, a.shape, a.tile_n)
+    return twell_array._from_parts(parts, a.shape, a.tile_n, a.n_dropped)
 
 
 def _same_dtype(**arrays: Any) -> Any:
@@ -257,11 +258,13 @@ def _static(check: Callable[..., Any], value: Any, name: str, *args: Any) -> Any
     return check(value, *args)
 
 
-def _operand(x: Any, name: str, ndims: tuple[int, ...] = (2,)) -> jax.Array:
-    """``x`` as a JAX array with a floating dtype and one of ``ndims``, checked while tracing
-    (a bad operand then fails at the call, not inside XLA's runtime)."""
+def _operand(x: Any, name: str, ndims: tuple[int, ...] | None = (2,)) -> jax.Array:
+    """``x`` as a JAX array with a floating dtype and one of ``ndims`` (None: at least 1-D),
+    checked while tracing (a bad operand then fails at the call, not inside XLA's runtime)."""
     x = jnp.asarray(x)
-    if x.ndim not in ndims:
+    if ndims is None and x.ndim < 1:
+        raise ValueError(f"{name}: expected an array of at least 1 dimension, got a 0-D one")
+    if ndims is not None and x.ndim not in ndims:
         want = " or ".join(f"{d}-D" for d in ndims)
         raise ValueError(f"{name}: expected a {want} array, got {x.ndim}-D with shape {tuple(x.shape)}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -633,7 +636,8 @@ def ffn(
     threshold: float | None = None,
     spill_capacity: int | None = None,
 ) -> jax.Array:
-    """Non-gated sparse FFN ``act(x @ w_up.T) @ w_down.T``; see :func:`twellsparse.ffn`.
+    """Non-gated sparse FFN ``act(x @ w_up.T) @ w_down.T``; see :func:`twellsparse.ffn`. ``x``
+    is ``(..., d_model)``: its leading dimensions are tokens.
     Differentiable in ``x`` and every weight (sparse backward, pattern recomputed).
 
     ``spill_capacity`` (static): as for :class:`twellsparse.FFN` plans, a fixed length for the
@@ -645,10 +649,12 @@ def ffn(
     The backward pass always recomputes the pattern exactly."""
     activation, threshold, tile_n, capacity = _settings(activation, threshold, tile_n, capacity)
     spill_capacity = _static(check_spill_capacity, spill_capacity, "spill_capacity")
-    x, w_up, w_down = _operand(x, "x"), _operand(w_up, "w_up"), _operand(w_down, "w_down")
-    _check_weights(x, w_up.shape[0], w_up=w_up, w_down=w_down)
+    x, w_up, w_down = _operand(x, "x", None), _operand(w_up, "w_up"), _operand(w_down, "w_down")
+    rows = x.reshape(-1, x.shape[-1])  # leading dimensions are tokens, as in the torch adapter
+    _check_weights(rows, w_up.shape[0], w_up=w_up, w_down=w_down)
     _same_dtype(x=x, w_up=w_up, w_down=w_down)
-    return _ffn(x, w_up, None, w_down, activation, tile_n, capacity, threshold, spill_capacity)
+    out = _ffn(rows, w_up, None, w_down, activation, tile_n, capacity, threshold, spill_capacity)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def gated_ffn(
@@ -668,8 +674,10 @@ def gated_ffn(
     as for :func:`ffn`."""
     activation, threshold, tile_n, capacity = _settings(activation, threshold, tile_n, capacity)
     spill_capacity = _static(check_spill_capacity, spill_capacity, "spill_capacity")
-    x, w_gate = _operand(x, "x"), _operand(w_gate, "w_gate")
+    x, w_gate = _operand(x, "x", None), _operand(w_gate, "w_gate")
     w_up, w_down = _operand(w_up, "w_up"), _operand(w_down, "w_down")
-    _check_weights(x, w_gate.shape[0], w_gate=w_gate, w_up=w_up, w_down=w_down)
+    rows = x.reshape(-1, x.shape[-1])
+    _check_weights(rows, w_gate.shape[0], w_gate=w_gate, w_up=w_up, w_down=w_down)
     _same_dtype(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down)
-    return _ffn(x, w_gate, w_up, w_down, activation, tile_n, capacity, threshold, spill_capacity)
+    out = _ffn(rows, w_gate, w_up, w_down, activation, tile_n, capacity, threshold, spill_capacity)
+    return out.reshape(*x.shape[:-1], out.shape[-1])

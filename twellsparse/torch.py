@@ -315,8 +315,8 @@ def _ffn_bwd(
         wanted = tuple(bool(needs >> i & 1) for i in range(4))
         results = backward_arrays(a["go"], d_act, a["x"], a["wa"], w_lin_a, a["wd"], g, u, activation, wanted)
         xp = array_module(a["x"])
-        empty = xp.empty(_EMPTY, dtype=a["x"].dtype)
-        return tuple(_contiguous_tensor(r if r is not None else empty) for r in results)  # type: ignore[return-value]
+        empty = lambda: xp.empty(_EMPTY, dtype=a["x"].dtype)  # noqa: E731  (one per output: no aliasing)
+        return tuple(_contiguous_tensor(r if r is not None else empty()) for r in results)  # type: ignore[return-value]
 
 
 def _contiguous_tensor(a: Any) -> Tensor:
@@ -408,12 +408,15 @@ GATED_NAMES, PLAIN_NAMES = ("w_gate", "w_up", "w_down"), ("w_up", None, "w_down"
 
 def _autocast(x: Tensor, *weights: Tensor | None) -> tuple[Any, ...]:
     """``x`` and the weights in the autocast dtype inside a ``torch.autocast`` region (as the
-    Linears a block replaces would compute), unchanged elsewhere."""
+    Linears a block replaces would compute: autocast casts floating tensors other than float64),
+    unchanged elsewhere."""
     device = x.device.type
     if not torch.is_autocast_enabled(device):
         return (x, *weights)
     dt = torch.get_autocast_dtype(device)
-    return tuple(t if t is None or not t.is_floating_point() else t.to(dt) for t in (x, *weights))
+    return tuple(
+        t.to(dt) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t for t in (x, *weights)
+    )
 
 
 def _check_operands(x: Any, w_act: Any, w_lin: Any, w_down: Any, names: tuple) -> None:
@@ -593,9 +596,12 @@ class _TwELLMLPBase(nn.Module):
     def _forward(self, x: Tensor, w_act: Tensor, w_lin: Tensor | None, w_down: Tensor) -> Tensor:
         names = self._weight_names
         _check_operands(x, w_act, w_lin, w_down, names)
-        x, w_act, w_lin, w_down = _autocast(x, w_act, w_lin, w_down)
         if self._fp8_rows:
+            # Its plan is built on the weights as they are (autocast copies would rebuild it every
+            # forward): under autocast the input takes the weights' dtype instead.
+            x = x.to(w_act.dtype) if torch.is_autocast_enabled(x.device.type) else x
             return self._quantized_forward(x, w_act, w_lin, w_down)
+        x, w_act, w_lin, w_down = _autocast(x, w_act, w_lin, w_down)
         if self._path(x.numel() // max(x.shape[-1], 1)) == "dense":
             out, h = _dense_run(x, w_act, w_lin, w_down, self.activation, self.threshold)
             self._hidden, self._dense_hidden = None, h

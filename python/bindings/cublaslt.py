@@ -182,7 +182,7 @@ class Gemm:
             raise ValueError(f"dtype: expected one of {', '.join(CUDA_R)}, got {name}")
         lib, ffi = library(), _ffi()
         self.shape, self.dtype = (m, f, k), np.dtype(dtype)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # set-attribute, timing and launch of one call, per thread
         self._keep: list = []  # cffi buffers the descriptors point to
         dt = CUDA_R[name]
         desc = ffi.new("cublasLtMatmulDesc_t*")
@@ -276,7 +276,9 @@ class Gemm:
         import cupy as cp
 
         capturing = cp.cuda.get_current_stream().is_capturing()
-        if len(self._candidates) > 1 and not capturing:
+        # A plan a graph captured keeps its first choice: timing would replace the workspace
+        # whose address the graph replays.
+        if len(self._candidates) > 1 and not capturing and self not in _CAPTURED:
             self._tune(x, w, out)
         if capturing:  # the graph holds this plan's workspace address: never free it
             _CAPTURED.add(self)
@@ -300,7 +302,8 @@ class Gemm:
     def __call__(self, x: Any, w: Any, out: Any) -> None:
         """Fill ``out`` (M x F, C-contiguous) with ``x @ w.T``."""
         self._check_operands(x, w, out)
-        self._launch(x, w, out)
+        with self._lock:
+            self._launch(x, w, out)
 
 
 class ReluGemm(Gemm):
