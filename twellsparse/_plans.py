@@ -34,14 +34,7 @@ from ._parts import DeferredFinish, trimmed_spill
 from ._posted import PostedScalar
 from ._quantize import check_format, quantize_rows
 from ._twell import twell_array
-from ._validation import (
-    check_activation,
-    check_capacity,
-    check_fraction,
-    check_spill_capacity,
-    check_threshold,
-    check_tile_n,
-)
+from ._validation import BLOCK_SETTINGS, check_block_settings
 
 #: Rows sampled to estimate the activation density before choosing a path.
 DENSITY_SAMPLE_ROWS = 256
@@ -50,8 +43,6 @@ DENSITY_SAMPLE_ROWS = 256
 #: kernels cost ~5% of a dense block at 4096 tokens (auto's dense remainder ran at 0.93-0.95x
 #: dense there, bench/results/2026-12-03-ffn-widths.jsonl), and densities drift slowly.
 RESAMPLE_EVERY = 8
-
-DISPATCH = ("auto", "sparse", "dense")
 
 
 def _capturing() -> bool:
@@ -101,16 +92,10 @@ class _FFNPlanBase:
     ) -> None:
         self.down_format = check_format(down_format, "down_format", optional=True)
         self.up_format = check_format(up_format, "up_format", optional=True)
-        self.activation = check_activation(activation)
-        self.spill_capacity = check_spill_capacity(spill_capacity)
+        settings = check_block_settings(activation, tile_n, capacity, threshold, dispatch, breakeven, spill_capacity)
+        self.activation, self.tile_n, self.capacity, self.threshold = (settings[k] for k in BLOCK_SETTINGS[:4])
+        self.dispatch, self.breakeven, self.spill_capacity = (settings[k] for k in BLOCK_SETTINGS[4:])
         self._warned_static = False
-        self.tile_n = check_tile_n(tile_n)
-        self.capacity = check_capacity(capacity, self.tile_n)
-        self.threshold = check_threshold(threshold)
-        if dispatch not in DISPATCH:
-            raise ValueError(f"dispatch: expected one of {', '.join(DISPATCH)}, got {dispatch!r}")
-        self.dispatch = dispatch
-        self.breakeven = None if breakeven is None else check_fraction(breakeven, "breakeven")
         self._kind = kind
         self._calls_since_sample = 0
         arrays = {name: _dense(w, name) for name, w in weights.items()}

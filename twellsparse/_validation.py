@@ -72,6 +72,38 @@ def check_spill_capacity(spill_capacity: Any, optional: bool = True) -> int | No
     return s
 
 
+#: How a block chooses between its sparse and dense computations.
+DISPATCH = ("auto", "sparse", "dense")
+#: The settings :func:`check_block_settings` returns, in its arguments' order.
+BLOCK_SETTINGS = ("activation", "tile_n", "capacity", "threshold", "dispatch", "breakeven", "spill_capacity")
+
+
+def check_block_settings(
+    activation: Any,
+    tile_n: Any,
+    capacity: Any,
+    threshold: Any,
+    dispatch: Any,
+    breakeven: Any,
+    spill_capacity: Any,
+) -> dict[str, Any]:
+    """The settings an FFN block keeps (a plan's, a torch module's), validated: the attributes
+    ``activation``, ``tile_n``, ``capacity``, ``threshold``, ``dispatch``, ``breakeven`` and
+    ``spill_capacity``."""
+    t = check_tile_n(tile_n)
+    if dispatch not in DISPATCH:
+        raise ValueError(f"dispatch: expected one of {', '.join(DISPATCH)}, got {dispatch!r}")
+    return dict(
+        activation=check_activation(activation),
+        tile_n=t,
+        capacity=check_capacity(capacity, t),
+        threshold=check_threshold(threshold),
+        dispatch=dispatch,
+        breakeven=None if breakeven is None else check_fraction(breakeven, "breakeven"),
+        spill_capacity=check_spill_capacity(spill_capacity),
+    )
+
+
 def check_fraction(value: Any, name: str) -> float:
     """A finite float in [0, 1] (a density, a break-even)."""
     try:

@@ -33,15 +33,15 @@ from ._backend import array_module, as_array, bfloat16, cupy_view, is_cupy_array
 from ._dispatch import breakeven_for
 from ._ffn_autodiff import backward_arrays, forward_arrays, with_values
 from ._parts import TwELLParts, trimmed_spill
-from ._plans import DENSITY_SAMPLE_ROWS, DISPATCH, FFN, GatedFFN, raise_for_previous, raise_left_out
+from ._plans import DENSITY_SAMPLE_ROWS, FFN, GatedFFN, raise_for_previous, raise_left_out
 from ._posted import PostedScalar
 from ._quantize import check_format
 from ._twell import twell_array
 from ._validation import (
+    BLOCK_SETTINGS,
     check_activation,
+    check_block_settings,
     check_capacity,
-    check_fraction,
-    check_spill_capacity,
     check_threshold,
     check_tile_n,
 )
@@ -554,19 +554,13 @@ class _TwELLMLPBase(nn.Module):
         for name in projections:  # bias-free Linears in the Llama naming
             shape = (intermediate_size, hidden_size) if name == "down_proj" else (hidden_size, intermediate_size)
             setattr(self, name, nn.Linear(*shape, bias=False, device=device, dtype=dtype))
-        self.activation = check_activation(activation)
-        self.tile_n = check_tile_n(tile_n)
-        self.capacity = check_capacity(capacity, self.tile_n)
-        self.threshold = check_threshold(threshold)
-        if dispatch not in DISPATCH:
-            raise ValueError(f"dispatch: expected one of {', '.join(DISPATCH)}, got {dispatch!r}")
-        self.dispatch = dispatch
+        settings = check_block_settings(activation, tile_n, capacity, threshold, dispatch, breakeven, spill_capacity)
+        self.activation, self.tile_n, self.capacity, self.threshold = (settings[k] for k in BLOCK_SETTINGS[:4])
+        self.dispatch, self.breakeven, self.spill_capacity = (settings[k] for k in BLOCK_SETTINGS[4:])
         self._kind = "gated_ffn" if "gate_proj" in projections else "ffn"
-        self.breakeven = None if breakeven is None else check_fraction(breakeven, "breakeven")
         self._hidden: list[Tensor] | None = None  # the last sparse forward's TwELL parts
         self._dense_hidden: Tensor | None = None  # the last dense forward's activations
         self._density = PostedScalar()
-        self.spill_capacity = check_spill_capacity(spill_capacity)
         self._left_out = PostedScalar()  # entries a fixed spill_capacity could not hold
         self.down_format = check_format(down_format, "down_format", optional=True)
         self.up_format = check_format(up_format, "up_format", optional=True)
