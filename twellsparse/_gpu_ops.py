@@ -562,18 +562,15 @@ _CUDA_R = {np.dtype(np.float16): 2, bfloat16: 14, np.dtype(np.float32): 0, np.dt
 _COMPUTE_32F, _COMPUTE_64F, _OP_N, _OP_T, _GEMM_DEFAULT = 68, 70, 0, 1, -1
 
 
-def lt_gemm(kind: str, m: int, f: int, k: int, dtype_name: str, device: int) -> Any:
-    """The cuBLASLt plan (``"Gemm"``, ``"ReluGemm"`` or ``"ReluMaskGemm"``) of one shape for the
-    current stream, capturable in a CUDA graph; None for float64, or where the library does not
-    load or offers no algorithm (the callers then take CuPy's cuBLAS or the dense-scan producer).
-
-    One plan per stream: a plan's workspace (and the ReLU mask pointer it sets on its
-    descriptor) must not serve two streams at once."""
-    return _lt_gemm(kind, m, f, k, dtype_name, device, _cp().cuda.get_current_stream().ptr)
-
-
 @functools.lru_cache(maxsize=128)  # each plan holds its workspace (plans used in a capture stay alive)
-def _lt_gemm(kind: str, m: int, f: int, k: int, dtype_name: str, device: int, stream: int) -> Any:
+def lt_gemm(kind: str, m: int, f: int, k: int, dtype_name: str, device: int) -> Any:
+    """The cuBLASLt plan (``"Gemm"``, ``"ReluGemm"`` or ``"ReluMaskGemm"``) of one shape,
+    capturable in a CUDA graph; None for float64, or where the library does not load or offers
+    no algorithm (the callers then take CuPy's cuBLAS or the dense-scan producer).
+
+    One plan per shape and device, shared by every stream: it is made (and timed) by the eager
+    warm-up a CUDA-graph capture needs, so the capture allocates nothing. Its workspace serves
+    one GEMM at a time: GEMMs of one shape must not run concurrently on two streams."""
     if dtype_name == "float64":
         return None
     try:
