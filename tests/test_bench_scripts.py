@@ -7,6 +7,8 @@ import importlib.util
 import pathlib
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -236,3 +238,20 @@ def test_device_run_stage_filters_name_existing_stages():
     for spec in filters:
         for part in spec.split(","):
             assert any(part in name for name in names), f"device_run.sh filter {part!r} names no stage"
+
+
+def test_records_carry_the_checkouts_commit(monkeypatch):
+    """Inside a checkout the commit is HEAD (with -dirty for uncommitted changes), never a stale
+    bench/.commit; TWELL_COMMIT overrides both."""
+    import subprocess
+
+    from twellsparse._environment import git_commit
+
+    monkeypatch.delenv("TWELL_COMMIT", raising=False)
+    root = pathlib.Path(__file__).resolve().parents[1]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    assert git_commit().removesuffix("-dirty") == head.stdout.strip()
+    monkeypatch.setenv("TWELL_COMMIT", "abc123")
+    assert git_commit() == "abc123"

@@ -17,21 +17,24 @@ from ._backend import cupy_module, gpu_available
 
 
 def git_commit() -> str | None:
-    """``TWELL_COMMIT`` if set, else the commit written to ``bench/.commit`` beside the package (a
-    copy of the tree sent to another machine, whose .git may be missing or stale), else the
-    checkout's HEAD (with ``-dirty`` when it has uncommitted changes), else None."""
+    """``TWELL_COMMIT`` if set, else the checkout's HEAD (with ``-dirty`` when it has
+    uncommitted changes), else (a copy of the tree sent to another machine, without .git) the
+    commit written to ``bench/.commit`` beside the package by :func:`git_commit` before the
+    copy, else None."""
     if os.environ.get("TWELL_COMMIT"):
         return os.environ["TWELL_COMMIT"]
     root = Path(__file__).resolve().parents[1]
+    if (root / ".git").exists():
+        try:
+            sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+            dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True)
+            return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+        except (OSError, subprocess.CalledProcessError):
+            pass
     recorded = root / "bench" / ".commit"
     if recorded.is_file() and recorded.read_text().strip():
         return recorded.read_text().strip()
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True)
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    return None
 
 
 def append_records(path: str | None, records: list[dict[str, Any]]) -> None:
