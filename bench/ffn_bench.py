@@ -34,6 +34,12 @@ SPEEDUPS = {
         name: ("dense_gated_ffn", name)
         for name in ("gated_ffn", "gated_ffn_auto", "gated_ffn_e4m3", "gated_ffn_e4m3_auto")
     },
+    # Against the library's own dense path (cuBLASLt GEMMs timed per shape, a fused act-mul),
+    # the stronger baseline where it beats torch's unfused block.
+    "gated_ffn_vs_dense_plan": ("dense_gated_ffn_plan", "gated_ffn"),
+    "ffn_vs_dense_plan": ("dense_ffn_plan", "ffn"),
+    "dense_plan_vs_torch_gated": ("dense_gated_ffn", "dense_gated_ffn_plan"),
+    "dense_plan_vs_torch": ("dense_ffn", "dense_ffn_plan"),
 }
 
 
@@ -42,17 +48,20 @@ def speedups(rows: dict[str, dict[str, float]], pairs: dict[str, tuple[str, str]
     return {name: rows[base]["median"] / rows[row]["median"] for name, (base, row) in pairs.items()}
 
 
-def dense_provider() -> tuple[str, Callable[[Any, Any], Any]]:
-    """(name, matmul_nt) for the dense baseline: torch if available, else cuBLAS through CuPy."""
+def dense_provider() -> tuple[str, Callable[[Any, Any], Callable[[], Any]]]:
+    """(name, prepare) for the dense baseline: torch if available, else cuBLAS through CuPy.
+    ``prepare(x, w)`` returns the zero-argument ``x @ w.T`` to time: the operands are imported
+    into torch once, outside the timed call, as the FFN rows' are."""
     try:
         import torch
     except ImportError:
-        return "cublas-cupy", gemm_nt
+        return "cublas-cupy", lambda x, w: lambda: gemm_nt(x, w)
     if not torch.cuda.is_available():
-        return "cublas-cupy", gemm_nt
+        return "cublas-cupy", lambda x, w: lambda: gemm_nt(x, w)
 
-    def torch_nt(x: Any, w: Any) -> Any:
-        return torch.from_dlpack(x) @ torch.from_dlpack(w).T
+    def torch_nt(x: Any, w: Any) -> Callable[[], Any]:
+        tx, tw = torch.from_dlpack(x), torch.from_dlpack(w)
+        return lambda: tx @ tw.T
 
     return f"torch-{torch.__version__}", torch_nt
 
@@ -102,7 +111,7 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
     def ms(fn: Callable[[], Any]) -> dict[str, float]:
         return timer(fn)[1]
 
-    provider, nt = dense_provider()
+    provider, prepare_nt = dense_provider()
     p = ffn_problem(args.m, args.d_model, args.d_ff, density, pattern, ts.bfloat16, 0, cp)
     x, wg, wu, wd = p["x"], p["w_gate"], p["w_up"], p["w_down"]
     dense_gated, dense_plain = dense_ffns(x, wg, wu, wd, provider)
@@ -110,6 +119,8 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
     plain_plan = ts.FFN(wg, wd, dispatch="sparse")
     gated_auto = ts.GatedFFN(wg, wu, wd, dispatch="auto")  # dense remainder above the break-even
     plain_auto = ts.FFN(wg, wd, dispatch="auto")
+    gated_dense_plan = ts.GatedFFN(wg, wu, wd, dispatch="dense")  # the library's own dense path
+    plain_dense_plan = ts.FFN(wg, wd, dispatch="dense")
     # Opt-in and lossy: the gathered weight rows (W_down's, and the gated block's W_up) in fp8 e4m3.
     gated_e4m3 = ts.GatedFFN(wg, wu, wd, dispatch="sparse", down_format="e4m3", up_format="e4m3")
     plain_e4m3 = ts.FFN(wg, wd, dispatch="sparse", down_format="e4m3")
@@ -127,24 +138,34 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
         "gated_ffn": rel_error(gated_plan(x), ref_gated),
         "ffn": rel_error(plain_plan(x), ref_plain),
         "spmm": rel_error(ts.matmul(h, wd_t), ref_plain),
+        "producer": rel_error(h_dense, cp.maximum(z, 0)),
+        "gated_ffn_auto": rel_error(gated_auto(x), ref_gated),
+        "ffn_auto": rel_error(plain_auto(x), ref_plain),
+        "dense_gated_ffn_plan": rel_error(gated_dense_plan(x), ref_gated),
+        "dense_ffn_plan": rel_error(plain_dense_plan(x), ref_plain),
     }
     # e4m3 rows move each weight by up to 2**-4 of itself: a few percent against the bf16 block.
     errors["gated_ffn_e4m3"] = rel_error(gated_e4m3(x), ref_gated)
     errors["ffn_e4m3"] = rel_error(plain_e4m3(x), ref_plain)
+    errors["gated_ffn_e4m3_auto"] = rel_error(gated_e4m3_auto(x), ref_gated)
+    errors["ffn_e4m3_auto"] = rel_error(plain_e4m3_auto(x), ref_plain)
     for name, err in errors.items():
         if not err < (6e-2 if "e4m3" in name else 2e-2):
             raise SystemExit(f"{name}: relative error {err:.3e} vs dense at {pattern} {density}; not timing")
+    dense_gemm, dense_down = prepare_nt(x, wg), prepare_nt(h_dense, wd)
     rows = {
-        "dense_gemm": ms(lambda: nt(x, wg)),
+        "dense_gemm": ms(dense_gemm),
         "producer": ms(lambda: ts.linear_to_twell(x, wg)),
         "gemm_cupy_cublas": ms(lambda: gemm_nt(x, wg)),
         "pack_relu": ms(lambda: ts._convert.dense_to_twell(z, 256, 32, "spill", None, "relu")),
         "spmm_down": ms(lambda: ts.matmul(h, wd_t)),
-        "dense_down": ms(lambda: nt(h_dense, wd)),
+        "dense_down": ms(dense_down),
         "dense_ffn": ms(dense_plain),
         "ffn": ms(lambda: plain_plan(x)),
         "dense_gated_ffn": ms(dense_gated),
         "gated_ffn": ms(lambda: gated_plan(x)),
+        "dense_gated_ffn_plan": ms(lambda: gated_dense_plan(x)),
+        "dense_ffn_plan": ms(lambda: plain_dense_plan(x)),
         "gated_ffn_auto": ms(lambda: gated_auto(x)),
         "ffn_auto": ms(lambda: plain_auto(x)),
         "gated_ffn_e4m3": ms(lambda: gated_e4m3(x)),
@@ -153,12 +174,14 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
         "ffn_e4m3_auto": ms(lambda: plain_e4m3_auto(x)),
     }
     main_rows = {
-        "dense_gemm": lambda: nt(x, wg),
+        "dense_gemm": dense_gemm,
         "producer": lambda: ts.linear_to_twell(x, wg),
         "dense_ffn": dense_plain,
         "ffn": lambda: plain_plan(x),
         "dense_gated_ffn": dense_gated,
         "gated_ffn": lambda: gated_plan(x),
+        "dense_gated_ffn_plan": lambda: gated_dense_plan(x),
+        "dense_ffn_plan": lambda: plain_dense_plan(x),
         # The auto rows too: their eager times at d_model 4096 ran below stage_times' for the
         # same plan (0.78-0.91x dense against ~1.08x, 2026-12-04); host gaps or GPU time?
         "gated_ffn_auto": lambda: gated_auto(x),
@@ -257,7 +280,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     records = []
     for pattern in args.patterns:
         for density in args.densities:
-            rec = {**bench_case(args, pattern, density, timer, hidden), **env}
+            rec = {**bench_case(args, pattern, density, timer, hidden), **env, "reps": args.reps}
+            if args.quick:
+                rec["smoke"] = True
             records.append(rec)
             append_records(args.out, [rec])  # case by case: a run stopped midway keeps its cases
             print(summary_line(rec), flush=True)

@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():
             out_s, out_d = run_stack(sparse, x).float(), run_stack(dense, x).float()
         err = float((out_s - out_d).norm() / out_d.norm())
+        if not err < 2e-2:
+            raise SystemExit(f"TwELL vs dense stack: relative error {err:.3e} at {density:.2%}; not timing")
         measured = [b.mlp.stats()["density"] for b in sparse]
         if args.profile and cuda:
             for name, blocks in (("twell", sparse), ("dense", dense)):
@@ -167,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             "density_target": density,
             "density_per_layer": measured,
             "rel_error": err,
+            "reps": args.reps,
+            **({"smoke": True} if args.quick else {}),
         }
         for name, blocks in (("dense", dense), ("twell", sparse)):
             with torch.no_grad():

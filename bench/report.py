@@ -31,10 +31,22 @@ def load(results: pathlib.Path) -> list[dict[str, Any]]:
     return records
 
 
+def publishable(r: dict[str, Any], kind: str) -> bool:
+    """Whether a record of ``kind`` may stand in a table: measured on a GPU with the default
+    settings (no ``TWELL_*`` switch), with a commit, and not a smoke run (``--quick``, the CPU)."""
+    return (
+        r.get("kind") == kind
+        and bool(r.get("commit"))
+        and not r.get("settings")
+        and not r.get("smoke")
+        and bool(r.get("gpu"))
+        and r.get("device_path", "cuda") != "cpu"
+    )
+
+
 def latest(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    """Records of ``kind`` from the most recently dated commit, measured with the default settings
-    (no ``TWELL_*`` switch in the environment)."""
-    mine = [r for r in records if r.get("kind") == kind and r.get("commit") and not r.get("settings")]
+    """Publishable records of ``kind`` from the most recently dated commit."""
+    mine = [r for r in records if publishable(r, kind)]
     if not mine:
         return []
     newest = max(mine, key=lambda r: r["date"])["commit"]
@@ -46,7 +58,7 @@ def latest_per_case(records: list[dict[str, Any]], kind: str, case: tuple[str, .
     were measured side by side in one run, so rows of different runs can share a table)."""
     newest: dict[tuple, dict[str, Any]] = {}
     for r in records:
-        if r.get("kind") != kind or not r.get("commit") or r.get("settings"):  # defaults only
+        if not publishable(r, kind):
             continue
         key = tuple(json.dumps(_field(r, f)) for f in case)
         if key not in newest or r["date"] > newest[key]["date"]:
@@ -117,11 +129,15 @@ def ffn_table(records: list[dict[str, Any]]) -> str:
         "`sparse` forces the TwELL kernels, its speed-up also given as a share of the block's "
         "ceiling (2x non-gated, 3x gated: the first GEMM stays dense); `auto` is the default "
         "dispatch (dense remainder above the break-even density), with the path it took. The TwELL "
-        "down projection's rate is in TB/s of weight rows gathered (one row per stored entry).",
+        "down projection's rate is in TB/s of weight rows gathered (one row per stored entry). "
+        "`vs library dense`: the sparse blocks against the library's own dense path (cuBLASLt GEMMs "
+        "timed per shape, a fused act-mul) of the same run, where the run timed it. Each row's "
+        "run is its commit.",
         "",
         "| pattern | density | dense GEMM | producer (GEMM+relu+pack) | down: dense / TwELL | "
-        "non-gated FFN: dense / sparse / auto | gated FFN: dense / sparse / auto |",
-        "|---|---|---|---|---|---|---|",
+        "non-gated FFN: dense / sparse / auto | gated FFN: dense / sparse / auto | "
+        "vs library dense: non-gated / gated | commit |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(records, key=lambda r: (r["pattern"], r["density"])):
         ms = _medians(r)
@@ -134,9 +150,18 @@ def ffn_table(records: list[dict[str, Any]]) -> str:
             f"({_gather_rate(r, ms['spmm_down']):.1f} TB/s) | "
             f"{ms['dense_ffn']:.3f} / {ms['ffn']:.3f} ({_fmt_sparse(sp['ffn'], 'ffn')}){plain_auto} | "
             f"{ms['dense_gated_ffn']:.3f} / {ms['gated_ffn']:.3f} "
-            f"({_fmt_sparse(sp['gated_ffn'], 'gated_ffn')}){gated_auto} |"
+            f"({_fmt_sparse(sp['gated_ffn'], 'gated_ffn')}){gated_auto} | {_vs_library_dense(ms)} | "
+            f"{r['commit'][:7]} |"
         )
     return "\n".join(lines)
+
+
+def _vs_library_dense(ms: dict[str, float]) -> str:
+    """``a.aax / b.bbx``: the sparse blocks' speed-ups over the library's own dense plans, or a
+    dash for runs that did not time those."""
+    if "dense_ffn_plan" not in ms or "dense_gated_ffn_plan" not in ms:
+        return "-"
+    return f"{ms['dense_ffn_plan'] / ms['ffn']:.2f}x / {ms['dense_gated_ffn_plan'] / ms['gated_ffn']:.2f}x"
 
 
 def fp8_table(records: list[dict[str, Any]]) -> str:
@@ -145,11 +170,12 @@ def fp8_table(records: list[dict[str, Any]]) -> str:
     recs = [r for r in records if "gated_ffn_e4m3" in r.get("ms", {})]
     if not recs:
         return ""
+    two_byte = max(r["rel_error_vs_dense"][block] for r in recs for block in ("ffn", "gated_ffn"))
     lines = [
         'FFN plans with the gathered weight rows in fp8 e4m3 (opt-in and lossy: `down_format="e4m3"`, and '
         f'`up_format="e4m3"` for the gated block), bfloat16 otherwise; {_provenance(recs)}; '
         "medians in ms, L2 flushed, speed-up over dense in parentheses, relative error against the dense "
-        "bfloat16 block (the 2-byte plans' is 1e-4 or below).",
+        f"bfloat16 block (the 2-byte plans' is {two_byte:.1e} at most).",
         "",
         "| shape (M, d_model, d_ff) | pattern | density | non-gated: dense / 2-byte rows / e4m3 rows (error) | "
         "gated: dense / 2-byte rows / e4m3 rows (error) |",

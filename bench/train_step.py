@@ -79,8 +79,26 @@ def case(args: argparse.Namespace, density: float, device: str, dtype: torch.dty
     err = float((sparse_out - dense_out).norm() / dense_out.norm())
     if not err < 2e-2:
         raise SystemExit(f"sparse vs dense forward: relative error {err:.3e}; not timing")
+    # The timed step is the backward too: every gradient checked against dense autograd's.
+    grad_errors = {}
+    for name, got, want in zip(
+        ("x", "w_gate", "w_up", "w_down"),
+        torch.autograd.grad(sparse(), params, grad),
+        torch.autograd.grad(dense(), params, grad),
+        strict=True,
+    ):
+        grad_errors[name] = float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
+        if not grad_errors[name] < 3e-2:
+            raise SystemExit(f"sparse vs dense gradient of {name}: relative error {grad_errors[name]:.3e}; not timing")
+    density_measured = float((torch.relu(x @ wg.T) > 0).float().mean())
     cuda = device.startswith("cuda")
-    rec: dict[str, Any] = {"density_target": density, "rel_error": err}
+    rec: dict[str, Any] = {
+        "density_target": density,
+        "density": density_measured,
+        "rel_error": err,
+        "grad_rel_error": grad_errors,
+        "reps": args.reps,
+    }
     for name, fn in (("dense", dense), ("twell", sparse)):
         if cuda:
             torch.cuda.synchronize()
@@ -197,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             "dtype": str(dtype),
             "device_path": device,
             **case(args, density, device, dtype),
+            **({"smoke": True} if args.quick else {}),
         }
         records.append(rec)
         print(

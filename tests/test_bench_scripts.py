@@ -42,9 +42,14 @@ def test_switches_are_recorded_and_kept_out_of_the_tables(monkeypatch):
     env = environment()
     assert env["settings"] == {"TWELL_L2_HINTS": "0"} and env["commit"] == "abc"
     report = _load("report")
-    base = {"kind": "ffn", "commit": "abc", "date": "2026-12-03T00:00:00+00:00"}
+    base = {"kind": "ffn", "commit": "abc", "date": "2026-12-03T00:00:00+00:00", "gpu": "NVIDIA H200"}
     switched = {**base, "date": "2026-12-04T00:00:00+00:00", "settings": env["settings"]}
     assert report.latest([base, switched], "ffn") == [base]
+    # Smoke runs (--quick, the CPU) and records without a GPU never reach a table either.
+    smoke = {**base, "date": "2026-12-05T00:00:00+00:00", "smoke": True}
+    cpu = {**base, "date": "2026-12-06T00:00:00+00:00", "device_path": "cpu"}
+    no_gpu = {k: v for k, v in base.items() if k != "gpu"} | {"date": "2026-12-07T00:00:00+00:00"}
+    assert report.latest([base, smoke, cpu, no_gpu], "ffn") == [base]
 
 
 def test_distributed_table_gives_speed_up_and_scaling():
