@@ -105,6 +105,7 @@ def bench_density(args: argparse.Namespace, density: float) -> dict[str, Any]:
         "kind": "jax",
         "shape": [args.m, args.d_model, args.d_ff],
         "density_target": density,
+        "density": plan.last_stats.get("density"),
         "ms": rows,
         "jax_vs_cupy": rows["jax_sparse"]["median"] / rows["cupy_sparse"]["median"],
         "jax_vs_cupy_fixed_spill": rows["jax_sparse_fixed_spill"]["median"] / rows["cupy_sparse_fixed_spill"]["median"],

@@ -8,7 +8,9 @@ uses the wall clock.
 ``hide_host=True`` queues a short spin kernel (:data:`SPIN_NS`) before each start event: the
 host then queues the whole timed call while the GPU spins, and the events measure the GPU's
 work alone, as a CUDA graph or a host running ahead would see it. Host synchronisations inside
-the call still show (they wait for the spin too, then expose the launches after them).
+the call still show (they wait for the spin too, then expose the launches after them): the
+result then says in how many repetitions the spin had ended before the host finished queueing
+the call (``host_bound_reps``; nonzero means those times include host gaps).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ SPIN_NS = 2_000_000
 
 class Timer:
     """``Timer(reps, on_gpu, warmup=3, flush_l2=False, hide_host=False)(fn)`` returns (last
-    result, times in ms: ``{"median", "p10", "p90"}``)."""
+    result, times in ms: ``{"median", "p10", "p90"}``, and with ``hide_host`` the
+    ``host_bound_reps``)."""
 
     def __init__(
         self, reps: int, on_gpu: bool, warmup: int = 3, flush_l2: bool = False, hide_host: bool = False
@@ -52,6 +55,7 @@ class Timer:
         for _ in range(self.warmup):
             result = fn()
         times = []
+        host_bound = 0
         for i in range(self.reps):
             if self._flush is not None:
                 self._flush.fill(i)
@@ -61,6 +65,8 @@ class Timer:
                     self._spin((1,), (1,), (np.int64(SPIN_NS),))
                 start.record()
                 result = fn()
+                if self._spin is not None and start.done:  # the GPU reached the call before its launches all came
+                    host_bound += 1
                 stop.record()
                 stop.synchronize()
                 times.append(self._cp.cuda.get_elapsed_time(start, stop))
@@ -69,8 +75,11 @@ class Timer:
                 result = fn()
                 times.append((time.perf_counter() - t0) * 1e3)
         t = np.asarray(times)
-        return result, {
+        stats = {
             "median": float(np.median(t)),
             "p10": float(np.percentile(t, 10)),
             "p90": float(np.percentile(t, 90)),
         }
+        if self._spin is not None:
+            stats["host_bound_reps"] = host_bound
+        return result, stats
