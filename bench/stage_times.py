@@ -25,7 +25,6 @@ from twellsparse._environment import append_records, environment
 from twellsparse._timing import Timer
 from twellsparse.testing import ffn_problem
 
-
 #: The measured density of the last problem :func:`stages` built (its gate's entries per slot).
 MEASURED: dict[str, float] = {}
 
