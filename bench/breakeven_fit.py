@@ -1,8 +1,10 @@
 """Crossings of the FFN plans with dense, per shape: the data of ``twellsparse._dispatch``.
 
 For every shape (tokens M, d_model, d_ff), pattern and block in the FFN benchmark records, the
-crossing is the density where the sparse plan's time equals the dense FFN's (both measured side
-by side in one run; linear interpolation between the two densities around it). These go into
+crossing is the density where the sparse plan's time equals the faster dense FFN's: torch's
+block or, in records that timed it, the library's own dense plan, which is what ``dispatch=
+"auto"`` runs above the crossing (all measured side by side in one run; linear interpolation
+between the two densities around it). These go into
 ``_dispatch.CROSSINGS`` (the lower of the two patterns of a shape).
 
 For reference the script also fits the two-parameter model
@@ -26,7 +28,11 @@ from typing import Any
 
 import numpy as np
 
-BLOCKS = {"ffn": ("ffn", "dense_ffn"), "gated_ffn": ("gated_ffn", "dense_gated_ffn")}
+#: block -> (its sparse row, its dense rows: torch's, and the library's dense plan where timed).
+BLOCKS = {
+    "ffn": ("ffn", ("dense_ffn", "dense_ffn_plan")),
+    "gated_ffn": ("gated_ffn", ("dense_gated_ffn", "dense_gated_ffn_plan")),
+}
 
 
 def crossings(records: list[dict[str, Any]], commit: str | None = None) -> dict[tuple, float]:
@@ -37,10 +43,11 @@ def crossings(records: list[dict[str, Any]], commit: str | None = None) -> dict[
         if rec.get("kind") != "ffn" or (commit and not str(rec.get("commit", "")).startswith(commit)):
             continue
         m, d_model, d_ff = rec["shape"]
-        for block, (sparse, dense) in BLOCKS.items():
+        for block, (sparse, denses) in BLOCKS.items():
             ms = rec["ms"]
-            if sparse in ms and dense in ms and "median" in ms[sparse]:
-                ratio = ms[sparse]["median"] / ms[dense]["median"]  # < 1: sparse faster
+            dense = [ms[d]["median"] for d in denses if "median" in ms.get(d, {})]
+            if dense and "median" in ms.get(sparse, {}):
+                ratio = ms[sparse]["median"] / min(dense)  # < 1: sparse faster than the faster dense
                 points[(block, m, d_model, d_ff, rec["pattern"])].append((rec["density"], ratio))
     result = {}
     for key, pts in points.items():
