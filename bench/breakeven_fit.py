@@ -1,10 +1,10 @@
 """Crossings of the FFN plans with dense, per shape: the data of ``twellsparse._dispatch``.
 
 For every shape (tokens M, d_model, d_ff), pattern and block in the FFN benchmark records, the
-crossing is the density where the sparse plan's time equals the faster dense FFN's: torch's
-block or, in records that timed it, the library's own dense plan, which is what ``dispatch=
-"auto"`` runs above the crossing (all measured side by side in one run; linear interpolation
-between the two densities around it). These go into
+crossing is the density where the sparse plan's time equals the dense path that ``dispatch=
+"auto"`` runs above it: the library's own dense plan in records that timed it, else torch's
+block (all measured side by side in one run; linear interpolation between the two densities
+around it). These go into
 ``_dispatch.CROSSINGS`` (the lower of the two patterns of a shape).
 
 For reference the script also fits the two-parameter model
@@ -28,10 +28,11 @@ from typing import Any
 
 import numpy as np
 
-#: block -> (its sparse row, its dense rows: torch's, and the library's dense plan where timed).
+#: block -> (its sparse row, its dense rows in order of preference: the library's dense plan,
+#: which ``auto`` switches to, where the run timed it, else torch's block).
 BLOCKS = {
-    "ffn": ("ffn", ("dense_ffn", "dense_ffn_plan")),
-    "gated_ffn": ("gated_ffn", ("dense_gated_ffn", "dense_gated_ffn_plan")),
+    "ffn": ("ffn", ("dense_ffn_plan", "dense_ffn")),
+    "gated_ffn": ("gated_ffn", ("dense_gated_ffn_plan", "dense_gated_ffn")),
 }
 
 
@@ -47,7 +48,7 @@ def crossings(records: list[dict[str, Any]], commit: str | None = None) -> dict[
             ms = rec["ms"]
             dense = [ms[d]["median"] for d in denses if "median" in ms.get(d, {})]
             if dense and "median" in ms.get(sparse, {}):
-                ratio = ms[sparse]["median"] / min(dense)  # < 1: sparse faster than the faster dense
+                ratio = ms[sparse]["median"] / dense[0]  # < 1: sparse faster than the dense path auto takes
                 points[(block, m, d_model, d_ff, rec["pattern"])].append((rec["density"], ratio))
     result = {}
     for key, pts in points.items():

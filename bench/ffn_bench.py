@@ -291,7 +291,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def summary_line(rec: dict[str, Any]) -> str:
     """One line per case: medians in ms, speed-ups over dense in parentheses."""
-    ms = {k: v["median"] for k, v in rec["ms"].items()}
+    ms = {k: v["median"] for k, v in rec["ms"].items() if "median" in v}  # failed variants hold an error
     sp = rec["speedup"]
     return " | ".join(
         [

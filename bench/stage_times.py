@@ -210,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn in stages(args.density, args.m, args.pattern, args.d_model, args.d_ff).items():
         if wanted and not any(w in name for w in wanted):
             continue
-        e, g = eager(fn)[1]["median"], hidden(fn)[1]["median"]
-        rows[name] = {"eager_ms": e, "gpu_ms": g}
+        gpu = hidden(fn)[1]
+        e, g = eager(fn)[1]["median"], gpu["median"]
+        rows[name] = {"eager_ms": e, "gpu_ms": g, "host_bound_reps": gpu.get("host_bound_reps", 0)}
         print(f"{name:32s} eager {e:7.3f} ms   gpu only {g:7.3f} ms", flush=True)
     rec = {
         "kind": "stages",

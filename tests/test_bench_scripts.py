@@ -199,11 +199,15 @@ def test_breakeven_crossings_interpolate_the_ratio():
     cross = breakeven_fit.crossings([rec(0.005, 0.8, 1.0), rec(0.01, 1.2, 1.0), rec(0.005, 1.1, 1.0, "skewed")])
     assert cross[("ffn", 4096, 2048, 5632, "uniform")] == pytest.approx(0.0075)
     assert np.isnan(cross[("ffn", 4096, 2048, 5632, "skewed")])  # sparse never ahead
-    # Where the run timed the library's dense plan too, the faster dense path sets the crossing.
+    # Where the run timed the library's dense plan too, that plan (what auto switches to) sets the
+    # crossing, faster than torch's block or not.
     with_plan = [rec(0.005, 0.8, 1.0), rec(0.01, 1.2, 1.0)]
     for r in with_plan:
         r["ms"]["dense_ffn_plan"] = {"median": 0.9}
     assert breakeven_fit.crossings(with_plan)[("ffn", 4096, 2048, 5632, "uniform")] == pytest.approx(0.00625)
+    for r in with_plan:
+        r["ms"]["dense_ffn_plan"] = {"median": 1.1}  # slower than torch's here: still the plan
+    assert breakeven_fit.crossings(with_plan)[("ffn", 4096, 2048, 5632, "uniform")] > 0.0075
 
 
 def test_producer_probe_reads_nvidia_smi_samples(tmp_path, monkeypatch):

@@ -60,14 +60,15 @@ class Config:
     on_gpu: bool
     pattern: str = "uniform"
     seed: int = 0
+    smoke: bool = False  # a quick or CPU run: its records never reach a results table
 
 
 def default_config(quick: bool = False, cpu: bool = False) -> Config:
     """The full sweep on the standard problem's widths, a quick one, or the CPU smoke run."""
     if cpu or not gpu_available():
-        return Config(OPS, (0.05, 0.2), (64,), (512,), 64, "float32", 2, on_gpu=False)
+        return Config(OPS, (0.05, 0.2), (64,), (512,), 64, "float32", 2, on_gpu=False, smoke=True)
     if quick:
-        return Config(OPS, (0.01, 0.1), (2048,), (1024,), 512, "bfloat16", 5, on_gpu=True)
+        return Config(OPS, (0.01, 0.1), (2048,), (1024,), 512, "bfloat16", 5, on_gpu=True, smoke=True)
     densities = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
     return Config(OPS, densities, (4096, 16384), (5632,), 2048, "bfloat16", 20, on_gpu=True)
 
@@ -366,8 +367,8 @@ def _time_case(
         if dense is not None and "median" in t:
             t["speedup_vs_dense"] = dense / t["median"]
     record = {**case, "density": density, "ms": timings, **env}
-    if not cfg.on_gpu:
-        record["smoke"] = True  # the CPU reference's wall clock: a smoke run, never a result
+    if cfg.smoke or not cfg.on_gpu:
+        record["smoke"] = True  # a quick run, or the CPU reference's wall clock: never a result
     append_records(out_path, [record])
     return record
 

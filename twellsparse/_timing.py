@@ -10,7 +10,7 @@ host then queues the whole timed call while the GPU spins, and the events measur
 work alone, as a CUDA graph or a host running ahead would see it. Host synchronisations inside
 the call still show (they wait for the spin too, then expose the launches after them): the
 result then says in how many repetitions the spin had ended before the host finished queueing
-the call (``host_bound_reps``; nonzero means those times include host gaps).
+the call (``host_bound_reps``; those repetitions' times may include host gaps).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import threading
 import warnings
 import weakref
@@ -650,7 +651,7 @@ def ffn(
     activation, threshold, tile_n, capacity = _settings(activation, threshold, tile_n, capacity)
     spill_capacity = _static(check_spill_capacity, spill_capacity, "spill_capacity")
     x, w_up, w_down = _operand(x, "x", None), _operand(w_up, "w_up"), _operand(w_down, "w_down")
-    rows = x.reshape(-1, x.shape[-1])  # leading dimensions are tokens, as in the torch adapter
+    rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # leading dimensions are tokens, as in torch
     _check_weights(rows, w_up.shape[0], w_up=w_up, w_down=w_down)
     _same_dtype(x=x, w_up=w_up, w_down=w_down)
     out = _ffn(rows, w_up, None, w_down, activation, tile_n, capacity, threshold, spill_capacity)
@@ -676,7 +677,7 @@ def gated_ffn(
     spill_capacity = _static(check_spill_capacity, spill_capacity, "spill_capacity")
     x, w_gate = _operand(x, "x", None), _operand(w_gate, "w_gate")
     w_up, w_down = _operand(w_up, "w_up"), _operand(w_down, "w_down")
-    rows = x.reshape(-1, x.shape[-1])
+    rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     _check_weights(rows, w_gate.shape[0], w_gate=w_gate, w_up=w_up, w_down=w_down)
     _same_dtype(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down)
     out = _ffn(rows, w_gate, w_up, w_down, activation, tile_n, capacity, threshold, spill_capacity)
