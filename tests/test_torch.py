@@ -547,3 +547,32 @@ def test_autocast_leaves_float64_alone_and_keeps_the_fp8_plan():
         plan = fp8._plan
         fp8(x.bfloat16())
         assert fp8._plan is plan  # built on the weights as they are, not on autocast's copies
+
+
+def test_zero_tokens_one_dimensional_input_and_inference_mode():
+    m = tt.TwELLGatedMLP(16, 96, tile_n=32, dtype=torch.float64)
+    empty = torch.zeros(0, 16, dtype=torch.float64, requires_grad=True)
+    out = m(empty)
+    assert out.shape == (0, 16)
+    out.sum().backward()  # a zero-token backward: zero gradients of the right shapes
+    assert empty.grad.shape == (0, 16) and m.gate_proj.weight.grad.abs().sum() == 0
+    v = torch.randn(16, dtype=torch.float64, requires_grad=True)
+    batch = m(v[None])[0]
+    torch.testing.assert_close(m(v), batch)
+    (g1,) = torch.autograd.grad(m(v).sum(), v)
+    (g2,) = torch.autograd.grad(m(v[None]).sum(), v)
+    torch.testing.assert_close(g1, g2)
+    with torch.inference_mode():
+        torch.testing.assert_close(m(v), batch.detach())
+
+
+def test_l1_penalty_gradients_for_thresholded_silu():
+    torch.manual_seed(3)
+    m = tt.TwELLGatedMLP(16, 96, tile_n=32, dtype=torch.float64, activation="silu", threshold=0.05)
+    x = torch.randn(20, 16, dtype=torch.float64)
+    m(x)
+    (got,) = torch.autograd.grad(m.l1_penalty(), m.gate_proj.weight)
+    a = torch.nn.functional.silu(x @ m.gate_proj.weight.T)
+    kept = torch.where(a.abs() > 0.05, a, torch.zeros_like(a))
+    (want,) = torch.autograd.grad(kept.abs().sum() / x.shape[0], m.gate_proj.weight)
+    torch.testing.assert_close(got, want)
