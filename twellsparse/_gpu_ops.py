@@ -569,8 +569,9 @@ def lt_gemm(kind: str, m: int, f: int, k: int, dtype_name: str, device: int) -> 
     no algorithm (the callers then take CuPy's cuBLAS or the dense-scan producer).
 
     One plan per shape and device, shared by every stream: it is made (and timed) by the eager
-    warm-up a CUDA-graph capture needs, so the capture allocates nothing. Its workspace serves
-    one GEMM at a time: GEMMs of one shape must not run concurrently on two streams."""
+    warm-up a CUDA-graph capture needs, so the capture allocates nothing. Eager calls take their
+    workspace from the current stream's allocator (GEMMs of one shape may run on several streams
+    at once); captured ones use the plan's own, which the plan keeps for the graph."""
     if dtype_name == "float64":
         return None
     try:

@@ -232,14 +232,15 @@ class Gemm:
 
         times = []
         for candidate in self._candidates:
+            workspace = cp.empty(max(candidate[1], 1), dtype=cp.uint8)
             try:
-                self._matmul(x, w, out, candidate[0])  # warm-up; an algorithm that refuses the call drops out
+                self._matmul(x, w, out, candidate[0], workspace)  # warm-up; an algorithm that refuses drops out
             except CuBlasLtError:
                 continue
             start, stop = cp.cuda.Event(), cp.cuda.Event()
             start.record()
             for _ in range(TUNING_REPS):
-                self._matmul(x, w, out, candidate[0])
+                self._matmul(x, w, out, candidate[0], workspace)
             stop.record()
             stop.synchronize()
             times.append((cp.cuda.get_elapsed_time(start, stop), candidate))
@@ -282,9 +283,15 @@ class Gemm:
             self._tune(x, w, out)
         if capturing:  # the graph holds this plan's workspace address: never free it
             _CAPTURED.add(self)
-        self._matmul(x, w, out, self._candidates[0][0])
+        algo, size = self._candidates[0]
+        # Outside a capture each call takes its workspace from the current stream's allocator
+        # (stream-ordered), so GEMMs of one shape may run on several streams at once; a capture
+        # takes the plan's own, made with the plan (a warmed-up capture allocates nothing) and
+        # kept with it.
+        workspace = self._workspace if capturing else cp.empty(max(size, 1), dtype=cp.uint8)
+        self._matmul(x, w, out, algo, workspace)
 
-    def _matmul(self, x: Any, w: Any, out: Any, algo: Any) -> None:
+    def _matmul(self, x: Any, w: Any, out: Any, algo: Any, workspace: Any) -> None:
         import cupy as cp
 
         ffi, lib = _ffi(), library()
@@ -294,7 +301,7 @@ class Gemm:
             lib.cublasLtMatmul(
                 self._handle, self._desc, ffi.cast("void*", self._alpha.ctypes.data), ptr(w), a, ptr(x), b,
                 ffi.cast("void*", self._beta.ctypes.data), ptr(out), d, ptr(out), d, algo,
-                ptr(self._workspace), self._workspace.size, ffi.cast("cudaStream_t", cp.cuda.get_current_stream().ptr),
+                ptr(workspace), workspace.size, ffi.cast("cudaStream_t", cp.cuda.get_current_stream().ptr),
             ),
             "cublasLtMatmul",
         )  # fmt: skip
