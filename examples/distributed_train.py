@@ -12,7 +12,9 @@ the single-process run on the whole batch up to the order of floating-point sums
 prints the global loss and, per rank, the step time and tokens/s; ``--dense`` swaps in dense
 MLPs with the same initial weights, the throughput baseline. ``--density`` sets each layer's
 gate threshold so that it keeps that fraction of the first batch's activations (the dense twin
-applies the same thresholds: both compute one function), and ``--json`` appends rank 0's record
+applies the same thresholds: both MLPs compute one function; the L1 penalty, ``--l1``, applies
+to the TwELL layers only, so with ``--l1 0`` both train one loss), and ``--json`` appends rank
+0's record
 of the run (the median step time of the slowest rank after the first step, tokens/s per GPU,
 the layers' measured density, where it ran).
 """
@@ -109,6 +111,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--density: expected a fraction in (0, 1], got {args.density}")
     if args.steps < 1:
         raise SystemExit(f"--steps: expected at least 1, got {args.steps}")
+    if args.single and args.fsdp:
+        raise SystemExit("--fsdp: expected a distributed run (torchrun), got --single")
     dtype = getattr(torch, args.dtype)
 
     use_cuda = torch.cuda.is_available() and not args.cpu

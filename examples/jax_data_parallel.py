@@ -20,6 +20,7 @@ first (the compile), tokens/s per device, where it ran.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from typing import Any
@@ -126,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--density: expected a fraction in (0, 1], got {args.density}")
     if args.steps < 1:
         raise SystemExit(f"--steps: expected at least 1, got {args.steps}")
+    if args.devices is not None and not 1 <= args.devices <= len(jax.devices()):
+        raise SystemExit(f"--devices: expected 1 to {len(jax.devices())}, got {args.devices}")
     devices = jax.devices()[: args.devices]
     if args.tokens % len(devices):
         raise SystemExit(f"--tokens: expected a multiple of the {len(devices)} devices, got {args.tokens}")
@@ -133,12 +136,16 @@ def main(argv: list[str] | None = None) -> int:
     shape = (args.steps, args.tokens, args.d_model, args.d_ff, args.lr, args.tile_n, dtype, args.density, args.dense)
     losses, params, times = train(devices, *shape)
     print(f"{len(devices)} device(s) ({devices[0].platform}): losses " + ", ".join(f"{v:.6f}" for v in losses))
+    # The jitted step compiles twice (its first outputs come back sharded): two steps skipped.
+    steady = statistics.median(times[2:] or times[-1:])
+    print(f"  {args.tokens // len(devices) / (steady / 1e3):,.0f} tokens/s per device (median step {steady:.2f} ms)")
     if not np.isfinite(losses).all():
         raise SystemExit("losses: expected finite values, got NaN or Inf")
     if args.json:
         record = run_record(
             times,
             args.tokens // len(devices),
+            skip=2,
             kind="distributed",
             framework="jax",
             mode="shard_map",

@@ -1,9 +1,10 @@
 """Train a small ReLU-gated Llama-style model with an L1 penalty on its gate activations.
 
 The data is generated: sequences from a fixed random bigram language (each token's successor
-drawn from a sparse transition table), so the example needs no download. Each step prints the
-loss, the gate density of every layer and the step time; ``--compare-dense`` also trains the
-same model with dense MLPs (same initial weights) and prints both step times side by side.
+drawn from a sparse transition table), so the example needs no download. After training it
+prints, for about a dozen steps spread over the run, the loss, the gate density of every layer
+and the step time; ``--compare-dense`` also trains the same model with dense MLPs (same initial
+weights, no L1 penalty: what a dense model trains) and prints both step times side by side.
 
 On a GPU (``--device cuda``) the MLPs run the twellsparse kernels; on the CPU they run the
 NumPy reference path, which is exact but slow, so keep the model small there.
@@ -160,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare-dense", action="store_true")
     ap.add_argument("--small", action="store_true", help="a very small model (CPU smoke runs)")
     args = ap.parse_args(argv)
+    for name in ("steps", "batch"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name}: expected at least 1, got {getattr(args, name)}")
     cfg = Config(d_model=32, d_ff=128, n_layers=1, seq=16, tile_n=32) if args.small else Config()
     log_every = max(args.steps // 12, 1)
     sparse = train(cfg, args.steps, args.batch, args.l1, args.device, sparse=True, log_every=log_every)

@@ -81,6 +81,7 @@ def test_distributed_table_gives_speed_up_and_scaling():
 
 
 def test_ffn_bench_summary_line():
+    pytest.importorskip("cupy")  # the script imports it at the top
     bench = _load("ffn_bench")
     record = next(r for r in _load("report").load(ROOT / "bench" / "results") if r["kind"] == "ffn")
     line = bench.summary_line(record)

@@ -3,10 +3,18 @@ it), its version is read, and a missing library gives an error naming every plac
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 from twellsparse.bindings import cusparse
 
+#: The library itself needs cffi and the CUDA extras (cuda12 / cuda13); the rest runs without.
+needs_library = pytest.mark.skipif(
+    importlib.util.find_spec("cffi") is None, reason="the cuSPARSE bindings need cffi (a CUDA extra)"
+)
 
+
+@needs_library
 def test_library_loads_and_reports_version():
     major, minor, patch = cusparse.version()
     assert major >= 12 and minor >= 0 and patch >= 0
@@ -17,6 +25,7 @@ def test_candidates_start_with_the_environment_override(monkeypatch):
     assert next(cusparse.library_candidates()) == "/opt/custom/libcusparse.so.12"
 
 
+@needs_library
 def test_missing_library_names_what_was_tried(monkeypatch):
     monkeypatch.setattr(cusparse, "library_candidates", lambda: iter(["/nonexistent/libcusparse.so.12"]))
     cusparse.library.cache_clear()
@@ -32,6 +41,7 @@ def test_missing_library_names_what_was_tried(monkeypatch):
     assert cusparse.version()[0] >= 12  # the real library loads again
 
 
+@needs_library
 def test_failed_status_is_named():
     with pytest.raises(cusparse.CuSparseError, match="cusparseGetProperty: CUSPARSE_STATUS_INVALID_VALUE"):
         cusparse._check(3, "cusparseGetProperty")

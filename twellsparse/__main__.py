@@ -56,6 +56,11 @@ def _bench(args: argparse.Namespace) -> int:
     unknown = set(cfg.ops) - set(mb.OPS)
     if unknown:
         raise SystemExit(f"--ops: expected a subset of {','.join(mb.OPS)}, got {','.join(sorted(unknown))}")
+    for flag, values in (("--m", cfg.ms), ("--d-ff", cfg.ns), ("--d-model", (cfg.k,)), ("--reps", (cfg.reps,))):
+        if min(values) < 1:
+            raise SystemExit(f"{flag}: expected positive integers, got {','.join(map(str, values))}")
+    if not all(0.0 < d <= 1.0 for d in cfg.densities):
+        raise SystemExit(f"--densities: expected fractions in (0, 1], got {','.join(map(str, cfg.densities))}")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     records = mb.run(cfg, str(out / "micro.jsonl"))

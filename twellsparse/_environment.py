@@ -84,10 +84,13 @@ def environment() -> dict[str, Any]:
     return env
 
 
-def run_record(step_ms: list[float], tokens_per_rank: int, **fields: Any) -> dict[str, Any]:
+def run_record(step_ms: list[float], tokens_per_rank: int, skip: int = 1, **fields: Any) -> dict[str, Any]:
     """A timed run's record (the multi-device examples' ``--json``): ``fields``, the step times
-    in ms with their median over the steps after the first (which pays the compiles and the
-    allocations), the tokens per second per rank at that median, and :func:`environment`."""
-    median = statistics.median(step_ms[1:] or step_ms)
-    timing = {"step_ms": {"median": median, "all": step_ms}, "tokens_per_s_per_rank": tokens_per_rank / (median / 1e3)}
+    in ms with their median over the steps after the first ``skip`` (which pay the compiles and
+    the allocations), the tokens per second per rank at that median, and :func:`environment`."""
+    median = statistics.median(step_ms[skip:] or step_ms[-1:])
+    timing = {
+        "step_ms": {"median": median, "all": step_ms, "skipped": min(skip, len(step_ms) - 1)},
+        "tokens_per_s_per_rank": tokens_per_rank / (median / 1e3),
+    }
     return {**fields, "tokens_per_rank": tokens_per_rank, **timing, **environment()}

@@ -378,10 +378,10 @@ class twell_array:
         """Copy to ``"cpu"``, a GPU id, ``"cuda:N"`` or a ``cupy.cuda.Device``."""
         if device == "cpu":
             return self.get()
+        dev_id = _device_id(device)
         cp = cupy_module()
         if cp is None:
             raise RuntimeError("device: moving to a GPU needs CuPy, which is not installed")
-        dev_id = _device_id(device)
         with cp.cuda.Device(dev_id):
             parts = TwELLParts(*(cp.asarray(a) for a in self._parts))
         return twell_array._from_parts(parts, self.shape, self.tile_n, self.n_dropped)
