@@ -86,7 +86,8 @@ def train(
     density: float | None = None,
     dense: bool = False,
 ) -> tuple:
-    """(losses, parameters, step times in ms) of ``steps`` SGD steps on one batch."""
+    """(losses, parameters, step times in ms, the gate's density on the batch before training)
+    of ``steps`` SGD steps on one batch."""
     mesh = jax.sharding.Mesh(np.array(devices), ("data",))
     step = make_step(mesh, lr, tile_n, dense)
     rng = np.random.default_rng(1)
@@ -98,13 +99,14 @@ def train(
         x = jnp.asarray(p["x"].astype(dtype))
         params["w_gate"] = jnp.asarray(p["w_gate"].astype(dtype))
     y = jnp.asarray(rng.standard_normal((tokens, d_model)).astype(dtype))
+    gate_density = float(jnp.mean((x @ params["w_gate"].T > 0).astype(jnp.float32)))  # relu's keep rule
     losses, times = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         loss, params = step(params, x, y)
         losses.append(float(loss))  # waits for the step
         times.append((time.perf_counter() - t0) * 1e3)
-    return losses, params, times
+    return losses, params, times, gate_density
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--tokens: expected a multiple of the {len(devices)} devices, got {args.tokens}")
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else np.float32
     shape = (args.steps, args.tokens, args.d_model, args.d_ff, args.lr, args.tile_n, dtype, args.density, args.dense)
-    losses, params, times = train(devices, *shape)
+    losses, params, times, gate_density = train(devices, *shape)
     print(f"{len(devices)} device(s) ({devices[0].platform}): losses " + ", ".join(f"{v:.6f}" for v in losses))
     # The jitted step compiles twice (its first outputs come back sharded): two steps skipped.
     steady = statistics.median(times[2:] or times[-1:])
@@ -156,11 +158,12 @@ def main(argv: list[str] | None = None) -> int:
             shape=[args.tokens, args.d_model, args.d_ff],
             layers=1,
             density_target=args.density,
+            density=gate_density,
             losses=losses,
         )
         append_records(args.json, [record])
     if args.check:
-        ref_losses, ref_params, _ = train(devices[:1], *shape)
+        ref_losses, ref_params, *_ = train(devices[:1], *shape)
         print("1 device:            losses " + ", ".join(f"{v:.6f}" for v in ref_losses))
         np.testing.assert_allclose(losses, ref_losses, rtol=args.rtol, atol=args.rtol / 10, equal_nan=False)
         for k in params:
