@@ -1,4 +1,4 @@
-"""Data-parallel training of TwELL MLPs with PyTorch's own distributed stack (DDP or FSDP2).
+r"""Data-parallel training of TwELL MLPs with PyTorch's own distributed stack (DDP or FSDP2).
 
     torchrun --nproc_per_node=2 examples/distributed_train.py [--fsdp] [--steps 5] [--out r.pt]
     python examples/distributed_train.py --single [--out r.pt]     # the whole batch, one process

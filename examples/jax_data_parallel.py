@@ -1,4 +1,4 @@
-"""A data-parallel training step in plain JAX with a TwELL gated FFN, over every local device.
+r"""A data-parallel training step in plain JAX with a TwELL gated FFN, over every local device.
 
 The batch is split over a one-axis mesh ("data") with ``jax.shard_map``; each device runs the
 sparse FFN (twellsparse.jax: the CUDA kernels on XLA's stream on GPUs, the reference path on
