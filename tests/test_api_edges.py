@@ -158,3 +158,34 @@ def test_drop_warning_names_the_callers_line():
         ts.twell_array(np.ones((1, 40)), tile_n=32, capacity=1, overflow="drop")
     (w,) = [c for c in caught if issubclass(c.category, ts.TwELLDroppedEntriesWarning)]
     assert w.filename == __file__
+
+
+def test_gated_block_with_mixed_precisions_rounds_like_the_dense_path():
+    """x, w_up and w_down in float16 with a float32 gate: both paths keep the float32 block's
+    precision (the sparse one computed u and h in float16 before)."""
+    p = ffn_problem(48, 16, 256, 0.1, rng=3)
+    x, wu, wd = (p[k].astype(np.float16) for k in ("x", "w_up", "w_down"))
+    wg = p["w_gate"].astype(np.float32)
+    sparse = ts.gated_ffn(x, wg, wu, wd, dispatch="sparse", tile_n=32)
+    dense = ts.gated_ffn(x, wg, wu, wd, dispatch="dense", tile_n=32)
+    assert sparse.dtype == dense.dtype == np.float32
+    np.testing.assert_allclose(sparse, dense, rtol=1e-5, atol=1e-6)
+
+
+def test_an_empty_call_is_no_density_sample():
+    p = ffn_problem(64, 16, 256, 0.9, rng=4)  # dense: auto runs the dense block
+    plan = ts.GatedFFN(p["w_gate"], p["w_up"], p["w_down"], tile_n=32)
+    plan(p["x"][:0])
+    plan(p["x"])
+    assert plan.last_stats["path"] == "dense"
+
+
+def test_read_only_out_and_bool_breakeven_are_refused():
+    p = ffn_problem(8, 16, 64, 0.1)
+    plan = ts.FFN(p["w_gate"], p["w_down"])
+    out = np.zeros((8, 16), np.float32)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="out: expected a writeable array"):
+        plan(p["x"], out=out)
+    with pytest.raises(TypeError, match="breakeven"):
+        ts.FFN(p["w_gate"], p["w_down"], breakeven=True)

@@ -32,7 +32,7 @@ from ._ops import (
 )
 from ._parts import DeferredFinish, trimmed_spill
 from ._posted import PostedScalar
-from ._quantize import check_format, quantize_rows
+from ._quantize import QuantizedRows, check_format, quantize_rows
 from ._twell import twell_array
 from ._validation import BLOCK_SETTINGS, check_block_settings
 
@@ -218,7 +218,7 @@ class _FFNPlanBase:
         z, relu_mask, activated = self._preactivation(xx, w[act_name], dense_known, gated=w_lin is not None)
         sampled = float("nan")
         if self.dispatch == "auto":
-            if self._resample(estimate, breakeven):
+            if self._resample(estimate, breakeven) and z.shape[0]:  # an empty call samples nothing
                 self._density.post(*self._kept_fraction(z))
             # The first call waits for its own sample (never None once posted).
             sampled = estimate if estimate is not None else float(self._density.value() or 0.0)
@@ -313,6 +313,8 @@ class _FFNPlanBase:
             h = twell_array._from_parts(parts, shape, self.tile_n)
             if w_lin is None:
                 return matmul(h, self._down_rows, out=target)
+            if xx.dtype != dt:  # mixed precisions: the up values and h in the block's dtype, as dense
+                return gated_product(xx.astype(dt), _as_dtype(w_lin, dt), self._down_rows, h, out=target)[0]
             return gated_product(xx, w_lin, self._down_rows, h, out=target)[0]
 
         from . import _stationary
@@ -404,6 +406,11 @@ class _FFNPlanBase:
         return kept.mean(), 1.0
 
 
+def _as_dtype(w: Any, dt: Any) -> Any:
+    """A dense weight in ``dt`` (quantized rows as they are: their products widen to fp32)."""
+    return w if isinstance(w, QuantizedRows) or w.dtype == dt else w.astype(dt)
+
+
 def _quantized_and_decoded(w: Any, format: str) -> tuple[Any, Any]:
     """``w``'s rows as :class:`QuantizedRows` of ``format`` (what a sparse tail gathers) and
     the dense matrix of the same values, decoded and rounded to ``w``'s dtype (the dense
@@ -428,6 +435,8 @@ def _check_out(out: Any, shape: tuple[int, int], dtype: Any, x: Any) -> None:
     """A plan call's ``out``: an array of x's kind and device with the result's shape and dtype."""
     if type(out) is not type(x):
         raise TypeError(f"out: expected a {type(x).__module__}.{type(x).__name__} like x, got {type(out).__name__}")
+    if not getattr(out, "flags", None) or not out.flags.writeable:
+        raise ValueError("out: expected a writeable array, got a read-only one")
     check_out_shape(out, shape, dtype)
     _same_device("x", x, out=out)
     if array_module(x).may_share_memory(out, x):
@@ -466,10 +475,11 @@ def _check_weight_shapes(arrays: dict[str, Any], d_model: int | None) -> None:
     inputs = {name: w for name, w in arrays.items() if name != "w_down"}
     w_down = arrays["w_down"]
     first_name, first = next(iter(inputs.items()))
+    source = "d_model of x" if d_model is not None else f"like {first_name}"
     d_model = first.shape[1] if d_model is None else d_model
     for name, w in inputs.items():
         if w.shape[1] != d_model:
-            raise ValueError(f"{name}: expected {d_model} columns (d_model of x), got shape {tuple(w.shape)}")
+            raise ValueError(f"{name}: expected {d_model} columns ({source}), got shape {tuple(w.shape)}")
     d_ff = first.shape[0]
     for name, w in inputs.items():
         if w.shape[0] != d_ff:
@@ -522,8 +532,9 @@ class FFN(_FFNPlanBase):
         half the bytes per active unit (measured on the H200 at the standard widths: 0.16 against
         0.24 ms at 0.5% density, 0.29 against 0.42 at 1%; bench/NOTES.md). Each weight moves by
         at most 2**-4 of its magnitude (2**-10 of its row's largest below e4m3's normal range).
-        The dense path multiplies by the same quantized weights (decoded and rounded to their
-        dtype), so both paths still compute one function. Rebuilt by :meth:`refresh`. With every
+        The dense path multiplies by the same quantized weights, decoded and rounded to their
+        dtype (the sparse path widens each code times its scale to fp32 unrounded: the paths
+        differ by that rounding, ~1e-3 relative in bf16). Rebuilt by :meth:`refresh`. With every
         gathered row in fp8 (the non-gated block's ``down_format``; the gated block's with
         ``up_format`` too), the default break-even of ``"auto"`` is 1.3x the 2-byte one
         (``_dispatch.E4M3_CROSSING_FACTOR``, a conservative reading of the measured crossings).
@@ -533,6 +544,13 @@ class FFN(_FFNPlanBase):
     ``out`` (optional): an array of that shape and dtype on x's device, apart from x, that
     receives the result; with unit column stride and operands of one dtype with 16-byte rows
     the kernels write it directly, otherwise the result is copied into it.
+
+    A plan keeps a copy of ``w_down.T`` (the sparse path's layout) and reads the other weights
+    where they are: after updating weights in place call :meth:`refresh`, else the sparse path
+    keeps the old ``w_down`` while the dense one reads the new. ``refresh`` allocates new arrays:
+    capture CUDA graphs again after it. A plan holds per-call state (``last_stats``, the posted
+    density and spill counts): use one per thread, and with a fixed ``spill_capacity`` call
+    :meth:`check_spill` after the replays of one captured graph before replaying another.
 
     Attributes
     ----------
@@ -628,6 +646,9 @@ def ffn(
     w_down : array_like, shape (d_model, d_ff)
     activation, tile_n, capacity, threshold
         As for :func:`twellsparse.linear_to_twell`.
+    dispatch : {"auto", "sparse", "dense"}
+        As for :class:`FFN`: "auto" (default) runs the dense block above the measured
+        break-even density, so the hidden layer is sparse only below it.
 
     Returns
     -------
@@ -670,6 +691,9 @@ def gated_ffn(
     w_down : array_like, shape (d_model, d_ff)
     activation, tile_n, capacity, threshold
         As for :func:`twellsparse.linear_to_twell` (applied to the gate).
+    dispatch : {"auto", "sparse", "dense"}
+        As for :class:`GatedFFN`: "auto" (default) runs the dense block above the measured
+        break-even density.
 
     Returns
     -------

@@ -105,7 +105,9 @@ def check_block_settings(
 
 
 def check_fraction(value: Any, name: str) -> float:
-    """A finite float in [0, 1] (a density, a break-even)."""
+    """A finite float in [0, 1] (a density, a break-even); never a bool."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a float in [0, 1], got {value!r}")
     try:
         f = float(value)
     except (TypeError, ValueError):
