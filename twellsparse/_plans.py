@@ -212,7 +212,8 @@ class _FFNPlanBase:
         fused = self._fused_producer(xx, w[act_name], breakeven)
         if fused is not None:
             return self._sparse_tail(xx, fused[0], fused[1], w_lin, dt, out, shape, fused[2])
-        # The previous call's density (read without waiting); the first call samples and waits.
+        # The previous call's density (waiting, if at all, for that call's sample copy, which runs
+        # early in it); the first call samples and waits for its own.
         estimate = self._density.value() if self.dispatch == "auto" else None
         dense_known = self.dispatch == "dense" or (estimate is not None and estimate > breakeven)
         z, relu_mask, activated = self._preactivation(xx, w[act_name], dense_known, gated=w_lin is not None)
