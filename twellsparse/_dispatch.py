@@ -7,6 +7,12 @@ side by side in one run) moves with the shape: at 4096 tokens the sparse path's 
 at 16384-65536 tokens of the standard widths it is about 1.0-1.5%; with d_model 4096 and d_ff
 14336 (twice the gathered bytes per entry) about 0.6-0.85%. One constant for all of them left
 up to ~8% on the table at large shapes and ran sparse at 0.76x dense at small ones.
+
+Limits: the crossings are the H200's, measured against torch's unfused dense block (the
+library's own dense path is 6-16% faster at the standard widths, so they sit somewhat high
+until refitted against it); other shapes take the nearest measured widths and clamp to the
+measured token counts (a call under 4096 tokens gets the 4096-token value); other GPUs get the
+same numbers. A plan's ``breakeven`` overrides them.
 """
 
 from __future__ import annotations
