@@ -19,7 +19,7 @@ from ._parts import DeferredFinish, TwELLParts
 from ._quantize import QuantizedRows, decoded_for_fallback, matmul_quantized
 from ._transpose import twell_transpose
 from ._twell import twell_array
-from ._validation import check_activation, check_layout, check_ndim, check_threshold
+from ._validation import check_activation, check_layout, check_ndim, check_out_shape, check_threshold
 
 
 def _dense(x: Any, name: str, ndim: int | tuple[int, ...] = 2) -> Any:
@@ -41,16 +41,6 @@ def _cast_parts(parts: TwELLParts, dtype: Any) -> TwELLParts:
     if parts.data.dtype == dtype:
         return parts
     return parts._replace(data=parts.data.astype(dtype), spill_data=parts.spill_data.astype(dtype))
-
-
-def check_out_shape(out: Any, shape: tuple[int, ...], dtype: Any) -> None:
-    """An ``out`` argument must have the result's shape and dtype (one-line error otherwise)."""
-    if not hasattr(out, "shape") or not hasattr(out, "dtype"):
-        raise TypeError(f"out: expected a NumPy or CuPy array, got {type(out).__name__}")
-    if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
-        raise ValueError(
-            f"out: expected shape {tuple(shape)} and dtype {dtype.name}, got {tuple(out.shape)} {out.dtype}"
-        )
 
 
 def matmul(a: Any, b: Any, *, out: Any = None) -> Any:

@@ -21,7 +21,6 @@ from ._errors import TwELLFallbackWarning, TwELLSpillCapacityError, warn
 from ._ops import (
     _dense,
     _same_device,
-    check_out_shape,
     dense_ffn_tail,
     gated_product,
     gather_tail_eligible,
@@ -34,7 +33,7 @@ from ._parts import DeferredFinish, trimmed_spill
 from ._posted import PostedScalar
 from ._quantize import QuantizedRows, check_format, quantize_rows
 from ._twell import twell_array
-from ._validation import BLOCK_SETTINGS, check_block_settings
+from ._validation import BLOCK_SETTINGS, check_block_settings, check_out_shape
 
 #: Rows sampled to estimate the activation density before choosing a path.
 DENSITY_SAMPLE_ROWS = 256

@@ -25,6 +25,7 @@ from ._validation import (
     check_capacity,
     check_int,
     check_ndim,
+    check_out_shape,
     check_overflow,
     check_shape,
     check_tile_n,
@@ -560,18 +561,9 @@ def write_out(dense: Any, out: Any, dtype: np.dtype) -> Any:
     """``dense`` itself, or copied into ``out`` (same shape, dtype and device) and ``out``."""
     if out is None:
         return dense
-    shape = getattr(out, "shape", None)
-    if (
-        shape is None
-        or tuple(shape) != tuple(dense.shape)
-        or getattr(out, "dtype", None) != dtype
-        or device_name(out) != device_name(dense)
-    ):
-        got = f"{tuple(shape)} {getattr(out, 'dtype', '?')}" if shape is not None else type(out).__name__
-        raise ValueError(
-            f"out: expected an array of shape {tuple(dense.shape)} and dtype {np.dtype(dtype).name} on "
-            f"{device_name(dense)}, got {got}"
-        )
+    check_out_shape(out, dense.shape, dtype)
+    if device_name(out) != device_name(dense):
+        raise ValueError(f"out: expected an array on {device_name(dense)}, got one on {device_name(out)}")
     out[...] = dense
     return out
 

@@ -139,6 +139,16 @@ def check_shape(shape: Any, name: str = "shape") -> tuple[int, int]:
     return m, n
 
 
+def check_out_shape(out: Any, shape: tuple[int, ...], dtype: Any) -> None:
+    """An ``out`` argument must have the result's shape and dtype (one-line error otherwise)."""
+    if not hasattr(out, "shape") or not hasattr(out, "dtype"):
+        raise TypeError(f"out: expected a NumPy or CuPy array, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
+        raise ValueError(
+            f"out: expected shape {tuple(shape)} and dtype {np.dtype(dtype).name}, got {tuple(out.shape)} {out.dtype}"
+        )
+
+
 def check_ndim(x: Any, ndim: int | tuple[int, ...], name: str) -> None:
     allowed = (ndim,) if isinstance(ndim, int) else ndim
     if x.ndim not in allowed:
