@@ -91,11 +91,15 @@ def test_fixed_spill_capacity_on_the_cpu_is_exact_and_kept(rng):
     assert (info.value.n_left_out, info.value.spill_capacity) == (needed - 3, 3)
 
 
-@pytest.mark.parametrize(("bad", "error"), [(-1, ValueError), (2.5, TypeError), (True, TypeError), ("8", TypeError)])
+@pytest.mark.parametrize(
+    ("bad", "error"), [(-1, ValueError), (2**31, ValueError), (2.5, TypeError), (True, TypeError), ("8", TypeError)]
+)
 def test_spill_capacity_validation(rng, bad, error):
     p = ffn_problem(8, 16, 64, 0.1, "uniform", np.float32, rng)
     shown = repr(bad) if error is ValueError or isinstance(bad, bool) else type(bad).__name__
-    with pytest.raises(error, match=f"spill_capacity: expected None or a non-negative int, got {re.escape(shown)}$"):
+    with pytest.raises(
+        error, match=rf"spill_capacity: expected None or a non-negative int below 2\*\*31, got {re.escape(shown)}$"
+    ):
         ts.FFN(p["w_gate"], p["w_down"], spill_capacity=bad)
     assert ts.FFN(p["w_gate"], p["w_down"], spill_capacity=np.int64(5)).spill_capacity == 5  # NumPy ints too
 

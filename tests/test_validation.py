@@ -478,12 +478,13 @@ def _full_check_cases(mat):
     return cases
 
 
-FULL_CASES = [
-    "index-tile_n", "index-negative", "index-minus-one-in-used-slot", "index-beyond-N", "duplicate-column",
-    "padding-not-minus-one", "padding-value-not-zero", "spill-clash",
+FULL_CASES = ["duplicate-column", "padding-not-minus-one", "padding-value-not-zero", "spill-clash"]
+#: Caught by every constructor: nnz and the kernels trust the counts and spill_indptr, and the
+#: kernels read and write at the used slots' columns unclamped.
+CHEAP_CASES = [
+    "counts-over-capacity", "counts-negative", "spill-indptr-decreasing",
+    "index-tile_n", "index-negative", "index-minus-one-in-used-slot", "index-beyond-N",
 ]  # fmt: skip
-#: Caught by every constructor: counts and spill_indptr are small and trusted by nnz and the kernels.
-CHEAP_CASES = ["counts-over-capacity", "counts-negative", "spill-indptr-decreasing"]
 
 
 @pytest.mark.parametrize("case", FULL_CASES)
@@ -697,3 +698,22 @@ def test_ell_duplicate_column(rng):
     idx[4, :3] = [9, 3, 9]
     expect_error(ValueError, "indices", ts.from_ell, vals, idx, shape=(M, N))
     expect_error(ValueError, "indices", ts.from_ell, vals, idx)
+
+
+def test_columns_beyond_int32_tile_bounds():
+    # The kernels compute a tile's column bounds in int32: the last tile of a 2**31 - 1 column
+    # matrix would wrap. Refused before anything is allocated, for every producer.
+    wide = sp.csr_array((np.ones(1), np.array([5], np.int32), np.array([0, 1], np.int32)), shape=(1, 2**31 - 1))
+    expect_error(ValueError, "shape", ts.twell_array, wide)
+    expect_error(ValueError, "shape", ts.twell_array, (1, 2**31 - 1))
+    assert ts.twell_array((0, 2**31 - 2048)).shape == (0, 2**31 - 2048)  # the largest width allowed
+
+
+def test_spill_beyond_int32_row_pointers():
+    from twellsparse._reference import overflow_excess
+
+    nnz = np.array([[40]], np.int64)
+    expect_error(ValueError, "x", overflow_excess, nnz, 32, "spill", excess=2**31)
+    assert overflow_excess(nnz, 32, "spill", excess=2**31 - 1) == 2**31 - 1  # the largest spill a row pointer holds
+    w = np.ones((4, 3))
+    expect_error(ValueError, "spill_capacity", ts.GatedFFN, w, w, w.T, spill_capacity=2**31)

@@ -14,7 +14,7 @@ import scipy.sparse as sp
 
 from ._errors import TwELLCapacityError, TwELLDroppedEntriesWarning, warn
 from ._parts import TwELLParts
-from ._validation import n_tiles
+from ._validation import MAX_DIM, n_tiles
 
 # ----------------------------------------------------------------------------- activations
 
@@ -93,6 +93,11 @@ def overflow_excess(row_tile_nnz, capacity: int, overflow: str, xp=np, excess: i
         excess = int(excess_entries(row_tile_nnz, capacity, xp))
     if excess == 0:
         return 0
+    if overflow == "spill" and excess > MAX_DIM:
+        raise ValueError(
+            f"x: expected at most 2**31 - 1 entries beyond capacity (int32 spill row pointers), got {excess};"
+            " raise capacity or split the rows"
+        )
     if overflow == "error":
         flat = row_tile_nnz.reshape(-1)
         worst = int(xp.argmax(flat))

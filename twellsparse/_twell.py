@@ -392,8 +392,10 @@ class twell_array:
     def check_format(self, full_check: bool = False) -> None:
         """Raise :class:`TwELLFormatError` unless the parts form a valid TwELL matrix.
 
-        The cheap check covers shapes, dtypes and devices; ``full_check`` also checks every
-        count, column and the spill CSR (a few passes over the data).
+        The cheap check (every constructor's) covers shapes, dtypes, devices, the counts, the
+        used slots' columns and the spill CSR; ``full_check`` also checks the unused slots, that
+        columns are distinct within each row-tile and that the spill does not repeat a slot's
+        column (a few more passes over the data).
         """
         _check_parts(self._parts, self.shape, self.tile_n, full=full_check)
 
@@ -662,16 +664,18 @@ def _check_parts(parts: TwELLParts, shape: tuple[int, int], tile_n: int, full: b
         rows = conv.csr_rows(sptr, sdata.size)
         if sdata.size > 1 and bool(((rows[1:] == rows[:-1]) & (sind[1:] <= sind[:-1])).any()):
             fail("spill_indices: expected strictly increasing columns within each row")
+    # Used slots' columns too (one pass over the int16 indices): the kernels write and read at
+    # them unclamped, so a bad one would be an out-of-bounds access, not a wrong value.
+    used = xp.arange(cap) < counts[..., None]
+    limit = xp.minimum(tile_n, n - xp.arange(nt) * tile_n)[None, :, None]
+    if m and nt and bool((used & ((indices < 0) | (indices >= limit))).any()):
+        fail("indices: expected tile-local columns in [0, tile_n) that stay below N in every used slot")
     if not full:
         return
-    used = xp.arange(cap) < counts[..., None]
     if bool((~used & (indices != -1)).any()):
         fail("indices: expected -1 in every unused slot")
     if bool((~used & (data != 0)).any()):
         fail("data: expected 0 in every unused slot")
-    limit = xp.minimum(tile_n, n - xp.arange(nt) * tile_n)[None, :, None]
-    if bool((used & ((indices < 0) | (indices >= limit))).any()):
-        fail("indices: expected tile-local columns in [0, tile_n) that stay below N")
     big = xp.int16(tile_n)
     sorted_idx = xp.sort(xp.where(used, indices, big), axis=-1)
     if cap > 1 and bool((used[..., 1:] & (sorted_idx[..., 1:] <= sorted_idx[..., :-1])).any()):

@@ -12,6 +12,9 @@ ACTIVATIONS = ("relu", "relu2", "silu", "gelu", "identity")
 MIN_TILE_N, MAX_TILE_N = 32, 1024
 #: Spill indices and CSR output are int32, so both dimensions stay below 2**31.
 MAX_DIM = 2**31 - 1
+#: The kernels compute a tile's column bounds (and a warp's step past them) in int32: a TwELL
+#: layout keeps two of the widest tiles of headroom below 2**31.
+MAX_TILED_COLS = 2**31 - 2 * MAX_TILE_N
 
 
 def check_int(value: Any, name: str, expected: str = "an int") -> int:
@@ -63,11 +66,15 @@ def check_activation(activation: Any) -> str:
 
 
 def check_spill_capacity(spill_capacity: Any, optional: bool = True) -> int | None:
-    expected = "None or a non-negative int" if optional else "a non-negative int (the spill's static length)"
+    expected = (
+        "None or a non-negative int below 2**31"
+        if optional
+        else "a non-negative int below 2**31 (the spill's static length)"
+    )
     if spill_capacity is None and optional:
         return None
     s = check_int(spill_capacity, "spill_capacity", expected)
-    if s < 0:
+    if s < 0 or s > MAX_DIM:
         raise ValueError(f"spill_capacity: expected {expected}, got {s}")
     return s
 
@@ -157,4 +164,7 @@ def check_ndim(x: Any, ndim: int | tuple[int, ...], name: str) -> None:
 
 
 def n_tiles(n_cols: int, tile_n: int) -> int:
+    """The column tiles of a TwELL layout of ``n_cols`` columns (raises past MAX_TILED_COLS)."""
+    if n_cols > MAX_TILED_COLS:
+        raise ValueError(f"shape: expected at most {MAX_TILED_COLS} columns (int32 tile bounds), got {n_cols}")
     return -(-n_cols // tile_n)

@@ -44,6 +44,7 @@ from ._validation import (
     check_capacity,
     check_threshold,
     check_tile_n,
+    n_tiles,
 )
 
 __all__ = [
@@ -181,10 +182,6 @@ class _on_device:
 _EMPTY = (0,)
 
 
-def _n_tiles(n: int, tile_n: int) -> int:
-    return -(-n // tile_n)
-
-
 def _down_weight(w_down: Tensor) -> Any:
     """``w_down`` (d_model, d_ff) as an array view whose transpose, the kernels' layout (one row
     per hidden unit), is contiguous: transposed by torch's tiled kernel, where the ops would
@@ -240,7 +237,7 @@ def _ffn_fwd(
 @_ffn_fwd.register_fake
 def _ffn_fwd_fake(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold, spill_capacity=None):
     m = x.shape[0]
-    nt = _n_tiles(w_act.shape[0], tile_n)
+    nt = n_tiles(w_act.shape[0], tile_n)
     n_spill = torch.library.get_ctx().new_dynamic_size() if spill_capacity is None else spill_capacity
     n_u, n_u_spill = ((m, nt, capacity), (n_spill,)) if w_lin is not None else (_EMPTY, _EMPTY)
     return (
