@@ -11,6 +11,7 @@ jnp = jax.numpy
 tsj = pytest.importorskip("twellsparse.jax")
 
 import twellsparse as ts  # noqa: E402
+from twellsparse import _reference as ref  # noqa: E402
 from twellsparse.testing import ffn_problem, rel_error  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -26,7 +27,7 @@ def _gpu():
 @pytest.mark.parametrize("dtype", [np.float32, ts.bfloat16])
 def test_gated_ffn_values_and_gradients_on_gpu(rng, dtype):
     dev = _gpu()
-    p = ffn_problem(512, 256, 1024, 0.02, "skewed", dtype, rng)
+    p = ffn_problem(512, 256, 1000, 0.02, "skewed", dtype, rng)  # d_ff 1000: the last 256-column tile partial
     args = tuple(jax.device_put(jnp.asarray(p[k]), dev) for k in ("x", "w_gate", "w_up", "w_down"))
     sparse = jax.jit(lambda *a: tsj.gated_ffn(*a, capacity=8))
 
@@ -41,6 +42,8 @@ def test_gated_ffn_values_and_gradients_on_gpu(rng, dtype):
     assert out.devices() == {dev}
     bound = 1e-4 if dtype == np.float32 else 2e-2
     assert rel_error(np.asarray(out, np.float64), np.asarray(dense(*args), np.float64)) < bound
+    exact = ref.gated_ffn_dense(p["x"], p["w_gate"], p["w_up"], p["w_down"], "relu")  # float64, on the host
+    assert rel_error(np.asarray(out, np.float64), exact) < bound
     c = jax.device_put(jnp.asarray(rng.standard_normal((512, 256)).astype(np.float32)), dev)
     got = jax.jit(jax.grad(lambda *a: jnp.sum(sparse(*a).astype(jnp.float32) * c), (0, 1, 2, 3)))(*args)
     want = jax.grad(lambda *a: jnp.sum(dense(*a) * c), (0, 1, 2, 3))(*args)
@@ -67,6 +70,8 @@ def test_gated_ffn_with_a_fixed_spill_reads_nothing_back_and_reports_overflow(rn
     exact = jax.jit(lambda *a: tsj.gated_ffn(*a, **kw))(*args)
     roomy = jax.jit(lambda *a: tsj.gated_ffn(*a, **kw, spill_capacity=300 * 1000))
     np.testing.assert_array_equal(np.asarray(roomy(*args)).view(np.uint16), np.asarray(exact).view(np.uint16))
+    want = ref.gated_ffn_dense(p["x"], p["w_gate"], p["w_up"], p["w_down"], "relu")  # float64, on the host
+    assert rel_error(np.asarray(exact, np.float64), want) < 2e-2  # bf16 rounding of u, h and out
     tsj.check_spill()  # nothing was left out
     tight = jax.jit(lambda *a: tsj.gated_ffn(*a, **kw, spill_capacity=10))
     jax.block_until_ready(tight(*args))  # leaves entries out; the next call says so

@@ -8,9 +8,11 @@ import warnings
 
 import numpy as np
 import pytest
+from helpers import rounding_bound
 
 import twellsparse as ts
 from twellsparse import _gpu_convert, _gpu_producer
+from twellsparse import _reference as ref
 from twellsparse.testing import ffn_problem, rel_error, sparse_activations
 
 pytestmark = pytest.mark.gpu
@@ -109,6 +111,19 @@ def test_plans_and_producer_with_the_mask_path(cp, rng, monkeypatch, gated):
     assert rel_error(dense_after, dense_before) < 2e-2
     assert abs(h_after.nnz - h_before.nnz) <= max(5, h_before.nnz // 1000) and h_after.n_spilled > 0
     assert rel_error(h_after.toarray(), h_before.toarray()) < 2e-2
+    # Each against float64 on the host: the blocks within twice the dense bf16 block's error (the
+    # same roundings), the hidden layer within the rounding of one GEMM result to bf16.
+    host = {k: cp.asnumpy(p[k]) for k in ("x", "w_gate", "w_up", "w_down")}
+    if gated:
+        exact = ref.gated_ffn_dense(host["x"], host["w_gate"], host["w_up"], host["w_down"], "relu")
+    else:
+        exact = ref.ffn_dense(host["x"], host["w_gate"], host["w_down"], "relu")
+    bound = 2 * rel_error(dense_before, exact) + 1e-4
+    for out in (before, after, dense_after):
+        assert rel_error(out, exact) <= bound
+    exact_h = ref.linear_dense(host["x"], host["w_gate"], "relu")
+    for h in (h_before, h_after):
+        assert rel_error(h.toarray(), exact_h) <= rounding_bound(ts.bfloat16, exact_h)
 
 
 def _needs_cublaslt():
@@ -175,6 +190,7 @@ def test_mask_consumer_plan_captured_in_a_cuda_graph(cp, rng, monkeypatch):
     for seed in (1, 2):
         new = ffn_problem(256, 64, 1024, 0.04, "skewed", ts.bfloat16, np.random.default_rng(seed), cp)["x"]
         x[...] = new
+        out.fill(np.nan)  # the graph's pool is not poisoned (conftest.py): the launch must write all of out
         cp.cuda.Device().synchronize()
         graph.launch(stream)
         stream.synchronize()
@@ -193,16 +209,27 @@ def test_gemm_plans_time_their_candidates(cp, rng, kind):
     m, f, k = 300, 777, 64
     x = cp.asarray(rng.standard_normal((m, k)).astype(ts.bfloat16))
     w = cp.asarray(rng.standard_normal((f, k)).astype(ts.bfloat16))
-    expected = cp.asnumpy(x).astype(np.float64) @ cp.asnumpy(w).astype(np.float64).T
-    if kind != "Gemm":
-        expected = np.maximum(expected, 0)
-    mask = cp.zeros(m * cublaslt.mask_ld(f) // 32, dtype=cp.uint32)
+    z = cp.asnumpy(x).astype(np.float64) @ cp.asnumpy(w).astype(np.float64).T
+    expected = z if kind == "Gemm" else np.maximum(z, 0)
+    mask = cp.empty(m * cublaslt.mask_ld(f) // 32, dtype=cp.uint32)
     extra = (mask,) if kind == "ReluMaskGemm" else ()
+
+    def check_mask():
+        """Bit f of row i (uint32 words, little-endian bits, mask_ld(f) bits a row) set where
+        the GEMM result is positive: checked where float64's sign is beyond fp32 accumulation's
+        reach (|z| > 1e-2, z ~ N(0, 64)); the row padding past f is not looked at."""
+        if kind != "ReluMaskGemm":
+            return
+        bits = np.unpackbits(cp.asnumpy(mask).view(np.uint8), bitorder="little").reshape(m, -1)[:, :f]
+        clear = np.abs(z) > 1e-2
+        np.testing.assert_array_equal(bits[clear], (z > 0)[clear])
 
     def run(plan):
         out = cp.full((m, f), np.nan, dtype=ts.bfloat16)
+        mask.fill(0xFFFFFFFF)  # poisoned again: all set, so a bit left unwritten over z < 0 shows
         plan(x, w, out, *extra)
         assert rel_error(out, expected) < 1e-2
+        check_mask()
         return cp.asnumpy(out).view(np.uint16)
 
     captured = getattr(cublaslt, kind)(m, f, k, ts.bfloat16)
@@ -214,9 +241,12 @@ def test_gemm_plans_time_their_candidates(cp, rng, kind):
         captured(x, w, out, *extra)
         graph = stream.end_capture()
     assert captured.candidates == offered  # nothing timed inside the capture
+    mask.fill(0xFFFFFFFF)
+    cp.cuda.Device().synchronize()  # the fills ran on the legacy stream, which `stream` does not wait for
     graph.launch(stream)
     stream.synchronize()
     assert rel_error(out, expected) < 1e-2
+    check_mask()
     run(captured)
     assert captured.candidates == 1
     plan = getattr(cublaslt, kind)(m, f, k, ts.bfloat16)

@@ -3,6 +3,8 @@ values and gradients against dense torch autograd."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -11,6 +13,25 @@ import twellsparse.torch as tt  # noqa: E402
 from twellsparse import TwELLSpillCapacityError  # noqa: E402
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def poisoned_torch_allocations(cp, monkeypatch):
+    """The adapter's CuPy arrays come from torch's caching allocator (``tt._torch_allocator``,
+    under ``cupy.cuda.using_allocator``), which bypasses conftest.py's poisoned pool: poison
+    those too (all bytes 0xFF), on CuPy's current stream, which inside the adapter is torch's.
+    Inside a graph capture the memset is captured with the kernels, so every replay poisons the
+    graph's buffers again before they are written."""
+    torch_malloc = tt._torch_allocator().malloc
+
+    def malloc(size: int):
+        mem = torch_malloc(size)
+        if size:
+            cp.cuda.runtime.memsetAsync(mem.ptr, 0xFF, size, cp.cuda.get_current_stream().ptr)
+        return mem
+
+    poisoned = types.SimpleNamespace(malloc=malloc)
+    monkeypatch.setattr(tt, "_torch_allocator", lambda: poisoned)
 
 
 def _problem(seed, m, d, f, dtype):
@@ -110,6 +131,14 @@ def test_auto_dispatch_on_cuda():
         paths.append(auto.stats()["dense_fallback"])
     assert paths == [False, True, True]
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+    want = _host_reference(auto, x)
+    assert all(_rel(out, want) < 1e-4 for out in outs)
+
+
+# The fixed-spill modules' widths: d_ff ends in a partial tile (1000 = 15 x 64 + 40), and d_model
+# is no power of two but keeps the 16-byte rows (a multiple of 8 bf16 values) that the row-gather
+# kernels, hence a fixed spill_capacity, need.
+D_MODEL, D_FF = 72, 1000
 
 
 def _module_pair(gated, spill_capacity, dtype=torch.bfloat16):
@@ -117,8 +146,8 @@ def _module_pair(gated, spill_capacity, dtype=torch.bfloat16):
     capacity 2 make many row-tiles spill at this density."""
     cls = tt.TwELLGatedMLP if gated else tt.TwELLMLP
     settings = dict(tile_n=64, capacity=2, device="cuda", dtype=dtype)
-    fixed, exact = cls(64, 1024, spill_capacity=spill_capacity, **settings), cls(64, 1024, **settings)
-    _, wg, wu, wd = _problem(5, 1, 64, 1024, dtype)
+    fixed, exact = cls(D_MODEL, D_FF, spill_capacity=spill_capacity, **settings), cls(D_MODEL, D_FF, **settings)
+    _, wg, wu, wd = _problem(5, 1, D_MODEL, D_FF, dtype)
     with torch.no_grad():
         for m in (fixed, exact):
             (m.gate_proj if gated else m.up_proj).weight.copy_(wg)
@@ -130,7 +159,23 @@ def _module_pair(gated, spill_capacity, dtype=torch.bfloat16):
 
 def _tokens(seed, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(256, 64, generator=g, dtype=torch.float64) * 0.5).to("cuda", dtype)
+    return (torch.randn(256, D_MODEL, generator=g, dtype=torch.float64) * 0.5).to("cuda", dtype)
+
+
+def _host_reference(module, x, grad=None):
+    """The module's output in float64 on the host (dense autograd on copies of its weights) and,
+    with ``grad``, the gradients of x and of module.parameters() (their order) for that grad."""
+    xs = x.detach().cpu().double().requires_grad_()
+    ws = [w.detach().cpu().double().requires_grad_() for w in module.parameters()]  # (gate,) up, down
+    out = _dense(xs, ws[0], ws[1], ws[-1], isinstance(module, tt.TwELLGatedMLP))
+    if grad is None:
+        return out.detach()
+    return out.detach(), torch.autograd.grad(out, [xs, *ws], grad.detach().cpu().double())
+
+
+def _rel(a, ref):
+    """Norm-wise relative error of a CUDA result against a float64 host reference."""
+    return ((a.detach().cpu().double() - ref).norm() / ref.norm()).item()
 
 
 @pytest.mark.parametrize("gated", [True, False])
@@ -138,7 +183,7 @@ def test_module_forward_captured_in_a_cuda_graph(gated):
     """With a fixed spill_capacity the module's forward is captured by torch.cuda.graph and
     replays on new tokens bit-exactly like the exact module (spill included); a too small
     capacity is reported by check_spill after the replay."""
-    fixed, exact = _module_pair(gated, 256 * 1024)
+    fixed, exact = _module_pair(gated, 256 * D_FF)
     x = _tokens(1)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -157,6 +202,7 @@ def test_module_forward_captured_in_a_cuda_graph(gated):
             want = exact(x)
         assert exact.stats()["n_spilled"] > 0
         assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+        assert _rel(out, _host_reference(exact, x)) < 3e-2  # bf16 rounding of u, h and out
         fixed.check_spill()
 
 
@@ -173,7 +219,7 @@ def test_fixed_spill_capacity_too_small_raises_at_the_next_forward():
 def test_fixed_spill_capacity_values_and_grads(gated):
     """Training with a fixed spill_capacity (the backward trims the spill) gives the exact
     module's output and gradients."""
-    fixed, exact = _module_pair(gated, 256 * 1024, torch.float32)
+    fixed, exact = _module_pair(gated, 256 * D_FF, torch.float32)
     x = _tokens(6, torch.float32).requires_grad_()
     outs = [m(x) for m in (fixed, exact)]
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
@@ -181,6 +227,10 @@ def test_fixed_spill_capacity_values_and_grads(gated):
     grads = [torch.autograd.grad(o, [x, *m.parameters()], g) for o, m in zip(outs, (fixed, exact), strict=True)]
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    want, want_grads = _host_reference(exact, x, g)
+    assert _rel(outs[0], want) < 1e-4
+    for a, b in zip(grads[0], want_grads, strict=True):
+        assert _rel(a, b) < 4e-4
 
 
 @pytest.mark.parametrize("gated", [True, False])
@@ -188,9 +238,9 @@ def test_training_step_captured_in_a_cuda_graph(gated):
     """With a fixed spill_capacity nothing in the forward or the sparse backward reads back, so
     a whole training step (forward, backward, gradients) is captured by torch.cuda.graph; its
     replays on new tokens give the exact module's output and gradients (spill included)."""
-    fixed, exact = _module_pair(gated, 256 * 1024, torch.float32)
+    fixed, exact = _module_pair(gated, 256 * D_FF, torch.float32)
     x = _tokens(7, torch.float32).requires_grad_()
-    g = torch.randn(256, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(8))
+    g = torch.randn(256, D_MODEL, device="cuda", generator=torch.Generator("cuda").manual_seed(8))
 
     def step(module):
         out = module(x)
@@ -216,6 +266,10 @@ def test_training_step_captured_in_a_cuda_graph(gated):
         torch.testing.assert_close(captured[0], want[0], rtol=0, atol=0)
         for a, b in zip(captured[1:], want[1:], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        host, host_grads = _host_reference(exact, x, g)
+        assert _rel(captured[0], host) < 1e-4
+        for a, b in zip(captured[1:], host_grads, strict=True):
+            assert _rel(a, b) < 4e-4
 
 
 @pytest.mark.parametrize("gated", [True, False])
