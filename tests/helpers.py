@@ -50,12 +50,13 @@ def rounding_bound(dtype, expected):
 
 
 def skewed_twell(rng, m, n, tile_n, capacity, density, dtype, to_device=None):
-    """``(h, a)``: skewed ReLU-like activations (one row emptied) and their TwELL matrix, on the
-    device when ``to_device`` (e.g. ``cupy.asarray``) is given."""
+    """``(h, a)``: skewed ReLU-like activations (one row emptied where there are several) and
+    their TwELL matrix, on the device when ``to_device`` (e.g. ``cupy.asarray``) is given."""
     from twellsparse.testing import sparse_activations
 
     h = sparse_activations(m, n, density, "skewed", dtype, rng)
-    h[m // 2] = 0  # an empty row
+    if m > 1:  # an empty row (not the only one: the product would be of a zero matrix)
+        h[m // 2] = 0
     return h, ts.twell_array(h if to_device is None else to_device(h), tile_n=tile_n, capacity=capacity)
 
 

@@ -38,10 +38,19 @@ SHAPES = [
 ]
 
 
+def _activations(m, n, pattern, dtype, rng):
+    """sparse_activations at density 0.05 with one entry forced where none fired: the 1 x 1 shape
+    is otherwise the zero matrix 95% of the time (a no-op for the larger shapes)."""
+    x = sparse_activations(m, n, 0.05, pattern, dtype, rng)
+    if not x.any():
+        x[rng.integers(m), rng.integers(n)] = 1.0 + rng.random()
+    return x
+
+
 @pytest.mark.parametrize("dtype", [np.float16, ts.bfloat16, np.float32, np.float64])
 @pytest.mark.parametrize("m, n, k, tile_n, capacity", SHAPES)
 def test_matmul_and_transposed(cp, rng, dtype, m, n, k, tile_n, capacity):
-    x = sparse_activations(m, n, 0.05, "skewed", dtype, rng)
+    x = _activations(m, n, "skewed", dtype, rng)
     a_cpu = ts.twell_array(x, tile_n=tile_n, capacity=capacity)
     a = ts.twell_array(cp.asarray(x), tile_n=tile_n, capacity=capacity)
     b = rng.standard_normal((n, k)).astype(dtype)
@@ -61,26 +70,27 @@ def test_matmul_out_vector_and_strided(cp, rng):
     x = sparse_activations(40, 900, 0.03, "uniform", np.float32, rng)
     a = ts.twell_array(cp.asarray(x), tile_n=128, capacity=2)
     b = rng.standard_normal((900, 70)).astype(np.float32)
+    exact = x.astype(np.float64) @ b.astype(np.float64)  # the reference in float64
     out = cp.full((40, 70), np.nan, dtype=np.float32)
     res = ts.matmul(a, cp.asarray(b), out=out)
     assert res is out
-    np.testing.assert_allclose(out.get(), x @ b, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out.get(), exact, rtol=1e-4, atol=1e-4)
     v = a @ cp.asarray(b[:, 0])
     assert v.shape == (40,)
-    np.testing.assert_allclose(v.get(), x @ b[:, 0], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(v.get(), exact[:, 0], rtol=1e-4, atol=1e-4)
     bs = cp.asarray(b)[:, ::3]  # non-unit column stride
-    np.testing.assert_allclose((a @ bs).get(), x @ b[:, ::3], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose((a @ bs).get(), exact[:, ::3], rtol=1e-4, atol=1e-4)
     bf = cp.asfortranarray(cp.asarray(b))
-    np.testing.assert_allclose((a @ bf).get(), x @ b, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose((a @ bf).get(), exact, rtol=1e-4, atol=1e-4)
     outf = cp.full((70, 40), np.nan, dtype=np.float32).T  # strided out
     ts.matmul(a, cp.asarray(b), out=outf)
-    np.testing.assert_allclose(outf.get(), x @ b, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(outf.get(), exact, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ts.bfloat16, np.float32, np.float64])
 @pytest.mark.parametrize("m, n, k, tile_n, capacity", SHAPES)
 def test_sddmm(cp, rng, dtype, m, n, k, tile_n, capacity):
-    pat = sparse_activations(m, n, 0.05, "uniform", np.float32, rng)
+    pat = _activations(m, n, "uniform", np.float32, rng)
     p = ts.twell_array(cp.asarray(pat), tile_n=tile_n, capacity=capacity)
     x = rng.standard_normal((m, k)).astype(dtype)
     y = rng.standard_normal((n, k)).astype(dtype)
@@ -226,20 +236,38 @@ def test_plans_on_gpu(cp, rng, dtype):
     assert 0.005 < plan.last_stats["density"] < 0.02
 
 
-def test_transposed_products_share_one_sort(cp, rng):
+def test_transposed_products_share_one_sort(cp, rng, monkeypatch):
     """The backward's transposed products on one pattern (one sort of its transpose) equal the
-    products made one by one, bit for bit, spill included."""
+    products made one by one, bit for bit, spill included, and float64 within rounding; the two
+    consecutive pairs with one b run in the paired kernel (one pass for both)."""
+    from twellsparse import _gpu_ops, _tiled_spmm
     from twellsparse._ops import transposed_products, values_op, with_values
 
+    monkeypatch.setattr(_tiled_spmm, "PREFERRED", False)  # the gather kernels, whatever the env
+    paired = []
+    spmm_transposed = _gpu_ops.spmm_transposed
+
+    def recording(*args, **kw):
+        paired.append(kw.get("second", args[6] if len(args) > 6 else None) is not None)
+        return spmm_transposed(*args, **kw)
+
+    monkeypatch.setattr(_gpu_ops, "spmm_transposed", recording)
     h = sparse_activations(300, 700, 0.03, "skewed", ts.bfloat16, rng)
     a = ts.twell_array(cp.asarray(h), tile_n=64, capacity=2)
     assert a.n_spilled > 0
     other = with_values(a, values_op(lambda v: v * 2, a.parts.data), values_op(lambda v: v * 3, a.parts.spill_data))
     b1 = cp.asarray(rng.standard_normal((300, 64)).astype(ts.bfloat16))
     b2 = cp.asarray(rng.standard_normal((300, 32)).astype(ts.bfloat16))
-    got = transposed_products(a, [(a, b1), (other, b2)])
-    for g, want in zip(got, (ts.matmul(a.T, b1), ts.matmul(other.T, b2)), strict=True):
+    # The first two share b1 (the same object): the paired kernel; the third runs alone.
+    pairs = [(a, b1), (other, b1), (a, b2)]
+    got = transposed_products(a, pairs)
+    assert paired == [True, False]
+    for g, (x, b) in zip(got, pairs, strict=True):
+        want = ts.matmul(x.T, b)
         np.testing.assert_array_equal(cp.asnumpy(g).view(np.uint16), cp.asnumpy(want).view(np.uint16))
+        # x's values from its host copy (other: slots doubled, spill tripled), in float64.
+        exact = x.get().toarray().astype(np.float64).T @ cp.asnumpy(b).astype(np.float64)
+        assert rel_error(g, exact) <= _bound(ts.bfloat16, rel_error(_round(exact, ts.bfloat16), exact))
 
 
 @pytest.mark.parametrize("dtype", [ts.bfloat16, np.float16, np.float32, np.float64])

@@ -46,11 +46,13 @@ def test_tiled_gated_up_matches_float64(cp, rng, dtype, m, n, k, tile_n, capacit
     kernel's own u, both against the row gathers' u within rounding; every stored slot written
     (outputs poisoned with NaN), padding left alone."""
     g = sparse_activations(m, n, density, "skewed", dtype, rng)
-    g[m // 2] = 0  # an empty row
+    if m > 1:  # an empty row (not the only one: the gate would be all zero)
+        g[m // 2] = 0
     gate = ts.twell_array(cp.asarray(g), tile_n=tile_n, capacity=capacity)
     x = rng.standard_normal((m, k)).astype(dtype)
     w_up = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(dtype)
-    x[m // 2] = np.nan  # the empty row's x: its quad's other tokens must not see it
+    if m > 1:
+        x[m // 2] = np.nan  # the empty row's x: its quad's other tokens must not see it
     unused = np.flatnonzero(~g.any(axis=0))
     if unused.size:  # a W_up row no entry uses (padding entries may read it; never kept)
         w_up[unused[0]] = np.inf
