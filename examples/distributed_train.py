@@ -155,7 +155,9 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = F.mse_loss(model(x[shard]), y[shard]) + args.l1 * inner.l1_penalty()  # type: ignore[operator]
+        loss = F.mse_loss(model(x[shard]), y[shard])
+        if args.l1:  # a zero-weighted penalty would still send a gradient into the hidden layer
+            loss = loss + args.l1 * inner.l1_penalty()  # type: ignore[operator]
         loss.backward()
         opt.step()
         if use_cuda:

@@ -100,6 +100,11 @@ def train(
         params["w_gate"] = jnp.asarray(p["w_gate"].astype(dtype))
     y = jnp.asarray(rng.standard_normal((tokens, d_model)).astype(dtype))
     gate_density = float(jnp.mean((x @ params["w_gate"].T > 0).astype(jnp.float32)))  # relu's keep rule
+    # Placed as the step wants them (the batch split over the mesh, the parameters on every
+    # device) before timing: left on one device, every step would copy them out again.
+    shard = jax.sharding.NamedSharding(mesh, P("data"))
+    x, y = jax.device_put(x, shard), jax.device_put(y, shard)
+    params = jax.device_put(params, jax.sharding.NamedSharding(mesh, P()))
     losses, times = [], []
     for _ in range(steps):
         t0 = time.perf_counter()

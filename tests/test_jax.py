@@ -302,3 +302,51 @@ def test_gradients_through_a_matrix_with_dropped_entries(rng):
     b = jnp.asarray(rng.standard_normal((300, 4)).astype(np.float32))
     d_b = jax.grad(lambda bb: jnp.sum(tsj.matmul(a, bb)))(b)
     np.testing.assert_allclose(d_b, np.broadcast_to(a.toarray().sum(axis=0)[:, None], (300, 4)), **TOL)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_ffn_backward_computes_only_the_wanted_gradients(rng, monkeypatch, gated):
+    """Differentiating in the weights only (x is data, as in a first layer) or with a frozen
+    weight skips those gradients' products, as torch's needs_input_grad does; the wanted
+    gradients stay exact."""
+    from twellsparse import _ffn_autodiff
+
+    asked = []
+    backward = _ffn_autodiff.backward_arrays
+
+    def spy(*args, needs=_ffn_autodiff.ALL_GRADS):
+        asked.append(needs)
+        grads = backward(*args, needs=needs)
+        assert [g is not None for g in grads] == list(needs)  # computed exactly when wanted
+        return grads
+
+    monkeypatch.setattr(tsj, "backward_arrays", spy)
+    p = ffn_problem(40, 32, 200, 0.05, "uniform", np.float32, rng)
+    x, wg, wu, wd = (jnp.asarray(p[k]) for k in ("x", "w_gate", "w_up", "w_down"))
+    c = jnp.asarray(rng.standard_normal((40, 32)).astype(np.float32))
+    kw = dict(tile_n=64, capacity=3)
+    ws = (wg, wu, wd) if gated else (wg, wd)
+    block = (lambda xx, *w: tsj.gated_ffn(xx, *w, **kw)) if gated else (lambda xx, *w: tsj.ffn(xx, *w, **kw))
+
+    def dense(xx, *w):
+        h = jax.nn.relu(xx @ w[0].T)
+        return ((h * (xx @ w[1].T)) if gated else h) @ w[-1].T
+
+    def loss(fn, frozen_gate):
+        def f(ws_):
+            w = ((jax.lax.stop_gradient(ws_[0]),) if frozen_gate else (ws_[0],)) + tuple(ws_[1:])
+            return jnp.sum(fn(x, *w) * c)
+
+        return f
+
+    for frozen_gate in (False, True):
+        asked.clear()
+        got = jax.jit(jax.grad(loss(block, frozen_gate)))(ws)
+        want = jax.grad(loss(dense, frozen_gate))(ws)
+        for g, e in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, e, rtol=1e-3, atol=1e-3)
+        lin = gated  # w_lin exists only in the gated block
+        assert asked == [(False, not frozen_gate, lin, True)]
+    asked.clear()
+    jax.grad(lambda xx: jnp.sum(block(xx, *ws) * c))(x)  # x alone: no weight products
+    assert asked == [(True, False, False, False)]

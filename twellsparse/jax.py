@@ -46,6 +46,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 from jax.experimental.buffer_callback import buffer_callback
 
 from . import _ops
@@ -186,7 +187,10 @@ def _like_primal(ct: Any, primal: Any) -> Any:
 
 
 def _cotangents(cts: tuple, primals: tuple) -> tuple:
-    return tuple(jax.tree_util.tree_map(_like_primal, c, p) for c, p in zip(cts, primals, strict=True))
+    """Each cotangent with its primal's mesh-axis type; None (a symbolic zero) stays None."""
+    return tuple(
+        None if c is None else jax.tree_util.tree_map(_like_primal, c, p) for c, p in zip(cts, primals, strict=True)
+    )
 
 
 def _vary(x: Any, axes: frozenset) -> Any:
@@ -598,32 +602,43 @@ def _ffn(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold, spill
 
 
 def _ffn_fwd(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold, spill_capacity):
-    out = _ffn(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold, spill_capacity)
-    return out, (x, w_act, w_lin, w_down)
+    # symbolic_zeros: each operand comes as CustomVJPPrimal, whose `perturbed` says whether its
+    # gradient is wanted (data inputs and frozen weights are not), as torch's needs_input_grad.
+    primals = tuple(None if p is None else p.value for p in (x, w_act, w_lin, w_down))
+    out = _ffn(*primals, activation, tile_n, capacity, threshold, spill_capacity)
+    # The wanted gradients travel in the residuals' tree structure (static): None wanted, () not.
+    wanted = tuple(None if p is not None and p.perturbed else () for p in (x, w_act, w_lin, w_down))
+    return out, (primals, wanted)
 
 
 def _ffn_bwd(activation, tile_n, capacity, threshold, spill_capacity, res, g):
-    x, w_act, w_lin, w_down = res
-    # dW_down leaves the callback units-major (as the kernels make it) and XLA transposes it.
-    types = [_struct(x.shape, x.dtype), _struct(w_act.shape, w_act.dtype), _struct(w_down.shape[::-1], w_down.dtype)]
-    if w_lin is not None:
-        types.append(_struct(w_lin.shape, w_lin.dtype))
+    primals, wanted = res
+    x, w_act, w_lin, w_down = primals
+    needs = tuple(flag is None for flag in wanted)  # (dx, dw_act, dw_lin, dw_down)
+    if isinstance(g, SymbolicZero) or not any(needs):  # nothing flows back: no launch at all
+        return (None, None, None, None)
+    # Only the wanted gradients are computed and returned (the others are symbolic zeros, None):
+    # a first layer skips dX, frozen weights their transposed products. dW_down leaves the
+    # callback units-major (as the kernels make it) and XLA transposes it.
+    shapes: tuple[Any, ...] = (x.shape, w_act.shape, None if w_lin is None else w_lin.shape, w_down.shape[::-1])
+    kept = [i for i in range(4) if needs[i]]  # never w_lin's when there is none (not perturbed)
+    types = [_struct(shapes[i], primals[i].dtype) for i in kept]
 
     def run(outs: list, gg: Any, xx: Any, wa: Any, wl: Any, wd_t: Any) -> None:
         # The pattern and the up values are recomputed (jit residuals need static shapes).
         wd = wd_t.T  # a view whose transpose, the kernels' layout, is contiguous
         _, pattern, up, _ = forward_arrays(xx, wa, wl, wd, activation, tile_n, capacity, threshold)
-        dx, dwa, dwl, dwd = backward_arrays(gg, None, xx, wa, wl, wd, pattern, up, activation)
-        outs[0][...], outs[1][...], outs[2][...] = dx, dwa, dwd.T
-        if wl is not None:
-            outs[3][...] = dwl
+        grads = backward_arrays(gg, None, xx, wa, wl, wd, pattern, up, activation, needs=needs)
+        for out, i in zip(outs, kept, strict=True):
+            out[...] = grads[i].T if i == 3 else grads[i]
 
-    grads = _call(run, types, g, x, w_act, w_lin, _units_major(w_down))
-    cts = (grads[0], grads[1], (grads[3] if w_lin is not None else None), jnp.swapaxes(grads[2], 0, 1))
-    return _cotangents(cts, (x, w_act, w_lin, w_down))
+    results = dict(zip(kept, _call(run, types, g, x, w_act, w_lin, _units_major(w_down)), strict=True))
+    if 3 in results:
+        results[3] = jnp.swapaxes(results[3], 0, 1)
+    return _cotangents(tuple(results.get(i) for i in range(4)), primals)
 
 
-_ffn.defvjp(_ffn_fwd, _ffn_bwd)
+_ffn.defvjp(_ffn_fwd, _ffn_bwd, symbolic_zeros=True)
 
 
 def ffn(

@@ -148,21 +148,26 @@ class _on_device:
         self._ctx: list[Any] = []
         self._scope: tuple[int, int] | None = None
         self._outer: tuple[int, int] | None = None
+        self._stream: Any = None
         if t.is_cuda:
-            import cupy
-
-            stream = torch.cuda.current_stream(t.device)
-            self._scope = (t.device.index, stream.cuda_stream)
-            self._ctx = [
-                cupy.cuda.Device(t.device.index),
-                cupy.cuda.Stream.from_external(stream),
-                cupy.cuda.using_allocator(_torch_allocator().malloc),
-            ]
+            self._stream = torch.cuda.current_stream(t.device)
+            self._scope = (t.device.index, self._stream.cuda_stream)
 
     def __enter__(self) -> "_on_device":
-        for c in self._ctx:
-            c.__enter__()
         if self._scope is not None:
+            import cupy
+
+            # The device first: CuPy may tag an external stream with the device current at its
+            # wrapping, so a stream wrapped earlier, for a tensor on another device than the
+            # current one, would meet a stream/device mismatch.
+            self._ctx = [cupy.cuda.Device(self._scope[0])]
+            self._ctx[0].__enter__()
+            for c in (
+                cupy.cuda.Stream.from_external(self._stream),
+                cupy.cuda.using_allocator(_torch_allocator().malloc),
+            ):
+                self._ctx.append(c)
+                c.__enter__()
             self._outer = getattr(_scope, "current", None)
             # torch's raw allocation takes torch's current device: the fast path only where
             # it agrees with CuPy's (both read the CUDA runtime's, barring torch's lazy init).
