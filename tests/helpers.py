@@ -49,6 +49,16 @@ def rounding_bound(dtype, expected):
     return 2.0 * rel_error(rounded, expected) + 1e-4
 
 
+def block_reference(problem: dict, gated: bool) -> np.ndarray:
+    """The relu FFN block (gated or not) of a ``ffn_problem`` in float64 on the host (its arrays
+    may live on the GPU)."""
+    from twellsparse import _reference as ref
+    from twellsparse._backend import to_host
+
+    x, wg, wu, wd = (to_host(problem[k]) for k in ("x", "w_gate", "w_up", "w_down"))
+    return ref.gated_ffn_dense(x, wg, wu, wd, "relu") if gated else ref.ffn_dense(x, wg, wd, "relu")
+
+
 def skewed_twell(rng, m, n, tile_n, capacity, density, dtype, to_device=None):
     """``(h, a)``: skewed ReLU-like activations (one row emptied where there are several) and
     their TwELL matrix, on the device when ``to_device`` (e.g. ``cupy.asarray``) is given."""

@@ -713,7 +713,7 @@ def test_spill_beyond_int32_row_pointers():
     from twellsparse._reference import overflow_excess
 
     nnz = np.array([[40]], np.int64)
-    expect_error(ValueError, "x", overflow_excess, nnz, 32, "spill", excess=2**31)
+    expect_error(ValueError, "capacity", overflow_excess, nnz, 32, "spill", excess=2**31)
     assert overflow_excess(nnz, 32, "spill", excess=2**31 - 1) == 2**31 - 1  # the largest spill a row pointer holds
     w = np.ones((4, 3))
     expect_error(ValueError, "spill_capacity", ts.GatedFFN, w, w, w.T, spill_capacity=2**31)

@@ -303,11 +303,12 @@ class _FFNPlanBase:
         """The sparse path after the producer's pass 1: the consumer on the packed activations,
         with the overflow policy of the plan (fixed spill, or the exact read-back)."""
 
-        # The tails write into `out` directly when every operand has one dtype and 16-byte rows.
+        # The tails write into `out` directly when the kernels can address its rows and every
+        # operand has one dtype and 16-byte rows.
         from ._gpu_convert import direct_rows
 
-        unit_columns = out is not None and is_cupy_array(out) and direct_rows(out)
-        target = out if unit_columns and gather_tail_eligible(xx, w_lin, self._down_rows, dt) else None
+        addressable = out is not None and is_cupy_array(out) and direct_rows(out)
+        target = out if addressable and gather_tail_eligible(xx, w_lin, self._down_rows, dt) else None
 
         def tail(parts: Any) -> Any:
             h = twell_array._from_parts(parts, shape, self.tile_n)

@@ -94,9 +94,9 @@ def overflow_excess(row_tile_nnz, capacity: int, overflow: str, xp=np, excess: i
     if excess == 0:
         return 0
     if overflow == "spill" and excess > MAX_DIM:
-        raise ValueError(
-            f"x: expected at most 2**31 - 1 entries beyond capacity (int32 spill row pointers), got {excess};"
-            " raise capacity or split the rows"
+        raise ValueError(  # named by the one argument every producer has that cures it
+            f"capacity: expected at most 2**31 - 1 entries beyond capacity {capacity} (int32 spill row "
+            f"pointers), got {excess}; raise capacity or split the rows"
         )
     if overflow == "error":
         flat = row_tile_nnz.reshape(-1)

@@ -663,14 +663,8 @@ def ffn(
     function (inside an XLA runtime error) or by :func:`check_spill`. Default None: exact, one
     read-back per call. On the CPU (an exact path) a call whose spill needs more raises at once.
     The backward pass always recomputes the pattern exactly."""
-    activation, threshold, tile_n, capacity = _settings(activation, threshold, tile_n, capacity)
-    spill_capacity = _static(check_spill_capacity, spill_capacity, "spill_capacity")
-    x, w_up, w_down = _operand(x, "x", None), _operand(w_up, "w_up"), _operand(w_down, "w_down")
-    rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # leading dimensions are tokens, as in torch
-    _check_weights(rows, w_up.shape[0], w_up=w_up, w_down=w_down)
-    _same_dtype(x=x, w_up=w_up, w_down=w_down)
-    out = _ffn(rows, w_up, None, w_down, activation, tile_n, capacity, threshold, spill_capacity)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+    settings = (activation, tile_n, capacity, threshold, spill_capacity)
+    return _block(x, {"w_up": w_up, "w_down": w_down}, *settings)
 
 
 def gated_ffn(
@@ -688,12 +682,23 @@ def gated_ffn(
     """Gated sparse FFN ``(act(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T``; see
     :func:`twellsparse.gated_ffn`. Differentiable in ``x`` and every weight. ``spill_capacity``
     as for :func:`ffn`."""
+    settings = (activation, tile_n, capacity, threshold, spill_capacity)
+    return _block(x, {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}, *settings)
+
+
+def _block(
+    x: Any, weights: dict[str, Any], activation: Any, tile_n: Any, capacity: Any, threshold: Any, spill_capacity: Any
+) -> jax.Array:
+    """:func:`ffn` (weights w_up, w_down) or :func:`gated_ffn` (w_gate, w_up, w_down) after the
+    trace-time checks, in the caller's argument names; x's leading dimensions are tokens."""
     activation, threshold, tile_n, capacity = _settings(activation, threshold, tile_n, capacity)
     spill_capacity = _static(check_spill_capacity, spill_capacity, "spill_capacity")
-    x, w_gate = _operand(x, "x", None), _operand(w_gate, "w_gate")
-    w_up, w_down = _operand(w_up, "w_up"), _operand(w_down, "w_down")
-    rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    _check_weights(rows, w_gate.shape[0], w_gate=w_gate, w_up=w_up, w_down=w_down)
-    _same_dtype(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down)
-    out = _ffn(rows, w_gate, w_up, w_down, activation, tile_n, capacity, threshold, spill_capacity)
+    x = _operand(x, "x", None)
+    ws = {name: _operand(w, name) for name, w in weights.items()}
+    rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # as torch's Linear takes them
+    first = next(iter(ws.values()))  # the activation's weight
+    _check_weights(rows, first.shape[0], **ws)
+    _same_dtype(x=x, **ws)
+    w_lin = ws["w_up"] if "w_gate" in ws else None
+    out = _ffn(rows, first, w_lin, ws["w_down"], activation, tile_n, capacity, threshold, spill_capacity)
     return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -330,9 +330,10 @@ def _contiguous_tensor(a: Any) -> Tensor:
 
 
 @_ffn_bwd.register_fake
-def _ffn_bwd_fake(grad_out, grad_act, grad_act_spill, x, w_act, w_lin, w_down, *rest, needs=0b1111):
-    if len(rest) > 11:  # needs passed positionally
-        needs = rest[11]
+def _ffn_bwd_fake(
+    grad_out, grad_act, grad_act_spill, x, w_act, w_lin, w_down, act_data, indices, counts, act_spill,
+    spill_indices, spill_indptr, u_data, u_spill, activation, tile_n, fixed_spill=False, needs=0b1111,
+):  # fmt: skip
     like = (x, w_act, w_lin, w_down)
     return tuple(
         torch.empty_like(t) if t is not None and needs >> i & 1 else x.new_empty(_EMPTY) for i, t in enumerate(like)
@@ -530,6 +531,20 @@ def _dense_run(
 # ----------------------------------------------------------------------------- modules
 
 
+def _transient_state() -> dict[str, Any]:
+    """What the last forward left for stats() and l1_penalty(), and the plans' host state: fresh
+    at construction and in every copy (the hidden tensors hold that forward's autograd graph,
+    which deepcopy and pickling refuse or would drag along)."""
+    return {
+        "_hidden": None,
+        "_dense_hidden": None,
+        "_density": PostedScalar(),
+        "_left_out": PostedScalar(),
+        "_plan": None,
+        "_plan_key": ((), ()),
+    }
+
+
 class _TwELLMLPBase(nn.Module):
     hidden_size: int
     intermediate_size: int
@@ -559,30 +574,24 @@ class _TwELLMLPBase(nn.Module):
         settings = check_block_settings(activation, tile_n, capacity, threshold, dispatch, breakeven, spill_capacity)
         self.activation, self.tile_n, self.capacity, self.threshold = (settings[k] for k in BLOCK_SETTINGS[:4])
         self.dispatch, self.breakeven, self.spill_capacity = (settings[k] for k in BLOCK_SETTINGS[4:])
-        self._kind = "gated_ffn" if "gate_proj" in projections else "ffn"
-        self._hidden: list[Tensor] | None = None  # the last sparse forward's TwELL parts
-        self._dense_hidden: Tensor | None = None  # the last dense forward's activations
-        self._density = PostedScalar()
-        self._left_out = PostedScalar()  # entries a fixed spill_capacity could not hold
+        gated = "gate_proj" in projections
+        self._kind = "gated_ffn" if gated else "ffn"
+        self.__dict__.update(_transient_state())
         self.down_format = check_format(down_format, "down_format", optional=True)
         self.up_format = check_format(up_format, "up_format", optional=True)
-        self._plan: FFN | GatedFFN | None = None  # the fp8 forward's plan
-        self._plan_key: tuple = ((), ())  # the (layout, versions) of the weights it was built on
-        gated = "gate_proj" in projections
         names = ("gate_proj", "up_proj", "down_proj") if gated else ("up_proj", None, "down_proj")
         self._weight_names = tuple(f"{n}.weight" if n else None for n in names)  # for error messages
 
-    #: What the last forward left for stats() and l1_penalty(), and the plans' host state: not
-    #: part of a copy (the hidden tensors hold that forward's autograd graph, which deepcopy and
-    #: pickling refuse or would drag along).
-    _TRANSIENT = ("_hidden", "_dense_hidden", "_density", "_left_out", "_plan", "_plan_key")
+    _hidden: list[Tensor] | None  # the last sparse forward's TwELL parts
+    _dense_hidden: Tensor | None  # the last dense forward's activations
+    _density: PostedScalar
+    _left_out: PostedScalar  # entries a fixed spill_capacity could not hold
+    _plan: FFN | GatedFFN | None  # the fp8 forward's plan
+    _plan_key: tuple  # the (layout, versions) of the weights it was built on
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
-        state = dict(state)
-        fresh = {"_hidden": None, "_dense_hidden": None, "_plan": None, "_plan_key": ((), ())}
-        state.update(fresh, _density=PostedScalar(), _left_out=PostedScalar())
-        return state
+        return {**state, **_transient_state()}
 
     @property
     def _fp8_rows(self) -> bool:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import block_reference
 
 import twellsparse as ts
-from twellsparse import _reference as ref
 from twellsparse.testing import ffn_problem, rel_error
 
 pytestmark = pytest.mark.gpu
@@ -27,14 +27,9 @@ def _plans(cp, p, gated, spill_capacity):
     return cls(*weights, **settings, spill_capacity=spill_capacity), cls(*weights, **settings)
 
 
-def _check_float64(cp, p, gated, out):
+def _check_float64(p, gated, out):
     """``out`` against the float64 host reference of the block on p's inputs."""
-    host = {k: cp.asnumpy(p[k]) for k in ("x", "w_gate", "w_up", "w_down")}
-    if gated:
-        exact = ref.gated_ffn_dense(host["x"], host["w_gate"], host["w_up"], host["w_down"], "relu")
-    else:
-        exact = ref.ffn_dense(host["x"], host["w_gate"], host["w_down"], "relu")
-    assert rel_error(out, exact) <= BOUND[np.dtype(host["x"].dtype)]
+    assert rel_error(out, block_reference(p, gated)) <= BOUND[np.dtype(p["x"].dtype)]
 
 
 def _excess_prefix(cp, p, spill_capacity):
@@ -62,7 +57,7 @@ def test_fixed_spill_equals_the_exact_path(cp, rng, gated, dtype):
     fixed, exact = _plans(cp, p, gated, spill_capacity=total + 100)
     got, want = fixed(p["x"]), exact(p["x"])
     np.testing.assert_array_equal(cp.asnumpy(got).view(np.uint8), cp.asnumpy(want).view(np.uint8))
-    _check_float64(cp, p, gated, got)
+    _check_float64(p, gated, got)
     fixed.check_spill()
     assert fixed.last_stats["n_spilled"] == exact.last_stats["n_spilled"] == total
     assert fixed.last_stats["nnz"] == exact.last_stats["nnz"]
@@ -108,7 +103,7 @@ def test_capture_in_a_cuda_graph_and_replay(cp, rng, gated):
         stream.synchronize()
         want = exact(p["x"])
         np.testing.assert_array_equal(cp.asnumpy(out).view(np.uint8), cp.asnumpy(want).view(np.uint8))
-        _check_float64(cp, p, gated, out)
+        _check_float64(p, gated, out)
         fixed.check_spill()
 
 
@@ -121,7 +116,7 @@ def test_calls_write_into_out(cp, rng, gated, fixed):
     fixed_plan, exact_plan = _plans(cp, p, gated, spill_capacity=300 * 1000)
     plan = fixed_plan if fixed else exact_plan
     first = plan(p["x"])
-    _check_float64(cp, p, gated, first)
+    _check_float64(p, gated, first)
     want = cp.asnumpy(first).view(np.uint16)
     out = cp.empty((300, 64), dtype=ts.bfloat16)
     assert plan(p["x"], out=out) is out

@@ -8,7 +8,7 @@ import warnings
 
 import numpy as np
 import pytest
-from helpers import rounding_bound
+from helpers import block_reference, rounding_bound
 
 import twellsparse as ts
 from twellsparse import _gpu_convert, _gpu_producer
@@ -113,15 +113,11 @@ def test_plans_and_producer_with_the_mask_path(cp, rng, monkeypatch, gated):
     assert rel_error(h_after.toarray(), h_before.toarray()) < 2e-2
     # Each against float64 on the host: the blocks within twice the dense bf16 block's error (the
     # same roundings), the hidden layer within the rounding of one GEMM result to bf16.
-    host = {k: cp.asnumpy(p[k]) for k in ("x", "w_gate", "w_up", "w_down")}
-    if gated:
-        exact = ref.gated_ffn_dense(host["x"], host["w_gate"], host["w_up"], host["w_down"], "relu")
-    else:
-        exact = ref.ffn_dense(host["x"], host["w_gate"], host["w_down"], "relu")
+    exact = block_reference(p, gated)
     bound = 2 * rel_error(dense_before, exact) + 1e-4
     for out in (before, after, dense_after):
         assert rel_error(out, exact) <= bound
-    exact_h = ref.linear_dense(host["x"], host["w_gate"], "relu")
+    exact_h = ref.linear_dense(cp.asnumpy(p["x"]), cp.asnumpy(p["w_gate"]), "relu")
     for h in (h_before, h_after):
         assert rel_error(h.toarray(), exact_h) <= rounding_bound(ts.bfloat16, exact_h)
 
