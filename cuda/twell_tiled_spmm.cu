@@ -624,7 +624,11 @@ __global__ void __launch_bounds__(WARPS * 32, 1) twell_tiled_spmm(
         cur = tspmm_load<FRAGS>(chunk_words, chunk_frags, entry, lane, from1[0]);
         nxt = tspmm_load<FRAGS>(chunk_words, chunk_frags, entry, lane, from2[0]);
       }
-      carried = crosses;
+      // The next chunk starts from these loads only where it holds two k-groups or more: with
+      // fewer, its sequence's head runs on into the chunk after, which from1[WG] / from2[WG] do
+      // not reach (an empty chunk, or one of a single k-group, after a full one left stale words
+      // in hand: wrong rows on the H200, thirtieth session), so it loads its own.
+      carried = crosses && from2[WG] >= 0;
       barrier_wait(full + 8 * s, parity);
       const unsigned stage_base = base + s * TSPMM_STAGE_BYTES;
 #pragma unroll

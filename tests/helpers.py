@@ -70,6 +70,19 @@ def skewed_twell(rng, m, n, tile_n, capacity, density, dtype, to_device=None):
     return h, ts.twell_array(h if to_device is None else to_device(h), tile_n=tile_n, capacity=capacity)
 
 
+def chunked_activations(rng, m, entries_per_chunk, dtype, chunk=512):
+    """An ``m x chunk * len(entries_per_chunk)`` activation matrix whose chunk c of ``chunk``
+    columns holds ``entries_per_chunk[c]`` nonzeros (values 0.5-2, both signs) at random places:
+    empty chunks and chunks of one k-group between full ones, which the tiled kernels' prefetch
+    across chunks must step over."""
+    h = np.zeros((m, chunk * len(entries_per_chunk)), dtype=np.float64)
+    for c, n in enumerate(entries_per_chunk):
+        places = rng.choice(m * chunk, size=n, replace=False)
+        rows, cols = places // chunk, c * chunk + places % chunk
+        h[rows, cols] = rng.uniform(0.5, 2.0, n) * rng.choice([-1, 1], n)
+    return h.astype(dtype)
+
+
 def twin_values(rng, h):
     """Values of ``h``'s pattern, others than h's (magnitudes 0.5-2, both signs): the backward's
     second operand of one structure."""

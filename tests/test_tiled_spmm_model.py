@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import inf_in_an_unused_row, skewed_twell, twin_values
+from helpers import chunked_activations, inf_in_an_unused_row, skewed_twell, twin_values
 from tiled_spmm_model import (
     balance,
     emulate,
@@ -126,6 +126,23 @@ def test_emulated_kernel_matches_the_float64_product(rng, m, k, n, tile_n, capac
     expected = h.astype(np.float64) @ b.astype(np.float64)
     assert np.isfinite(got).all()  # every element written
     np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+
+
+# Entries per 512-column chunk for a warp's row groups: empty chunks and chunks of a single
+# k-group after full ones, at the start and at the end (the prefetch runs across chunks).
+CHUNK_PATTERNS = [[40, 0, 1, 30, 0, 0, 1, 20, 1], [0, 1, 0, 35, 1, 1, 17, 0], [3, 0, 0, 0, 50]]
+
+
+@pytest.mark.parametrize("operand", ["fragments", "shuffles"])
+@pytest.mark.parametrize("warps", [16, 32])
+@pytest.mark.parametrize("pattern", CHUNK_PATTERNS)
+def test_emulated_kernel_over_empty_and_one_kgroup_chunks(rng, pattern, warps, operand):
+    m, n = 19, 24  # three row groups, one warp's (or two warps') slots
+    h = chunked_activations(rng, m, pattern, ts.bfloat16)
+    a = ts.twell_array(h, tile_n=256)
+    b = rng.standard_normal((h.shape[1], n)).astype(ts.bfloat16)
+    got = emulate(*reference_pack(a.parts, 256, h.shape[1]), m, b, warps=warps, operand=operand)
+    np.testing.assert_allclose(got, h.astype(np.float64) @ b.astype(np.float64), rtol=1e-12, atol=1e-12)
 
 
 def test_both_operand_sources_give_the_same_bits(rng):

@@ -385,7 +385,7 @@ def emulate(
                                 regs = _ldmatrix_x4_trans(stage, address >> 7, (address >> 4) & 7)
                                 acc[warp, i, j] += _mma_m16n8k16(regs, b_regs)
                             cur, nxt = nxt, after
-                    if crosses:
+                    if crosses and from2[wg] >= 0:  # the next chunk's first two, where it holds both
                         carried[warp] = (cur, nxt)
             odd = (G & 1) == 1
             for warp in range(warps):

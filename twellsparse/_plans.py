@@ -436,7 +436,8 @@ def _check_out(out: Any, shape: tuple[int, int], dtype: Any, x: Any) -> None:
     """A plan call's ``out``: an array of x's kind and device with the result's shape and dtype."""
     if type(out) is not type(x):
         raise TypeError(f"out: expected a {type(x).__module__}.{type(x).__name__} like x, got {type(out).__name__}")
-    if not getattr(out, "flags", None) or not out.flags.writeable:
+    # NumPy arrays can be read-only; CuPy's flags have no ``writeable`` (device arrays always are).
+    if not getattr(getattr(out, "flags", None), "writeable", True):
         raise ValueError("out: expected a writeable array, got a read-only one")
     check_out_shape(out, shape, dtype)
     _same_device("x", x, out=out)

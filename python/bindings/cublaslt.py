@@ -249,7 +249,8 @@ class Gemm:
         best = min(times, key=lambda t: t[0])[1]
         self._candidates = [best]
         _CHOSEN[self._tuning_key] = _algo_bytes(best[0])
-        self._workspace = cp.empty(max(best[1], 1), dtype=cp.uint8)
+        if self not in _CAPTURED:  # a graph replays the plan's workspace address: keep it (it fits every candidate)
+            self._workspace = cp.empty(max(best[1], 1), dtype=cp.uint8)
 
     def _configure_epilogue(self) -> None:
         """Set the epilogue's attributes (none for the plain product)."""
@@ -277,9 +278,9 @@ class Gemm:
         import cupy as cp
 
         capturing = cp.cuda.get_current_stream().is_capturing()
-        # A plan a graph captured keeps its first choice: timing would replace the workspace
-        # whose address the graph replays.
-        if len(self._candidates) > 1 and not capturing and self not in _CAPTURED:
+        # A graph keeps the algorithm it captured; a later eager call still times the candidates
+        # (on workspaces of its own, leaving the plan's, whose address the graph replays).
+        if len(self._candidates) > 1 and not capturing:
             self._tune(x, w, out)
         if capturing:  # the graph holds this plan's workspace address: never free it
             _CAPTURED.add(self)

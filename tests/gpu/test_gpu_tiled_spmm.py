@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import check_spmm_result, inf_in_an_unused_row, rounding_bound, skewed_twell, twin_values
+from helpers import (
+    check_spmm_result,
+    chunked_activations,
+    inf_in_an_unused_row,
+    rounding_bound,
+    skewed_twell,
+    twin_values,
+)
 from tiled_spmm_model import balance, fragments, reference_pack, reference_pack_transposed
 
 import twellsparse as ts
@@ -128,6 +135,32 @@ def test_dual_form_sums_two_products(cp, rng, dtype, m, n, k, tile_n, capacity, 
     _skip_unless_hopper(b_gpu, out)
     _gpu_ops.spmm(a.parts, tile_n, b_gpu, out, path="tiled", second=(a2.parts, b2_gpu))
     assert rel_error(out, expected) <= rounding_bound(dtype, expected)
+
+
+@pytest.mark.parametrize("warps, operand", [(16, "fragments"), (32, "fragments"), (16, "shuffles")])
+@pytest.mark.parametrize("m", [19, 600])
+def test_prefetch_steps_over_empty_and_one_kgroup_chunks(cp, rng, monkeypatch, m, warps, operand):
+    """Chunks without entries, or with a single k-group, after full ones: the prefetch of a
+    warp's words runs across chunks and must not carry stale words over them (the emulator's
+    patterns, tests/test_tiled_spmm_model.py; wrong rows on the H200 until the thirtieth
+    session), plain and dual form, against float64."""
+    monkeypatch.setattr(_tiled_spmm, "WARPS", warps)
+    monkeypatch.setattr(_tiled_spmm, "OPERAND", operand)
+    pattern = [40, 0, 1, 30, 0, 0, 1, 20, 1, 0, 2]
+    h = chunked_activations(rng, m, [e * -(-m // 19) for e in pattern], ts.bfloat16)
+    n = h.shape[1]
+    a = ts.twell_array(cp.asarray(h), tile_n=256)
+    h2, a2 = _twin(cp, rng, h, a)
+    b, b2 = (rng.standard_normal((n, 40)).astype(ts.bfloat16) for _ in range(2))
+    b_gpu, b2_gpu = cp.asarray(b), cp.asarray(b2)
+    _skip_unless_hopper(b_gpu, cp.empty((m, 40), dtype=ts.bfloat16))
+    out = _gpu_ops.spmm(a.parts, 256, b_gpu, cp.full((m, 40), np.nan, dtype=ts.bfloat16), path="tiled")
+    expected = h.astype(np.float64) @ b.astype(np.float64)
+    assert rel_error(out, expected) <= rounding_bound(ts.bfloat16, expected)
+    dual = cp.full((m, 40), np.nan, dtype=ts.bfloat16)
+    _gpu_ops.spmm(a.parts, 256, b_gpu, dual, path="tiled", second=(a2.parts, b2_gpu))
+    expected = expected + h2.astype(np.float64) @ b2.astype(np.float64)
+    assert rel_error(dual, expected) <= rounding_bound(ts.bfloat16, expected)
 
 
 def test_writes_a_strided_output_and_nothing_past_it(cp, rng):
