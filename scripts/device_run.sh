@@ -2,24 +2,13 @@
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
 # Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
-OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-# The device gets the tree without .git: the commit travels in bench/.commit (carried, ignored).
-if [ -z "${TWELL_COMMIT:-}" ] && [ -f bench/.commit ]; then export TWELL_COMMIT=$(cat bench/.commit); fi
+. "$(dirname "$0")/device_env.sh"  # install, TWELL_COMMIT, PYTHONPATH, $OUT
 what=${*:-all}
 status=0
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
   python3 -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVersion())"
 } 2>&1 | tee "$OUT/env.txt"
-# The device image has no cffi (the cuSPARSE/cuBLASLt bindings need it) and no internet: carry
-# its wheels in .whl/ (see docs/ARCHITECTURE.md, "Layout", scripts/) and they are installed here.
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-python3 -m pip install --no-deps --no-build-isolation -q -e . 2>&1 | tail -3
 # One GPU test file (stopping at the first failure; a hang ends at the timeout, default 240 s),
 # appended to $OUT/<log>.log; its exit status joins the run's. Usage: gpu_test_file FILE LOG [SECONDS]
 gpu_test_file() {
