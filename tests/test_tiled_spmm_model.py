@@ -145,6 +145,25 @@ def test_emulated_kernel_over_empty_and_one_kgroup_chunks(rng, pattern, warps, o
     np.testing.assert_allclose(got, h.astype(np.float64) @ b.astype(np.float64), rtol=1e-12, atol=1e-12)
 
 
+def test_emulated_kernel_over_random_chunk_occupancy(rng):
+    """Random row counts and chunk occupancies (entries per chunk from none to a few k-groups,
+    spread over the rows so that warps meet every mix of empty, single and full chunks), plain
+    and dual form, against float64: the prefetch across chunks in general, beyond the fixed
+    patterns above."""
+    for _ in range(12):
+        m = int(rng.integers(1, 80))
+        pattern = rng.choice([0, 0, 1, 2, 9, 16, 17, 40], size=int(rng.integers(1, 7))).tolist()
+        h = chunked_activations(rng, m, [min(e, m * 512) for e in pattern], np.float16)
+        a = ts.twell_array(h, tile_n=int(rng.choice([64, 256, 1024])))
+        h2, a2 = _twin(rng, h, a)
+        b, b2 = (rng.standard_normal((h.shape[1], 8)).astype(np.float16) for _ in range(2))
+        warps = int(rng.choice([16, 32]))
+        packed = reference_pack(a.parts, a.tile_n, h.shape[1], others=(a2.parts,))
+        got = emulate(*packed, m, b, b2, warps=warps)
+        expected = h.astype(np.float64) @ b.astype(np.float64) + h2.astype(np.float64) @ b2.astype(np.float64)
+        np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12, err_msg=f"m={m} pattern={pattern}")
+
+
 def test_both_operand_sources_give_the_same_bits(rng):
     """The one-hot operand the fragments pass writes, and the one the shuffle version builds from
     the lanes' own words, bit for bit for every k-group and lane; and the emulated product on
