@@ -260,6 +260,24 @@ __device__ __forceinline__ void prepend_range(int lo, int hi, int& first, int& s
   first = n > 0 ? lo : first;
 }
 
+// With PREFETCH: the lines of the warp's words for the next chunk (ranges `kp_next`, lanes 2i
+// and 2i + 1 holding group i's k-group bounds) pulled into L1 one chunk ahead, a line (128
+// bytes, two k-groups) per lane and 32 / WG lanes per group, so that the two-ahead word loads
+// hit L1 instead of waiting on L2 (the long-scoreboard stalls that left 0.44 of 4 warps
+// eligible on the H100, thirtieth session). A group's words past its lanes' lines (more than
+// 16 k-groups a chunk with 16 warps) load from L2 as before; the prefetch has no effect on
+// values. Every lane takes part in the shuffles.
+template <int WG>
+__device__ __forceinline__ void prefetch_chunk_words(const unsigned* words, int kp_next, int lane) {
+  constexpr int per_group = 32 / WG;
+  const int i = lane / per_group, j = lane % per_group;
+  const int lo = __shfl_sync(0xffffffffu, kp_next, 2 * i), hi = __shfl_sync(0xffffffffu, kp_next, 2 * i + 1);
+  // k-groups are 64 bytes: lines lo / 2 .. (hi - 1) / 2 (the words array is line-aligned).
+  const int line = lo / 2 + j;
+  if (lo < hi && line <= (hi - 1) / 2)
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(words + (size_t)line * 32u));
+}
+
 // The one-hot operand's register for column g (gr = g << TSPMM_ROW_SHIFT): the value halves of
 // words w0 (low half) and w1 (high half) where their row in group is g, zeros elsewhere.
 __device__ __forceinline__ unsigned tspmm_one_hot(unsigned w0, unsigned w1, unsigned gr) {
@@ -487,13 +505,14 @@ __global__ void __launch_bounds__(256) tiled_spmm_balance(const int* __restrict_
 // group_map (n_slots entries) row group group_map[s] (-1: none).
 // Item (group, chunk)'s k-groups are kg_ptr[item] .. kg_ptr[item + 1], item = group * n1 +
 // chunk; with FRAGS, frags: the one-hot operands of words (tiled_spmm_fragments), else the
-// lanes build them from the words by shuffles (null frags). With words2 and frags2
+// lanes build them from the words by shuffles (null frags); with PREFETCH, each chunk's words
+// are pulled into L1 during the chunk before (prefetch_chunk_words). With words2 and frags2
 // (A2's at the same places: the dual form) the block streams B's n1 chunks with words, then
 // B2's with words2, into the same sums. map_b / map_b2: TMA descriptors
 // of B and B2 [K, N] (boxes of 64 columns x 256 rows, 128-byte swizzle; rows past K read as
 // zeros; map_b2 is map_b when there is no B2). Thread 0 refills a stage once every warp has
 // released it (tests/test_ring_protocol.py runs this ring as a protocol).
-template <typename T, int WARPS, bool FRAGS>
+template <typename T, int WARPS, bool FRAGS, bool PREFETCH>
 __global__ void __launch_bounds__(WARPS * 32, 1) twell_tiled_spmm(
     const __grid_constant__ twell::TensorMap map_b, const __grid_constant__ twell::TensorMap map_b2,
     const int* __restrict__ kg_ptr, const unsigned* __restrict__ words, const unsigned* __restrict__ words2,
@@ -620,6 +639,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) twell_tiled_spmm(
       }
       const unsigned* chunk_words = c < n1 ? words : words2;
       const uint2* chunk_frags = c < n1 ? frags : frags2;
+      if (PREFETCH && c + 1 < n_chunks) prefetch_chunk_words<WG>(c + 1 < n1 ? words : words2, kp_next, lane);
       if (!carried) {
         cur = tspmm_load<FRAGS>(chunk_words, chunk_frags, entry, lane, from1[0]);
         nxt = tspmm_load<FRAGS>(chunk_words, chunk_frags, entry, lane, from2[0]);

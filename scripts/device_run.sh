@@ -255,17 +255,18 @@ for step in $what; do
       ;;&
     tiledwarps)
       # The tiled SpMM with 32 warps of 2 row groups (TWELL_TILED_WARPS=32) beside the default 16
-      # of 4, each with the one-hot operand loaded (fragments) or shuffled from the words
-      # (TWELL_TILED_OPERAND=shuffles): its tests, the tiled product rows (down, the backward's)
-      # all four ways, Nsight Compute.
+      # of 4, each with the one-hot operand loaded (fragments), shuffled from the words
+      # (TWELL_TILED_OPERAND=shuffles), or shuffled from words prefetched into L1 a chunk ahead
+      # (prefetched): its tests, the tiled product rows (down, the backward's) all six ways,
+      # Nsight Compute on the prefetched one.
       TWELL_TILED_WARPS=32 gpu_test_file tests/gpu/test_gpu_tiled_spmm.py tiledwarps 300
       for w in 16 32; do
-        for operand in fragments shuffles; do
+        for operand in fragments shuffles prefetched; do
           TWELL_TILED_WARPS=$w TWELL_TILED_OPERAND=$operand stage_rows \
             "down spmm, tiled,bwd 3 transposed products, tiled,bwd dX, tiled" "0.005 0.01 0.02" tiledwarps
         done
       done
-      TWELL_TILED_WARPS=32 ncu_rows twell_tiled_spmm "down spmm, tiled, packed" tiledwarps
+      TWELL_TILED_OPERAND=prefetched ncu_rows twell_tiled_spmm "down spmm, tiled, packed" tiledwarps
       ;;&
     multigpu|multigputests)
       # Issue 7 on a machine with two GPUs (nvidia-h200-x2), in two calls (each fits the device

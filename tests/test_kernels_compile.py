@@ -108,8 +108,11 @@ def test_tiled_switches_are_validated(monkeypatch):
     assert _tiled_spmm._operand() == "shuffles"
     monkeypatch.setenv("TWELL_TILED_OPERAND", "")
     assert _tiled_spmm._operand() == "fragments"
+    monkeypatch.setenv("TWELL_TILED_OPERAND", "prefetched")
+    assert _tiled_spmm._operand() == "prefetched"
     monkeypatch.setenv("TWELL_TILED_OPERAND", "words")
-    with pytest.raises(ValueError, match="TWELL_TILED_OPERAND: expected 'fragments' or 'shuffles', got 'words'"):
+    expected = "TWELL_TILED_OPERAND: expected one of 'fragments', 'shuffles', 'prefetched', got 'words'"
+    with pytest.raises(ValueError, match=expected):
         _tiled_spmm._operand()
 
 

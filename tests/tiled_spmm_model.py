@@ -304,7 +304,8 @@ def emulate(
     the pack's word arrays; with ``b2`` the dual form, A2's words the second array; with
     ``group_map`` the row groups in the slots it names), with ``warps`` warps of 64 / warps row
     groups per block and the one-hot ``operand`` loaded ("fragments") or shuffled from the words
-    ("shuffles"), lane by lane: its ldmatrix addresses into swizzled stages, its one-hot
+    ("shuffles"; "prefetched" is the same, its L1 prefetch of the next chunk's words a hint that
+    changes no value), lane by lane: its ldmatrix addresses into swizzled stages, its one-hot
     registers, the MMAs and the epilogue's exchange of lanes g and g ^ 1 and 4-byte pair stores."""
     n = b.shape[1]
     out = np.full((m, n), np.nan)
@@ -312,8 +313,8 @@ def emulate(
     frags = [fragments(kg_ptr, w) for w in words]
     n_groups = -(-m // T.GROUP)
     wg = T.ROWS // T.GROUP // warps  # row groups per warp
-    if operand not in ("fragments", "shuffles"):
-        raise ValueError(f"operand: expected 'fragments' or 'shuffles', got {operand!r}")
+    if operand not in ("fragments", "shuffles", "prefetched"):
+        raise ValueError(f"operand: expected 'fragments', 'shuffles' or 'prefetched', got {operand!r}")
 
     def actual(slot: int) -> int:  # the kernel's actual(): the slot's row group, or -1
         grp = slot if group_map is None else (int(group_map[slot]) if slot < len(group_map) else -1)

@@ -206,10 +206,10 @@ ARCH_SOURCES: dict[str, tuple[str, list[str]]] = {
     "twell_tiled_spmm.cu": (
         "sm_90a",
         [
-            f"twell_tiled_spmm<{CXX_TYPE[d]}, {w}, {f}>"
+            f"twell_tiled_spmm<{CXX_TYPE[d]}, {w}, {f}, {p}>"
             for d in (np.dtype(np.float16), bfloat16)
             for w in (16, 32)
-            for f in ("false", "true")
+            for f, p in (("false", "false"), ("true", "false"), ("false", "true"))
         ]
         + [f"tiled_spmm_fixup<{CXX_TYPE[d]}>" for d in (np.dtype(np.float16), bfloat16)]
         + ["tiled_spmm_count", "tiled_spmm_place", "tiled_spmm_count_t", "tiled_spmm_place_t", "tiled_spmm_balance"]

@@ -77,15 +77,19 @@ WARPS = _warps()
 
 def _operand() -> str:
     value = os.environ.get("TWELL_TILED_OPERAND", "") or "fragments"
-    if value not in ("fragments", "shuffles"):
-        raise ValueError(f"TWELL_TILED_OPERAND: expected 'fragments' or 'shuffles', got {value!r}")
+    if value not in OPERANDS:
+        raise ValueError(f"TWELL_TILED_OPERAND: expected one of {', '.join(map(repr, OPERANDS))}, got {value!r}")
     return value
 
 
+#: The product's operand choices (see :data:`OPERAND`).
+OPERANDS = ("fragments", "shuffles", "prefetched")
 #: Where the product's MMAs take their one-hot operand: ``"fragments"`` (:func:`fragments`, one
 #: pass per words array, then two loads a k-group; ~35 instructions a k-group, about 4x the
-#: words' bytes from L2) or ``"shuffles"`` (each lane builds it from four shuffled words; ~45
-#: instructions, no extra bytes). ``TWELL_TILED_OPERAND`` picks (a measurement in progress).
+#: words' bytes from L2), ``"shuffles"`` (each lane builds it from four shuffled words; ~45
+#: instructions, no extra bytes), or ``"prefetched"`` (shuffles, with each chunk's words pulled
+#: into L1 during the chunk before: the word loads stalled the warps on L2, bench/NOTES.md,
+#: thirtieth session). ``TWELL_TILED_OPERAND`` picks (a measurement in progress).
 OPERAND = _operand()
 #: Dynamic shared memory of one block (TSPMM_SHARED_BYTES): three 64 KB stages, their barriers
 #: and 1 KB of alignment slack.
@@ -283,7 +287,8 @@ def packed_spmm(packed: Pack, m: int, b: Any, out: Any, b2: Any = None, which: i
     grid = (min(tiles, K.sm_count()),)
     slots = (group_map, np.int32(group_map.size)) if group_map is not None else (K.null_pointer(), np.int32(0))
     args = (map_b, map_b2, *pattern[:3], frags, frags2, *pattern[3:], out, ldo, flags, *slots)
-    expr = f"twell_tiled_spmm<{t}, {WARPS}, {'true' if use_fragments else 'false'}>"
+    switches = ", ".join("true" if on else "false" for on in (use_fragments, OPERAND == "prefetched"))
+    expr = f"twell_tiled_spmm<{t}, {WARPS}, {switches}>"
     K.launch_arch(expr, grid, (WARPS * 32,), args, SHARED_BYTES)
     dense = (b, np.int64(ldb), b2 if b2 is not None else K.null_pointer(), np.int64(ldb2))
     K.launch_arch(f"tiled_spmm_fixup<{t}>", (-(-m // 8),), (256,), (*pattern, *dense, flags, out, ldo), 0)

@@ -137,7 +137,9 @@ def test_dual_form_sums_two_products(cp, rng, dtype, m, n, k, tile_n, capacity, 
     assert rel_error(out, expected) <= rounding_bound(dtype, expected)
 
 
-@pytest.mark.parametrize("warps, operand", [(16, "fragments"), (32, "fragments"), (16, "shuffles")])
+@pytest.mark.parametrize(
+    "warps, operand", [(16, "fragments"), (32, "fragments"), (16, "shuffles"), (16, "prefetched"), (32, "prefetched")]
+)
 @pytest.mark.parametrize("m", [19, 600])
 def test_prefetch_steps_over_empty_and_one_kgroup_chunks(cp, rng, monkeypatch, m, warps, operand):
     """Chunks without entries, or with a single k-group, after full ones: the prefetch of a
@@ -241,7 +243,8 @@ def test_transposed_products_with_and_without_the_deal_agree(cp, rng, monkeypatc
 @pytest.mark.parametrize("m, n, k, tile_n, capacity, density", [SHAPES[1], SHAPES[2], SHAPES[4]])
 def test_both_warp_counts_give_the_same_bits(cp, rng, monkeypatch, m, n, k, tile_n, capacity, density):
     """The product with 32 warps of 2 row groups against 16 warps of 4, and with the one-hot
-    operand shuffled from the words against loaded fragments, bit for bit: every row group's sums
+    operand shuffled from the words (with or without their L1 prefetch) against loaded fragments,
+    bit for bit: every row group's sums
     take the same MMAs on the same operands in the same order (plain, dual form, and the
     transposed products with their deal of the groups, which depends on the warp count)."""
     h, a = _problem(cp, rng, m, n, tile_n, capacity, density, ts.bfloat16)
@@ -259,7 +262,7 @@ def test_both_warp_counts_give_the_same_bits(cp, rng, monkeypatch, m, n, k, tile
 
     results = {}
     for warps in (16, 32):
-        for operand in ("fragments", "shuffles"):
+        for operand in _tiled_spmm.OPERANDS:
             monkeypatch.setattr(_tiled_spmm, "WARPS", warps)
             monkeypatch.setattr(_tiled_spmm, "OPERAND", operand)
             results[warps, operand] = products()
