@@ -1,11 +1,14 @@
 """The tiled up projection's block geometry and TMA boxes (twellsparse/_tiled_up.py), checked
 on the CPU for every part and block size the kernel can be given: the boxes must land on
-128-byte aligned shared addresses and stay inside the buffer regions the kernel reserves."""
+128-byte aligned shared addresses and stay inside the buffer regions the kernel reserves; and
+the refusals of what the kernel cannot take."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+import twellsparse as ts
 from twellsparse import _tiled_up
 
 
@@ -26,3 +29,18 @@ def test_geometry_parts_cover_the_units_within_the_kernel_limits(m, n):
     assert tokens % _tiled_up.QUAD == 0 and 0 < tokens <= _tiled_up.MAX_TOKENS
     assert units % 2 == 0 and units <= _tiled_up.MAX_UNITS
     assert parts * units >= n > (parts - 1) * units
+
+
+@pytest.mark.parametrize("tokens", [0, -4, 6, 2])
+def test_geometry_refuses_token_blocks_off_the_quads(tokens):
+    """A block of tokens that is not a positive multiple of a quad would leave tokens unwritten
+    (6: the last two of every block) or divide by zero (2: no quad)."""
+    with pytest.raises(ValueError, match=f"tokens: expected a positive multiple of {_tiled_up.QUAD}, got {tokens}"):
+        _tiled_up.geometry(100, 704, tokens)
+
+
+def test_applies_refuses_x_without_columns():
+    """x with no columns: nothing to stage (a TMA descriptor needs a column), so the gathers serve it."""
+    gate = ts.twell_array(np.eye(8, 64, dtype=ts.bfloat16), tile_n=64).parts
+    x, w_up = np.zeros((8, 0), dtype=ts.bfloat16), np.zeros((64, 0), dtype=ts.bfloat16)
+    assert not _tiled_up.applies(gate, x, w_up)

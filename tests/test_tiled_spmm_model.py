@@ -208,6 +208,20 @@ def test_emulated_gated_up_writes_h_into_every_word(rng, m, f, d, density, dtype
     keeps its row and unit and gets h = g * u (u = x . W_up[unit]); partial token blocks and
     slices, several rounds (the dense case: 16 tokens x 512 units at 90%)."""
     g_dense, gate = _problem(rng, m, f, 64, 4, density, dtype)
+    _check_gated_up(rng, g_dense, gate, d, dtype)
+
+
+@pytest.mark.parametrize("pattern", CHUNK_PATTERNS)
+def test_emulated_gated_up_over_empty_and_one_kgroup_chunks(rng, pattern):
+    """The same over chunks without entries or with one k-group between full ones (the SpMM's
+    prefetch bug's patterns; the up kernel carries nothing across chunks, this keeps it so)."""
+    g_dense = np.abs(chunked_activations(rng, 19, pattern, ts.bfloat16))
+    _check_gated_up(rng, g_dense, ts.twell_array(g_dense, tile_n=64, capacity=4), 40, ts.bfloat16)
+
+
+def _check_gated_up(rng, g_dense, gate, d, dtype):
+    """:func:`emulate_gated_up` on the gate's pack against float64 h = g * (x . W_up[unit])."""
+    m, f = g_dense.shape
     x = rng.standard_normal((m, d)).astype(dtype)
     w_up = (rng.standard_normal((f, d)) / np.sqrt(d)).astype(dtype)
     kg_ptr, (words,), n_chunks = reference_pack(gate.parts, 64, f)

@@ -57,6 +57,8 @@ def geometry(m: int, n: int, tokens: int | None = None) -> tuple[int, int, int]:
     units = -(-n // parts)
     units += units % 2
     parts = -(-n // units)
+    if tokens is not None and (tokens <= 0 or tokens % QUAD):
+        raise ValueError(f"tokens: expected a positive multiple of {QUAD}, got {tokens}")
     t = TOKENS if tokens is None else tokens
     t = min(t, MAX_TOKENS, -(-max(m, 1) // QUAD) * QUAD)
     return t, units, parts
@@ -83,6 +85,8 @@ def applies(gate: TwELLParts, x: Any, w_up: Any) -> bool:
     multiple of 16 bytes, slot positions that fit 31 bits, on a compute-capability 9.0 GPU (TMA;
     the kernel is built for sm_90a only)."""
     if x.dtype.itemsize != 2 or w_up.dtype != x.dtype or gate.data.dtype != x.dtype:
+        return False
+    if x.shape[1] == 0:  # nothing to stage (TMA descriptors need a column); the gathers serve it
         return False
     if gate.data.size + gate.spill_data.size >= 1 << 31:
         return False
