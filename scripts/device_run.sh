@@ -259,13 +259,15 @@ for step in $what; do
       # (TWELL_TILED_OPERAND=shuffles), or shuffled from words prefetched into L1 a chunk ahead
       # (prefetched): its tests, the tiled product rows (down, the backward's) all six ways,
       # Nsight Compute on the prefetched one.
-      TWELL_TILED_WARPS=32 gpu_test_file tests/gpu/test_gpu_tiled_spmm.py tiledwarps 300
+      # The rows first (~30 s a variant), so that a call cut short keeps the measurement; the
+      # tests (which compare every variant bit for bit) after them.
       for w in 16 32; do
         for operand in fragments shuffles prefetched; do
           TWELL_TILED_WARPS=$w TWELL_TILED_OPERAND=$operand stage_rows \
             "down spmm, tiled,bwd 3 transposed products, tiled,bwd dX, tiled" "0.005 0.01 0.02" tiledwarps
         done
       done
+      TWELL_TILED_WARPS=32 gpu_test_file tests/gpu/test_gpu_tiled_spmm.py tiledwarps 300
       TWELL_TILED_OPERAND=prefetched ncu_rows twell_tiled_spmm "down spmm, tiled, packed" tiledwarps
       ;;&
     multigpu|multigputests)
