@@ -313,8 +313,8 @@ def emulate(
     frags = [fragments(kg_ptr, w) for w in words]
     n_groups = -(-m // T.GROUP)
     wg = T.ROWS // T.GROUP // warps  # row groups per warp
-    if operand not in ("fragments", "shuffles", "prefetched"):
-        raise ValueError(f"operand: expected 'fragments', 'shuffles' or 'prefetched', got {operand!r}")
+    if operand not in T.OPERANDS:
+        raise ValueError(f"operand: expected one of {T.OPERANDS}, got {operand!r}")
 
     def actual(slot: int) -> int:  # the kernel's actual(): the slot's row group, or -1
         grp = slot if group_map is None else (int(group_map[slot]) if slot < len(group_map) else -1)

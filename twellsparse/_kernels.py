@@ -180,6 +180,11 @@ INSTANTIATIONS: dict[str, list[str]] = _instantiations()
 #: magnitude threshold.
 HOPPER_ACTIVATIONS = ("relu", "relu2", "silu")
 
+#: The tiled SpMM's operand choices (``_tiled_spmm.OPERAND``) as its FRAGS and PREFETCH template
+#: arguments: the one-hot operand loaded from the fragments pass, or shuffled from the words,
+#: those words prefetched into L1 a chunk ahead or not.
+TILED_OPERANDS = {"fragments": "true, false", "shuffles": "false, false", "prefetched": "false, true"}
+
 #: Sources built for one target only, whose instructions (wgmma, setmaxnreg, TMA) exist nowhere else:
 #: source -> (NVRTC target, instantiations). Compiled here with NVRTC and loaded as a cubin.
 ARCH_SOURCES: dict[str, tuple[str, list[str]]] = {
@@ -202,14 +207,15 @@ ARCH_SOURCES: dict[str, tuple[str, list[str]]] = {
         [f"twell_tiled_gated_up<{CXX_TYPE[d]}>" for d in (np.dtype(np.float16), bfloat16)]
         + ["tiled_up_count", "tiled_up_place"],
     ),
-    # The tiled SpMM on the tensor cores (B's chunks staged by TMA) and its pack.
+    # The tiled SpMM on the tensor cores (B's chunks staged by TMA) and its pack: each operand
+    # choice of TILED_OPERANDS at both warp counts.
     "twell_tiled_spmm.cu": (
         "sm_90a",
         [
-            f"twell_tiled_spmm<{CXX_TYPE[d]}, {w}, {f}, {p}>"
+            f"twell_tiled_spmm<{CXX_TYPE[d]}, {w}, {switches}>"
             for d in (np.dtype(np.float16), bfloat16)
             for w in (16, 32)
-            for f, p in (("false", "false"), ("true", "false"), ("false", "true"))
+            for switches in TILED_OPERANDS.values()
         ]
         + [f"tiled_spmm_fixup<{CXX_TYPE[d]}>" for d in (np.dtype(np.float16), bfloat16)]
         + ["tiled_spmm_count", "tiled_spmm_place", "tiled_spmm_count_t", "tiled_spmm_place_t", "tiled_spmm_balance"]

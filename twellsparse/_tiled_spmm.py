@@ -83,7 +83,7 @@ def _operand() -> str:
 
 
 #: The product's operand choices (see :data:`OPERAND`).
-OPERANDS = ("fragments", "shuffles", "prefetched")
+OPERANDS = tuple(K.TILED_OPERANDS)
 #: Where the product's MMAs take their one-hot operand: ``"fragments"`` (:func:`fragments`, one
 #: pass per words array, then two loads a k-group; ~35 instructions a k-group, about 4x the
 #: words' bytes from L2), ``"shuffles"`` (each lane builds it from four shuffled words; ~45
@@ -287,8 +287,7 @@ def packed_spmm(packed: Pack, m: int, b: Any, out: Any, b2: Any = None, which: i
     grid = (min(tiles, K.sm_count()),)
     slots = (group_map, np.int32(group_map.size)) if group_map is not None else (K.null_pointer(), np.int32(0))
     args = (map_b, map_b2, *pattern[:3], frags, frags2, *pattern[3:], out, ldo, flags, *slots)
-    switches = ", ".join("true" if on else "false" for on in (use_fragments, OPERAND == "prefetched"))
-    expr = f"twell_tiled_spmm<{t}, {WARPS}, {switches}>"
+    expr = f"twell_tiled_spmm<{t}, {WARPS}, {K.TILED_OPERANDS[OPERAND]}>"
     K.launch_arch(expr, grid, (WARPS * 32,), args, SHARED_BYTES)
     dense = (b, np.int64(ldb), b2 if b2 is not None else K.null_pointer(), np.int64(ldb2))
     K.launch_arch(f"tiled_spmm_fixup<{t}>", (-(-m // 8),), (256,), (*pattern, *dense, flags, out, ldo), 0)

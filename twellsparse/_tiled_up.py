@@ -53,12 +53,12 @@ def geometry(m: int, n: int, tokens: int | None = None) -> tuple[int, int, int]:
     about :data:`TARGET_UNITS` units (an even count, at most :data:`MAX_UNITS`), blocks of
     ``tokens`` (default :data:`TOKENS`; a multiple of :data:`QUAD`, at most :data:`MAX_TOKENS`),
     no more than ``m`` needs."""
+    if tokens is not None and (tokens <= 0 or tokens % QUAD):
+        raise ValueError(f"tokens: expected a positive multiple of {QUAD}, got {tokens}")
     parts = max(1, round(n / TARGET_UNITS), -(-n // MAX_UNITS))
     units = -(-n // parts)
     units += units % 2
     parts = -(-n // units)
-    if tokens is not None and (tokens <= 0 or tokens % QUAD):
-        raise ValueError(f"tokens: expected a positive multiple of {QUAD}, got {tokens}")
     t = TOKENS if tokens is None else tokens
     t = min(t, MAX_TOKENS, -(-max(m, 1) // QUAD) * QUAD)
     return t, units, parts
