@@ -21,6 +21,7 @@ import os
 import sys
 from typing import Any
 
+from twellsparse import _tiled_spmm
 from twellsparse._environment import append_records, environment
 from twellsparse._timing import Timer
 from twellsparse.testing import ffn_problem
@@ -224,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         "l2_hints": os.environ.get("TWELL_L2_HINTS", "default"),  # the gather kernels' build
         "hopper_pack": os.environ.get("TWELL_HOPPER_PACK", "default"),  # 0: the fused GEMM alone
         "fused_producer": os.environ.get("TWELL_FUSED_PRODUCER", "default"),
+        # the tiled product's build as resolved (rows of its variants are otherwise alike)
+        "tiled_warps": _tiled_spmm.WARPS,
+        "tiled_operand": _tiled_spmm.OPERAND,
         **environment(),
     }
     if args.out:

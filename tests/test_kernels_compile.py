@@ -107,9 +107,9 @@ def test_tiled_switches_are_validated(monkeypatch):
     monkeypatch.setenv("TWELL_TILED_OPERAND", "shuffles")
     assert _tiled_spmm._operand() == "shuffles"
     monkeypatch.setenv("TWELL_TILED_OPERAND", "")
-    assert _tiled_spmm._operand() == "fragments"
-    monkeypatch.setenv("TWELL_TILED_OPERAND", "prefetched")
     assert _tiled_spmm._operand() == "prefetched"
+    monkeypatch.setenv("TWELL_TILED_OPERAND", "fragments")
+    assert _tiled_spmm._operand() == "fragments"
     monkeypatch.setenv("TWELL_TILED_OPERAND", "words")
     expected = "TWELL_TILED_OPERAND: expected one of 'fragments', 'shuffles', 'prefetched', got 'words'"
     with pytest.raises(ValueError, match=expected):

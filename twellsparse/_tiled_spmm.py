@@ -71,12 +71,13 @@ def _warps() -> int:
 
 #: Warps per block of the product (its template argument): 16 warps of 4 row groups (128
 #: registers a thread), or 32 of 2 (64 registers, twice the warps to hide latency);
-#: ``TWELL_TILED_WARPS`` picks (a measurement in progress, bench/NOTES.md).
+#: ``TWELL_TILED_WARPS`` picks. 16 by default: with the prefetched operand it was the fastest
+#: of the six pairs on an H100 (bench/NOTES.md, thirty-first session).
 WARPS = _warps()
 
 
 def _operand() -> str:
-    value = os.environ.get("TWELL_TILED_OPERAND", "") or "fragments"
+    value = os.environ.get("TWELL_TILED_OPERAND", "") or "prefetched"
     if value not in OPERANDS:
         raise ValueError(f"TWELL_TILED_OPERAND: expected one of {', '.join(map(repr, OPERANDS))}, got {value!r}")
     return value
@@ -89,7 +90,8 @@ OPERANDS = tuple(K.TILED_OPERANDS)
 #: words' bytes from L2), ``"shuffles"`` (each lane builds it from four shuffled words; ~45
 #: instructions, no extra bytes), or ``"prefetched"`` (shuffles, with each chunk's words pulled
 #: into L1 during the chunk before: the word loads stalled the warps on L2, bench/NOTES.md,
-#: thirtieth session). ``TWELL_TILED_OPERAND`` picks (a measurement in progress).
+#: thirtieth session; the default, 0.412 ms at 1% on the standard problem against 0.556 for
+#: fragments and 0.471 for shuffles, thirty-first session). ``TWELL_TILED_OPERAND`` picks.
 OPERAND = _operand()
 #: Dynamic shared memory of one block (TSPMM_SHARED_BYTES): three 64 KB stages, their barriers
 #: and 1 KB of alignment slack.
