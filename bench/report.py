@@ -76,14 +76,24 @@ def _field(r: dict[str, Any], name: str) -> Any:
 
 def _provenance(records: list[dict[str, Any]]) -> str:
     """``GPU (driver, CuPy), date, commit(s)`` of a table's records."""
-    r0 = records[0]
     commits = ", ".join(sorted({r["commit"][:7] for r in records}))
     dates = sorted({r["date"][:10] for r in records})
-    return (
-        f"{r0['gpu']} (driver {r0.get('driver_version')}, CUDA runtime {r0.get('cuda_runtime')}, CuPy "
-        f"{r0.get('cupy')}), {' to '.join(dict.fromkeys((dates[0], dates[-1])))}, "
-        f"commit{'s' if ',' in commits else ''} {commits}"
+    # one table may join runs on different cards (the newest run per case): name every card and
+    # its software, so that no row reads as measured on another card
+    cards = dict.fromkeys(
+        f"{r['gpu']} (driver {r.get('driver_version')}, CUDA runtime {r.get('cuda_runtime')}, CuPy {r.get('cupy')})"
+        for r in records
     )
+    return (
+        f"{' and '.join(cards)}{' (rows of different runs)' if len(cards) > 1 else ''}, "
+        f"{' to '.join(dict.fromkeys((dates[0], dates[-1])))}, commit{'s' if ',' in commits else ''} {commits}"
+    )
+
+
+def _run(r: dict[str, Any], records: list[dict[str, Any]]) -> str:
+    """A row's run: its commit, and its card where the table's rows come from more than one."""
+    card = r["gpu"].removeprefix("NVIDIA ").split()[0]
+    return r["commit"][:7] + (f" ({card})" if len({x["gpu"] for x in records}) > 1 else "")
 
 
 def _fmt_auto(r: dict[str, Any], ms: dict[str, float], key: str, dense_key: str, path_key: str) -> str:
@@ -151,7 +161,7 @@ def ffn_table(records: list[dict[str, Any]]) -> str:
             f"{ms['dense_ffn']:.3f} / {ms['ffn']:.3f} ({_fmt_sparse(sp['ffn'], 'ffn')}){plain_auto} | "
             f"{ms['dense_gated_ffn']:.3f} / {ms['gated_ffn']:.3f} "
             f"({_fmt_sparse(sp['gated_ffn'], 'gated_ffn')}){gated_auto} | {_vs_library_dense(ms)} | "
-            f"{r['commit'][:7]} |"
+            f"{_run(r, records)} |"
         )
     return "\n".join(lines)
 
@@ -178,8 +188,8 @@ def fp8_table(records: list[dict[str, Any]]) -> str:
         f"bfloat16 block (the 2-byte plans' is {two_byte:.1e} at most).",
         "",
         "| shape (M, d_model, d_ff) | pattern | density | non-gated: dense / 2-byte rows / e4m3 rows (error) | "
-        "gated: dense / 2-byte rows / e4m3 rows (error) |",
-        "|---|---|---|---|---|",
+        "gated: dense / 2-byte rows / e4m3 rows (error) | commit |",
+        "|---|---|---|---|---|---|",
     ]
     for r in sorted(recs, key=lambda r: (r["shape"], r["pattern"], r["density"])):
         ms = _medians(r)
@@ -192,7 +202,7 @@ def fp8_table(records: list[dict[str, Any]]) -> str:
                 f"({dense / ms[f'{block}_e4m3']:.2f}x, {err[f'{block}_e4m3']:.1e})"
             )
         shape = ", ".join(map(str, r["shape"]))
-        lines.append(f"| {shape} | {r['pattern']} | {r['density']:.2%} | {cells[0]} | {cells[1]} |")
+        lines.append(f"| {shape} | {r['pattern']} | {r['density']:.2%} | {cells[0]} | {cells[1]} | {_run(r, recs)} |")
     return "\n".join(lines)
 
 
@@ -254,7 +264,7 @@ def training_table(steps: list[dict[str, Any]], models: list[dict[str, Any]]) ->
                     f"| {r['density_target']:.2%} | {run} | {r[f'dense_forward{key}_tokens_per_ms']:.0f} / "
                     f"{r[f'twell_forward{key}_tokens_per_ms']:.0f} ({r[f'forward{key}_speedup']:.2f}x) | "
                     f"{r[f'dense_train{key}_tokens_per_ms']:.0f} / {r[f'twell_train{key}_tokens_per_ms']:.0f} "
-                    f"({r[f'train{key}_speedup']:.2f}x) | {r['commit'][:7]} |"
+                    f"({r[f'train{key}_speedup']:.2f}x) | {_run(r, models)} |"
                 )
     return "\n".join(lines)
 
