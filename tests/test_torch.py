@@ -576,3 +576,38 @@ def test_l1_penalty_gradients_for_thresholded_silu():
     kept = torch.where(a.abs() > 0.05, a, torch.zeros_like(a))
     (want,) = torch.autograd.grad(kept.abs().sum() / x.shape[0], m.gate_proj.weight)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("no_autograd", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("spill_capacity", [None, 5000])
+def test_forward_without_autograd_keeps_no_linear_values(no_autograd, spill_capacity):
+    """Under no_grad / inference_mode the gated module's forward leaves the up values (the
+    backward's input) out, with the same output, stats and L1 penalty as a forward with autograd."""
+    module = tt.TwELLGatedMLP(16, 300, tile_n=32, capacity=4, spill_capacity=spill_capacity, dtype=torch.float64)
+    x = _problem(4)[0].detach()
+    with_grad = module(x)
+    kept = module._hidden[6:8]  # (data, spill_data) of the up values
+    stats, penalty = module.stats(), module.l1_penalty().detach()
+    with no_autograd():
+        out = module(x)
+        assert module.stats() == stats and stats["n_spilled"] > 0
+        torch.testing.assert_close(module.l1_penalty(), penalty, rtol=0, atol=0)
+    torch.testing.assert_close(out, with_grad.detach(), rtol=0, atol=0)
+    weights = (module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight)
+    torch.testing.assert_close(out, _dense(x, *weights, "relu").detach(), rtol=1e-12, atol=1e-12)
+    assert kept[0].shape == (37, 10, 4) and [t.numel() for t in module._hidden[6:8]] == [0, 0]
+
+
+def test_op_without_linear_values_refuses_a_backward():
+    """keep_linear=False is for forwards no backward follows: differentiating it raises a clear
+    error (never gradients from missing values); the op's schema and fake tensors agree."""
+    x, wg, wu, wd = _problem(10)
+    torch.library.opcheck(
+        torch.ops.twellsparse.ffn_fwd.default,
+        (x.detach(), wg.detach(), wu.detach(), wd.detach(), "relu", 32, 4, None, None, False),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+    outs = torch.ops.twellsparse.ffn_fwd(x, wg, wu, wd, "relu", 32, 4, None, None, False)
+    assert outs[7].numel() == 0 and outs[8].numel() == 0
+    with pytest.raises(RuntimeError, match="keep_linear=False drops the values the backward needs"):
+        outs[0].sum().backward()

@@ -57,8 +57,14 @@ def _activation_grad(activation: str, z: Any) -> Any:
     raise ValueError(f"activation: unknown {activation!r}")
 
 
-def forward_arrays(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold, spill_capacity=None):
+def forward_arrays(
+    x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold, spill_capacity=None, keep_linear=True
+):
     """(out, act TwELL, linear values on its pattern or None, entries left out).
+
+    ``keep_linear=False`` (a forward no backward will follow) leaves the gated block's linear
+    values out (None): the backward's input, which the consumer would otherwise zero and store
+    in the gate's layout.
 
     As in the plans, the tail is queued on the row-tiles' first ``capacity`` entries before the
     host reads the overflow count back (the GPU stays busy meanwhile), and runs again on the
@@ -81,7 +87,7 @@ def forward_arrays(x, w_act, w_lin, w_down, activation, tile_n, capacity, thresh
         g = twell_array._from_parts(parts, shape, tile_n)
         if w_lin is None:
             return matmul(g, w_down_t), g, None
-        out, u = gated_product(x, w_lin, w_down_t, g, keep_up=True)
+        out, u = gated_product(x, w_lin, w_down_t, g, keep_up=keep_linear)
         return out, g, u
 
     first, finish = linear_to_parts_deferred(x, w_act, act, tile_n, capacity, thr)

@@ -205,13 +205,17 @@ def _ffn_fwd(
     capacity: int,
     threshold: float | None,
     spill_capacity: int | None = None,
+    keep_linear: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """out, act TwELL parts (data, indices, counts, spill_data, spill_indices, spill_indptr),
-    linear values on the pattern (data, spill_data; empty when non-gated), and the spilled
-    entries left out (int64, one element; nonzero only with a ``spill_capacity`` too small).
+    linear values on the pattern (data, spill_data; empty when non-gated or without
+    ``keep_linear``), and the spilled entries left out (int64, one element; nonzero only with a
+    ``spill_capacity`` too small).
 
     With ``spill_capacity`` the spill arrays have that fixed length (zero past
-    ``spill_indptr[-1]``) and nothing is read back: capturable in a CUDA graph."""
+    ``spill_indptr[-1]``) and nothing is read back: capturable in a CUDA graph.
+    ``keep_linear=False`` serves forwards without a backward (the linear values are the
+    backward's input only): the gated consumer then neither zeroes nor stores them."""
     with _on_device(x):
         w_lin_a = _to_array(w_lin) if w_lin is not None else None
         out, g, u, left_out = forward_arrays(
@@ -224,6 +228,7 @@ def _ffn_fwd(
             capacity,
             threshold,
             spill_capacity,
+            keep_linear,
         )
         p = g.parts
         xp = array_module(p.data)
@@ -240,11 +245,14 @@ def _ffn_fwd(
 
 
 @_ffn_fwd.register_fake
-def _ffn_fwd_fake(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold, spill_capacity=None):
+def _ffn_fwd_fake(
+    x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold, spill_capacity=None, keep_linear=True
+):
     m = x.shape[0]
     nt = n_tiles(w_act.shape[0], tile_n)
     n_spill = torch.library.get_ctx().new_dynamic_size() if spill_capacity is None else spill_capacity
-    n_u, n_u_spill = ((m, nt, capacity), (n_spill,)) if w_lin is not None else (_EMPTY, _EMPTY)
+    kept = w_lin is not None and keep_linear
+    n_u, n_u_spill = ((m, nt, capacity), (n_spill,)) if kept else (_EMPTY, _EMPTY)
     return (
         x.new_empty((m, w_down.shape[0])),
         x.new_empty((m, nt, capacity)),
@@ -347,13 +355,15 @@ def _need_bits(needs_input_grad: tuple) -> int:
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    x, w_act, w_lin, w_down, activation, tile_n, _capacity, _threshold, *spill_capacity = inputs
+    x, w_act, w_lin, w_down, activation, tile_n, _capacity, _threshold, *optional = inputs
+    spill_capacity, keep_linear = (*optional, None, True)[:2]
     ctx.activation, ctx.tile_n, ctx.gated = activation, tile_n, w_lin is not None
+    ctx.kept_linear = keep_linear
     # Outputs nobody differentiated (the activations' TwELL values, unless an L1 penalty reads
     # them) reach the backward as None rather than as zeros: the backward then takes its fused
     # pass (one kernel for dH and the value products) instead of adding a zero gradient.
     ctx.set_materialize_grads(False)
-    ctx.fixed_spill = bool(spill_capacity) and spill_capacity[0] is not None
+    ctx.fixed_spill = spill_capacity is not None
     saved = output[1:9]
     ctx.save_for_backward(x, w_act, w_lin if w_lin is not None else x.new_empty(_EMPTY), w_down, *saved)
     ctx.mark_non_differentiable(*(output[i] for i in (2, 3, 5, 6, 7, 8, 9)))
@@ -361,6 +371,11 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 def _backward(ctx: Any, grad_out, grad_act, _gi, _gc, grad_act_spill, _gsi, _gsp, _gu, _gus, _glo):
     x, w_act, w_lin, w_down, *saved = ctx.saved_tensors
+    if ctx.gated and not ctx.kept_linear:
+        raise RuntimeError(
+            "twellsparse::ffn_fwd: keep_linear=False drops the values the backward needs; "
+            "differentiate a call with keep_linear=True"
+        )
     if grad_out is None:
         grad_out = torch.zeros((x.shape[0], w_down.shape[0]), dtype=x.dtype, device=x.device)
     empty = x.new_empty(_EMPTY)
@@ -386,7 +401,7 @@ def _backward(ctx: Any, grad_out, grad_act, _gi, _gc, grad_act_spill, _gsi, _gsp
     grads = [g if need else None for g, need in zip((dx, dw_act, dw_lin, dw_down), ctx.needs_input_grad, strict=False)]
     if not ctx.gated:
         grads[2] = None
-    return (*grads, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None)
 
 
 _ffn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -463,8 +478,19 @@ def _run(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold, spill
         _check_operands(x, w_act, w_lin, w_down, names)
         x, w_act, w_lin, w_down = _autocast(x, w_act, w_lin, w_down)
     lead = x.shape[:-1]
+    # Without autograd (torch.no_grad(), inference_mode) no backward can follow: the gated
+    # block's linear values, the backward's input, are neither zeroed nor stored.
     out, *hidden = torch.ops.twellsparse.ffn_fwd(
-        x.reshape(-1, x.shape[-1]).contiguous(), w_act, w_lin, w_down, act, tile_n, capacity, thr, spill_capacity
+        x.reshape(-1, x.shape[-1]).contiguous(),
+        w_act,
+        w_lin,
+        w_down,
+        act,
+        tile_n,
+        capacity,
+        thr,
+        spill_capacity,
+        torch.is_grad_enabled(),
     )
     return out.reshape(*lead, w_down.shape[0]), hidden
 

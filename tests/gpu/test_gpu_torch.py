@@ -306,3 +306,21 @@ def test_e4m3_module_inference_on_cuda(gated):
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2  # bf16 rounding of h and out
     assert ((doubled.double() - 2 * ref).norm() / ref.norm()).item() < 2e-2
     assert not mod.stats()["dense_fallback"]
+
+
+@pytest.mark.parametrize("spill_capacity", [None, 4096])
+def test_inference_forward_skips_the_linear_values(spill_capacity):
+    """Under torch.no_grad() the gated module's CUDA forward keeps no up values (the backward's
+    input) and gives the forward-with-autograd's output bit for bit, within bf16 of float64."""
+    fixed, exact = _module_pair(True, spill_capacity or 4096)
+    module = exact if spill_capacity is None else fixed
+    x = _tokens(11)
+    with_grad = module(x).detach()
+    assert module._hidden[6].numel() > 0
+    with torch.no_grad():
+        out = module(x)
+    torch.cuda.synchronize()
+    assert [t.numel() for t in module._hidden[6:8]] == [0, 0]
+    torch.testing.assert_close(out, with_grad, rtol=0, atol=0)
+    assert _rel(out, _host_reference(module, x)) < 3e-2
+    module.check_spill()
