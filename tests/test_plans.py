@@ -163,15 +163,19 @@ def test_default_breakeven_follows_the_measured_crossings():
     for kind in ("ffn", "gated_ffn"):
         for tokens, density in standard[kind]:  # at the measured points, the measured value
             assert _dispatch.dense_breakeven(kind, tokens, 2048, 5632) == pytest.approx(density)
-        (t0, d0), (t1, d1) = standard[kind][:2]
+        (t0, d0), (t1, d1) = standard[kind][2:4]  # 4096 and 16384 tokens: 8192 halfway in log2
         middle = _dispatch.dense_breakeven(kind, int((t0 * t1) ** 0.5), 2048, 5632)
         assert middle == pytest.approx((d0 + d1) / 2)  # linear in log2 of the tokens
-        assert _dispatch.dense_breakeven(kind, 1, 2048, 5632) == pytest.approx(d0)  # held at the ends
+        assert _dispatch.dense_breakeven(kind, 1, 2048, 5632) == pytest.approx(standard[kind][0][1])  # held at the ends
         assert _dispatch.dense_breakeven(kind, 10**7, 2048, 5632) == pytest.approx(standard[kind][-1][1])
     # Other widths take the nearest measured family (log scale); degenerate shapes still answer.
-    wide = _dispatch.CROSSINGS[(4096, 14336)]["gated_ffn"][0][1]
+    wide = dict(_dispatch.CROSSINGS[(4096, 14336)]["gated_ffn"])[4096]
     assert _dispatch.dense_breakeven("gated_ffn", 4096, 5120, 13824) == pytest.approx(wide)
-    assert _dispatch.dense_breakeven("ffn", 0, 0, 0) > 0
+    assert _dispatch.dense_breakeven("ffn", 0, 0, 0) == 0  # degenerate shapes still answer
+    for kind in ("ffn", "gated_ffn"):  # where the sparse path never won, every call runs dense
+        assert _dispatch.dense_breakeven(kind, 256, 2048, 5632) == 0
+        assert _dispatch.dense_breakeven(kind, 1024, 4096, 14336) == 0
+        assert 0 < _dispatch.dense_breakeven(kind, 2048, 2048, 5632) < _dispatch.dense_breakeven(kind, 4096, 2048, 5632)
 
 
 def test_plans_take_the_shape_breakeven_and_sample_less_when_clear(rng, monkeypatch):

@@ -3,16 +3,17 @@ and shape, from crossings measured on the H200.
 
 The crossing (the density where the sparse plan's time equals the dense block's, both measured
 side by side in one run) moves with the shape: at 4096 tokens the sparse path's fixed costs
-(the producer's finish, small launches) weigh more and it falls to about 0.65-0.9%;
-at 16384-65536 tokens of the standard widths it is about 1.0-1.5%; with d_model 4096 and d_ff
+(the producer's finish, small launches) weigh more and it falls to about 0.65-0.9%, at 2048
+tokens to 0.3-0.5%, and at 1024 tokens or fewer the sparse path never wins (those calls run
+dense); at 16384-65536 tokens of the standard widths it is about 1.0-1.5%; with d_model 4096 and d_ff
 14336 (twice the gathered bytes per entry) about 0.6-0.85%. One constant for all of them left
 up to ~8% on the table at large shapes and ran sparse at 0.76x dense at small ones.
 
 Limits: the crossings are the H200's, measured against torch's unfused dense block (the
 library's own dense path is 6-16% faster at the standard widths, so they sit somewhat high
 until refitted against it); other shapes take the nearest measured widths and clamp to the
-measured token counts (a call under 4096 tokens gets the 4096-token value); other GPUs get the
-same numbers. A plan's ``breakeven`` overrides them.
+measured token counts (a call under 1024 tokens gets the 1024-token value, dense); other GPUs
+get the same numbers. A plan's ``breakeven`` overrides them.
 """
 
 from __future__ import annotations
@@ -28,14 +29,23 @@ import math
 #: gated 16384-token one of the standard widths are from 8e75718 (the gated consumer in two
 #: launches with tensor-core dots, uniform only); the 65536-token points and the 16384-token ones
 #: of d_model 4096 from 7acaf49 (uniform only); the others from b871c25.
+#:
+#: Under 4096 tokens (e992aa3, H200, uniform, ``ffn_bench.py --m 256 / 512 / 1024 / 2048``): the
+#: sparse path's fixed costs (the producer took 0.068-0.096 ms against a 0.016-0.035 ms GEMM)
+#: win at 2048 tokens only below ~0.28% (non-gated: 1.02x at 0.25%, 0.89x at 0.5%) and ~0.53%
+#: (gated: 1.33x, 1.03x), and never at 1024 tokens or fewer (0.60-0.74x at 0.25-1% with 1024,
+#: 0.59 / 0.66x at 0.25% with 512, 0.41 / 0.36x at 0.5% with 256): a crossing of 0 there, so
+#: such calls run dense. The wide family's points under 4096 tokens are not measured: they
+#: scale its 4096-token crossings by the standard widths' ratios (2048 tokens: 0.42 non-gated,
+#: 0.60 gated; 1024: 0), erring towards dense.
 CROSSINGS: dict[tuple[int, int], dict[str, tuple[tuple[int, float], ...]]] = {
     (2048, 5632): {
-        "ffn": ((4096, 0.0066), (16384, 0.0103), (65536, 0.0120)),
-        "gated_ffn": ((4096, 0.0088), (16384, 0.0118), (65536, 0.0147)),
+        "ffn": ((1024, 0.0), (2048, 0.0028), (4096, 0.0066), (16384, 0.0103), (65536, 0.0120)),
+        "gated_ffn": ((1024, 0.0), (2048, 0.0053), (4096, 0.0088), (16384, 0.0118), (65536, 0.0147)),
     },
     (4096, 14336): {
-        "ffn": ((4096, 0.0064), (16384, 0.0061)),
-        "gated_ffn": ((4096, 0.0064), (16384, 0.0085)),
+        "ffn": ((1024, 0.0), (2048, 0.0027), (4096, 0.0064), (16384, 0.0061)),
+        "gated_ffn": ((1024, 0.0), (2048, 0.0039), (4096, 0.0064), (16384, 0.0085)),
     },
 }
 
