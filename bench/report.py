@@ -96,6 +96,16 @@ def _run(r: dict[str, Any], records: list[dict[str, Any]]) -> str:
     return r["commit"][:7] + (f" ({card})" if len({x["gpu"] for x in records}) > 1 else "")
 
 
+def _notes(records: list[dict[str, Any]]) -> str:
+    """The records' notes (what a reader must know to read their rows), each once, with the
+    commits they concern; empty where none has one."""
+    notes: dict[str, set[str]] = {}
+    for r in records:
+        if r.get("note"):
+            notes.setdefault(r["note"], set()).add(r["commit"][:7])
+    return "".join(f" Note ({', '.join(sorted(c))}): {n}." for n, c in notes.items())
+
+
 def _fmt_auto(r: dict[str, Any], ms: dict[str, float], key: str, dense_key: str, path_key: str) -> str:
     """`` / auto t (s.ssx, path)`` for records that timed the automatic dispatch, else ``""``."""
     if key not in ms:
@@ -142,7 +152,7 @@ def ffn_table(records: list[dict[str, Any]]) -> str:
         "down projection's rate is in TB/s of weight rows gathered (one row per stored entry). "
         "`vs library dense`: the sparse blocks against the library's own dense path (cuBLASLt GEMMs "
         "timed per shape, a fused act-mul) of the same run, where the run timed it. Each row's "
-        "run is its commit.",
+        f"run is its commit.{_notes(records)}",
         "",
         "| pattern | density | dense GEMM | producer (GEMM+relu+pack) | down: dense / TwELL | "
         "non-gated FFN: dense / sparse / auto | gated FFN: dense / sparse / auto | "
