@@ -80,20 +80,26 @@ def _provenance(records: list[dict[str, Any]]) -> str:
     dates = sorted({r["date"][:10] for r in records})
     # one table may join runs on different cards (the newest run per case): name every card and
     # its software, so that no row reads as measured on another card
-    cards = dict.fromkeys(
-        f"{r['gpu']} (driver {r.get('driver_version')}, CUDA runtime {r.get('cuda_runtime')}, CuPy {r.get('cupy')})"
-        for r in records
-    )
+    cards = dict.fromkeys(_card(r) for r in records)
     return (
         f"{' and '.join(cards)}{' (rows of different runs)' if len(cards) > 1 else ''}, "
         f"{' to '.join(dict.fromkeys((dates[0], dates[-1])))}, commit{'s' if ',' in commits else ''} {commits}"
     )
 
 
+def _card(r: dict[str, Any]) -> str:
+    """A record's card and software, as :func:`_provenance` names them."""
+    return f"{r['gpu']} (driver {r.get('driver_version')}, CUDA runtime {r.get('cuda_runtime')}, CuPy {r.get('cupy')})"
+
+
 def _run(r: dict[str, Any], records: list[dict[str, Any]]) -> str:
-    """A row's run: its commit, and its card where the table's rows come from more than one."""
-    card = r["gpu"].removeprefix("NVIDIA ").split()[0]
-    return r["commit"][:7] + (f" ({card})" if len({x["gpu"] for x in records}) > 1 else "")
+    """A row's run: its commit, and its card where the table's rows come from more than one
+    card or software stack (the card's name, with the software where the names agree)."""
+    if len({_card(x) for x in records}) == 1:
+        return r["commit"][:7]
+    names = {x["gpu"] for x in records}
+    label = r["gpu"].removeprefix("NVIDIA ") if len(names) > 1 else _card(r).removeprefix("NVIDIA ")
+    return f"{r['commit'][:7]} ({label})"
 
 
 def _notes(records: list[dict[str, Any]]) -> str:
@@ -103,7 +109,7 @@ def _notes(records: list[dict[str, Any]]) -> str:
     for r in records:
         if r.get("note"):
             notes.setdefault(r["note"], set()).add(r["commit"][:7])
-    return "".join(f" Note ({', '.join(sorted(c))}): {n}." for n, c in notes.items())
+    return "".join(f" Note ({', '.join(sorted(c))}): {n.rstrip('.')}." for n, c in notes.items())
 
 
 def _fmt_auto(r: dict[str, Any], ms: dict[str, float], key: str, dense_key: str, path_key: str) -> str:

@@ -4,6 +4,7 @@ spill, activations, torch.compile without graph breaks, modules, conversion, L1 
 from __future__ import annotations
 
 import os
+import types
 
 import numpy as np
 import pytest
@@ -611,3 +612,19 @@ def test_op_without_linear_values_refuses_a_backward():
     assert outs[7].numel() == 0 and outs[8].numel() == 0
     with pytest.raises(RuntimeError, match="keep_linear=False drops the values the backward needs"):
         outs[0].sum().backward()
+
+
+def test_frozen_module_keeps_no_linear_values_and_context_takes_every_arity():
+    """Grad enabled but nothing requiring it (a frozen model): autograd records nothing, so no
+    up values are kept either; the op's autograd context reads its optional trailing arguments
+    whether 0, 1 or 2 of them are given."""
+    module = tt.TwELLGatedMLP(16, 300, tile_n=32, capacity=4, dtype=torch.float64).requires_grad_(False)
+    module(_problem(4)[0].detach())
+    assert [t.numel() for t in module._hidden[6:8]] == [0, 0]
+    x, wg, wu, wd = _problem(4)
+    for optional, want in (((), (False, True)), ((4000,), (True, True)), ((None, False), (False, False))):
+        ctx = types.SimpleNamespace(set_materialize_grads=lambda _v: None)
+        ctx.save_for_backward = ctx.mark_non_differentiable = lambda *_a: None
+        outs = tt._ffn_fwd(x.detach(), wg.detach(), wu.detach(), wd.detach(), "relu", 32, 4, None)
+        tt._setup_context(ctx, (x, wg, wu, wd, "relu", 32, 4, None, *optional), outs)
+        assert (ctx.fixed_spill, ctx.kept_linear) == want, optional

@@ -37,7 +37,9 @@ import math
 #: 0.59 / 0.66x at 0.25% with 512, 0.41 / 0.36x at 0.5% with 256): a crossing of 0 there, so
 #: such calls run dense. The wide family's points under 4096 tokens are not measured: they
 #: scale its 4096-token crossings by the standard widths' ratios (2048 tokens: 0.42 non-gated,
-#: 0.60 gated; 1024: 0), erring towards dense.
+#: 0.60 gated; 1024: 0), erring towards dense. Plans with fp8 rows scale these by
+#: :data:`E4M3_CROSSING_FACTOR`, so they too run dense at 1024 tokens or fewer (not measured
+#: there; their producer is the same).
 CROSSINGS: dict[tuple[int, int], dict[str, tuple[tuple[int, float], ...]]] = {
     (2048, 5632): {
         "ffn": ((1024, 0.0), (2048, 0.0028), (4096, 0.0066), (16384, 0.0103), (65536, 0.0120)),

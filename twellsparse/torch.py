@@ -356,7 +356,8 @@ def _need_bits(needs_input_grad: tuple) -> int:
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     x, w_act, w_lin, w_down, activation, tile_n, _capacity, _threshold, *optional = inputs
-    spill_capacity, keep_linear = (*optional, None, True)[:2]
+    # The trailing arguments as given, their defaults for the ones left out.
+    spill_capacity, keep_linear = (*optional, *(None, True)[len(optional) :])
     ctx.activation, ctx.tile_n, ctx.gated = activation, tile_n, w_lin is not None
     ctx.kept_linear = keep_linear
     # Outputs nobody differentiated (the activations' TwELL values, unless an L1 penalty reads
@@ -478,8 +479,10 @@ def _run(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold, spill
         _check_operands(x, w_act, w_lin, w_down, names)
         x, w_act, w_lin, w_down = _autocast(x, w_act, w_lin, w_down)
     lead = x.shape[:-1]
-    # Without autograd (torch.no_grad(), inference_mode) no backward can follow: the gated
-    # block's linear values, the backward's input, are neither zeroed nor stored.
+    # Where autograd does not record the call (torch.no_grad(), inference_mode, or nothing
+    # requiring grad) no backward can follow: the gated block's linear values, the backward's
+    # input, are neither zeroed nor stored.
+    recorded = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w_act, w_lin, w_down))
     out, *hidden = torch.ops.twellsparse.ffn_fwd(
         x.reshape(-1, x.shape[-1]).contiguous(),
         w_act,
@@ -490,7 +493,7 @@ def _run(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold, spill
         capacity,
         thr,
         spill_capacity,
-        torch.is_grad_enabled(),
+        recorded,
     )
     return out.reshape(*lead, w_down.shape[0]), hidden
 
