@@ -357,7 +357,8 @@ def _need_bits(needs_input_grad: tuple) -> int:
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     x, w_act, w_lin, w_down, activation, tile_n, _capacity, _threshold, *optional = inputs
     # The trailing arguments as given, their defaults for the ones left out.
-    spill_capacity, keep_linear = (*optional, *(None, True)[len(optional) :])
+    defaults: list[Any] = [None, True]
+    spill_capacity, keep_linear = [*optional, *defaults[len(optional) :]]
     ctx.activation, ctx.tile_n, ctx.gated = activation, tile_n, w_lin is not None
     ctx.kept_linear = keep_linear
     # Outputs nobody differentiated (the activations' TwELL values, unless an L1 penalty reads
