@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"  # install, TWELL_COMMIT, PYTHONPATH, $OUT
 what=${*:-all}
@@ -116,6 +116,15 @@ for step in $what; do
         "--m 65536 --patterns uniform"; do
         python3 bench/ffn_bench.py $shape --densities 0.0025,0.005,0.0075,0.01,0.015,0.02,0.05 --reps 10 \
           --no-variants --out "$OUT/ffn_bench.jsonl" 2>&1 | tee -a "$OUT/ffn_widths.log"
+        status=$((status | ${PIPESTATUS[0]}))
+      done
+      ;;&
+    smallm)
+      # Few tokens per call (decoding): the sparse blocks against dense and what `auto` takes, at
+      # 1-2048 tokens of the standard widths (both blocks; the crossings under 4096 tokens).
+      for m in 1 8 64 256 1024 2048; do
+        python3 bench/ffn_bench.py --m "$m" --patterns uniform --densities 0.0025,0.005,0.01,0.02 --reps 20 \
+          --no-variants --out "$OUT/ffn_bench.jsonl" 2>&1 | tee -a "$OUT/smallm.log"
         status=$((status | ${PIPESTATUS[0]}))
       done
       ;;&
