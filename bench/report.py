@@ -150,7 +150,7 @@ def ffn_table(records: list[dict[str, Any]]) -> str:
     m, d_model, d_ff = r0["shape"]
     lines = [
         f"FFN blocks, {r0['dtype']}, M = {m}, d_model = {d_model}, d_ff = {d_ff}; {_provenance(records)}; "
-        f"dense = {r0['dense_provider']}, same run. Times are medians in ms "
+        f"dense = {' / '.join(dict.fromkeys(r['dense_provider'] for r in records))}, same run. Times are medians in ms "
         "(L2 flushed); speed-up = dense time / twellsparse time (below 1 = slower than dense). "
         "`sparse` forces the TwELL kernels, its speed-up also given as a share of the block's "
         "ceiling (2x non-gated, 3x gated: the first GEMM stays dense); `auto` is the default "
