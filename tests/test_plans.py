@@ -260,3 +260,22 @@ def test_plans_whose_gathered_rows_are_all_fp8_dispatch_dense_later(rng):
     # 2-byte up rows still gathered: the measured 2-byte crossing; a given break-even is kept.
     assert ts.GatedFFN(*weights, down_format="e4m3").breakeven_for(16384) == pytest.approx(gated)
     assert ts.GatedFFN(*weights, down_format="e4m3", up_format="e4m3", breakeven=0.02).breakeven_for(16384) == 0.02
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_auto_runs_few_tokens_dense_and_many_sparse(rng, gated):
+    """At the same low density the automatic dispatch runs a 256-token call dense (the sparse
+    path never won at 1024 tokens or fewer) and an 8192-token call sparse; both give the
+    reference's values."""
+    for m, want in ((256, "dense"), (8192, "sparse")):
+        p = ffn_problem(m, 16, 512, 0.003, "uniform", np.float64, rng)
+        weights = (p["w_gate"], p["w_up"], p["w_down"]) if gated else (p["w_gate"], p["w_down"])
+        plan = (ts.GatedFFN if gated else ts.FFN)(*weights, tile_n=64, dispatch="auto")
+        for _ in range(2):  # the first call samples the density; the second decides on it too
+            got = plan(p["x"])
+            assert plan.last_stats["path"] == want, m
+        if gated:
+            exact = ref.gated_ffn_dense(p["x"], p["w_gate"], p["w_up"], p["w_down"], "relu")
+        else:
+            exact = ref.ffn_dense(p["x"], p["w_gate"], p["w_down"], "relu")
+        assert rel_error(got, exact) < 1e-12
