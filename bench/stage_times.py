@@ -33,6 +33,7 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
 
     import twellsparse as ts
     from twellsparse import (
+        _dense_transpose,
         _gpu_convert,
         _gpu_ops,
         _gpu_producer,
@@ -172,6 +173,11 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         # The gated backward on one pack (opt-in): d_h, d_z, d_u, h and dX (the gathers' fused
         # SDDMM and "bwd dX" above do the same work).
         "bwd one pack (sddmm and dX)": lambda: _tiled_ffn.gated_backward(g.parts, g.tile_n, go, wd_t, u.parts, wg, wu),
+        # W_down (d_model x d_ff) into the kernels' layout, as the torch adapter makes it once a
+        # forward and three times a training step: CuPy's copy, the library's kernel, torch's copy.
+        "w_down transpose, cupy": lambda: cp.ascontiguousarray(wd.T),
+        "w_down transpose, kernel": lambda: _dense_transpose.transpose(wd),
+        **_torch_transpose(wd),
     }
 
 
@@ -183,6 +189,19 @@ def _with(module: Any, name: str, value: Any, fn: Any) -> Any:
         return fn()
     finally:
         setattr(module, name, saved)
+
+
+def _torch_transpose(w: Any) -> dict[str, Any]:
+    """The torch adapter's own copy of ``w.T`` (a strided copy) as a stage, where torch with CUDA
+    is installed; nothing otherwise."""
+    try:
+        import torch
+    except ImportError:
+        return {}
+    if not torch.cuda.is_available():
+        return {}
+    t = torch.from_dlpack(w)
+    return {"w_down transpose, torch": lambda: t.t().contiguous()}
 
 
 def _without_fused_producer(fn: Any) -> Any:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"  # install, TWELL_COMMIT, PYTHONPATH, $OUT
 what=${*:-all}
@@ -116,6 +116,18 @@ for step in $what; do
         "--m 65536 --patterns uniform"; do
         python3 bench/ffn_bench.py $shape --densities 0.0025,0.005,0.0075,0.01,0.015,0.02,0.05 --reps 10 \
           --no-variants --out "$OUT/ffn_bench.jsonl" 2>&1 | tee -a "$OUT/ffn_widths.log"
+        status=$((status | ${PIPESTATUS[0]}))
+      done
+      ;;&
+    transposeab)
+      # The library's dense transpose (opt-in, TWELL_DENSE_TRANSPOSE=1) against torch's copy,
+      # which the torch adapter makes of W_down once a forward and three times a training step:
+      # its tests, the three copies as stage rows, and the training step both ways.
+      gpu_test_file tests/gpu/test_gpu_dense_transpose.py transposeab 240
+      stage_rows "w_down transpose" "0.01" transposeab
+      for t in 0 1; do
+        TWELL_DENSE_TRANSPOSE=$t timeout 240 python3 bench/train_step.py --densities 0.005,0.01 --reps 10 \
+          --out "$OUT/train_step.jsonl" 2>&1 | tail -4 | sed "s/^/transpose=$t: /" | tee -a "$OUT/transposeab.log"
         status=$((status | ${PIPESTATUS[0]}))
       done
       ;;&

@@ -163,6 +163,7 @@ def _instantiations() -> dict[str, list[str]]:
         "twell_gather.cu": gather,
         "twell_elementwise.cu": elementwise,
         "twell_quantize.cu": [f"twell_quantize_rows_e4m3<{t}>" for t in types],
+        "twell_dense_transpose.cu": [f"dense_transpose<{t}>" for t in types],
         "twell_stationary.cu": [
             f"{kernel}<{CXX_TYPE[d]}, {dual}>"
             for d in VALUE_DTYPES

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from . import _dense_transpose
 from ._backend import array_module, as_array, bfloat16, cupy_view, is_cupy_array
 from ._dispatch import breakeven_for
 from ._ffn_autodiff import backward_arrays, forward_arrays, with_values
@@ -189,8 +190,11 @@ _EMPTY = (0,)
 
 def _down_weight(w_down: Tensor) -> Any:
     """``w_down`` (d_model, d_ff) as an array view whose transpose, the kernels' layout (one row
-    per hidden unit), is contiguous: transposed by torch's tiled kernel, where the ops would
-    otherwise make the copy with CuPy's strided one."""
+    per hidden unit), is contiguous: transposed by torch's copy, where the ops would otherwise
+    make it with CuPy's strided one, or (``TWELL_DENSE_TRANSPOSE=1``) by the library's tiled
+    kernel."""
+    if _dense_transpose.PREFERRED and w_down.is_cuda:
+        return _dense_transpose.transpose(_to_array(w_down)).T
     return _to_array(w_down.t().contiguous()).T
 
 
@@ -331,8 +335,11 @@ def _ffn_bwd(
 
 def _contiguous_tensor(a: Any) -> Tensor:
     """A contiguous tensor of ``a``; a transposed view (dW_down comes out as one) is transposed
-    by torch's tiled kernel rather than by CuPy's strided copy."""
+    by torch's copy rather than by CuPy's strided one, or (``TWELL_DENSE_TRANSPOSE=1``) by the
+    library's tiled kernel."""
     if a.ndim == 2 and not a.flags.c_contiguous and a.T.flags.c_contiguous:
+        if _dense_transpose.PREFERRED and is_cupy_array(a):
+            return _to_tensor(_dense_transpose.transpose(a.T))
         return _to_tensor(a.T).t().contiguous()
     return _to_tensor(array_module(a).ascontiguousarray(a))
 
