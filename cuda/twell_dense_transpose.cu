@@ -5,9 +5,11 @@
 // 2-byte tensor ran at ~0.6 TB/s on an H200 (76 us for the 2B model's 23 MB W_down, three times
 // a training step; bench/NOTES.md, thirty-first session). This is the classic shared-memory
 // transpose: a block reads a 32 x 32 tile with coalesced rows of a and writes it with coalesced
-// rows of b. Each tile row is padded by one element so that a warp's column reads fall on
-// distinct banks (2-byte values: a 66-byte pitch puts lanes 2k and 2k + 1 on banks k and
-// k + 16; 4 and 8 bytes: the usual 33-word pitch). Bits are copied unchanged.
+// rows of b. Each tile row is padded so that a warp's column reads fall on distinct banks:
+// 2-byte values by two elements (a 17-word pitch: lanes 2k and 2k + 1 share word 17k, the
+// 16 words on 16 banks; one element, a 66-byte pitch, left lanes 0 and 31 of odd columns on one
+// bank), 4 and 8 bytes by one (the usual 33-word pitch; 8 bytes take two wavefronts anyway).
+// Bits are copied unchanged.
 #include "twell_types.cuh"
 
 namespace twell {
@@ -21,7 +23,7 @@ template <typename T>
 __global__ void __launch_bounds__(twell::TRANSPOSE_TILE * twell::TRANSPOSE_ROWS) dense_transpose(
     const T* __restrict__ a, long long lda, long long rows, long long cols, T* __restrict__ b, long long ldb) {
   using namespace twell;
-  __shared__ T tile[TRANSPOSE_TILE][TRANSPOSE_TILE + 1];
+  __shared__ T tile[TRANSPOSE_TILE][TRANSPOSE_TILE + (sizeof(T) == 2 ? 2 : 1)];
   const long long c0 = (long long)blockIdx.x * TRANSPOSE_TILE;
   const long long row_tiles = (rows + TRANSPOSE_TILE - 1) / TRANSPOSE_TILE;
   for (long long tr = blockIdx.y; tr < row_tiles; tr += gridDim.y) {

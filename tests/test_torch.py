@@ -628,3 +628,16 @@ def test_frozen_module_keeps_no_linear_values_and_context_takes_every_arity():
         outs = tt._ffn_fwd(x.detach(), wg.detach(), wu.detach(), wd.detach(), "relu", 32, 4, None)
         tt._setup_context(ctx, (x, wg, wu, wd, "relu", 32, 4, None, *optional), outs)
         assert (ctx.fixed_spill, ctx.kept_linear) == want, optional
+
+
+def test_down_weight_given_as_a_transposed_view():
+    """A w_down that is the transpose of a (d_ff, d_model) tensor (tied or shared storage) is
+    taken as it lies, with the values and gradients of its contiguous copy."""
+    x, wg, wu, wd = _problem(6)
+    stored = wd.detach().t().contiguous().requires_grad_()  # (d_ff, d_model)
+    view_out = tt.gated_ffn(x, wg, wu, stored.t(), tile_n=32)
+    copy_out = tt.gated_ffn(x, wg, wu, wd, tile_n=32)
+    torch.testing.assert_close(view_out, copy_out, rtol=0, atol=0)
+    g_view = torch.autograd.grad(view_out.sum(), stored)[0]
+    g_copy = torch.autograd.grad(copy_out.sum(), wd)[0]
+    torch.testing.assert_close(g_view, g_copy.t(), rtol=0, atol=0)

@@ -33,14 +33,14 @@ def transpose(a: Any) -> Any:
     if a.ndim != 2:
         raise ValueError(f"a: expected a 2-D array, got {a.ndim}-D with shape {tuple(a.shape)}")
     if not is_cupy_array(a):
-        return np.ascontiguousarray(a.T)
+        return np.array(a.T, order="C", copy=True)  # a copy even where a.T is C-contiguous
     cp = cupy_module()
     assert cp is not None
     item = a.dtype.itemsize
     rows, cols = a.shape
     unit_columns = cols < 2 or a.strides[1] == item
     if a.dtype not in K.CXX_TYPE or not unit_columns or a.strides[0] % item:
-        return cp.ascontiguousarray(a.T)
+        return cp.array(a.T, order="C", copy=True)
     out = cp.empty((cols, rows), dtype=a.dtype)
     if rows and cols:
         lda = a.strides[0] // item if rows > 1 else cols

@@ -193,6 +193,8 @@ def _down_weight(w_down: Tensor) -> Any:
     per hidden unit), is contiguous: transposed by torch's copy, where the ops would otherwise
     make it with CuPy's strided one, or (``TWELL_DENSE_TRANSPOSE=1``) by the library's tiled
     kernel."""
+    if w_down.t().is_contiguous():  # a transposed view (tied weights): no copy at all
+        return _to_array(w_down.t()).T
     if _dense_transpose.PREFERRED and w_down.is_cuda:
         return _dense_transpose.transpose(_to_array(w_down)).T
     return _to_array(w_down.t().contiguous()).T

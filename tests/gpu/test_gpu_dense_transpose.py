@@ -35,13 +35,19 @@ def test_transpose_past_the_grids_y_limit_and_of_strided_rows(cp, rng):
     assert -(-tall.shape[0] // _dense_transpose.TILE) > _dense_transpose.MAX_GRID_Y
     np.testing.assert_array_equal(_dense_transpose.transpose(tall).get(), cp.ascontiguousarray(tall.T).get())
     wide = cp.asarray(_values(rng, (300, 100), np.float32))
-    for view in (wide[:, 3:40], wide[5:200:3, 7:90], wide[:, ::2]):  # row strides; a column stride
-        np.testing.assert_array_equal(_dense_transpose.transpose(view).get(), cp.ascontiguousarray(view.T).get())
+    # Row strides (above the width, negative, one row), a column stride, a type without the kernel.
+    views = (wide[:, 3:40], wide[5:200:3, 7:90], wide[::-1, 3:40], wide[4:5, 3:40], wide[:, ::2])
+    for view in (*views, wide.astype(np.int32)):
+        got = _dense_transpose.transpose(view)
+        assert got.flags.c_contiguous and not cp.shares_memory(got, view)
+        np.testing.assert_array_equal(got.get(), cp.ascontiguousarray(view.T).get())
     empty = _dense_transpose.transpose(cp.zeros((0, 7), dtype=np.float16))
     assert empty.shape == (7, 0)
 
 
-def test_torch_adapter_with_the_kernel_matches_the_default(monkeypatch):
+def test_torch_adapter_with_the_kernel_matches_the_default(monkeypatch, poisoned_torch_allocations):
+    """The adapter's own arrays poisoned (the kernel's output among them), the kernel's run
+    first: an element it failed to write cannot pass as the default run's."""
     torch = pytest.importorskip("torch")
     import twellsparse.torch as tt
 
@@ -52,7 +58,8 @@ def test_torch_adapter_with_the_kernel_matches_the_default(monkeypatch):
     )
     x = (x * 4).requires_grad_()
     results = []
-    for preferred in (False, True):
+    for preferred in (True, False):
+        torch.cuda.empty_cache()
         monkeypatch.setattr(_dense_transpose, "PREFERRED", preferred)
         weights = [w.detach().clone().requires_grad_() for w in (wg, wu, wd)]
         xx = x.detach().clone().requires_grad_()

@@ -3,8 +3,6 @@ values and gradients against dense torch autograd."""
 
 from __future__ import annotations
 
-import types
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -12,26 +10,7 @@ torch = pytest.importorskip("torch")
 import twellsparse.torch as tt  # noqa: E402
 from twellsparse import TwELLSpillCapacityError  # noqa: E402
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def poisoned_torch_allocations(cp, monkeypatch):
-    """The adapter's CuPy arrays come from torch's caching allocator (``tt._torch_allocator``,
-    under ``cupy.cuda.using_allocator``), which bypasses conftest.py's poisoned pool: poison
-    those too (all bytes 0xFF), on CuPy's current stream, which inside the adapter is torch's.
-    Inside a graph capture the memset is captured with the kernels, so every replay poisons the
-    graph's buffers again before they are written."""
-    torch_malloc = tt._torch_allocator().malloc
-
-    def malloc(size: int):
-        mem = torch_malloc(size)
-        if size:
-            cp.cuda.runtime.memsetAsync(mem.ptr, 0xFF, size, cp.cuda.get_current_stream().ptr)
-        return mem
-
-    poisoned = types.SimpleNamespace(malloc=malloc)
-    monkeypatch.setattr(tt, "_torch_allocator", lambda: poisoned)
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned_torch_allocations")]
 
 
 def _problem(seed, m, d, f, dtype):
