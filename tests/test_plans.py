@@ -156,6 +156,16 @@ def test_the_dual_stationary_form_follows_the_single_forms_rule(monkeypatch):
     assert not _stationary.chosen(65536, 5632, b, b, b2=b)
 
 
+def test_stationary_applies_refuses_b_without_columns():
+    """b with no columns (a zero-width view of a wider array passes the row alignment): no slice
+    to spread over the machine, so the stationary kernel declines and the portable path serves."""
+    from twellsparse import _stationary
+
+    wide = np.zeros((64, 16), dtype=ts.bfloat16)
+    b, out = wide[:, :0], np.zeros((4096, 16), dtype=ts.bfloat16)[:, :0]
+    assert not _stationary.applies(64, b, out)
+
+
 def test_default_breakeven_follows_the_measured_crossings():
     from twellsparse import _dispatch
 

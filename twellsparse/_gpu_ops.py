@@ -106,8 +106,8 @@ def spmm(
     fits = _stationary.fits(parts, second is not None)  # its int32 row pointers
     if path == "stationary" and not (fits and _stationary.applies(b.shape[0], b, out, b2)):
         raise ValueError(
-            "path: 'stationary' needs 2-byte values, 16-byte-aligned rows, a 16-column slice of b "
-            f"(b.shape[0] * 32 bytes) that fits in shared memory and fewer than 2**31 packed words; got "
+            "path: 'stationary' needs 2-byte values, 16-byte-aligned rows, b with columns, a 16-column slice "
+            f"of b (b.shape[0] * 32 bytes) that fits in shared memory and fewer than 2**31 packed words; got "
             f"{b.dtype} b of shape {b.shape}"
         )
     if path == "stationary" or (path == "auto" and fits and _stationary.chosen(m, b.shape[0], b, out, b2)):

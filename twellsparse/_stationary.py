@@ -68,8 +68,9 @@ def slice_bytes(n: int, itemsize: int) -> int:
 
 def applies(n: int, b: Any, out: Any, b2: Any = None) -> bool:
     """Whether the stationary kernel serves ``(M x n) @ b -> out`` (``+ (M x n) @ b2``, the dual
-    form, when ``b2`` is given) on the current device."""
-    if n + ZERO_ROWS > 1 << 16 or not product_operands_aligned(b, out, b2):
+    form, when ``b2`` is given) on the current device; not for a ``b`` without columns (nothing
+    to compute, and no slice to spread over the machine)."""
+    if b.shape[1] == 0 or n + ZERO_ROWS > 1 << 16 or not product_operands_aligned(b, out, b2):
         return False
     return slice_bytes(n, 2) <= K.device_attribute("MaxSharedMemoryPerBlockOptin")
 
