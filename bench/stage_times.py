@@ -40,7 +40,6 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         _hopper_producer,
         _stationary,
         _tiled_ffn,
-        _tiled_spmm,
         _tiled_up,
     )
     from twellsparse._ops import gated_product, matmul, matmul_sum, product_values, sddmm, transposed_products

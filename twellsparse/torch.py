@@ -193,9 +193,8 @@ def _down_weight(w_down: Tensor) -> Any:
     per hidden unit), is contiguous: transposed by torch's copy, where the ops would otherwise
     make it with CuPy's strided one, or (``TWELL_DENSE_TRANSPOSE=1``) by the library's tiled
     kernel."""
-    if w_down.t().is_contiguous():  # a transposed view (tied weights): no copy at all
-        return _to_array(w_down.t()).T
-    if _dense_transpose.PREFERRED and w_down.is_cuda:
+    # A transposed view (tied weights) is already in that layout: torch's copy is then none.
+    if _dense_transpose.PREFERRED and w_down.is_cuda and not w_down.t().is_contiguous():
         return _dense_transpose.transpose(_to_array(w_down)).T
     return _to_array(w_down.t().contiguous()).T
 
@@ -489,10 +488,9 @@ def _run(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold, spill
         _check_operands(x, w_act, w_lin, w_down, names)
         x, w_act, w_lin, w_down = _autocast(x, w_act, w_lin, w_down)
     lead = x.shape[:-1]
-    # Where autograd does not record the call (torch.no_grad(), inference_mode, or nothing
-    # requiring grad) no backward can follow: the gated block's linear values, the backward's
-    # input, are neither zeroed nor stored.
-    recorded = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w_act, w_lin, w_down))
+    # Where autograd does not record the call no backward can follow: the gated block's linear
+    # values, the backward's input, are neither zeroed nor stored.
+    recorded = _recorded(x, w_act, w_lin, w_down)
     out, *hidden = torch.ops.twellsparse.ffn_fwd(
         x.reshape(-1, x.shape[-1]).contiguous(),
         w_act,
@@ -506,6 +504,12 @@ def _run(x, w_act, w_lin, w_down, activation, tile_n, capacity, threshold, spill
         recorded,
     )
     return out.reshape(*lead, w_down.shape[0]), hidden
+
+
+def _recorded(*tensors: Tensor | None) -> bool:
+    """Whether autograd records a call on these tensors: grad mode on (not ``torch.no_grad()``
+    or ``inference_mode``) and one of them requiring grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def ffn(
@@ -684,7 +688,7 @@ class _TwELLMLPBase(nn.Module):
         :class:`twellsparse.FFN` plan on the module's weights, built on the first call and again
         when a weight is replaced or updated in place (its version counter moves)."""
         weights = (w_act, w_down) if w_lin is None else (w_act, w_lin, w_down)
-        if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        if _recorded(x, *weights):
             raise RuntimeError(
                 f"{type(self).__name__}: fp8 weight rows (down_format={self.down_format!r}, "
                 f"up_format={self.up_format!r}) serve inference only: call it under torch.no_grad() or "
