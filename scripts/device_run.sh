@@ -120,7 +120,7 @@ for step in $what; do
       done
       ;;&
     transposeab)
-      # The library's dense transpose (opt-in, TWELL_DENSE_TRANSPOSE=1) against torch's copy,
+      # The library's dense transpose (the default; TWELL_DENSE_TRANSPOSE=0 is torch's copy) against torch's copy,
       # which the torch adapter makes of W_down once a forward and three times a training step:
       # its tests, the three copies as stage rows, and the training step both ways.
       gpu_test_file tests/gpu/test_gpu_dense_transpose.py transposeab 240

@@ -190,9 +190,9 @@ _EMPTY = (0,)
 
 def _down_weight(w_down: Tensor) -> Any:
     """``w_down`` (d_model, d_ff) as an array view whose transpose, the kernels' layout (one row
-    per hidden unit), is contiguous: transposed by torch's copy, where the ops would otherwise
-    make it with CuPy's strided one, or (``TWELL_DENSE_TRANSPOSE=1``) by the library's tiled
-    kernel."""
+    per hidden unit), is contiguous: transposed by the library's tiled kernel, or (CPU tensors,
+    ``TWELL_DENSE_TRANSPOSE=0``) by torch's copy, where the ops would otherwise make it with
+    CuPy's strided one."""
     # A transposed view (tied weights) is already in that layout: torch's copy is then none.
     if _dense_transpose.PREFERRED and w_down.is_cuda and not w_down.t().is_contiguous():
         return _dense_transpose.transpose(_to_array(w_down)).T
@@ -336,8 +336,8 @@ def _ffn_bwd(
 
 def _contiguous_tensor(a: Any) -> Tensor:
     """A contiguous tensor of ``a``; a transposed view (dW_down comes out as one) is transposed
-    by torch's copy rather than by CuPy's strided one, or (``TWELL_DENSE_TRANSPOSE=1``) by the
-    library's tiled kernel."""
+    by the library's tiled kernel, or (``TWELL_DENSE_TRANSPOSE=0``) by torch's copy, rather than
+    by CuPy's strided one."""
     if a.ndim == 2 and not a.flags.c_contiguous and a.T.flags.c_contiguous:
         if _dense_transpose.PREFERRED and is_cupy_array(a):
             return _to_tensor(_dense_transpose.transpose(a.T))

@@ -1,8 +1,8 @@
 """The library's dense transpose (``cuda/twell_dense_transpose.cu``) on the GPU: every value
 type bit for bit against CuPy's copy, on shapes with partial tiles, single rows and columns,
 more row tiles than a grid's y dimension takes, a row stride above the width, and a column
-stride (CuPy's copy then); and the torch adapter with ``TWELL_DENSE_TRANSPOSE`` on gives the
-forward and every gradient of the default path bit for bit."""
+stride (CuPy's copy then); and the torch adapter gives the same forward and every gradient bit
+for bit with the kernel's transposes (the default) and torch's copies (``TWELL_DENSE_TRANSPOSE=0``)."""
 
 from __future__ import annotations
 
