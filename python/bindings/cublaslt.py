@@ -109,6 +109,16 @@ def candidates_from_environment() -> int:
     return int(raw)
 
 
+def _l2_eviction_buffer() -> Any:
+    """A device buffer twice the current device's L2 size, whose fill evicts a GEMM's operands
+    from L2 before a timed launch (the memory pool keeps it for the next plan's timing)."""
+    import cupy as cp
+
+    properties = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    l2_bytes = int(properties.get("l2CacheSize", 0)) or 64 << 20
+    return cp.empty(2 * l2_bytes, dtype=cp.uint8)
+
+
 class CuBlasLtError(RuntimeError):
     """A cuBLASLt call failed, or the library could not be loaded."""
 
@@ -161,9 +171,10 @@ class Gemm:
     owned by the plan). Subclasses add an epilogue.
 
     The plan asks the heuristic for up to :func:`candidates_from_environment` algorithms and, on
-    its first call outside a CUDA-graph capture, times each on that call's operands and keeps the
-    fastest (a host synchronisation, once per plan; a plan whose size class of M already has a
-    timed choice that the heuristic offers again takes it untimed, :func:`adopt`). Why: the
+    its first call outside a CUDA-graph capture, times each on that call's operands (each launch
+    from a cold L2) and keeps the fastest (a host synchronisation, once per plan; a plan whose
+    size class of M already has a timed choice that the heuristic offers again takes it
+    untimed, :func:`adopt`). Why: the
     heuristic's first choice ran 5-12% slower than torch's GEMM at 16384 x 4096 -> 14336 in
     bf16 on the H200 (bench/NOTES.md, fifteenth session), which cost the dense remainder of
     ``dispatch="auto"`` as much. Calls inside a capture before that take the first choice.
@@ -231,19 +242,26 @@ class Gemm:
         import cupy as cp
 
         times = []
+        evict = _l2_eviction_buffer()
         for candidate in self._candidates:
             workspace = cp.empty(max(candidate[1], 1), dtype=cp.uint8)
             try:
                 self._matmul(x, w, out, candidate[0], workspace)  # warm-up; an algorithm that refuses drops out
             except CuBlasLtError:
                 continue
-            start, stop = cp.cuda.Event(), cp.cuda.Event()
-            start.record()
-            for _ in range(TUNING_REPS):
+            # Each launch timed alone from a cold L2, as it runs in a model (the other layers'
+            # weights pass through L2 between two calls of one shape): with the operands left
+            # in L2 by the previous launch, small-M products (weights of tens of MB, under
+            # L2's size) chose algorithms that ran ~10% slower than torch's from memory
+            # (bench/NOTES.md, thirty-second session).
+            marks = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(TUNING_REPS)]
+            for start, stop in marks:
+                evict.fill(0)
+                start.record()
                 self._matmul(x, w, out, candidate[0], workspace)
-            stop.record()
-            stop.synchronize()
-            times.append((cp.cuda.get_elapsed_time(start, stop), candidate))
+                stop.record()
+            marks[-1][1].synchronize()
+            times.append((sum(cp.cuda.get_elapsed_time(a, b) for a, b in marks), candidate))
         if not times:
             raise CuBlasLtError(f"cuBLASLt: every algorithm refused the {type(self).__name__} of shape {self.shape}")
         best = min(times, key=lambda t: t[0])[1]
