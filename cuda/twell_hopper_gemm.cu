@@ -9,8 +9,8 @@
 // (accumulators in registers, fp32). Output tiles are visited in groups of GROUP_M row blocks so
 // that the x rows and w rows a wave of blocks reads stay in L2.
 //
-// Three schedules (the kernels' SPLIT argument), the split ones also in clusters of two CTAs
-// that share each w tile (twell_gemm_pack_pair; the library's default: see gemm_pack below):
+// Two schedules (the kernels' SPLIT argument), the split one also in clusters of two CTAs that
+// share each w tile (twell_gemm_pack_pair, the library's default: see gemm_pack below):
 // - SPLIT = 1: the copy warpgroup's other three warps pack. After a tile's last
 //   MMA the math warpgroups round their accumulators to T (two per register) into a 64 KB shared
 //   hand-off buffer, arrive on a barrier and start the next tile's MMAs while the pack warps run
@@ -19,11 +19,6 @@
 //   one ring stage (3 of 48 KB instead of 4) for the buffer, and no register shift between the
 //   warpgroups (every thread keeps the 168 registers a block of 384 threads allows: the pack
 //   warps need ~100, the math warps' m64n256 MMAs ~154; 512 threads would leave 128).
-// - SPLIT = 2: the same hand-off through a 64 KB slice of global memory per CTA (L2-resident:
-//   8.4 MB for 132 CTAs), so the ring keeps its 4 stages: the split schedule without the epilogue
-//   ran its main loop 7% slower than the inline one's 4 stages (0.506 against 0.471 ms on the
-//   H200, nineteenth session), more than the epilogue's whole cost. The price is 128 KB of L2
-//   traffic per tile (the tile written and read back once), ~0.7 TB/s beside the operands' TMA.
 // - SPLIT = 0: 384 threads, 4 stages; the math warpgroups pack their own tile after its MMAs (the
 //   copy thread runs ahead into the next tile meanwhile). Kept for comparison.
 // On the H200 (standard problem, 0.5%): pass 1 0.524 ms in pairs, 0.529 split, 0.537 inline,
@@ -69,9 +64,9 @@ constexpr int HANDOFF_WORDS = BM * BN / 2;               // the tile rounded to 
 // Launch shape and shared memory of each schedule (twellsparse._hopper_producer mirrors them).
 template <int SPLIT> struct Schedule {
   static constexpr int THREADS = 384;
-  static constexpr int STAGES = SPLIT == 1 ? 3 : 4;
+  static constexpr int STAGES = SPLIT ? 3 : 4;
   static constexpr int PACK_WARPS = SPLIT ? 3 : 8;  // warps running the epilogue, a slot stage each
-  static constexpr int HANDOFF_BYTES = SPLIT == 1 ? HANDOFF_WORDS * 4 : 0;  // in shared memory
+  static constexpr int HANDOFF_BYTES = SPLIT ? HANDOFF_WORDS * 4 : 0;
   // full[s], empty[s], then (SPLIT) handed-off and drained
   static constexpr int BARRIER_BYTES = (2 * STAGES + (SPLIT ? 2 : 0)) * 8;
   // 1 KB of slack to align the ring to the 128-byte swizzle's 1024-byte pattern.
@@ -80,17 +75,6 @@ template <int SPLIT> struct Schedule {
 };
 static_assert(Schedule<1>::SMEM_BYTES <= 227 * 1024, "the split schedule fits an SM's shared memory");
 static_assert(Schedule<0>::SMEM_BYTES <= 227 * 1024, "the inline schedule fits an SM's shared memory");
-static_assert(Schedule<2>::SMEM_BYTES <= 227 * 1024, "the L2 hand-off schedule fits an SM's shared memory");
-
-// The hand-off's 16-byte vectors: plain shared-memory accesses (SPLIT = 1), or global ones cached
-// in L2 only (SPLIT = 2: nothing of the tile lingers in the L1 that the next round reads through).
-template <int SPLIT> __device__ __forceinline__ void handoff_store(uint4* at, uint4 value) {
-  if (SPLIT == 2) __stcg(at, value);
-  else *at = value;
-}
-template <int SPLIT> __device__ __forceinline__ uint4 handoff_load(const uint4* at) {
-  return SPLIT == 2 ? __ldcg(at) : *at;
-}
 
 // A K-major operand tile in the 128-byte swizzle: rows of 64 16-bit values (128 bytes), 8-row
 // groups 1024 bytes apart. Advancing 16 values along K adds 32 bytes (2 in the address field).
@@ -367,17 +351,14 @@ __device__ __forceinline__ void gemm_pack(const TensorMap& map_x, const TensorMa
                                           int tile_n, int n_tiles, int capacity, double threshold,
                                           T* __restrict__ data, short* __restrict__ indices, int* __restrict__ counts,
                                           int* __restrict__ row_tile_nnz, T* __restrict__ h,
-                                          unsigned* __restrict__ mask, long long mask_ld,
-                                          unsigned* __restrict__ handoff_l2) {
+                                          unsigned* __restrict__ mask, long long mask_ld) {
   static_assert(CLUSTER == 1 || (CLUSTER == 2 && BN % 2 == 0), "clusters of 1 or 2 CTAs");
   using S = Schedule<SPLIT>;
   constexpr int STAGES = S::STAGES;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<unsigned long long>(smem_raw) + 1023) & ~1023ull);
   const unsigned ring = smem_u32(smem);
-  // SPLIT = 2: this CTA's slice of handoff_l2 (HANDOFF_WORDS words per CTA of the grid).
-  unsigned* handoff = SPLIT == 2 ? handoff_l2 + (long long)blockIdx.x * HANDOFF_WORDS
-                                 : reinterpret_cast<unsigned*>(smem + STAGES * STAGE_BYTES);
+  unsigned* handoff = reinterpret_cast<unsigned*>(smem + STAGES * STAGE_BYTES);
   // full[s] at 8 s, empty[s] at 8 (STAGES + s); SPLIT: handed-off at 16 STAGES, drained after it.
   const unsigned bars = ring + STAGES * STAGE_BYTES + S::HANDOFF_BYTES;
   const unsigned handed_off = bars + 16 * STAGES, drained = handed_off + 8;
@@ -469,13 +450,9 @@ __device__ __forceinline__ void gemm_pack(const TensorMap& map_x, const TensorMa
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
             const float* a = acc + 16 * j4 + 2 * half;  // acc[4 j + 2 half + e], j = 4 j4 + jj
-            handoff_store<SPLIT>(out + (half * 8 + j4) * 32,
-                                 make_uint4(rounded_pair<T>(a[0], a[1]), rounded_pair<T>(a[4], a[5]),
-                                            rounded_pair<T>(a[8], a[9]), rounded_pair<T>(a[12], a[13])));
+            out[(half * 8 + j4) * 32] = make_uint4(rounded_pair<T>(a[0], a[1]), rounded_pair<T>(a[4], a[5]),
+                                                   rounded_pair<T>(a[8], a[9]), rounded_pair<T>(a[12], a[13]));
           }
-        // The barrier's arrival releases these stores to the pack warps at CTA scope, global
-        // ones (SPLIT = 2) included; the fence says so where a reader might doubt it.
-        if (SPLIT == 2) __threadfence_block();
         barrier_arrive(handed_off);
       } else {
         unsigned char* stage = epilogue_stage + v * WARP_STAGE_BYTES;
@@ -514,7 +491,7 @@ __device__ __forceinline__ void gemm_pack(const TensorMap& map_x, const TensorMa
         unsigned pair[32];
 #pragma unroll
         for (int j4 = 0; j4 < 8; ++j4) {
-          const uint4 w4 = handoff_load<SPLIT>(in + 32 * j4);
+          const uint4 w4 = in[32 * j4];
           pair[4 * j4] = w4.x, pair[4 * j4 + 1] = w4.y, pair[4 * j4 + 2] = w4.z, pair[4 * j4 + 3] = w4.w;
         }
         pack_pairs<T, ACT>(pair, half, args, mb * BM + v * 16, nb, stage, data, indices, counts, row_tile_nnz, h,
@@ -534,31 +511,27 @@ __device__ __forceinline__ void gemm_pack(const TensorMap& map_x, const TensorMa
 using namespace twell;
 
 // The fused producer, one CTA per work item. Launch: persistent grid (at most one block per SM),
-// hopper::Schedule<SPLIT>::THREADS threads and ::SMEM_BYTES of dynamic shared memory; SPLIT = 2
-// takes handoff_l2 with HANDOFF_WORDS words per block of the grid (others ignore it: null).
+// hopper::Schedule<SPLIT>::THREADS threads and ::SMEM_BYTES of dynamic shared memory.
 template <typename T, int ACT, int SPLIT>
 __global__ void __launch_bounds__(hopper::Schedule<SPLIT>::THREADS, 1)
     twell_gemm_pack(const __grid_constant__ TensorMap map_x, const __grid_constant__ TensorMap map_w,
                     int M, int N, int K, int tile_n, int n_tiles, int capacity, double threshold,
                     T* __restrict__ data, short* __restrict__ indices, int* __restrict__ counts,
-                    int* __restrict__ row_tile_nnz, T* __restrict__ h, unsigned* __restrict__ mask, long long mask_ld,
-                    unsigned* __restrict__ handoff_l2) {
+                    int* __restrict__ row_tile_nnz, T* __restrict__ h, unsigned* __restrict__ mask, long long mask_ld) {
   hopper::gemm_pack<T, ACT, SPLIT, 1>(map_x, map_w, M, N, K, tile_n, n_tiles, capacity, threshold, data, indices,
-                                      counts, row_tile_nnz, h, mask, mask_ld, handoff_l2);
+                                      counts, row_tile_nnz, h, mask, mask_ld);
 }
 
-// The same with a split schedule (SPLIT 1 or 2) in clusters of two CTAs sharing each w tile
-// (map_w's boxes are BN / 2 rows). Launch: as twell_gemm_pack<T, ACT, SPLIT>, an even grid of at
-// most twice the GPU's co-resident clusters.
-template <typename T, int ACT, int SPLIT>
-__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(hopper::Schedule<SPLIT>::THREADS, 1)
+// The same with the split schedule in clusters of two CTAs sharing each w tile (map_w's boxes are
+// BN / 2 rows). Launch: as twell_gemm_pack<T, ACT, 1>, an even grid of at most twice the GPU's
+// co-resident clusters.
+template <typename T, int ACT>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(hopper::Schedule<1>::THREADS, 1)
     twell_gemm_pack_pair(const __grid_constant__ TensorMap map_x,
                          const __grid_constant__ TensorMap map_w, int M, int N, int K, int tile_n,
                          int n_tiles, int capacity, double threshold, T* __restrict__ data,
                          short* __restrict__ indices, int* __restrict__ counts, int* __restrict__ row_tile_nnz,
-                         T* __restrict__ h, unsigned* __restrict__ mask, long long mask_ld,
-                         unsigned* __restrict__ handoff_l2) {
-  static_assert(SPLIT != 0, "clusters run a split schedule");
-  hopper::gemm_pack<T, ACT, SPLIT, 2>(map_x, map_w, M, N, K, tile_n, n_tiles, capacity, threshold, data, indices,
-                                      counts, row_tile_nnz, h, mask, mask_ld, handoff_l2);
+                         T* __restrict__ h, unsigned* __restrict__ mask, long long mask_ld) {
+  hopper::gemm_pack<T, ACT, 1, 2>(map_x, map_w, M, N, K, tile_n, n_tiles, capacity, threshold, data, indices,
+                                  counts, row_tile_nnz, h, mask, mask_ld);
 }

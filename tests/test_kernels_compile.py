@@ -136,14 +136,12 @@ def test_hopper_launch_shape_matches_the_kernel():
     from twellsparse import _hopper_producer as hp
 
     checks = "\n".join(
-        f"static_assert(twell::hopper::Schedule<{split}>::SMEM_BYTES == {hp.shared_mem(split)}, "
+        f"static_assert(twell::hopper::Schedule<{split}>::SMEM_BYTES == {hp.shared_mem(bool(split))}, "
         f'"shared memory, SPLIT={split}");\n'
         f"static_assert(twell::hopper::Schedule<{split}>::THREADS == {hp.THREADS}, "
         f'"threads, SPLIT={split}");'
-        for split in (0, 1, 2)
+        for split in (0, 1)
     )
-    checks += f'\nstatic_assert(twell::hopper::HANDOFF_WORDS * 4 == {hp.HANDOFF_BYTES}, "hand-off bytes");'
-    assert {hp.split_mode(s) for s in hp.SCHEDULES} == {0, 1, 2}
     constants = {"BM": hp.BLOCK_ROWS, "BN": hp.BLOCK_COLS, "BK": hp.BLOCK_K, "MAX_ROW_SLOTS": hp.MAX_ROW_SLOTS}
     checks += "".join(f'\nstatic_assert(twell::hopper::{k} == {v}, "{k}");' for k, v in constants.items())
     _compiles_with("twell_hopper_gemm.cu", checks, "launch constants disagree with the kernel")

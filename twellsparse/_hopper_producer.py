@@ -44,9 +44,8 @@ ENABLED = os.environ.get("TWELL_FUSED_PRODUCER", "1") != "0"
 #: (the tensor cores wait for it), 4 ring stages instead of 3. Pass 1 at 0.5% (ede40bb): 0.524 /
 #: 0.529 / 0.537 ms; the GEMM alone in the same kernel (5921883): 0.497 / 0.506 / 0.471, so the
 #: hand-off's overlap gains less than the inline epilogue costs: the stage it takes slows the
-#: main loop. ``"pair_l2"`` and ``"split_l2"``: the pair and split schedules handing the tile off
-#: through an L2-resident global buffer instead (64 KB per CTA), keeping all 4 ring stages.
-SCHEDULES = ("pair", "split", "inline", "pair_l2", "split_l2")
+#: main loop.
+SCHEDULES = ("pair", "split", "inline")
 SCHEDULE = os.environ.get("TWELL_HOPPER_SCHEDULE", "pair")
 if SCHEDULE not in SCHEDULES:
     raise ValueError(f"TWELL_HOPPER_SCHEDULE: expected one of {SCHEDULES}, got {SCHEDULE!r}")
@@ -57,24 +56,12 @@ THREADS = 384
 MAX_ROW_SLOTS = 64
 
 
-#: Bytes of one CTA's hand-off (the output tile rounded to 16 bits), in shared memory under the
-#: split schedules, in the global buffer under the ``_l2`` ones.
-HANDOFF_BYTES = BLOCK_ROWS * BLOCK_COLS * 2
-
-
-def split_mode(schedule: str) -> int:
-    """The kernel's SPLIT argument of a schedule: 0 inline epilogue, 1 hand-off in shared
-    memory, 2 hand-off through L2."""
-    return 0 if schedule == "inline" else 2 if schedule.endswith("_l2") else 1
-
-
-def shared_mem(split: int) -> int:
+def shared_mem(split: bool) -> int:
     """Dynamic shared memory of one block (``Schedule<SPLIT>::SMEM_BYTES`` in the kernel): 1 KB
-    of alignment slack, the ring of 48 KB stages (3 with the shared hand-off, else 4), the 64 KB
-    hand-off buffer (SPLIT 1), the barriers, and a 2 KB slot stage per warp that packs (3 with
-    pack warps of their own, 8 inline)."""
-    stages, pack_warps = (3 if split == 1 else 4), (3 if split else 8)
-    handoff = HANDOFF_BYTES if split == 1 else 0
+    of alignment slack, the ring of 48 KB stages (3 split, 4 inline), the 64 KB hand-off buffer
+    (split), the barriers, and a 2 KB slot stage per warp that packs (3 split, 8 inline)."""
+    stages, pack_warps = (3, 3) if split else (4, 8)
+    handoff = BLOCK_ROWS * BLOCK_COLS * 2 if split else 0
     barriers = (2 * stages + (2 if split else 0)) * 8
     slot_stages = pack_warps * 8 * MAX_ROW_SLOTS * 4  # 8 rows x slots x (value + index)
     return 1024 + stages * (BLOCK_ROWS + BLOCK_COLS) * BLOCK_K * 2 + handoff + barriers + slot_stages
@@ -113,11 +100,11 @@ def linear_to_parts_deferred(
     mask = cp.empty(m * mask_words, dtype=cp.uint32)
     types = f"{K.CXX_TYPE[x.dtype]}, {K.ACTIVATION_ID[activation]}"
     schedule = SCHEDULE  # read once (bench scripts switch it between calls)
-    split = split_mode(schedule)
+    split = schedule != "inline"
     smem = shared_mem(split)
-    gemm, clusters = f"twell_gemm_pack<{types}, {split}>", 0
-    if schedule.startswith("pair"):  # where no cluster of two fits (the query fails), unclustered
-        pair = f"twell_gemm_pack_pair<{types}, {split}>"
+    gemm, clusters = f"twell_gemm_pack<{types}, {int(split)}>", 0
+    if schedule == "pair":  # where no cluster of two fits (the query fails), the split schedule
+        pair = f"twell_gemm_pack_pair<{types}>"
         clusters = K.max_active_clusters(pair, cp.cuda.Device().id, THREADS, smem, 2)
         gemm = pair if clusters > 0 else gemm
     cluster = 2 if clusters > 0 else 1  # a cluster's row blocks share a w tile
@@ -130,12 +117,10 @@ def linear_to_parts_deferred(
     items = -(-m // (BLOCK_ROWS * cluster)) * -(-n // BLOCK_COLS)
     blocks = cluster * min(items, clusters) if clusters > 0 else min(items, K.sm_count())
     spill_pass = _gpu_convert.relu_mask_spill_pass(h, mask, mask_words, tile_n, capacity)
-    # Each CTA's slice of the L2 hand-off (SPLIT 2; the kernel ignores the null pointer otherwise).
-    handoff = cp.empty(blocks * HANDOFF_BYTES, dtype=cp.uint8) if split == 2 else K.null_pointer()
 
     def launch(data: Any, indices: Any, counts: Any, nnz: Any, offsets: Any, spill_idx: Any, spill_data: Any) -> None:
         if K.is_null(offsets):  # pass 1: the GEMM and its packing epilogue
-            outputs = (data, indices, counts, nnz, h, mask, np.int64(mask_words), handoff)
+            outputs = (data, indices, counts, nnz, h, mask, np.int64(mask_words))
             K.launch_arch(gemm, (blocks,), (THREADS,), (*maps, *geometry, *outputs), smem)
         else:
             spill_pass(data, indices, counts, nnz, offsets, spill_idx, spill_data)

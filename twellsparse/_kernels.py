@@ -196,8 +196,9 @@ ARCH_SOURCES: dict[str, tuple[str, list[str]]] = {
             for d in (np.dtype(np.float16), bfloat16)
             for a in HOPPER_ACTIVATIONS
             for name in (
-                *(f"twell_gemm_pack<{CXX_TYPE[d]}, {ACTIVATION_ID[a]}, {split}>" for split in (0, 1, 2)),
-                *(f"twell_gemm_pack_pair<{CXX_TYPE[d]}, {ACTIVATION_ID[a]}, {split}>" for split in (1, 2)),
+                f"twell_gemm_pack<{CXX_TYPE[d]}, {ACTIVATION_ID[a]}, 0>",
+                f"twell_gemm_pack<{CXX_TYPE[d]}, {ACTIVATION_ID[a]}, 1>",
+                f"twell_gemm_pack_pair<{CXX_TYPE[d]}, {ACTIVATION_ID[a]}>",
             )
         ],
     ),
