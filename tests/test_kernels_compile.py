@@ -165,3 +165,17 @@ def test_arch_cubins_are_cached_on_disk_by_content(tmp_path, monkeypatch):
     monkeypatch.setenv("TWELL_CACHE_DIR", "0")
     _kernels._cached_cubin("twell_tiled_spmm.cu", expressions, arch)
     assert len(calls) == 3 and len(list(tmp_path.iterdir())) == 4
+
+
+def test_hopper_schedule_auto_takes_inline_for_few_tiles_per_sm():
+    """``auto`` runs the inline epilogue up to INLINE_TILES_PER_SM output tiles per SM (nothing to
+    overlap with few tiles per block) and the pair schedule above; a named schedule is kept."""
+    from twellsparse import _hopper_producer as hp
+
+    sms = 132
+    assert hp.schedule_for("auto", 1, sms) == "inline"
+    assert hp.schedule_for("auto", hp.INLINE_TILES_PER_SM * sms, sms) == "inline"
+    assert hp.schedule_for("auto", hp.INLINE_TILES_PER_SM * sms + 1, sms) == "pair"
+    for named in hp.SCHEDULES:
+        assert hp.schedule_for(named, 1, sms) == named
+        assert hp.schedule_for(named, 10**6, sms) == named

@@ -44,11 +44,29 @@ ENABLED = os.environ.get("TWELL_FUSED_PRODUCER", "1") != "0"
 #: (the tensor cores wait for it), 4 ring stages instead of 3. Pass 1 at 0.5% (ede40bb): 0.524 /
 #: 0.529 / 0.537 ms; the GEMM alone in the same kernel (5921883): 0.497 / 0.506 / 0.471, so the
 #: hand-off's overlap gains less than the inline epilogue costs: the stage it takes slows the
-#: main loop.
+#: main loop. ``"auto"`` (the default): :func:`schedule_for` by the call's output tiles.
 SCHEDULES = ("pair", "split", "inline")
-SCHEDULE = os.environ.get("TWELL_HOPPER_SCHEDULE", "pair")
-if SCHEDULE not in SCHEDULES:
-    raise ValueError(f"TWELL_HOPPER_SCHEDULE: expected one of {SCHEDULES}, got {SCHEDULE!r}")
+SCHEDULE = os.environ.get("TWELL_HOPPER_SCHEDULE", "auto")
+if SCHEDULE not in (*SCHEDULES, "auto"):
+    raise ValueError(f"TWELL_HOPPER_SCHEDULE: expected one of {(*SCHEDULES, 'auto')}, got {SCHEDULE!r}")
+
+#: Output tiles per SM up to which ``"auto"`` takes the inline schedule. With few tiles per
+#: block, the pair schedule's overlap of one tile's epilogue with the next tile's MMAs has
+#: little to overlap, while the inline schedule's fourth ring stage still pays: pass 1 at 0.5%
+#: on an H100 (00df8b1, bench/results/2026-12-05-stages.jsonl), inline against pair, 0.030 /
+#: 0.040 ms at 256 tokens (0.3 tiles per SM), 0.054 / 0.065 at 1024, 0.080 / 0.088 at 2048,
+#: 0.152 / 0.157 at 4096 (5.3 tiles per SM), 0.526 / 0.524 at 16384 (21.3).
+INLINE_TILES_PER_SM = 8
+
+
+def schedule_for(schedule: str, tiles: int, sms: int) -> str:
+    """The schedule a call of ``tiles`` output tiles (128 x 256) runs on ``sms`` SMs: ``schedule``
+    itself unless it is ``"auto"``, which takes ``"inline"`` up to :data:`INLINE_TILES_PER_SM`
+    tiles per SM and ``"pair"`` above."""
+    if schedule != "auto":
+        return schedule
+    return "inline" if tiles <= INLINE_TILES_PER_SM * sms else "pair"
+
 
 #: Output tile of one block (BM x BN in the kernel) and its launch shape.
 BLOCK_ROWS, BLOCK_COLS, BLOCK_K = 128, 256, 64
@@ -99,7 +117,8 @@ def linear_to_parts_deferred(
     mask_words = -(-n // BLOCK_COLS) * (BLOCK_COLS // 32)
     mask = cp.empty(m * mask_words, dtype=cp.uint32)
     types = f"{K.CXX_TYPE[x.dtype]}, {K.ACTIVATION_ID[activation]}"
-    schedule = SCHEDULE  # read once (bench scripts switch it between calls)
+    # SCHEDULE read once (bench scripts switch it between calls).
+    schedule = schedule_for(SCHEDULE, -(-m // BLOCK_ROWS) * -(-n // BLOCK_COLS), K.sm_count())
     split = schedule != "inline"
     smem = shared_mem(split)
     gemm, clusters = f"twell_gemm_pack<{types}, {int(split)}>", 0
