@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|hostgap|producerncu|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"  # install, TWELL_COMMIT, PYTHONPATH, $OUT
 what=${*:-all}
@@ -130,6 +130,28 @@ for step in $what; do
           --out "$OUT/train_step.jsonl" 2>&1 | tail -4 | sed "s/^/transpose=$t: /" | tee -a "$OUT/transposeab.log"
         status=$((status | ${PIPESTATUS[0]}))
       done
+      ;;&
+    hostgap)
+      # The eager host gaps of sparse calls at 2048 tokens (bench/NOTES.md, thirty-second session,
+      # item 7): host time per call of the gated plan with the fixed spill and with the exact
+      # read-back, then the FFN rows at 2048 tokens twice in one process each, to tell a gap that
+      # follows the machine from one that follows the run.
+      for flag in "" --exact; do
+        timeout 120 python3 bench/host_profile.py --m 2048 --density 0.01 --calls 200 --top 20 $flag 2>&1 \
+          | tail -30 | sed "s/^/host_profile${flag}: /" | tee -a "$OUT/hostgap.log"
+        status=$((status | ${PIPESTATUS[0]}))
+      done
+      for i in 1 2; do
+        timeout 100 python3 bench/ffn_bench.py --m 2048 --patterns uniform --densities 0.005,0.01 --reps 20 \
+          --no-variants --out "$OUT/ffn_bench.jsonl" 2>&1 | tee -a "$OUT/hostgap.log" | tail -2
+        status=$((status | ${PIPESTATUS[0]}))
+      done
+      ;;&
+    producerncu)
+      # Where the fused producer's pass 1 loses to cuBLASLt's GEMM at 16384 tokens (1.14x; not the
+      # ring depth: thirty-second session, item 6): Nsight Compute on one launch of each.
+      ncu_rows twell_gemm_pack "fused producer" producerncu
+      ncu_rows "gemm|sm90|cutlass" "gemm (cuBLASLt)" producerncu
       ;;&
     smallm)
       # Few tokens per call (decoding): the sparse blocks against dense and what `auto` takes, at
