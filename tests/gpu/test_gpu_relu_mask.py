@@ -251,6 +251,27 @@ def test_gemm_plans_time_their_candidates(cp, rng, kind):
     np.testing.assert_array_equal(run(plan), first)
 
 
+def test_gemm_plans_time_warm_without_room_for_the_eviction_buffer(cp, rng, monkeypatch):
+    """A device without room for the L2 eviction buffer (here an L2 said to be a petabyte) times
+    the candidates from a warm L2 instead of failing the call; the result is still right."""
+    _needs_cublaslt()
+    from twellsparse.bindings import cublaslt
+
+    real = cp.cuda.runtime.getDeviceProperties
+    monkeypatch.setattr(cp.cuda.runtime, "getDeviceProperties", lambda d: {**real(d), "l2CacheSize": 1 << 50})
+    assert cublaslt._l2_eviction_buffer() is None
+    m, f, k = 301, 779, 72  # a shape of its own: no earlier timed choice to adopt
+    x = cp.asarray(rng.standard_normal((m, k)).astype(ts.bfloat16))
+    w = cp.asarray(rng.standard_normal((f, k)).astype(ts.bfloat16))
+    plan = cublaslt.Gemm(m, f, k, ts.bfloat16)
+    if plan.candidates < 2:
+        pytest.skip("the heuristic offered one algorithm: nothing to time")
+    out = cp.full((m, f), np.nan, dtype=ts.bfloat16)
+    plan(x, w, out)
+    assert plan.candidates == 1
+    assert rel_error(out, cp.asnumpy(x).astype(np.float64) @ cp.asnumpy(w).astype(np.float64).T) < 1e-2
+
+
 def test_gemm_candidates_from_the_environment(cp, monkeypatch):
     _needs_cublaslt()
     from twellsparse.bindings import cublaslt
