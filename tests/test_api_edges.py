@@ -189,3 +189,24 @@ def test_read_only_out_and_bool_breakeven_are_refused():
         plan(p["x"], out=out)
     with pytest.raises(TypeError, match="breakeven"):
         ts.FFN(p["w_gate"], p["w_down"], breakeven=True)
+
+
+def test_dlpack_producers_the_cpu_import_refused(rng):
+    """Two DLPack producers NumPy's import refuses are still read: a torch tensor that autograd
+    records (an nn.Linear's weight; these ops only read values) and a JAX bfloat16 array (copied
+    through its array interface)."""
+    torch = pytest.importorskip("torch")
+    jnp = pytest.importorskip("jax.numpy")
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    x[np.abs(x) < 1.0] = 0.0
+    w_up = torch.nn.Linear(64, 300, bias=False).weight
+    w_down = torch.nn.Linear(300, 64, bias=False).weight
+    assert w_up.requires_grad
+    got = ts.ffn(x, w_up, w_down)
+    want = np.maximum(x.astype(np.float64) @ w_up.detach().double().numpy().T, 0) @ w_down.detach().double().numpy().T
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert w_up.requires_grad and w_up.grad is None  # the caller's tensor untouched
+    jb = jnp.asarray(x, dtype=jnp.bfloat16)
+    a = ts.twell_array(jb)
+    assert a.dtype == ts.bfloat16 and a.nnz == np.count_nonzero(x)
+    np.testing.assert_array_equal(a.toarray(), x.astype(ts.bfloat16))

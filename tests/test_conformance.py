@@ -202,6 +202,17 @@ def test_matmul_sparse_operand(pair):
     _close(got.toarray() if sp.issparse(got) else got, want.toarray())
 
 
+def test_matmul_twell_operand(pair):
+    """Two TwELL operands (either one transposed) multiply as two scipy.sparse ones do: into a
+    sparse CSR result, from either side."""
+    x, a, s = pair
+    b = ts.twell_array(x.T)
+    for got, want in ((a @ b, s @ s.T), (a @ a.T, s @ s.T), (a.T @ a, s.T @ s), (b.T @ a.T, s @ s.T)):
+        assert sp.issparse(got) and got.shape == want.shape
+        _close(got.toarray(), want.toarray())
+    assert sp.issparse(a.__rmatmul__(b)) and a.__rmatmul__(b).shape == (x.shape[1], x.shape[1])
+
+
 def test_transpose(pair, rng):
     x, a, s = pair
     for t in (a.T, a.transpose()):

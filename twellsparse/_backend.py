@@ -101,6 +101,10 @@ def as_array(x: Any, name: str) -> Any:
     if isinstance(x, np.ndarray) or is_cupy_array(x):
         return x
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        if getattr(x, "requires_grad", False) and hasattr(x, "detach"):
+            # torch exports no tensor that autograd records (an nn.Linear's weight); these ops
+            # only read values (twellsparse.torch is the autograd-aware entry point).
+            x = x.detach()
         device_type, _ = x.__dlpack_device__()
         if int(device_type) in (2, 3, 13):  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
             cp = cupy_module()
@@ -118,9 +122,15 @@ def _numpy_from_dlpack(x: Any, name: str) -> np.ndarray:
         return np.from_dlpack(x)
     except (BufferError, TypeError, RuntimeError):
         pass
-    # NumPy's DLPack import refuses bfloat16; a torch CPU tensor can still hand over its bits.
+    # NumPy's DLPack import refuses bfloat16; a torch CPU tensor can still hand over its bits,
+    # and producers with an array interface (JAX's, which gives ml_dtypes' bfloat16) a copy.
     if getattr(x, "dtype", None) is not None and str(x.dtype) == "torch.bfloat16":
         return np.from_dlpack(x.view(__import__("torch").int16)).view(bfloat16)
+    if hasattr(x, "__array__"):
+        try:
+            return np.asarray(x)
+        except (TypeError, ValueError, RuntimeError):
+            pass
     raise TypeError(f"{name}: could not import {type(x).__name__} through DLPack on the CPU")
 
 

@@ -18,6 +18,7 @@ from ._twell import (
     broadcast_operand,
     check_format_name,
     check_order,
+    is_twell,
     issparse,
     twell_array,
     write_out,
@@ -156,10 +157,12 @@ class twell_transpose:
         return self @ other
 
     def __matmul__(self, other: Any) -> Any:
+        """``self @ other``: a dense array for a dense ``other``; a CSR matrix for a sparse one,
+        TwELL included (as :meth:`twell_array.__matmul__`)."""
         from ._ops import matmul
 
-        if issparse(other) and not getattr(other, "format", "").startswith("twell"):
-            return self.tocsr() @ other
+        if issparse(other):
+            return self.tocsr() @ other.tocsr() if is_twell(other) else self.tocsr() @ other
         if is_jax_array(self._base.data):  # the JAX adapter's op
             from .jax import matmul as jax_matmul
 
@@ -167,8 +170,9 @@ class twell_transpose:
         return matmul(self, other)
 
     def __rmatmul__(self, other: Any) -> Any:
+        """``other @ self``: as :meth:`__matmul__`, from the left."""
         from ._ops import rmatmul
 
-        if issparse(other) and not getattr(other, "format", "").startswith("twell"):
-            return other @ self.tocsr()
+        if issparse(other):
+            return other.tocsr() @ self.tocsr() if is_twell(other) else other @ self.tocsr()
         return rmatmul(self, other)

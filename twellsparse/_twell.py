@@ -488,8 +488,13 @@ class twell_array:
         return self @ other
 
     def __matmul__(self, other: Any) -> Any:
+        """``self @ other``: a dense array for a dense ``other`` (:func:`twellsparse.matmul`); a
+        CSR matrix (SciPy's, or CuPy's on the GPU) for a sparse one, TwELL included, as
+        ``scipy.sparse`` multiplies two sparse matrices."""
         from ._ops import matmul
 
+        if is_twell(other):
+            return self.tocsr() @ other.tocsr()
         if sp.issparse(other) or _is_cupyx_sparse(other):
             return self.tocsr() @ other
         if is_jax_array(self._parts.data):  # the JAX adapter's op: traceable, differentiable
@@ -499,8 +504,11 @@ class twell_array:
         return matmul(self, other)
 
     def __rmatmul__(self, other: Any) -> Any:
+        """``other @ self``: as :meth:`__matmul__`, from the left (:func:`twellsparse.rmatmul`)."""
         from ._ops import rmatmul
 
+        if is_twell(other):
+            return other.tocsr() @ self.tocsr()
         if sp.issparse(other) or _is_cupyx_sparse(other):
             return other @ self.tocsr()
         return rmatmul(self, other)
