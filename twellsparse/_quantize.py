@@ -78,8 +78,19 @@ class QuantizedRows:
         return (int(self.data.shape[0]), int(self.data.shape[1]))
 
     def dequantize(self, dtype: Any = np.float32) -> Any:
-        """``B`` as stored: each code's value times its row's scale, in ``dtype`` (exact in
-        float64; float32 rounds each product once)."""
+        """Return ``B`` as stored: each code's value times its row's scale.
+
+        Parameters
+        ----------
+        dtype : dtype, default float32
+            The result's dtype. The products are exact in float64; float32 rounds each once, and
+            other dtypes are rounded from float32.
+
+        Returns
+        -------
+        array, shape (N, K)
+            On the codes' device (NumPy or CuPy).
+        """
         xp = array_module(self.data)
         values = _decode_table(xp)[self.data]
         wide = np.float64 if np.dtype(dtype) == np.float64 else np.float32

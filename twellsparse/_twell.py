@@ -253,12 +253,35 @@ class twell_array:
         """The component arrays (see docs/FORMAT.md); shared, not copied."""
         return self._parts
 
-    data = property(lambda self: self._parts.data, doc="Slot values, shape (M, n_tiles, capacity).")
-    indices = property(lambda self: self._parts.indices, doc="Tile-local int16 columns, -1 in unused slots.")
-    counts = property(lambda self: self._parts.counts, doc="Slots in use per row-tile, int32 (M, n_tiles).")
-    spill_data = property(lambda self: self._parts.spill_data, doc="Values of the spilled entries (CSR).")
-    spill_indices = property(lambda self: self._parts.spill_indices, doc="Global int32 columns of the spill CSR.")
-    spill_indptr = property(lambda self: self._parts.spill_indptr, doc="Row pointers (M + 1, int32) of the spill CSR.")
+    @property
+    def data(self) -> Any:
+        """Slot values, (M, n_tiles, capacity) in the value dtype; 0 in unused slots."""
+        return self._parts.data
+
+    @property
+    def indices(self) -> Any:
+        """Tile-local int16 columns of the slots, (M, n_tiles, capacity), 0 to tile_n - 1; -1 in unused slots."""
+        return self._parts.indices
+
+    @property
+    def counts(self) -> Any:
+        """Slots in use per row-tile, int32 (M, n_tiles), 0 to capacity."""
+        return self._parts.counts
+
+    @property
+    def spill_data(self) -> Any:
+        """Values of the entries beyond their row-tile's capacity, (S,) in the value dtype (the spill CSR)."""
+        return self._parts.spill_data
+
+    @property
+    def spill_indices(self) -> Any:
+        """Global int32 columns of the spilled entries, (S,), strictly increasing within each row."""
+        return self._parts.spill_indices
+
+    @property
+    def spill_indptr(self) -> Any:
+        """Row pointers of the spill CSR, int32 (M + 1,)."""
+        return self._parts.spill_indptr
 
     def _xp(self) -> Any:
         return array_module(self._parts.data)
@@ -293,10 +316,27 @@ class twell_array:
         return conv.twell_to_coo(a._parts, a.shape, a.tile_n)
 
     def toarray(self, order: str | None = None, out: Any = None) -> Any:
-        """Dense copy (NumPy or CuPy, on the matrix's device).
+        """Return a dense copy of the matrix, on its device.
 
-        ``order``: "C" (default) or "F"; ``out``: an array of this shape and dtype on the
-        matrix's device to write into (returned).
+        Parameters
+        ----------
+        order : {None, "C", "F"}, optional
+            Memory layout of the result: C order for None (the default) or "C", Fortran order for "F".
+        out : array, optional
+            An array of shape ``(M, N)`` and the matrix's dtype, on its device, to write the result into.
+
+        Returns
+        -------
+        array, shape (M, N)
+            NumPy (CPU) or CuPy (GPU) array in the matrix's dtype, zero where nothing is stored; ``out``
+            when given. A matrix with JAX components gives NumPy or CuPy (viewed through DLPack).
+
+        Raises
+        ------
+        ValueError
+            For another ``order``, or an ``out`` of another shape, dtype or device.
+        TypeError
+            For an ``out`` that is not a NumPy or CuPy array.
         """
         check_order(order)
         a = self._concrete()
@@ -308,11 +348,27 @@ class twell_array:
     todense = toarray
 
     def tocsr(self, copy: bool = False) -> Any:
-        """``scipy.sparse.csr_array`` (CPU) or ``cupyx.scipy.sparse.csr_matrix`` (GPU), a new
-        matrix either way (``copy`` is accepted for scipy compatibility).
+        """Return the matrix in CSR format, as a new matrix.
 
         Neither scipy.sparse nor cupyx.scipy.sparse holds 16-bit values, so a float16/bfloat16
         matrix comes back with float32 values (exact) and a :class:`TwELLFallbackWarning`.
+
+        Parameters
+        ----------
+        copy : bool, default False
+            Accepted for scipy compatibility and ignored: the result is a new matrix either way.
+
+        Returns
+        -------
+        scipy.sparse.csr_array or cupyx.scipy.sparse.csr_matrix
+            ``csr_array`` for a CPU matrix, ``cupyx.scipy.sparse.csr_matrix`` for a GPU one; shape
+            ``(M, N)``, every stored entry (explicit zeros included), int32 column indices sorted
+            within each row, values in the matrix's dtype (float32 for 16-bit dtypes).
+
+        Warns
+        -----
+        TwELLFallbackWarning
+            For a float16 or bfloat16 matrix (values widened to float32).
         """
         a = self._concrete()
         vals, cols, indptr = conv.twell_to_csr_arrays(a._parts, a.shape, a.tile_n)
@@ -330,13 +386,46 @@ class twell_array:
         return csp.csr_matrix((vals, cols, indptr), shape=self.shape)
 
     def tocoo(self, copy: bool = False) -> Any:
-        """COO through :meth:`tocsr` (float32 values for 16-bit matrices, as there)."""
+        """Return the matrix in COO format, through :meth:`tocsr`.
+
+        Parameters
+        ----------
+        copy : bool, default False
+            Accepted for scipy compatibility and ignored: the result is a new matrix either way.
+
+        Returns
+        -------
+        scipy.sparse.coo_array or cupyx.scipy.sparse.coo_matrix
+            Shape ``(M, N)``; float32 values for a 16-bit matrix, as :meth:`tocsr`.
+
+        Warns
+        -----
+        TwELLFallbackWarning
+            For a float16 or bfloat16 matrix (values widened to float32).
+        """
         return self.tocsr().tocoo()
 
     def toell(self, width: int | None = None) -> tuple[Any, Any]:
-        """ELLPACK arrays ``(values, indices)`` of shape (M, width), int32 indices, -1 padding.
+        """Return the matrix as ELLPACK arrays: ``width`` (value, column) slots per row.
 
-        ``width`` defaults to the largest row's nonzero count.
+        Parameters
+        ----------
+        width : int, optional
+            Slots per row, at least the largest row's count of stored entries (the default).
+
+        Returns
+        -------
+        values : array, shape (M, width)
+            Each row's stored values in increasing column order, in the matrix's dtype; 0 in padding.
+        indices : array, shape (M, width)
+            Their global columns, int32; -1 in padding.
+
+        Raises
+        ------
+        TypeError
+            For a ``width`` that is neither an int nor None.
+        ValueError
+            For a ``width`` below the largest row's count of stored entries.
         """
         if width is not None:
             width = check_int(width, "width", "an int or None")
@@ -344,8 +433,33 @@ class twell_array:
         return conv.coo_to_ell(rows, cols, vals, self.shape[0], width)
 
     def asformat(self, format: str | None, copy: bool = False) -> Any:
-        """This matrix (``None`` or "twell"; a copy with ``copy=True``) or a scipy.sparse /
-        cupyx.scipy.sparse matrix in ``format`` (always new, through :meth:`tocsr`)."""
+        """Return the matrix in ``format``.
+
+        Parameters
+        ----------
+        format : {None, "twell", "csr", "coo", "csc", "bsr", "dia", "dok", "lil"}
+            None or "twell" for this matrix; otherwise a scipy.sparse format, converted through
+            :meth:`tocsr`.
+        copy : bool, default False
+            With None or "twell", return a deep copy (:meth:`copy`) rather than this matrix. Ignored
+            otherwise: a converted matrix is always new.
+
+        Returns
+        -------
+        twell_array or sparse matrix
+            This matrix or its copy, or a scipy.sparse (CPU) / cupyx.scipy.sparse (GPU) matrix in
+            ``format`` (float32 values for a 16-bit matrix, as :meth:`tocsr`).
+
+        Raises
+        ------
+        ValueError
+            For a ``format`` not listed.
+
+        Warns
+        -----
+        TwELLFallbackWarning
+            For a float16 or bfloat16 matrix converted to a scipy.sparse format.
+        """
         check_format_name(format)
         if format is None or format == "twell":
             return self.copy() if copy else self
@@ -354,8 +468,26 @@ class twell_array:
         return self.tocsr().asformat(format)
 
     def astype(self, dtype: Any, copy: bool = True) -> twell_array:
-        """The matrix with values cast to ``dtype`` (this one if it has it and ``copy=False``).
-        The structure arrays are shared with this matrix, not copied."""
+        """Return the matrix with its values cast to ``dtype``.
+
+        Parameters
+        ----------
+        dtype : dtype
+            The value dtype: float16, bfloat16 (``"bfloat16"`` accepted), float32 or float64.
+        copy : bool, default True
+            With False, return this matrix itself when it already has ``dtype``.
+
+        Returns
+        -------
+        twell_array
+            New value arrays (``data``, ``spill_data``); the structure arrays are shared with this
+            matrix, not copied (docs/FORMAT.md). ``n_dropped`` is kept.
+
+        Raises
+        ------
+        TypeError
+            For a ``dtype`` that is not one of the value dtypes.
+        """
         dt = value_dtype(dtype)
         if dt == self.dtype and not copy:
             return self
@@ -369,14 +501,47 @@ class twell_array:
         return twell_array._from_parts(parts, self.shape, self.tile_n, self.n_dropped)
 
     def get(self, stream: Any = None) -> twell_array:
-        """A NumPy-backed copy (the matrix itself if it is already on the CPU)."""
+        """Return a host (NumPy-backed) copy of a GPU matrix.
+
+        Parameters
+        ----------
+        stream : cupy.cuda.Stream, optional
+            Passed to CuPy's ``ndarray.get`` for each component's device-to-host copy.
+
+        Returns
+        -------
+        twell_array
+            The matrix with NumPy components; this matrix itself when its components are not CuPy
+            arrays (NumPy ones, already on the CPU, or a JAX adapter matrix's JAX ones).
+        """
         if not is_cupy_array(self._parts.data):
             return self
         parts = TwELLParts(*(a.get(stream=stream) for a in self._parts))
         return twell_array._from_parts(parts, self.shape, self.tile_n, self.n_dropped)
 
     def to_device(self, device: Any) -> twell_array:
-        """Copy to ``"cpu"``, a GPU id, ``"cuda:N"`` or a ``cupy.cuda.Device``."""
+        """Return the matrix on ``device``.
+
+        Parameters
+        ----------
+        device : str, int or cupy.cuda.Device
+            ``"cpu"``, a GPU ordinal (an int or a string of digits), ``"cuda:N"`` or a
+            ``cupy.cuda.Device``.
+
+        Returns
+        -------
+        twell_array
+            For ``"cpu"``, as :meth:`get` (this matrix itself if it is on the CPU). For a GPU, a
+            matrix whose components are ``cupy.asarray`` of this one's under that device: copied from
+            the host or from another GPU, the same arrays when they are already on that GPU.
+
+        Raises
+        ------
+        ValueError
+            For a ``device`` of none of these forms.
+        RuntimeError
+            For a GPU ``device`` when CuPy is not installed.
+        """
         if device == "cpu":
             return self.get()
         dev_id = _device_id(device)
@@ -390,12 +555,20 @@ class twell_array:
     # ------------------------------------------------------------------ structure
 
     def check_format(self, full_check: bool = False) -> None:
-        """Raise :class:`TwELLFormatError` unless the parts form a valid TwELL matrix.
+        """Check that the component arrays form a valid TwELL matrix (docs/FORMAT.md, Invariants).
 
-        The cheap check (every constructor's) covers shapes, dtypes, devices, the counts, the
-        used slots' columns and the spill CSR; ``full_check`` also checks the unused slots, that
-        columns are distinct within each row-tile and that the spill does not repeat a slot's
-        column (a few more passes over the data).
+        Parameters
+        ----------
+        full_check : bool, default False
+            False runs the cheap check (every constructor's): shapes, dtypes, devices, the counts,
+            the used slots' columns and the spill CSR. True also checks the unused slots (index -1,
+            value 0), that columns are distinct within each row-tile and that the spill does not
+            repeat a slot's column (a few more passes over the data).
+
+        Raises
+        ------
+        TwELLFormatError
+            For the first invariant that does not hold, naming the array.
         """
         _check_parts(self._parts, self.shape, self.tile_n, full=full_check)
 
@@ -424,7 +597,28 @@ class twell_array:
     # ------------------------------------------------------------------ arithmetic
 
     def sum(self, axis: int | None = None, dtype: Any = None) -> Any:
-        """Sum of entries (``axis=None``), per column (``axis=0``, shape (N,)) or per row (``axis=1``)."""
+        """Sum the stored entries: all of them, per column or per row (accumulated in float64).
+
+        Parameters
+        ----------
+        axis : {None, 0, 1, -1, -2}, optional
+            None (default) sums every entry; 0 (or -2) sums each column, 1 (or -1) each row.
+        dtype : dtype, optional
+            The result's value dtype (float16, bfloat16, float32 or float64); default the matrix's.
+
+        Returns
+        -------
+        scalar or array
+            For ``axis=None`` a NumPy scalar (CPU) or a 0-d CuPy array (GPU), else an array of shape
+            (N,) for ``axis=0`` or (M,) for ``axis=1`` on the matrix's device; rounded once to ``dtype``.
+
+        Raises
+        ------
+        ValueError
+            For another integer ``axis``.
+        TypeError
+            For an ``axis`` that is not an integer or None, or a ``dtype`` that is not a value dtype.
+        """
         xp = self._xp()
         rows, cols, vals = self._coo()
         v64 = vals.astype(xp.float64)
@@ -441,12 +635,31 @@ class twell_array:
         return xp.bincount(idx, weights=v64, minlength=length).astype(out_dt)
 
     def multiply(self, other: Any) -> twell_array:
-        """Elementwise product with a scalar, a dense array broadcastable to ``shape``, or another
-        sparse matrix; the result keeps this matrix's pattern (new values, the structure arrays
-        shared: docs/FORMAT.md).
+        """Return the elementwise product, at this matrix's stored entries.
 
         Dtypes promote as in NumPy: a Python scalar keeps this matrix's dtype, a NumPy scalar or
         array promotes (float32 * float64 scalar is float64).
+
+        Parameters
+        ----------
+        other : scalar, array_like or sparse matrix
+            A Python or NumPy int or float (not a bool); a dense array broadcastable to ``shape`` on
+            this matrix's device; or a sparse matrix of ``shape`` (TwELL, scipy.sparse or
+            cupyx.scipy.sparse, densified first).
+
+        Returns
+        -------
+        twell_array
+            This matrix's pattern with new values (the structure arrays shared: docs/FORMAT.md).
+            Array operands give ``result_type`` of the two value dtypes (the widest; bfloat16 with
+            float16 gives float32).
+
+        Raises
+        ------
+        ValueError
+            For an array on another device or of a shape that does not broadcast to ``shape``.
+        TypeError
+            For an array whose dtype is not a value dtype (float16, bfloat16, float32, float64).
         """
         if _is_scalar(other):
             return _scaled(self, other, operator.mul)
@@ -471,7 +684,25 @@ class twell_array:
         return _scaled(self, other, operator.truediv)
 
     def transpose(self, axes: Any = None, copy: bool = False) -> Any:
-        """A lazy transposed view (``twell_transpose``): ``a.T @ g`` runs without conversion."""
+        """Return a lazy transposed view: ``a.T @ g`` runs without conversion.
+
+        Parameters
+        ----------
+        axes : None or (1, 0), optional
+            Accepted for NumPy compatibility; only the 2-D transpose exists.
+        copy : bool, default False
+            Accepted for scipy compatibility and ignored: the result is always a view.
+
+        Returns
+        -------
+        twell_transpose
+            The (N, M) view of this matrix (shared, not copied).
+
+        Raises
+        ------
+        ValueError
+            For other ``axes``.
+        """
         if axes is not None and tuple(axes) != (1, 0):
             raise ValueError(f"axes: expected None or (1, 0), got {axes!r}")
         from ._transpose import twell_transpose
@@ -484,7 +715,21 @@ class twell_array:
         return self.transpose()
 
     def dot(self, other: Any) -> Any:
-        """``self @ other``."""
+        """Return the matrix product ``self @ other``.
+
+        Parameters
+        ----------
+        other : array_like, QuantizedRows or sparse matrix
+            A dense operand of ``N`` rows (1-D or 2-D, or its rows in fp8; see
+            :func:`twellsparse.matmul`), or a sparse matrix (TwELL, scipy.sparse or
+            cupyx.scipy.sparse) of ``N`` rows.
+
+        Returns
+        -------
+        array or sparse matrix
+            A dense array for a dense ``other``; a CSR matrix (SciPy's, or CuPy's on the GPU) for a
+            sparse one, as ``scipy.sparse`` multiplies two sparse matrices.
+        """
         return self @ other
 
     def __matmul__(self, other: Any) -> Any:
@@ -698,12 +943,35 @@ def _check_parts(parts: TwELLParts, shape: tuple[int, int], tile_n: int, full: b
 
 
 def is_twell(obj: Any) -> bool:
-    """True for a ``twell_array`` (or its transposed view)."""
+    """Return whether ``obj`` is a TwELL matrix.
+
+    Parameters
+    ----------
+    obj : object
+        Anything.
+
+    Returns
+    -------
+    bool
+        True for a ``twell_array`` or its transposed view (``twell_transpose``).
+    """
     from ._transpose import twell_transpose
 
     return isinstance(obj, (twell_array, twell_transpose))
 
 
 def issparse(obj: Any) -> bool:
-    """True for TwELL matrices and for scipy.sparse / cupyx.scipy.sparse matrices."""
+    """Return whether ``obj`` is a sparse matrix.
+
+    Parameters
+    ----------
+    obj : object
+        Anything.
+
+    Returns
+    -------
+    bool
+        True for TwELL matrices (:func:`is_twell`) and for scipy.sparse / cupyx.scipy.sparse
+        matrices and arrays.
+    """
     return is_twell(obj) or sp.issparse(obj) or _is_cupyx_sparse(obj)

@@ -81,14 +81,38 @@ jax.tree_util.register_pytree_node(twell_transpose, lambda t: ((t.base,), None),
 
 
 def to_jax(a: twell_array) -> twell_array:
-    """The same matrix with JAX arrays as components (zero-copy through DLPack where possible)."""
+    """Return the same matrix with JAX arrays as components.
+
+    Parameters
+    ----------
+    a : twell_array
+        A matrix with NumPy or CuPy components.
+
+    Returns
+    -------
+    twell_array
+        The same shape, tile_n and ``n_dropped``, its six components ``jax.Array``: NumPy ones
+        through ``jnp.asarray``, others zero-copy through DLPack where possible.
+    """
     return jax.tree_util.tree_map(
         lambda leaf: jnp.asarray(leaf) if isinstance(leaf, np.ndarray) else jnp.from_dlpack(leaf), a
     )
 
 
 def from_jax(a: twell_array) -> twell_array:
-    """The same matrix with NumPy (CPU) or CuPy (GPU) components, spill trimmed to its entries."""
+    """Return the same matrix with NumPy (CPU) or CuPy (GPU) components.
+
+    Parameters
+    ----------
+    a : twell_array
+        A matrix with JAX components, as :func:`to_jax` and this module's ops give them.
+
+    Returns
+    -------
+    twell_array
+        Components viewed through DLPack (zero-copy where possible), the spill trimmed to its
+        entries (``spill_indptr[-1]``, read back to the host).
+    """
     parts = TwELLParts(*(_array(leaf) for leaf in a.parts))
     n_spill = int(parts.spill_indptr[-1]) if parts.spill_indptr.size else 0
     parts = parts._replace(spill_data=parts.spill_data[:n_spill], spill_indices=parts.spill_indices[:n_spill])
@@ -302,9 +326,32 @@ def _check_weights(x: jax.Array, d_ff: int, **weights: jax.Array) -> None:
 
 
 def matmul(a: twell_array | twell_transpose, b: jax.Array) -> jax.Array:
-    """``a @ b`` for a TwELL matrix ``a`` (JAX components) or its ``.T`` and a dense ``b``
-    (2-D, or 1-D for a vector); see :func:`twellsparse.matmul`. Differentiable in ``b`` and in
-    ``a``'s values."""
+    """``a @ b`` for a TwELL matrix ``a`` (JAX components) or its ``.T`` and a dense ``b``.
+
+    See :func:`twellsparse.matmul`. Differentiable in ``b`` and in ``a``'s values (the latter's
+    cotangent lies on ``a``'s pattern).
+
+    Parameters
+    ----------
+    a : twell_array or twell_transpose
+        ``A`` (M x N) with JAX components, or its ``.T`` (N x M).
+    b : array_like
+        Dense, floating-point, 2-D (or 1-D for a vector), with ``a.shape[1]`` rows and ``a``'s dtype.
+
+    Returns
+    -------
+    jax.Array
+        ``a @ b``, of shape ``(a.shape[0], b.shape[1])`` (``(a.shape[0],)`` for a vector), in
+        ``a``'s dtype.
+
+    Raises
+    ------
+    TypeError
+        For an ``a`` that is not a ``twell_array`` or its ``.T``, a non-floating ``b``, or a ``b``
+        of another dtype than ``a``.
+    ValueError
+        For a ``b`` that is not 1-D or 2-D, or whose rows do not match ``a``'s columns.
+    """
     transposed = isinstance(a, twell_transpose)
     base = a.base if isinstance(a, twell_transpose) else a
     if not isinstance(base, twell_array):
@@ -364,8 +411,30 @@ _matmul_t.defvjp(lambda a, b: (_matmul_t(a, b), (a, b)), _matmul_bwd_for(True))
 
 @jax.custom_vjp
 def sddmm(x: jax.Array, y: jax.Array, pattern: twell_array) -> twell_array:
-    """``x @ y.T`` at the stored entries of ``pattern`` (a TwELL matrix with JAX components);
-    see :func:`twellsparse.sddmm`. Differentiable in ``x`` and ``y``."""
+    """``x @ y.T`` at the stored entries of ``pattern``; see :func:`twellsparse.sddmm`.
+
+    Differentiable in ``x`` and ``y`` (``pattern``'s cotangent is zero).
+
+    Parameters
+    ----------
+    x : jax.Array, shape (M, K)
+    y : jax.Array, shape (N, K)
+        Of ``x``'s dtype.
+    pattern : twell_array, shape (M, N)
+        A TwELL matrix with JAX components; only its structure is used.
+
+    Returns
+    -------
+    twell_array
+        ``pattern``'s structure (JAX components) with the products as values, in ``x``'s dtype.
+
+    Raises
+    ------
+    ValueError
+        For an ``x`` or ``y`` that is not 2-D or whose shape does not match ``pattern``'s.
+    TypeError
+        For ``x`` and ``y`` of different dtypes.
+    """
     m, n = pattern.shape
     if x.ndim != 2 or y.ndim != 2 or x.shape[0] != m or y.shape[0] != n or x.shape[1] != y.shape[1]:
         raise ValueError(
@@ -487,9 +556,33 @@ def linear_to_twell(
 ) -> twell_array:
     """``act(x @ w.T)`` packed into TwELL (JAX components); see :func:`twellsparse.linear_to_twell`.
 
-    ``spill_capacity`` (static) is the length of the spill part: entries beyond a row-tile's
-    ``capacity`` go there, and a call needing more raises. Differentiable in ``x`` and ``w``
-    through the stored values.
+    Differentiable in ``x`` and ``w`` through the stored values.
+
+    Parameters
+    ----------
+    x : array_like, shape (M, K)
+        Floating-point.
+    w : array_like, shape (F, K)
+        ``torch.nn.Linear`` layout, of ``x``'s dtype.
+    activation, tile_n, capacity, threshold
+        As for :func:`twellsparse.linear_to_twell`; static (Python values, not tracers).
+    spill_capacity : int, default 0
+        Static length of the spill part: entries beyond a row-tile's ``capacity`` go there (zero
+        padding past ``spill_indptr[-1]``), and a call needing more raises.
+
+    Returns
+    -------
+    twell_array
+        M x F, with JAX components, in ``x``'s dtype; its spill arrays of length ``spill_capacity``.
+
+    Raises
+    ------
+    TypeError
+        For a setting given as a tracer or of the wrong type, a non-floating operand, or
+        operands of different dtypes.
+    ValueError
+        For an operand that is not 2-D, widths that do not match, out-of-range settings, or (when
+        the call runs, inside an XLA runtime error) a spill needing more than ``spill_capacity``.
     """
     activation, threshold, tile_n, capacity = _settings(activation, threshold, tile_n, capacity)
     spill_capacity = _static(check_spill_capacity, spill_capacity, "spill_capacity", False)
@@ -566,9 +659,16 @@ class _CallSite:
 
 
 def check_spill() -> None:
-    """Raise :class:`twellsparse.TwELLSpillCapacityError` if the last call of any jitted
-    :func:`ffn` / :func:`gated_ffn` with a ``spill_capacity`` left spilled entries out (each call
-    also checks its predecessor). Waits for those calls to finish."""
+    """Check the last call of every jitted :func:`ffn` / :func:`gated_ffn` with a ``spill_capacity``.
+
+    Each call also checks its predecessor; this checks the last ones. Waits for those calls to
+    finish.
+
+    Raises
+    ------
+    twellsparse.TwELLSpillCapacityError
+        If one of those calls left spilled entries out (its output was computed without them).
+    """
     for site in list(_CallSite.live):
         site.check()
 
@@ -652,17 +752,43 @@ def ffn(
     threshold: float | None = None,
     spill_capacity: int | None = None,
 ) -> jax.Array:
-    """Non-gated sparse FFN ``act(x @ w_up.T) @ w_down.T``; see :func:`twellsparse.ffn`. ``x``
-    is ``(..., d_model)``: its leading dimensions are tokens.
-    Differentiable in ``x`` and every weight (sparse backward, pattern recomputed).
+    """Non-gated sparse FFN ``act(x @ w_up.T) @ w_down.T``; see :func:`twellsparse.ffn`.
 
-    ``spill_capacity`` (static): as for :class:`twellsparse.FFN` plans, a fixed length for the
-    spill of overflowing row-tiles, so that a GPU call reads nothing back to the host and XLA's
-    stream never waits for it; entries beyond it are left out of that call's output and
-    :class:`twellsparse.TwELLSpillCapacityError` is raised by the next call of the same jitted
-    function (inside an XLA runtime error) or by :func:`check_spill`. Default None: exact, one
-    read-back per call. On the CPU (an exact path) a call whose spill needs more raises at once.
-    The backward pass always recomputes the pattern exactly."""
+    Differentiable in ``x`` and every weight (sparse backward, pattern recomputed); it always
+    runs the sparse path.
+
+    Parameters
+    ----------
+    x : array_like, shape (..., d_model)
+        Floating-point; its leading dimensions are tokens.
+    w_up : array_like, shape (d_ff, d_model)
+    w_down : array_like, shape (d_model, d_ff)
+        Of ``x``'s dtype.
+    activation, tile_n, capacity, threshold
+        As for :func:`twellsparse.linear_to_twell`; static (Python values, not tracers).
+    spill_capacity : int, optional
+        Static. As for :class:`twellsparse.FFN` plans, a fixed length for the spill of
+        overflowing row-tiles, so that a GPU call reads nothing back to the host and XLA's
+        stream never waits for it; entries beyond it are left out of that call's output and
+        :class:`twellsparse.TwELLSpillCapacityError` is raised by the next call of the same jitted
+        function (inside an XLA runtime error) or by :func:`check_spill`. Default None: exact, one
+        read-back per call. On the CPU (an exact path) a call whose spill needs more raises at
+        once. The backward pass always recomputes the pattern exactly.
+
+    Returns
+    -------
+    jax.Array, shape (..., d_model)
+        In ``x``'s dtype.
+
+    Raises
+    ------
+    TypeError
+        For a setting given as a tracer or of the wrong type, non-floating operands, or operands
+        of different dtypes.
+    ValueError
+        For a 0-d ``x``, weights that are not 2-D or whose shapes do not match, or out-of-range
+        settings.
+    """
     settings = (activation, tile_n, capacity, threshold, spill_capacity)
     return _block(x, {"w_up": w_up, "w_down": w_down}, *settings)
 
@@ -680,8 +806,37 @@ def gated_ffn(
     spill_capacity: int | None = None,
 ) -> jax.Array:
     """Gated sparse FFN ``(act(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T``; see
-    :func:`twellsparse.gated_ffn`. Differentiable in ``x`` and every weight. ``spill_capacity``
-    as for :func:`ffn`."""
+    :func:`twellsparse.gated_ffn`.
+
+    Differentiable in ``x`` and every weight (sparse backward, pattern recomputed); it always
+    runs the sparse path.
+
+    Parameters
+    ----------
+    x : array_like, shape (..., d_model)
+        Floating-point; its leading dimensions are tokens.
+    w_gate, w_up : array_like, shape (d_ff, d_model)
+    w_down : array_like, shape (d_model, d_ff)
+        Of ``x``'s dtype.
+    activation, tile_n, capacity, threshold
+        As for :func:`twellsparse.linear_to_twell` (applied to the gate); static.
+    spill_capacity : int, optional
+        Static; as for :func:`ffn`.
+
+    Returns
+    -------
+    jax.Array, shape (..., d_model)
+        In ``x``'s dtype.
+
+    Raises
+    ------
+    TypeError
+        For a setting given as a tracer or of the wrong type, non-floating operands, or operands
+        of different dtypes.
+    ValueError
+        For a 0-d ``x``, weights that are not 2-D or whose shapes do not match, or out-of-range
+        settings.
+    """
     settings = (activation, tile_n, capacity, threshold, spill_capacity)
     return _block(x, {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}, *settings)
 

@@ -24,9 +24,34 @@ MAX_SKEWED_DENSITY = 0.35
 
 
 def firing_rates(n_units: int, density: float, pattern: str = "uniform", rng: Any = None) -> np.ndarray:
-    """Per-unit firing probabilities with mean ``density``, a float in [0, 1] (see the module
-    docstring). The skewed pattern saturates at :data:`MAX_SKEWED_DENSITY`: above it every
-    firing unit fires at 0.5 and the mean stays 0.35 (the tests use that for dense rows)."""
+    """Return per-unit firing probabilities with mean ``density`` (see the module docstring).
+
+    The skewed pattern saturates at :data:`MAX_SKEWED_DENSITY`: above it every firing unit fires
+    at 0.5 and the mean stays 0.35 (the tests use that for dense rows).
+
+    Parameters
+    ----------
+    n_units : int
+        Number of units.
+    density : float
+        The mean firing rate, in [0, 1].
+    pattern : {"uniform", "skewed"}, default "uniform"
+        Every unit at ``density``, or the skewed log-normal rates.
+    rng : int, numpy.random.Generator or None, optional
+        Seed or generator (``numpy.random.default_rng``); the uniform pattern draws nothing.
+
+    Returns
+    -------
+    numpy.ndarray
+        float64, shape (n_units,), each in [0, 1] (at most 0.5 for the skewed pattern).
+
+    Raises
+    ------
+    TypeError
+        For a ``density`` that is a bool or does not convert to a float.
+    ValueError
+        For a ``density`` outside [0, 1] or another ``pattern``.
+    """
     rng = np.random.default_rng(rng)
     density = check_fraction(density, "density")
     if pattern == "uniform":
@@ -52,7 +77,31 @@ def sparse_activations(
     rng: Any = None,
     xp: Any = np,
 ) -> Any:
-    """A dense M x N matrix of ReLU-like activations: positive values where units fire."""
+    """Return a dense M x N matrix of ReLU-like activations: positive values where units fire.
+
+    Parameters
+    ----------
+    m, n : int
+        Rows (tokens) and columns (units).
+    density, pattern
+        As for :func:`firing_rates` (unit ``j`` fires in each row with probability ``rate_j``).
+    dtype : dtype, default float32
+        The value dtype (float16, bfloat16, float32 or float64).
+    rng : int, numpy.random.Generator or None, optional
+        Seed or generator (``numpy.random.default_rng``).
+    xp : module, default numpy
+        Array module of the result (e.g. ``cupy``); drawn with NumPy, then ``xp.asarray``.
+
+    Returns
+    -------
+    array, shape (m, n)
+        ``|N(0, 1)| + 1e-3`` where a unit fires, 0 elsewhere, in ``dtype``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`firing_rates`; TypeError for a ``dtype`` that is not a value dtype.
+    """
     rng = np.random.default_rng(rng)
     rates = firing_rates(n, density, pattern, rng)
     fire = rng.random((m, n)) < rates[None, :]
@@ -71,13 +120,41 @@ def ffn_problem(
     rng: Any = None,
     xp: Any = np,
 ) -> dict[str, Any]:
-    """Random FFN inputs whose ReLU gate fires at the requested per-unit rates.
+    """Return random FFN inputs whose ReLU gate fires at the requested per-unit rates.
 
     ``x ~ N(0, 1)`` with its last feature held at 1; for unit j the matching weight column is
     ``-z_j * ||w_j||`` with ``z_j`` the standard normal quantile of ``1 - rate_j``, so
     ``relu(x . w_j) > 0`` with probability ``rate_j`` (so ``d_model`` is at least 2: one random
-    feature and the constant one). Returns ``x``, ``w_gate``, ``w_up``, ``w_down``
-    (torch.nn.Linear layout) and the ``rates``.
+    feature and the constant one).
+
+    Parameters
+    ----------
+    m : int
+        Tokens (rows of ``x``).
+    d_model, d_ff : int
+        Model and hidden widths; ``d_model`` at least 2.
+    density, pattern
+        The gate's firing rates, as for :func:`firing_rates`.
+    dtype : dtype, default float32
+        The value dtype of ``x`` and the weights (drawn in float32, then cast).
+    rng : int, numpy.random.Generator or None, optional
+        Seed or generator (``numpy.random.default_rng``).
+    xp : module, default numpy
+        Array module of ``x`` and the weights (e.g. ``cupy``).
+
+    Returns
+    -------
+    dict
+        ``"x"`` (m, d_model), ``"w_gate"`` and ``"w_up"`` (d_ff, d_model), ``"w_down"``
+        (d_model, d_ff), all ``xp`` arrays in ``dtype`` (torch.nn.Linear layout), and ``"rates"``,
+        the NumPy float64 firing rates (d_ff,).
+
+    Raises
+    ------
+    ValueError
+        For ``d_model`` below 2, or as :func:`firing_rates`.
+    TypeError
+        As :func:`firing_rates`, or for a ``dtype`` that is not a value dtype.
     """
     if d_model < 2:
         raise ValueError(f"d_model: expected at least 2 (the last feature is the constant 1), got {d_model}")
@@ -100,7 +177,19 @@ def ffn_problem(
 
 
 def rel_error(out: Any, ref: Any) -> float:
-    """``||out - ref|| / ||ref||`` in float64 on the host (a NaN or Inf in either gives inf)."""
+    """Return the relative error ``||out - ref|| / ||ref||`` (Frobenius), in float64 on the host.
+
+    Parameters
+    ----------
+    out, ref : array_like
+        Arrays of one shape (NumPy, CuPy, or anything :func:`numpy.asarray` takes).
+
+    Returns
+    -------
+    float
+        The relative error; the absolute one ``||out - ref||`` when ``ref`` is all zeros, and inf
+        when either holds a NaN or Inf.
+    """
     o = to_host(out).astype(np.float64)
     r = to_host(ref).astype(np.float64)
     if not (np.isfinite(o).all() and np.isfinite(r).all()):
@@ -110,8 +199,21 @@ def rel_error(out: Any, ref: Any) -> float:
 
 
 def assert_twell_equal(a: Any, b: Any) -> None:
-    """Exact equality of two matrices' values: shape, dtype and every value bit for bit, compared
-    densified (a stored zero equals an absent entry; compare ``parts`` for the layout)."""
+    """Assert exact equality of two matrices' values: shape, dtype and every value bit for bit.
+
+    The matrices are compared densified (a stored zero equals an absent entry; compare ``parts``
+    for the layout).
+
+    Parameters
+    ----------
+    a, b : twell_array, twell_transpose or sparse matrix
+        Anything with ``shape``, ``dtype`` and ``toarray()``, on the CPU or the GPU.
+
+    Raises
+    ------
+    AssertionError
+        For a different shape, dtype or any value's bits.
+    """
     assert a.shape == b.shape, f"shape {a.shape} != {b.shape}"
     assert a.dtype == b.dtype, f"dtype {a.dtype} != {b.dtype}"
     da, db = to_host(a.toarray()), to_host(b.toarray())

@@ -522,7 +522,46 @@ def ffn(
     capacity: int | None = None,
     threshold: float | None = None,
 ) -> Tensor:
-    """Differentiable non-gated sparse FFN ``act(x @ w_up.T) @ w_down.T`` (see the module doc)."""
+    """Differentiable non-gated sparse FFN ``act(x @ w_up.T) @ w_down.T`` (see the module doc).
+
+    A ``torch.library`` custom op (``torch.ops.twellsparse.ffn_fwd``) with a sparse backward:
+    gradients reach ``x``, ``w_up`` and ``w_down`` without a dense tokens x d_ff tensor, and the
+    call traces under ``torch.compile``. It always runs the sparse path and is exact (overflowing
+    row-tiles spill). Double backward is not supported.
+
+    Parameters
+    ----------
+    x : Tensor, shape (..., d_model)
+        Floating-point tokens (its leading dimensions are tokens), on the CPU or a CUDA device.
+    w_up : Tensor, shape (d_ff, d_model)
+        The up projection (``torch.nn.Linear`` layout), in ``x``'s dtype.
+    w_down : Tensor, shape (d_model, d_ff)
+        The down projection, in ``x``'s dtype.
+    activation : {"relu", "relu2", "silu", "gelu", "identity"}, default "relu"
+        Applied to ``x @ w_up.T``; silu and gelu need a ``threshold`` to be sparse.
+    tile_n : int, default 256
+        Columns per tile of the TwELL hidden layer, a power of two from 32 to 1024.
+    capacity : int, optional
+        Slots per row-tile, 1 to ``tile_n``; default ``tile_n // 8``. Entries beyond it spill
+        (exact, on a slower path).
+    threshold : float, optional
+        Keep only hidden entries with ``|act(z)| > threshold`` (finite, >= 0); default: every
+        nonzero.
+
+    Returns
+    -------
+    Tensor, shape (..., d_model)
+        On ``x``'s device, in ``x``'s dtype (the autocast dtype inside ``torch.autocast``).
+
+    Raises
+    ------
+    TypeError
+        For a non-tensor or non-floating ``x``, weights that are not 2-D tensors, weights of
+        another dtype than ``x`` (outside ``torch.autocast``), or settings of the wrong type.
+    ValueError
+        For shapes that do not match, or an unknown ``activation`` or out-of-range ``tile_n``,
+        ``capacity`` or ``threshold``.
+    """
     return _run(x, w_up, None, w_down, activation, tile_n, capacity, threshold, names=PLAIN_NAMES)[0]
 
 
@@ -537,7 +576,47 @@ def gated_ffn(
     capacity: int | None = None,
     threshold: float | None = None,
 ) -> Tensor:
-    """Differentiable gated sparse FFN ``(act(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T``."""
+    """Differentiable gated sparse FFN ``(act(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T``.
+
+    A ``torch.library`` custom op (``torch.ops.twellsparse.ffn_fwd``) with a sparse backward: the
+    gate's activations are kept in TwELL, the up projection's values only on their pattern, and
+    gradients reach ``x`` and every weight without a dense tokens x d_ff tensor; the call traces
+    under ``torch.compile`` (see the module doc). It always runs the sparse path and is exact
+    (overflowing row-tiles spill). Double backward is not supported.
+
+    Parameters
+    ----------
+    x : Tensor, shape (..., d_model)
+        Floating-point tokens (its leading dimensions are tokens), on the CPU or a CUDA device.
+    w_gate, w_up : Tensor, shape (d_ff, d_model)
+        The gate and up projections (``torch.nn.Linear`` layout), in ``x``'s dtype.
+    w_down : Tensor, shape (d_model, d_ff)
+        The down projection, in ``x``'s dtype.
+    activation : {"relu", "relu2", "silu", "gelu", "identity"}, default "relu"
+        Applied to ``x @ w_gate.T``; silu and gelu need a ``threshold`` to be sparse.
+    tile_n : int, default 256
+        Columns per tile of the TwELL hidden layer, a power of two from 32 to 1024.
+    capacity : int, optional
+        Slots per row-tile, 1 to ``tile_n``; default ``tile_n // 8``. Entries beyond it spill
+        (exact, on a slower path).
+    threshold : float, optional
+        Keep only hidden entries with ``|act(z)| > threshold`` (finite, >= 0); default: every
+        nonzero.
+
+    Returns
+    -------
+    Tensor, shape (..., d_model)
+        On ``x``'s device, in ``x``'s dtype (the autocast dtype inside ``torch.autocast``).
+
+    Raises
+    ------
+    TypeError
+        For a non-tensor or non-floating ``x``, weights that are not 2-D tensors, weights of
+        another dtype than ``x`` (outside ``torch.autocast``), or settings of the wrong type.
+    ValueError
+        For shapes that do not match, or an unknown ``activation`` or out-of-range ``tile_n``,
+        ``capacity`` or ``threshold``.
+    """
     return _run(x, w_gate, w_up, w_down, activation, tile_n, capacity, threshold)[0]
 
 
@@ -722,10 +801,16 @@ class _TwELLMLPBase(nn.Module):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def check_spill(self) -> None:
-        """Raise :class:`twellsparse.TwELLSpillCapacityError` if the last forward with a fixed
-        ``spill_capacity`` left spilled entries out (its output was computed without them).
+        """Check whether the last forward with a fixed ``spill_capacity`` left spilled entries out.
+
         Forwards check the previous one themselves; after replaying a captured graph,
-        synchronise, then call this."""
+        synchronise, then call this. The count is forgotten once read, so it is reported once.
+
+        Raises
+        ------
+        twellsparse.TwELLSpillCapacityError
+            If that forward left spilled entries out (its output was computed without them).
+        """
         if self._plan is not None:  # the fp8 forward's plan
             self._plan.check_spill()
             return
@@ -752,10 +837,23 @@ class _TwELLMLPBase(nn.Module):
         return "dense" if density is not None and density > breakeven else "sparse"
 
     def l1_penalty(self) -> Tensor:
-        """Mean over tokens of the L1 norm of the last forward's hidden activations (the gate's,
-        for the gated block); differentiable, for adding to the training loss. The module holds
-        those activations (and so that forward's autograd graph) until its next forward; run
-        forwards whose graph is not needed under ``torch.no_grad()``."""
+        """Return the L1 penalty of the last forward's hidden activations, for the training loss.
+
+        The module holds those activations (and so that forward's autograd graph) until its next
+        forward; run forwards whose graph is not needed under ``torch.no_grad()``.
+
+        Returns
+        -------
+        Tensor
+            0-d: the mean over tokens of the L1 norm of the hidden activations (the gate's,
+            ``act(gate_proj(x))``, for the gated block), sparse or dense path alike; differentiable
+            (when autograd recorded that forward), for adding to the training loss.
+
+        Raises
+        ------
+        RuntimeError
+            Before the first forward, or after a forward with fp8 weight rows (inference only).
+        """
         if self._dense_hidden is not None:
             h = self._dense_hidden
             return h.abs().sum() / max(h.numel() // max(h.shape[-1], 1), 1)
@@ -767,8 +865,18 @@ class _TwELLMLPBase(nn.Module):
         return (data.abs().sum() + spill.abs().sum()) / max(counts.shape[0], 1)
 
     def stats(self) -> dict[str, Any]:
-        """The last forward: nonzeros per token, density, spilled entries, and whether it ran the
-        dense fallback (reads back from the device; call it outside the hot path)."""
+        """Report on the last forward's hidden layer (reads back from the device: call it outside
+        the hot path).
+
+        Returns
+        -------
+        dict
+            ``"nnz_per_token"`` (float), ``"density"`` (float, nonzeros over tokens x
+            ``intermediate_size``), ``"n_spilled"`` (int, entries beyond their row-tile's capacity;
+            0 on the dense path) and ``"dense_fallback"`` (bool, whether the dense torch computation
+            ran); empty before the first forward. After a forward with fp8 weight rows, those of
+            these keys that the plan's ``last_stats`` has.
+        """
         units = self.intermediate_size
         if self._plan is not None:
             last = self._plan.last_stats
@@ -853,6 +961,35 @@ class TwELLMLP(_TwELLMLPBase):
         super().__init__(projections, *args, down_format=down_format)
 
     def forward(self, x: Tensor) -> Tensor:
+        """Apply the block, ``down_proj(act(up_proj(x)))``, with a TwELL hidden layer.
+
+        ``dispatch`` may run the dense torch computation instead. The hidden activations are kept
+        for :meth:`stats` and :meth:`l1_penalty` until the next forward.
+
+        Parameters
+        ----------
+        x : Tensor, shape (..., hidden_size)
+            Floating-point tokens, in the weights' dtype outside ``torch.autocast``.
+
+        Returns
+        -------
+        Tensor, shape (..., hidden_size)
+            In ``x``'s dtype: inside ``torch.autocast`` the autocast dtype (the weights' with fp8
+            weight rows).
+
+        Raises
+        ------
+        TypeError
+            For a non-tensor or non-floating ``x``, or (outside ``torch.autocast``) one of another
+            dtype than the weights.
+        ValueError
+            For an ``x`` whose last dimension is not ``hidden_size``.
+        RuntimeError
+            With fp8 weight rows (``down_format``), for a forward that autograd records (inference only).
+        twellsparse.TwELLSpillCapacityError
+            With a fixed ``spill_capacity``, when the previous forward left spilled entries out
+            (raised after this forward is queued; its output is not returned).
+        """
         return self._forward(x, self.up_proj.weight, None, self.down_proj.weight)
 
 
@@ -892,6 +1029,36 @@ class TwELLGatedMLP(_TwELLMLPBase):
         super().__init__(projections, *args, down_format=down_format, up_format=up_format)
 
     def forward(self, x: Tensor) -> Tensor:
+        """Apply the block, ``down_proj(act(gate_proj(x)) * up_proj(x))``, with a TwELL gate.
+
+        ``dispatch`` may run the dense torch computation instead. The gate's activations are kept
+        for :meth:`stats` and :meth:`l1_penalty` until the next forward.
+
+        Parameters
+        ----------
+        x : Tensor, shape (..., hidden_size)
+            Floating-point tokens, in the weights' dtype outside ``torch.autocast``.
+
+        Returns
+        -------
+        Tensor, shape (..., hidden_size)
+            In ``x``'s dtype: inside ``torch.autocast`` the autocast dtype (the weights' with fp8
+            weight rows).
+
+        Raises
+        ------
+        TypeError
+            For a non-tensor or non-floating ``x``, or (outside ``torch.autocast``) one of another
+            dtype than the weights.
+        ValueError
+            For an ``x`` whose last dimension is not ``hidden_size``.
+        RuntimeError
+            With fp8 weight rows (``down_format`` or ``up_format``), for a forward that autograd
+            records (inference only).
+        twellsparse.TwELLSpillCapacityError
+            With a fixed ``spill_capacity``, when the previous forward left spilled entries out
+            (raised after this forward is queued; its output is not returned).
+        """
         return self._forward(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
 
 
@@ -908,13 +1075,37 @@ def from_module(
     down_format: str | None = None,
     up_format: str | None = None,
 ) -> _TwELLMLPBase:
-    """A TwELL MLP sharing the parameters of a Llama/Qwen-style MLP (``gate_proj``, ``up_proj``,
-    ``down_proj``) or a non-gated one (``up_proj``, ``down_proj``), without biases.
+    """Build a TwELL MLP sharing the parameters of a Llama/Qwen-style MLP.
 
     Use ``activation="relu"`` for ReLU-trained checkpoints, or ``"silu"`` with a ``threshold`` to
-    run a SwiGLU checkpoint sparsely (entries with ``|silu(z)| <= threshold`` are dropped);
-    ``dispatch``, ``breakeven``, ``spill_capacity`` and (inference only) ``down_format`` as for
-    :class:`TwELLMLP`, ``up_format`` as for :class:`TwELLGatedMLP` (gated MLPs only).
+    run a SwiGLU checkpoint sparsely (entries with ``|silu(z)| <= threshold`` are dropped).
+
+    Parameters
+    ----------
+    mlp : torch.nn.Module
+        A gated MLP (``gate_proj``, ``up_proj``, ``down_proj``) or a non-gated one (``up_proj``,
+        ``down_proj``), its projections ``nn.Linear`` without bias.
+    activation, tile_n, capacity, threshold, dispatch, breakeven, spill_capacity
+        As for :class:`TwELLMLP` (defaults "relu", 256, ``tile_n // 8``, None, "sparse", None, None).
+    down_format : {None, "e4m3"}, optional
+        As for :class:`TwELLMLP` (inference only).
+    up_format : {None, "e4m3"}, optional
+        As for :class:`TwELLGatedMLP` (inference only; gated MLPs only).
+
+    Returns
+    -------
+    TwELLGatedMLP or TwELLMLP
+        TwELLGatedMLP when ``mlp`` has a ``gate_proj``, else TwELLMLP. It holds ``mlp``'s Linear
+        modules themselves (parameters shared, not copied), so it has their device and dtype.
+
+    Raises
+    ------
+    TypeError
+        For a module without ``up_proj`` and ``down_proj``, or settings of the wrong type.
+    ValueError
+        For a projection with a bias, widths that do not match (``gate_proj`` and ``up_proj``
+        d_model -> d_ff, ``down_proj`` d_ff -> d_model), an ``up_format`` for a non-gated MLP, or
+        out-of-range settings.
     """
     linears = {name: getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")}
     if linears["up_proj"] is None or linears["down_proj"] is None:
@@ -959,12 +1150,32 @@ def from_module(
 
 
 def swap_mlps(model: nn.Module, **kwargs: Any) -> int:
-    """Replace, in place, every submodule called ``mlp`` that has ``up_proj``/``down_proj``
-    with its TwELL counterpart (``from_module(child, **kwargs)``); returns how many.
+    """Replace, in place, every submodule called ``mlp`` that has ``up_proj``/``down_proj`` with its
+    TwELL counterpart (``from_module(child, **kwargs)``).
 
     MLPs that are TwELL modules already are left as they are (with their settings). Every
     candidate is converted before any is swapped in, so an MLP that cannot be converted (a
-    bias, mismatched widths) raises, naming its path in ``model``, with the model unchanged."""
+    bias, mismatched widths) raises, naming its path in ``model``, with the model unchanged.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model to modify in place.
+    **kwargs
+        Keyword arguments of :func:`from_module` (``activation``, ``tile_n``, ...), the same for
+        every MLP.
+
+    Returns
+    -------
+    int
+        How many MLPs were replaced.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`from_module` (an unknown keyword included), the message naming the MLP's path
+        in ``model``.
+    """
     found = []
     for parent_name, parent in model.named_modules():
         for name, child in parent.named_children():
