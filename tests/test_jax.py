@@ -350,3 +350,21 @@ def test_ffn_backward_computes_only_the_wanted_gradients(rng, monkeypatch, gated
     asked.clear()
     jax.grad(lambda xx: jnp.sum(block(xx, *ws) * c))(x)  # x alone: no weight products
     assert asked == [(True, False, False, False)]
+
+
+def test_traced_matrices_say_what_they_cannot_do(rng):
+    """Inside jax.jit a matrix's values are tracers: what needs them (nnz, sum, toarray) raises a
+    TypeError that says so and names the ops that work there, which still do (@)."""
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    x[np.abs(x) < 1.0] = 0.0
+    h = tsj.to_jax(ts.twell_array(x))
+    for name, fn in (
+        ("nnz", lambda h: h.nnz),
+        ("twell_array", lambda h: h.sum()),
+        ("twell_array", lambda h: h.toarray()),
+    ):
+        with pytest.raises(TypeError, match=rf"^{name}: needs the matrix's values, but it holds traced JAX arrays"):
+            jax.jit(fn)(h)
+    assert h.nnz == np.count_nonzero(x)  # outside jit: concrete
+    w = np.ones((64, 3), np.float32)
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda h: h @ w)(h)), x @ w, rtol=1e-5)

@@ -55,6 +55,16 @@ def is_jax_array(x: Any) -> bool:
     return type(x).__module__.split(".")[0] in ("jax", "jaxlib")
 
 
+def is_jax_tracer(x: Any) -> bool:
+    """A JAX tracer (an abstract value inside ``jax.jit`` or another transformation): JAX is
+    imported only for a value that is a JAX array."""
+    if not is_jax_array(x):
+        return False
+    import jax
+
+    return isinstance(x, jax.core.Tracer)
+
+
 def array_module(x: Any) -> ModuleType:
     """NumPy or CuPy, whichever owns ``x``."""
     if is_cupy_array(x):

@@ -16,6 +16,7 @@ from ._backend import (
     device_name,
     is_cupy_array,
     is_jax_array,
+    is_jax_tracer,
     result_dtype,
     value_dtype,
 )
@@ -228,11 +229,13 @@ class twell_array:
     @property
     def nnz(self) -> int:
         """Stored entries (slots in use plus spilled ones; explicit zeros included)."""
+        self._require_values("nnz")
         return int(self._parts.counts.sum()) + self.n_spilled
 
     @property
     def n_spilled(self) -> int:
         """Entries held in the spill part (beyond the capacity of their row-tile)."""
+        self._require_values("n_spilled")
         p = self._parts
         if is_jax_array(p.spill_indptr):  # the JAX adapter's spill is padded: its pointers count
             return int(p.spill_indptr[-1])
@@ -307,9 +310,20 @@ class twell_array:
         their spill padded to a static length) are viewed through DLPack and trimmed."""
         if not is_jax_array(self._parts.data):
             return self
+        self._require_values("twell_array")
         from .jax import from_jax
 
         return from_jax(self)
+
+    def _require_values(self, op: str) -> None:
+        """Raise a clear TypeError where ``op`` needs this matrix's values and they are JAX
+        tracers (inside ``jax.jit``), which hold none yet."""
+        if is_jax_tracer(self._parts.data) or is_jax_tracer(self._parts.counts):
+            raise TypeError(
+                f"{op}: needs the matrix's values, but it holds traced JAX arrays (inside jax.jit or another "
+                "transformation), which have none yet; inside one use twellsparse.jax's ops (matmul, sddmm, ffn, "
+                "gated_ffn) or the @ operator"
+            )
 
     def _coo(self) -> tuple[Any, Any, Any]:
         a = self._concrete()
