@@ -365,6 +365,17 @@ def test_traced_matrices_say_what_they_cannot_do(rng):
     ):
         with pytest.raises(TypeError, match=rf"^{name}: needs the matrix's values, but it holds traced JAX arrays"):
             jax.jit(fn)(h)
+    with pytest.raises(TypeError, match=r"^@ of two TwELL matrices \(a sparse product\): needs the matrix's values"):
+        jax.jit(lambda h: h @ h.T)(h)
     assert h.nnz == np.count_nonzero(x)  # outside jit: concrete
     w = np.ones((64, 3), np.float32)
     np.testing.assert_allclose(np.asarray(jax.jit(lambda h: h @ w)(h)), x @ w, rtol=1e-5)
+    seen = []
+
+    def loss(data):  # an eager grad over the values: the structure stays concrete
+        hh = ts.twell_array._from_parts(h.parts._replace(data=data), h.shape, h.tile_n)
+        seen.append((hh.nnz, hh.n_spilled))
+        return (hh @ w).sum()
+
+    grad = jax.grad(loss)(h.data)
+    assert seen == [(np.count_nonzero(x), 0)] and grad.shape == h.data.shape

@@ -4,7 +4,8 @@
 ``w_down.T`` contiguous (the down projection gathers its rows), so a call transposes nothing.
 A plan keeps references to the caller's weights; after an in-place update call ``refresh()``.
 The one-shot functions build a plan per call and never cache: a cache keyed on weight identity
-would silently go stale when weights are updated in place.
+would silently go stale when weights are updated in place. Their plans make ``w_down.T`` only
+when the call runs sparse, so a call that runs dense (under the break-even) transposes nothing.
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ def raise_for_previous(
 class _FFNPlanBase:
     """Weights (the first one sets the hidden shape) and the producer's settings."""
 
+    #: Whether w_down.T is made on the sparse path's first use rather than by refresh (the
+    #: one-shot functions' plans, which live for one call).
+    _LAZY_DOWN_ROWS = False
+
     def __init__(
         self,
         weights: dict[str, Any],
@@ -113,11 +118,15 @@ class _FFNPlanBase:
         w_down = self._weights["w_down"]
         # What the sparse tail gathers (w_down.T's rows and a gated block's w_up rows, dense or
         # quantized) and what the dense remainder multiplies by: the same weights on both paths.
-        # w_down.T's rows are made on the sparse path's first use (:attr:`_down_rows`): a plan
-        # whose calls all run dense, as a one-shot call under the break-even does, never pays
-        # for the transpose (0.088 ms with CuPy's copy at the standard widths on an H100).
+        # A plan makes w_down.T here, eagerly: made on first use, it could be first touched
+        # inside a CUDA-graph capture (recorded there, not run, and made again by every replay).
+        # A one-shot call's plan (_LAZY_DOWN_ROWS) makes it on the sparse path's first use, so
+        # one that runs dense under the break-even skips the transpose (0.088 ms with CuPy's
+        # copy at the standard widths on an H100).
         self._down_rows_made: Any = None
         self._w_down_dense: Any = w_down
+        if self.down_format is None and not self._LAZY_DOWN_ROWS:
+            self._down_rows_made = array_module(w_down).ascontiguousarray(w_down.T)
         if self.down_format is not None:
             w_down_t = array_module(w_down).ascontiguousarray(w_down.T)
             self._down_rows_made, decoded = _quantized_and_decoded(w_down_t, self.down_format)
@@ -129,8 +138,8 @@ class _FFNPlanBase:
 
     @property
     def _down_rows(self) -> Any:
-        """The rows the sparse tail gathers: ``w_down.T`` made contiguous (or its fp8 rows), on
-        first use since the last :meth:`refresh`."""
+        """The rows the sparse tail gathers: ``w_down.T`` made contiguous (or its fp8 rows), made
+        by :meth:`refresh`, or on first use for a one-shot call's plan."""
         if self._down_rows_made is None:
             w_down = self._weights["w_down"]
             self._down_rows_made = array_module(w_down).ascontiguousarray(w_down.T)
@@ -563,12 +572,13 @@ class FFN(_FFNPlanBase):
     receives the result; with unit column stride and operands of one dtype with 16-byte rows
     the kernels write it directly, otherwise the result is copied into it.
 
-    A plan keeps a copy of ``w_down.T`` (the sparse path's layout) and reads the other weights
-    where they are: after updating weights in place call :meth:`refresh`, else the sparse path
-    keeps the old ``w_down`` while the dense one reads the new. ``refresh`` allocates new arrays:
-    capture CUDA graphs again after it. A plan holds per-call state (``last_stats``, the posted
-    density and spill counts): use one per thread, and with a fixed ``spill_capacity`` call
-    :meth:`check_spill` after the replays of one captured graph before replaying another.
+    A plan keeps a copy of ``w_down.T`` (the sparse path's layout, made by the constructor and
+    :meth:`refresh`) and reads the other weights where they are: after updating weights in
+    place call :meth:`refresh`, else the sparse path keeps the old ``w_down`` while the dense
+    one reads the new. ``refresh`` allocates new arrays: capture CUDA graphs again after it. A
+    plan holds per-call state (``last_stats``, the posted density and spill counts): use one per
+    thread, and with a fixed ``spill_capacity`` call :meth:`check_spill` after the replays of one
+    captured graph before replaying another.
 
     Attributes
     ----------
@@ -644,6 +654,18 @@ class GatedFFN(_FFNPlanBase):
         return self._run(x, "w_gate", "w_up", out)
 
 
+class _OneShotFFN(FFN):
+    """The plan of one :func:`ffn` call: ``w_down.T`` made only if the call runs sparse."""
+
+    _LAZY_DOWN_ROWS = True
+
+
+class _OneShotGatedFFN(GatedFFN):
+    """The plan of one :func:`gated_ffn` call: ``w_down.T`` made only if the call runs sparse."""
+
+    _LAZY_DOWN_ROWS = True
+
+
 def ffn(
     x: Any,
     w_up: Any,
@@ -679,7 +701,7 @@ def ffn(
     FFN : the reusable plan (no per-call weight transpose).
     """
     _one_shot_weights(x, w_up=w_up, w_down=w_down)
-    plan = FFN(
+    plan = _OneShotFFN(
         w_up, w_down, activation=activation, tile_n=tile_n, capacity=capacity, threshold=threshold, dispatch=dispatch
     )
     return plan(x)
@@ -723,7 +745,7 @@ def gated_ffn(
     GatedFFN : the reusable plan.
     """
     _one_shot_weights(x, w_gate=w_gate, w_up=w_up, w_down=w_down)
-    plan = GatedFFN(
+    plan = _OneShotGatedFFN(
         w_gate,
         w_up,
         w_down,

@@ -229,14 +229,14 @@ class twell_array:
     @property
     def nnz(self) -> int:
         """Stored entries (slots in use plus spilled ones; explicit zeros included)."""
-        self._require_values("nnz")
+        self._require_values("nnz", self._parts.counts)
         return int(self._parts.counts.sum()) + self.n_spilled
 
     @property
     def n_spilled(self) -> int:
         """Entries held in the spill part (beyond the capacity of their row-tile)."""
-        self._require_values("n_spilled")
         p = self._parts
+        self._require_values("n_spilled", p.spill_indptr)
         if is_jax_array(p.spill_indptr):  # the JAX adapter's spill is padded: its pointers count
             return int(p.spill_indptr[-1])
         return int(p.spill_data.size)
@@ -310,19 +310,20 @@ class twell_array:
         their spill padded to a static length) are viewed through DLPack and trimmed."""
         if not is_jax_array(self._parts.data):
             return self
-        self._require_values("twell_array")
+        self._require_values("twell_array", self._parts.data, self._parts.counts)
         from .jax import from_jax
 
         return from_jax(self)
 
-    def _require_values(self, op: str) -> None:
-        """Raise a clear TypeError where ``op`` needs this matrix's values and they are JAX
-        tracers (inside ``jax.jit``), which hold none yet."""
-        if is_jax_tracer(self._parts.data) or is_jax_tracer(self._parts.counts):
+    def _require_values(self, op: str, *arrays: Any) -> None:
+        """Raise a clear TypeError where ``op`` needs ``arrays`` (components of this matrix) and
+        one is a JAX tracer (inside ``jax.jit`` or another transformation), which holds no values
+        yet; under an eager ``jax.grad`` the structure (counts, spill pointers) stays concrete."""
+        if any(is_jax_tracer(a) for a in arrays):
             raise TypeError(
                 f"{op}: needs the matrix's values, but it holds traced JAX arrays (inside jax.jit or another "
                 "transformation), which have none yet; inside one use twellsparse.jax's ops (matmul, sddmm, ffn, "
-                "gated_ffn) or the @ operator"
+                "gated_ffn) or @ with a dense operand"
             )
 
     def _coo(self) -> tuple[Any, Any, Any]:
@@ -753,6 +754,7 @@ class twell_array:
         from ._ops import matmul
 
         if is_twell(other):
+            self._require_values("@ of two TwELL matrices (a sparse product)", self._parts.data)
             return self.tocsr() @ other.tocsr()
         if sp.issparse(other) or _is_cupyx_sparse(other):
             return self.tocsr() @ other

@@ -119,7 +119,9 @@ def _l2_eviction_buffer() -> Any:
     l2_bytes = int(properties.get("l2CacheSize", 0)) or 64 << 20
     try:
         return cp.empty(2 * l2_bytes, dtype=cp.uint8)
-    except cp.cuda.memory.OutOfMemoryError:  # a nearly full GPU: time warm rather than fail the call
+    # A nearly full GPU: time warm rather than fail the call. CuPy's pool raises its own error;
+    # an allocator it was handed (torch's, inside the torch adapter) raises a RuntimeError.
+    except (cp.cuda.memory.OutOfMemoryError, MemoryError, RuntimeError):
         return None
 
 
