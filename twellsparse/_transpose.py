@@ -99,27 +99,8 @@ class twell_transpose:
         return self._base
 
     def toarray(self, order: str | None = None, out: Any = None) -> Any:
-        """As ``twell_array.toarray``, for the transposed view: a dense copy of the transpose.
-
-        Parameters
-        ----------
-        order : {None, "C", "F"}, optional
-            Memory layout of the result: C order for None (the default) or "C", Fortran order for "F".
-        out : array, optional
-            An array of shape ``(N, M)`` and the base's dtype, on its device, to write the result into.
-
-        Returns
-        -------
-        array, shape (N, M)
-            NumPy (CPU) or CuPy (GPU) array in the base's dtype; ``out`` when given.
-
-        Raises
-        ------
-        ValueError
-            For another ``order``, or an ``out`` of another shape, dtype or device.
-        TypeError
-            For an ``out`` that is not a NumPy or CuPy array.
-        """
+        """A dense copy of the transpose: parameters, result and errors as :meth:`twell_array.toarray`, for
+        the transposed view (shapes swapped)."""
         check_order(order)
         dense = self._base.toarray().T
         xp = array_module(dense)  # the base's concrete arrays' (a JAX base gives NumPy or CuPy)
@@ -129,74 +110,19 @@ class twell_transpose:
     todense = toarray
 
     def tocsr(self, copy: bool = False) -> Any:
-        """As ``twell_array.tocsr``, for the transposed view: the transpose in CSR format.
-
-        Parameters
-        ----------
-        copy : bool, default False
-            Accepted for scipy compatibility and ignored: the result is a new matrix either way.
-
-        Returns
-        -------
-        scipy.sparse.csr_array or cupyx.scipy.sparse.csr_matrix
-            Shape ``(N, M)``; float32 values for a 16-bit base, as ``twell_array.tocsr``.
-
-        Warns
-        -----
-        TwELLFallbackWarning
-            For a float16 or bfloat16 base (values widened to float32).
-        """
+        """The transpose in CSR format: parameters, result and errors as :meth:`twell_array.tocsr`, for
+        the transposed view (shapes swapped)."""
         return self._base.tocsr().T.tocsr()
 
     def tocoo(self, copy: bool = False) -> Any:
-        """As ``twell_array.tocoo``, for the transposed view: the transpose in COO format.
-
-        Parameters
-        ----------
-        copy : bool, default False
-            Accepted for scipy compatibility and ignored: the result is a new matrix either way.
-
-        Returns
-        -------
-        scipy.sparse.coo_array or cupyx.scipy.sparse.coo_matrix
-            Shape ``(N, M)``; float32 values for a 16-bit base.
-
-        Warns
-        -----
-        TwELLFallbackWarning
-            For a float16 or bfloat16 base (values widened to float32).
-        """
+        """The transpose in COO format: parameters, result and errors as :meth:`twell_array.tocoo`, for
+        the transposed view (shapes swapped)."""
         return self._base.tocoo().T
 
     def asformat(self, format: str | None, copy: bool = False) -> Any:
-        """Return the transpose in ``format``.
-
-        Parameters
-        ----------
-        format : {None, "twell", "csr", "coo", "csc", "bsr", "dia", "dok", "lil"}
-            None for this view; "twell" for a real N x M ``twell_array`` with the base's tile_n,
-            capacity and dtype (row-tiles beyond the capacity spill); otherwise a scipy.sparse
-            format, converted through :meth:`tocsr`.
-        copy : bool, default False
-            With None, return the view of a deep copy of the base (:meth:`copy`) rather than this
-            view. Ignored otherwise: a converted matrix is always new.
-
-        Returns
-        -------
-        twell_transpose, twell_array or sparse matrix
-            This view or its copy, the N x M TwELL matrix, or a scipy.sparse (CPU) /
-            cupyx.scipy.sparse (GPU) matrix (float32 values for a 16-bit base, as :meth:`tocsr`).
-
-        Raises
-        ------
-        ValueError
-            For a ``format`` not listed.
-
-        Warns
-        -----
-        TwELLFallbackWarning
-            For a float16 or bfloat16 base converted to a scipy.sparse format.
-        """
+        """The transpose in ``format``: parameters, result and errors as
+        :meth:`twell_array.asformat`, for the transposed view (shapes swapped; None gives this view,
+        or with ``copy`` the view of a deep copy of the base, :meth:`copy`)."""
         check_format_name(format)
         if format is None:
             return self.copy() if copy else self
@@ -211,25 +137,8 @@ class twell_transpose:
         return self.tocsr().asformat(format)
 
     def astype(self, dtype: Any, copy: bool = True) -> twell_transpose:
-        """As ``twell_array.astype``, for the transposed view: the view of the base cast to ``dtype``.
-
-        Parameters
-        ----------
-        dtype : dtype
-            The value dtype: float16, bfloat16 (``"bfloat16"`` accepted), float32 or float64.
-        copy : bool, default True
-            With False, the new view wraps this view's base itself when it already has ``dtype``.
-
-        Returns
-        -------
-        twell_transpose
-            A view of ``base.astype(dtype, copy=copy)`` (its structure arrays shared with the base).
-
-        Raises
-        ------
-        TypeError
-            For a ``dtype`` that is not one of the value dtypes.
-        """
+        """The view of the base cast to ``dtype``: parameters, result and errors as :meth:`twell_array.astype`, for
+        the transposed view (shapes swapped)."""
         return twell_transpose(self._base.astype(dtype, copy=copy))
 
     def copy(self) -> twell_transpose:
@@ -237,71 +146,20 @@ class twell_transpose:
         return twell_transpose(self._base.copy())
 
     def get(self, stream: Any = None) -> twell_transpose:
-        """As ``twell_array.get``, for the transposed view: the view of a host copy of the base.
-
-        Parameters
-        ----------
-        stream : cupy.cuda.Stream, optional
-            Passed to CuPy's ``ndarray.get`` for each component's device-to-host copy.
-
-        Returns
-        -------
-        twell_transpose
-            A new view of ``base.get(stream)`` (the base itself when its components are not CuPy
-            arrays).
-        """
+        """The view of a host copy of the base: parameters, result and errors as :meth:`twell_array.get`, for
+        the transposed view (shapes swapped)."""
         return twell_transpose(self._base.get(stream))
 
     def sum(self, axis: int | None = None, dtype: Any = None) -> Any:
-        """As ``twell_array.sum``, for the transposed view: all entries, per column or per row.
-
-        Parameters
-        ----------
-        axis : {None, 0, 1, -1, -2}, optional
-            None (default) sums every entry; 0 (or -2) sums each column of the transpose (each row
-            of the base), 1 (or -1) each row of the transpose.
-        dtype : dtype, optional
-            The result's value dtype (float16, bfloat16, float32 or float64); default the base's.
-
-        Returns
-        -------
-        scalar or array
-            For ``axis=None`` a NumPy scalar (CPU) or a 0-d CuPy array (GPU), else an array of shape
-            (M,) for ``axis=0`` or (N,) for ``axis=1``.
-
-        Raises
-        ------
-        ValueError
-            For another ``axis``.
-        TypeError
-            For a ``dtype`` that is not a value dtype.
-        """
+        """The sum of all entries, per column or per row: parameters, result and errors as :meth:`twell_array.sum`, for
+        the transposed view (shapes swapped)."""
         if axis is not None and axis not in (0, 1, -1, -2):
             raise ValueError(f"axis: expected None, 0 or 1, got {axis}")
         return self._base.sum(axis=None if axis is None else 1 - axis % 2, dtype=dtype)
 
     def multiply(self, other: Any) -> twell_transpose:
-        """As ``twell_array.multiply``, for the transposed view: the product at its stored entries.
-
-        Parameters
-        ----------
-        other : scalar, array_like or sparse matrix
-            A Python or NumPy int or float (not a bool); a dense array broadcastable to ``shape``
-            (N, M) on the base's device; or a sparse matrix of shape (N, M) (densified first).
-
-        Returns
-        -------
-        twell_transpose
-            The view of ``base.multiply(other.T)``: the base's pattern with new values, dtypes
-            promoted as in ``twell_array.multiply``.
-
-        Raises
-        ------
-        ValueError
-            For an array on another device or of a shape that does not broadcast to ``shape``.
-        TypeError
-            For an array whose dtype is not a value dtype.
-        """
+        """The product at the stored entries, as a transposed view: parameters, result and
+        errors as :meth:`twell_array.multiply`, for the transposed view (shapes swapped)."""
         if _is_scalar(other):
             return twell_transpose(self._base.multiply(other))
         if issparse(other):
@@ -321,20 +179,8 @@ class twell_transpose:
         return twell_transpose(self._base / other)
 
     def dot(self, other: Any) -> Any:
-        """As ``twell_array.dot``, for the transposed view: the matrix product ``self @ other``.
-
-        Parameters
-        ----------
-        other : array_like or sparse matrix
-            A dense operand of ``M`` rows (1-D or 2-D; see :func:`twellsparse.matmul`), or a sparse
-            matrix (TwELL, scipy.sparse or cupyx.scipy.sparse) of ``M`` rows.
-
-        Returns
-        -------
-        array or sparse matrix
-            A dense array for a dense ``other``, computed without converting the base; a CSR matrix
-            for a sparse one.
-        """
+        """The matrix product ``self @ other``: parameters, result and errors as :meth:`twell_array.dot`, for
+        the transposed view (shapes swapped)."""
         return self @ other
 
     def __matmul__(self, other: Any) -> Any:

@@ -45,6 +45,15 @@ def _is_cupyx_sparse(obj: Any) -> bool:
     return bool(csp.issparse(obj))
 
 
+def _component(name: str, doc: str) -> property:
+    """A read-only property of ``twell_array`` returning one of its component arrays."""
+
+    def get(self: twell_array) -> Any:
+        return getattr(self._parts, name)
+
+    return property(get, doc=doc)
+
+
 class twell_array:
     """A sparse matrix in TwELL (tile-wise ELLPACK) format.
 
@@ -256,35 +265,12 @@ class twell_array:
         """The component arrays (see docs/FORMAT.md); shared, not copied."""
         return self._parts
 
-    @property
-    def data(self) -> Any:
-        """Slot values, (M, n_tiles, capacity) in the value dtype; 0 in unused slots."""
-        return self._parts.data
-
-    @property
-    def indices(self) -> Any:
-        """Tile-local int16 columns of the slots, (M, n_tiles, capacity), 0 to tile_n - 1; -1 in unused slots."""
-        return self._parts.indices
-
-    @property
-    def counts(self) -> Any:
-        """Slots in use per row-tile, int32 (M, n_tiles), 0 to capacity."""
-        return self._parts.counts
-
-    @property
-    def spill_data(self) -> Any:
-        """Values of the entries beyond their row-tile's capacity, (S,) in the value dtype (the spill CSR)."""
-        return self._parts.spill_data
-
-    @property
-    def spill_indices(self) -> Any:
-        """Global int32 columns of the spilled entries, (S,), strictly increasing within each row."""
-        return self._parts.spill_indices
-
-    @property
-    def spill_indptr(self) -> Any:
-        """Row pointers of the spill CSR, int32 (M + 1,)."""
-        return self._parts.spill_indptr
+    data = _component("data", "Slot values, (M, n_tiles, capacity) in the value dtype; 0 in unused slots.")
+    indices = _component("indices", "Tile-local int16 columns, (M, n_tiles, capacity); -1 in unused slots.")
+    counts = _component("counts", "Slots in use per row-tile, int32 (M, n_tiles), 0 to capacity.")
+    spill_data = _component("spill_data", "Values of the entries beyond their row-tile's capacity, (S,).")
+    spill_indices = _component("spill_indices", "Global int32 columns of the spilled entries, (S,), sorted per row.")
+    spill_indptr = _component("spill_indptr", "Row pointers of the spill CSR, int32 (M + 1,).")
 
     def _xp(self) -> Any:
         return array_module(self._parts.data)
@@ -406,7 +392,7 @@ class twell_array:
         Parameters
         ----------
         copy : bool, default False
-            Accepted for scipy compatibility and ignored: the result is a new matrix either way.
+            As for :meth:`tocsr`.
 
         Returns
         -------
@@ -959,35 +945,13 @@ def _check_parts(parts: TwELLParts, shape: tuple[int, int], tile_n: int, full: b
 
 
 def is_twell(obj: Any) -> bool:
-    """Return whether ``obj`` is a TwELL matrix.
-
-    Parameters
-    ----------
-    obj : object
-        Anything.
-
-    Returns
-    -------
-    bool
-        True for a ``twell_array`` or its transposed view (``twell_transpose``).
-    """
+    """Whether ``obj`` (anything) is a TwELL matrix: a ``twell_array`` or its transposed view."""
     from ._transpose import twell_transpose
 
     return isinstance(obj, (twell_array, twell_transpose))
 
 
 def issparse(obj: Any) -> bool:
-    """Return whether ``obj`` is a sparse matrix.
-
-    Parameters
-    ----------
-    obj : object
-        Anything.
-
-    Returns
-    -------
-    bool
-        True for TwELL matrices (:func:`is_twell`) and for scipy.sparse / cupyx.scipy.sparse
-        matrices and arrays.
-    """
+    """Whether ``obj`` (anything) is a sparse matrix: TwELL (:func:`is_twell`), or scipy.sparse /
+    cupyx.scipy.sparse matrices and arrays."""
     return is_twell(obj) or sp.issparse(obj) or _is_cupyx_sparse(obj)

@@ -806,15 +806,12 @@ def gated_ffn(
     spill_capacity: int | None = None,
 ) -> jax.Array:
     """Gated sparse FFN ``(act(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T``; see
-    :func:`twellsparse.gated_ffn`.
-
-    Differentiable in ``x`` and every weight (sparse backward, pattern recomputed); it always
-    runs the sparse path.
+    :func:`twellsparse.gated_ffn`. Differentiable and always sparse, as :func:`ffn`.
 
     Parameters
     ----------
     x : array_like, shape (..., d_model)
-        Floating-point; its leading dimensions are tokens.
+        As for :func:`ffn`.
     w_gate, w_up : array_like, shape (d_ff, d_model)
     w_down : array_like, shape (d_model, d_ff)
         Of ``x``'s dtype.
@@ -826,16 +823,7 @@ def gated_ffn(
     Returns
     -------
     jax.Array, shape (..., d_model)
-        In ``x``'s dtype.
-
-    Raises
-    ------
-    TypeError
-        For a setting given as a tracer or of the wrong type, non-floating operands, or operands
-        of different dtypes.
-    ValueError
-        For a 0-d ``x``, weights that are not 2-D or whose shapes do not match, or out-of-range
-        settings.
+        As for :func:`ffn`, and raises as it does.
     """
     settings = (activation, tile_n, capacity, threshold, spill_capacity)
     return _block(x, {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}, *settings)

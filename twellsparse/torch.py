@@ -594,28 +594,18 @@ def gated_ffn(
         The down projection, in ``x``'s dtype.
     activation : {"relu", "relu2", "silu", "gelu", "identity"}, default "relu"
         Applied to ``x @ w_gate.T``; silu and gelu need a ``threshold`` to be sparse.
-    tile_n : int, default 256
-        Columns per tile of the TwELL hidden layer, a power of two from 32 to 1024.
-    capacity : int, optional
-        Slots per row-tile, 1 to ``tile_n``; default ``tile_n // 8``. Entries beyond it spill
-        (exact, on a slower path).
-    threshold : float, optional
-        Keep only hidden entries with ``|act(z)| > threshold`` (finite, >= 0); default: every
-        nonzero.
+    tile_n, capacity, threshold
+        As for :func:`ffn`.
 
     Returns
     -------
     Tensor, shape (..., d_model)
-        On ``x``'s device, in ``x``'s dtype (the autocast dtype inside ``torch.autocast``).
+        As for :func:`ffn`.
 
     Raises
     ------
-    TypeError
-        For a non-tensor or non-floating ``x``, weights that are not 2-D tensors, weights of
-        another dtype than ``x`` (outside ``torch.autocast``), or settings of the wrong type.
-    ValueError
-        For shapes that do not match, or an unknown ``activation`` or out-of-range ``tile_n``,
-        ``capacity`` or ``threshold``.
+    TypeError, ValueError
+        As for :func:`ffn`.
     """
     return _run(x, w_gate, w_up, w_down, activation, tile_n, capacity, threshold)[0]
 
@@ -1032,32 +1022,8 @@ class TwELLGatedMLP(_TwELLMLPBase):
         """Apply the block, ``down_proj(act(gate_proj(x)) * up_proj(x))``, with a TwELL gate.
 
         ``dispatch`` may run the dense torch computation instead. The gate's activations are kept
-        for :meth:`stats` and :meth:`l1_penalty` until the next forward.
-
-        Parameters
-        ----------
-        x : Tensor, shape (..., hidden_size)
-            Floating-point tokens, in the weights' dtype outside ``torch.autocast``.
-
-        Returns
-        -------
-        Tensor, shape (..., hidden_size)
-            In ``x``'s dtype: inside ``torch.autocast`` the autocast dtype (the weights' with fp8
-            weight rows).
-
-        Raises
-        ------
-        TypeError
-            For a non-tensor or non-floating ``x``, or (outside ``torch.autocast``) one of another
-            dtype than the weights.
-        ValueError
-            For an ``x`` whose last dimension is not ``hidden_size``.
-        RuntimeError
-            With fp8 weight rows (``down_format`` or ``up_format``), for a forward that autograd
-            records (inference only).
-        twellsparse.TwELLSpillCapacityError
-            With a fixed ``spill_capacity``, when the previous forward left spilled entries out
-            (raised after this forward is queued; its output is not returned).
+        for :meth:`stats` and :meth:`l1_penalty` until the next forward. Parameters, result and
+        errors as :meth:`TwELLMLP.forward` (fp8 weight rows: ``down_format`` or ``up_format``).
         """
         return self._forward(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
 
