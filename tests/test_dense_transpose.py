@@ -32,3 +32,17 @@ def test_switch_values(monkeypatch):
     assert K.env_switch("TWELL_DENSE_TRANSPOSE") is False
     monkeypatch.delenv("TWELL_DENSE_TRANSPOSE")
     assert K.env_switch("TWELL_DENSE_TRANSPOSE") is None
+
+
+def test_contiguous_transpose_copies_only_where_needed():
+    """``a.T`` as a C-contiguous array: the view itself where it already is one (a transposed
+    weight, as tied weights give), else a new array with the same values."""
+    from twellsparse._dense_transpose import contiguous_transpose
+
+    a = np.arange(12.0).reshape(3, 4)
+    t = contiguous_transpose(a)
+    assert t.flags.c_contiguous and not np.shares_memory(t, a)
+    np.testing.assert_array_equal(t, a.T)
+    f = np.asfortranarray(a)
+    assert contiguous_transpose(f).base is f or np.shares_memory(contiguous_transpose(f), f)
+    np.testing.assert_array_equal(contiguous_transpose(f), a.T)

@@ -50,3 +50,9 @@ def transpose(a: Any) -> Any:
         args = (a, np.int64(lda), np.int64(rows), np.int64(cols), out, np.int64(rows))
         K.launch_grid(f"dense_transpose<{K.CXX_TYPE[a.dtype]}>", grid, (TILE, ROWS), args)
     return out
+
+
+def contiguous_transpose(a: Any) -> Any:
+    """``a.T`` as a C-contiguous array: ``a.T`` itself where it already is one (no copy), else
+    :func:`transpose`'s new array."""
+    return a.T if a.T.flags.c_contiguous else transpose(a)

@@ -16,6 +16,7 @@ from ._backend import array_module, is_jax_array
 from ._twell import (
     _is_scalar,
     broadcast_operand,
+    check_axes,
     check_format_name,
     check_order,
     is_twell,
@@ -70,27 +71,9 @@ class twell_transpose:
         return f"<transposed view of {self._base!r}>"
 
     def transpose(self, axes: Any = None, copy: bool = False) -> twell_array:
-        """Return the base matrix, the transpose of this view.
-
-        Parameters
-        ----------
-        axes : None or (1, 0), optional
-            Accepted for NumPy compatibility; only the 2-D transpose exists.
-        copy : bool, default False
-            Accepted for scipy compatibility and ignored: the base itself is returned.
-
-        Returns
-        -------
-        twell_array
-            The (M, N) matrix this view transposes (shared, not copied).
-
-        Raises
-        ------
-        ValueError
-            For other ``axes``.
-        """
-        if axes is not None and tuple(axes) != (1, 0):
-            raise ValueError(f"axes: expected None or (1, 0), got {axes!r}")
+        """The base matrix (shared, not copied), the transpose of this view: parameters and
+        errors as :meth:`twell_array.transpose` (``copy`` ignored here too)."""
+        check_axes(axes)
         return self._base
 
     @property

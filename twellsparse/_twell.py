@@ -704,8 +704,7 @@ class twell_array:
         ValueError
             For other ``axes``.
         """
-        if axes is not None and tuple(axes) != (1, 0):
-            raise ValueError(f"axes: expected None or (1, 0), got {axes!r}")
+        check_axes(axes)
         from ._transpose import twell_transpose
 
         return twell_transpose(self)
@@ -798,6 +797,12 @@ def _device_id(device: Any) -> int:
     elif isinstance(dev, (int, np.integer)) and not isinstance(dev, bool) and dev >= 0:
         return int(dev)
     raise ValueError(f'device: expected "cpu", a GPU id, "cuda:N" or a cupy.cuda.Device, got {device!r}')
+
+
+def check_axes(axes: Any) -> None:
+    """``transpose``'s ``axes``: None or (1, 0), the only transpose of a 2-D matrix."""
+    if axes is not None and tuple(axes) != (1, 0):
+        raise ValueError(f"axes: expected None or (1, 0), got {axes!r}")
 
 
 def check_order(order: Any) -> None:

@@ -193,9 +193,9 @@ def _down_weight(w_down: Tensor) -> Any:
     per hidden unit), is contiguous: transposed by the library's tiled kernel, or (CPU tensors,
     ``TWELL_DENSE_TRANSPOSE=0``) by torch's copy, where the ops would otherwise make it with
     CuPy's strided one."""
-    # A transposed view (tied weights) is already in that layout: torch's copy is then none.
-    if _dense_transpose.PREFERRED and w_down.is_cuda and not w_down.t().is_contiguous():
-        return _dense_transpose.transpose(_to_array(w_down)).T
+    # A transposed view (tied weights) is already in that layout: no copy is made then.
+    if _dense_transpose.PREFERRED and w_down.is_cuda:
+        return _dense_transpose.contiguous_transpose(_to_array(w_down)).T
     return _to_array(w_down.t().contiguous()).T
 
 
