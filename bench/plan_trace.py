@@ -1,0 +1,82 @@
+"""The kernels of one call of the sparse FFN plans, in launch order, with their GPU times and the
+idle gaps between them (torch.profiler's CUDA activity, which records CuPy's launches too).
+
+    python bench/plan_trace.py [--m 16384] [--density 0.005] [--pattern uniform] [--calls 3]
+
+Prints, for the gated and the non-gated plan (``dispatch="sparse"``, exact spill), each kernel of
+the last of ``--calls`` back-to-back calls: start offset, duration and the gap before it (us),
+then the call's span, kernel time and gap total. A gap is time the GPU waits for the host (a
+read-back, a launch the host had not issued yet); the stages' sum is what fusing launches saves.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+
+def trace(call: Callable[[], Any], calls: int) -> list[tuple[str, float, float]]:
+    """``(name, start us, end us)`` of the GPU kernels and copies of the last of ``calls`` calls."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    events = sorted(
+        (
+            (e.name, float(e.time_range.start), float(e.time_range.end))
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+        ),
+        key=lambda e: e[1],
+    )
+    # The last call's kernels: split the stream where the first kernel of each call starts. Calls
+    # launch the same sequence, so the last len(events) / calls events belong to the last call.
+    per_call = len(events) // calls
+    return events[-per_call:]
+
+
+def report(title: str, events: list[tuple[str, float, float]]) -> None:
+    print(f"\n{title}")
+    t0, prev_end, busy, gaps = events[0][1], events[0][1], 0.0, 0.0
+    for name, start, end in events:
+        gap = max(0.0, start - prev_end)
+        gaps += gap
+        busy += end - start
+        print(f"  {start - t0:9.1f} {end - start:9.1f} {gap:8.1f}  {name[:110]}")
+        prev_end = max(prev_end, end)
+    print(f"  span {prev_end - t0:.1f} us, kernels {busy:.1f} us, gaps {gaps:.1f} us, {len(events)} launches")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--m", type=int, default=16384)
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--d-ff", type=int, default=5632)
+    ap.add_argument("--density", type=float, default=0.005)
+    ap.add_argument("--pattern", default="uniform")
+    ap.add_argument("--calls", type=int, default=3)
+    args = ap.parse_args(argv)
+
+    import cupy as cp
+
+    import twellsparse as ts
+    from twellsparse.testing import ffn_problem
+
+    p = ffn_problem(args.m, args.d_model, args.d_ff, args.density, args.pattern, ts.bfloat16, 0, cp)
+    x, wg, wu, wd = p["x"], p["w_gate"], p["w_up"], p["w_down"]
+    gated = ts.GatedFFN(wg, wu, wd, dispatch="sparse")
+    plain = ts.FFN(wg, wd, dispatch="sparse")
+    shape = f"m {args.m}, d_model {args.d_model}, d_ff {args.d_ff}, {args.pattern} {args.density:.3%}"
+    report(f"gated plan ({shape}): start, duration, gap before (us)", trace(lambda: gated(x), args.calls))
+    report(f"non-gated plan ({shape})", trace(lambda: plain(x), args.calls))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
