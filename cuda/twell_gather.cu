@@ -16,7 +16,6 @@
 // fragment layout.
 #include "twell_fp8.cuh"
 #include "twell_mma.cuh"
-#include "twell_stationary_pack.cuh"
 #include "twell_types.cuh"
 
 using namespace twell;
@@ -163,24 +162,21 @@ __device__ __forceinline__ void for_each_owned(int cnt, int lane, G&& g) {
   }
 }
 
-// Calls f(n, col, val, where, pos) for the stored entries of `row`, up to 32 at a time: lane l
-// holds entry l of the batch (meaningful for l < n; other lanes hold col 0 and val 0), the
-// entry's position `pos` in the row's walk order. Tile entries come first, in tile order, then
-// the row's spill entries. Without VALUES the values are not read (val = 0; `data` may then
-// hold another type).
+// Calls f(n, col, val, where) for the stored entries of `row`, up to 32 at a time: lane l holds
+// entry l of the batch (meaningful for l < n; other lanes hold col 0 and val 0). Tile entries
+// come first, in tile order, then the row's spill entries. Without VALUES the values are not
+// read (val = 0; `data` may then hold another type).
 template <bool VALUES, typename T, typename F>
-__device__ __forceinline__ void for_each_batch_at(const T* data, const short* __restrict__ indices,
-                                                  const int* __restrict__ counts,
-                                                  const int* __restrict__ spill_indptr,
-                                                  const int* __restrict__ spill_cols, const T* spill_vals,
-                                                  long long row, int n_tiles, int tile_n, int capacity,
-                                                  int lane, F&& f) {
+__device__ __forceinline__ void for_each_batch(const T* data, const short* __restrict__ indices,
+                                               const int* __restrict__ counts,
+                                               const int* __restrict__ spill_indptr,
+                                               const int* __restrict__ spill_cols, const T* spill_vals,
+                                               long long row, int n_tiles, int tile_n, int capacity,
+                                               int lane, F&& f) {
   using A = typename acc_of<T>::type;
-  int done = 0;  // entries of the chunks of tiles before this one
   for (int t0 = 0; t0 < n_tiles; t0 += 32) {
     const int tile = t0 + lane;
     const int cnt = tile < n_tiles ? counts[row * n_tiles + tile] : 0;
-    int batch_first = done;
     for_each_owned(cnt, lane, [&](int n, bool valid, int owner, int k) {
       int col = 0;
       A val = A(0);
@@ -190,10 +186,8 @@ __device__ __forceinline__ void for_each_batch_at(const T* data, const short* __
         col = (t0 + owner) * tile_n + indices[where];
         if (VALUES) val = to_acc(data[where]);
       }
-      f(n, col, val, where, batch_first + lane);
-      batch_first += 32;
+      f(n, col, val, where);
     });
-    done += __reduce_add_sync(kFull, (unsigned)cnt);
   }
   const int s0 = spill_indptr[row], s1 = spill_indptr[row + 1];
   for (int e0 = s0; e0 < s1; e0 += 32) {
@@ -204,21 +198,8 @@ __device__ __forceinline__ void for_each_batch_at(const T* data, const short* __
       col = spill_cols[e];
       if (VALUES) val = to_acc(spill_vals[e]);
     }
-    f(min(32, s1 - e0), col, val, ~(long long)e, done + e - s0);
+    f(min(32, s1 - e0), col, val, ~(long long)e);
   }
-}
-
-// for_each_batch_at without the positions: f(n, col, val, where).
-template <bool VALUES, typename T, typename F>
-__device__ __forceinline__ void for_each_batch(const T* data, const short* __restrict__ indices,
-                                               const int* __restrict__ counts,
-                                               const int* __restrict__ spill_indptr,
-                                               const int* __restrict__ spill_cols, const T* spill_vals,
-                                               long long row, int n_tiles, int tile_n, int capacity,
-                                               int lane, F&& f) {
-  using A = typename acc_of<T>::type;
-  for_each_batch_at<VALUES>(data, indices, counts, spill_indptr, spill_cols, spill_vals, row, n_tiles, tile_n,
-                            capacity, lane, [&](int n, int col, A val, long long where, int) { f(n, col, val, where); });
 }
 
 // Calls f(n, col, val, operand, its row stride) for every batch of A's entries (values data /
@@ -786,30 +767,27 @@ __global__ void __launch_bounds__(128) twell_gather_sddmm_gated_bwd(
   zero_padding(h_data, counts, row, n_tiles, capacity, lane);
 }
 
-// One row of the gated up projection (twell_gather_gated_up and its twins): for each batch of
-// the gate's stored entries, u = dots(n, col) rounded to T, h = g * u, both stored at the gate's
-// positions (u only when u_data is not null); then also(col, pos, h) for each entry (its walk
-// position, cuda/twell_stationary_pack.cuh).
-template <typename T, typename Dots, typename Also>
+// One row of the gated up projection (twell_gather_gated_up and its e4m3 twin): for each batch
+// of the gate's stored entries, u = dots(n, col) rounded to T, h = g * u, both stored at the
+// gate's positions (u only when u_data is not null).
+template <typename T, typename Dots>
 __device__ __forceinline__ void gated_up_row(const T* __restrict__ gate, const short* __restrict__ indices,
                                              const int* __restrict__ counts, const int* __restrict__ spill_indptr,
                                              const int* __restrict__ spill_cols, const T* __restrict__ gate_spill,
                                              long long row, int n_tiles, int tile_n, int capacity, int lane,
                                              T* __restrict__ h_data, T* __restrict__ h_spill, T* __restrict__ u_data,
-                                             T* __restrict__ u_spill, Dots&& dots, Also&& also) {
+                                             T* __restrict__ u_spill, Dots&& dots) {
   using A = typename acc_of<T>::type;
-  for_each_batch_at<true>(gate, indices, counts, spill_indptr, spill_cols, gate_spill, row, n_tiles, tile_n,
-                          capacity, lane, [&](int n, int col, A g, long long where, int pos) {
-                            const T u = from_acc<T>(dots(n, col));
-                            if (lane < n) {
-                              const bool spilled = in_spill(where);
-                              const long long i = spilled ? ~where : where;
-                              const T h = from_acc<T>(g * to_acc(u));
-                              (spilled ? h_spill : h_data)[i] = h;
-                              if (u_data != nullptr) (spilled ? u_spill : u_data)[i] = u;
-                              also(col, pos, h);
-                            }
-                          });
+  for_each_batch<true>(gate, indices, counts, spill_indptr, spill_cols, gate_spill, row, n_tiles, tile_n,
+                       capacity, lane, [&](int n, int col, A g, long long where) {
+                         const T u = from_acc<T>(dots(n, col));
+                         if (lane < n) {
+                           const bool spilled = in_spill(where);
+                           const long long i = spilled ? ~where : where;
+                           (spilled ? h_spill : h_data)[i] = from_acc<T>(g * to_acc(u));
+                           if (u_data != nullptr) (spilled ? u_spill : u_data)[i] = u;
+                         }
+                       });
 }
 
 // The gated FFN's up projection at the gate's pattern, the first half of its consumer: at each
@@ -836,59 +814,7 @@ __global__ void __launch_bounds__(128, sizeof(T) == 2 && TWELL_MMA_DOTS ? 5 : 1)
   const T* x_row = x + row * ldx;
   gated_up_row(gate, indices, counts, spill_indptr, spill_cols, gate_spill, row, n_tiles, tile_n, capacity, lane,
                h_data, h_spill, u_data, u_spill,
-               [&](int n, int col) { return gather_dots<T, KV, U>(x_row, w_up, ldu, K, n, col, lane); },
-               [](int, int, T) {});
-}
-
-// Rows of h staged per warp in shared memory by twell_gather_gated_up_packed: rows with more
-// entries (above ~4.5% density at d_ff 5632) are packed from h in global memory instead.
-constexpr int PACKED_STAGE_WORDS = 256;
-
-// twell_gather_gated_up followed, in the same warp, by the stationary SpMM's pack of the row of h
-// it just made (cuda/twell_stationary_pack.cuh): its words at words[indptr[row] ..), in the
-// order stationary_pack gives (the same words: the down projection's sums are bitwise those of
-// the unfused path). The pack's separate launch read every row of h back from L2 and wrote the
-// words; here a row's words are staged in shared memory while its dot products run, and the
-// stores of one warp overlap the gathers of the others. h is still written in full (the longer
-// rows are packed from it; the caller may hand it out). indptr: the rows' packed lengths
-// scanned (stationary_row_sizes, two_launch_scan); N the columns (zero rows N .. N + 3).
-template <typename T, int KV, int U>
-__global__ void __launch_bounds__(128, sizeof(T) == 2 && TWELL_MMA_DOTS ? 5 : 1) twell_gather_gated_up_packed(
-    const T* __restrict__ gate, const short* __restrict__ indices, const int* __restrict__ counts,
-    const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
-    const T* __restrict__ gate_spill, int M, int n_tiles, int tile_n, int capacity,
-    const T* __restrict__ x, long long ldx, const T* __restrict__ w_up, long long ldu, int K,
-    T* __restrict__ h_data, T* __restrict__ h_spill, T* __restrict__ u_data, T* __restrict__ u_spill, int N,
-    const int* __restrict__ indptr, unsigned* __restrict__ words) {
-  __shared__ unsigned staged[4][2][PACKED_STAGE_WORDS];  // a warp's row: walk order, then bucketed
-  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
-  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-  if (row >= M) return;  // warp-uniform
-  // Only whether the row is staged lives through the dot products (the pointer is read again after).
-  const bool staging = indptr[row + 1] - indptr[row] <= PACKED_STAGE_WORDS;
-  unsigned* walked = staged[warp][0];
-  const T* x_row = x + row * ldx;
-  gated_up_row(gate, indices, counts, spill_indptr, spill_cols, gate_spill, row, n_tiles, tile_n, capacity, lane,
-               h_data, h_spill, u_data, u_spill,
-               [&](int n, int col) { return gather_dots<T, KV, U>(x_row, w_up, ldu, K, n, col, lane); },
-               [&](int col, int p, T h) {
-                 if (staging) walked[p] = ((unsigned)col << 16) | h.bits;
-               });
-  __syncwarp();  // the row's words (or, unstaged, its h values in global memory) seen by every lane
-  const int pos = indptr[row], size = indptr[row + 1] - pos;
-  const RowSource<T> source{h_data,   nullptr, indices, counts, spill_indptr, spill_cols, h_spill,
-                            nullptr, n_tiles,  tile_n,  capacity};
-  unsigned long long totals;
-  if (staging) {
-    int entries = 0;
-    for (int t = lane; t < n_tiles; t += 32) entries += counts[row * n_tiles + t];
-    entries = (int)__reduce_add_sync(kFull, (unsigned)entries) + spill_indptr[row + 1] - spill_indptr[row];
-    totals = staged_class_totals(walked, entries, (int)row);
-  } else {
-    totals = walk_row<T, 0>(source, (int)row, [](int, int, unsigned, unsigned) {});
-  }
-  pack_row_words<T, 0>((int)row, pos, size, N, totals, staging, walked, nullptr, staged[warp][1], nullptr, words,
-                       source);
+               [&](int n, int col) { return gather_dots<T, KV, U>(x_row, w_up, ldu, K, n, col, lane); });
 }
 
 // twell_gather_gated_up with w_up's rows in fp8 e4m3 and one fp32 scale per row
@@ -916,8 +842,7 @@ __global__ void __launch_bounds__(128, U >= 4 ? 4 : 5) twell_gather_gated_up_e4m
                h_data, h_spill, u_data, u_spill, [&](int n, int col) {
                  const float dot = mma_dots<T, U>(stage, rows, K, n, col, lane);
                  return lane < n ? dot * x_unscale * scales[col] : 0.f;
-               },
-               [](int, int, T) {});
+               });
 }
 
 // out[r, :] = sum over row r's entries e of value(sources[e]) * b[cols[e], :], for a matrix in

@@ -39,7 +39,6 @@
 // that B row from shared memory.
 #include "twell_scan.cuh"
 #include "twell_slot_class.cuh"
-#include "twell_stationary_pack.cuh"
 #include "twell_types.cuh"
 
 namespace twell {
@@ -172,6 +171,62 @@ __device__ __forceinline__ void for_each_batch(Cursor& c, const int* __restrict_
   }
 }
 
+// a[q] for a run-time q without local memory.
+__device__ __forceinline__ int pick4(const int (&a)[4], int q) {
+  return q == 0 ? a[0] : q == 1 ? a[1] : q == 2 ? a[2] : a[3];
+}
+
+// Visit every entry of A's row `row` (its tiles' slots in order, then its spill entries) as
+// visit(q, k, word, bits2): the entry's slot class q = (column - row) % 4, its rank k among the
+// row's entries of that class, its packed word, and (DUAL) A2's value bits there. Returns the
+// row's four class totals.
+template <typename T, int DUAL, typename Visit>
+__device__ __forceinline__ unsigned long long walk_row(
+    const T* __restrict__ data, const T* __restrict__ data2, const short* __restrict__ indices,
+    const int* __restrict__ counts, const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
+    const T* __restrict__ spill_vals, const T* __restrict__ spill_vals2, int row, int n_tiles, int tile_n,
+    int capacity, Visit visit) {
+  const int lane = threadIdx.x & 31;
+  unsigned long long base = 0;  // entries of each class before the current chunk
+  for (int t0 = 0; t0 < n_tiles; t0 += 32) {  // a lane per tile
+    const int t = t0 + lane;
+    const long long rt = (long long)row * n_tiles + t;
+    const int n = t < n_tiles ? counts[rt] : 0;
+    unsigned long long mine = 0;
+    for (int s = 0; s < n; ++s) mine += class_unit((t * tile_n + indices[rt * capacity + s] - row) & 3);
+    const unsigned long long incl = (unsigned long long)warp_inclusive_sum((long long)mine);
+    unsigned long long rank = base + incl - mine;
+    for (int s = 0; s < n; ++s) {
+      const long long slot = rt * capacity + s;
+      const int col = t * tile_n + indices[slot];
+      const int q = (col - row) & 3;
+      visit(q, class_field(rank, q), ((unsigned)col << 16) | data[slot].bits, DUAL ? data2[slot].bits : 0);
+      rank += class_unit(q);
+    }
+    base += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  const int s0 = spill_indptr[row], s1 = spill_indptr[row + 1];
+  for (int i0 = s0; i0 < s1; i0 += 32) {  // a lane per entry
+    const int i = i0 + lane;
+    const bool live = i < s1;
+    const int col = live ? spill_cols[i] : 0;
+    const int q = (col - row) & 3;
+    const int k = ballot_rank(live, q, base);
+    if (live) visit(q, k, ((unsigned)col << 16) | spill_vals[i].bits, DUAL ? spill_vals2[i].bits : 0);
+  }
+  return base;
+}
+
+// Where the pack puts entry k of class q when a row is too long to order in shared memory: the
+// positions of a layout with each class in its own slots (class q at 4k + q), the slots of
+// classes that ran out removed.
+__device__ __forceinline__ int compact_position(const int (&n)[4], int q, int k) {
+  int p = 0;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) p += min(n[c], k + (c < q ? 1 : 0));
+  return p;
+}
+
 }  // namespace twell
 
 // Each row's packed length in words (its slot and spill entries rounded up to a batch of 8; dual:
@@ -232,8 +287,8 @@ __global__ void __launch_bounds__(twell::STATIONARY_PACK_WARPS * 32) stationary_
   unsigned *walked = staged[warp][0], *bucketed = staged[warp][1];
   unsigned short *walked2 = staged2[DUAL ? warp : 0][0], *bucketed2 = staged2[DUAL ? warp : 0][1];
   const bool staging = size <= S;
-  const RowSource<T> source{data, data2, indices, counts, spill_indptr, spill_cols, spill_vals, spill_vals2,
-                            n_tiles, tile_n, capacity};
+  // Word offset of entry position P (its A2 word is 8 further in the dual form).
+  auto at = [](int P) { return DUAL ? 16 * (P >> 3) + (P & 7) : P; };
   unsigned long long totals = 0;
   int entries = 0;
   if (staging) {
@@ -256,11 +311,86 @@ __global__ void __launch_bounds__(twell::STATIONARY_PACK_WARPS * 32) stationary_
     }
     entries += s1 - s0;
     __syncwarp();
-    totals = staged_class_totals(walked, entries, row);
+    unsigned long long mine = 0;
+    for (int i = lane; i < entries; i += 32) mine += class_unit(((int)(walked[i] >> 16) - row) & 3);
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, d);
+    totals = mine;
   } else {
-    totals = walk_row<T, DUAL>(source, row, [](int, int, unsigned, unsigned) {});
+    totals = walk_row<T, DUAL>(data, data2, indices, counts, spill_indptr, spill_cols, spill_vals, spill_vals2, row,
+                               n_tiles, tile_n, capacity, [](int, int, unsigned, unsigned) {});
   }
-  pack_row_words<T, DUAL>(row, pos, size, N, totals, staging, walked, walked2, bucketed, bucketed2, words, source);
+  int n[4], start[4], rem[4], taken[4];
+  entries = 0;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    n[c] = class_field(totals, c);
+    start[c] = entries;
+    entries += n[c];
+  }
+  if (staging) {
+    unsigned long long base = 0;
+    for (int i0 = 0; i0 < entries; i0 += 32) {  // bucketed by class, walk order within each
+      const int i = i0 + lane;
+      const bool live = i < entries;
+      const unsigned word = live ? walked[i] : 0u;
+      const int q = ((int)(word >> 16) - row) & 3;
+      const int k = ballot_rank(live, q, base);
+      if (live) {
+        bucketed[pick4(start, q) + k] = word;
+        if (DUAL) bucketed2[pick4(start, q) + k] = walked2[i];
+      }
+    }
+    __syncwarp();
+  } else {
+    walk_row<T, DUAL>(data, data2, indices, counts, spill_indptr, spill_cols, spill_vals, spill_vals2, row, n_tiles,
+                      tile_n, capacity, [&](int q, int k, unsigned word, unsigned bits2) {
+                        const int w = pos + at(compact_position(n, q, k));
+                        words[w] = word;
+                        if (DUAL) words[w + 8] = (word & 0xffff0000u) | bits2;
+                      });
+  }
+  // The greedy order: while every class lasts (the first 4 * m positions) position P takes entry
+  // P / 4 of class P % 4; after that the warp walks the positions in step (the same state in
+  // every lane) and each lane keeps the source of its own position.
+  const int m = min(min(n[0], n[1]), min(n[2], n[3]));
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    rem[c] = n[c] - m;
+    taken[c] = m;
+  }
+  for (int w0 = 0; w0 < size; w0 += 32) {
+    const int p_mine = w0 + lane;
+    int src = pick4(start, p_mine & 3) + (p_mine >> 2);
+    if (staging) {
+      // The tail starts at a multiple of 4, so each step of a round wants a class known here.
+      for (int p0 = max(w0, 4 * m); p0 < min(w0 + 32, entries); p0 += 4) {
+#pragma unroll
+        for (int want = 0; want < 4; ++want) {
+          if (p0 + want >= entries) break;
+          int q = want;
+          if (rem[want] == 0) {  // the class with the most entries left (the first of equals)
+            int best = rem[0];
+            q = 0;
+#pragma unroll
+            for (int c = 1; c < 4; ++c)
+              if (rem[c] > best) best = rem[c], q = c;
+          }
+          if (p0 + want == p_mine) src = pick4(start, q) + pick4(taken, q);
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            if (c == q) --rem[c], ++taken[c];
+        }
+      }
+    }
+    if (p_mine >= size || (!staging && p_mine < entries)) continue;
+    // Padding: a zero row of the position's class (rows N .. N + 3 cover the four), value 0.
+    const unsigned zero = (unsigned)(N + ((row + p_mine - N) & 3)) << 16;
+    const int w = pos + at(p_mine);
+    const bool real = p_mine < entries;
+    words[w] = real ? bucketed[src] : zero;
+    if (DUAL) words[w + 8] = real ? (bucketed[src] & 0xffff0000u) | bucketed2[src] : zero;
+  }
 }
 
 template <typename T, int DUAL>

@@ -453,38 +453,11 @@ def gated_consumer(
             if out is None:
                 out = _cp().empty((gate.data.shape[0], w_down_t.shape[1]), dtype=x.dtype)
             return _tiled_ffn.gated_consumer(gate, tile_n, x, w_up, w_down_t, out, keep_up)
+    h, up = gated_up(gate, tile_n, x, w_up, keep_up, variant)
     if out is None:
         out = _cp().empty((gate.data.shape[0], w_down_t.shape[1]), dtype=x.dtype)
-    if _packs_h_for_stationary(gate, x, w_up, w_down_t, out):
-        # The down projection is the stationary kernel's: the up projection packs h for it.
-        n = w_down_t.shape[0]
-        indptr, words = _stationary.row_pointers(gate)
-        _, up = gated_up(gate, tile_n, x, w_up, keep_up, variant, path="gather", packed=(indptr, words, n))
-        _stationary.packed_spmm(indptr, words, n, w_down_t, out)
-        return out, up
-    h, up = gated_up(gate, tile_n, x, w_up, keep_up, variant)
     down_spmm(h, tile_n, w_down_t, out)
     return out, up
-
-
-#: Whether the gated consumer's up projection packs h for the stationary down projection itself
-#: (``twell_gather_gated_up_packed``) where both kernels are the ones "auto" takes: True unless
-#: ``TWELL_FUSED_PACK=0`` (the separate ``stationary_pack`` launch, for measurements).
-FUSED_PACK = K.env_switch("TWELL_FUSED_PACK") is not False
-
-
-def _packs_h_for_stationary(gate: TwELLParts, x: Any, w_up: Any, w_down_t: Any, out: Any) -> bool:
-    """Whether :func:`gated_consumer` runs the fused pack: :data:`FUSED_PACK`, dense 2-byte
-    weights, the row gathers for the up projection and the stationary kernel for the down one
-    (what ``gated_up`` and ``spmm`` would choose with ``path="auto"``)."""
-    if not FUSED_PACK or isinstance(w_up, QuantizedRows) or isinstance(w_down_t, QuantizedRows):
-        return False
-    if x.dtype.itemsize != 2 or _tiled_up.chosen(gate, x, w_up):
-        return False
-    b = row_stride(w_down_t)[0]
-    if _tiled_spmm.chosen(b, out) or not _stationary.fits(gate, False):
-        return False
-    return _stationary.chosen(gate.data.shape[0], b.shape[0], b, out)
 
 
 def gated_up(
@@ -495,7 +468,6 @@ def gated_up(
     keep_up: bool = False,
     variant: tuple[int, int] | None = None,
     path: str = "auto",
-    packed: tuple[Any, Any, int] | None = None,
 ) -> tuple[TwELLParts, TwELLParts | None]:
     """The gated consumer's first half: ``u = x @ w_up.T`` at the gate's pattern and ``h = gate
     * u``, as parts in the gate's layout: ``(h, u)``, u (zero padding) only when ``keep_up``.
@@ -504,10 +476,7 @@ def gated_up(
     ``w_up`` as ``_quantize.QuantizedRows``: u = the row's scale times x . its codes, in fp32),
     "tiled" (``_tiled_up``: blocks of tokens x units staged in shared memory; 2-byte rows on
     Hopper only) or "auto" (:func:`_tiled_up.chosen`). ``variant``: the row gathers' (KV, U)
-    instantiation. ``packed``: ``(indptr, words, n)``, :func:`_stationary.row_pointers` on the
-    gate and its column count: the row gathers (``twell_gather_gated_up_packed``; 2-byte dense
-    ``w_up``) also write h's rows there as the stationary SpMM's packed words, the words
-    ``_stationary.pack(h, tile_n, n)`` would give.
+    instantiation.
     """
     cp = _cp()
     m, nt, cap = gate.data.shape
@@ -526,17 +495,15 @@ def gated_up(
     quantized = isinstance(w_up, QuantizedRows)
     if path == "tiled" and (quantized or not _tiled_up.applies(gate, x, w_up)):
         raise ValueError("path: 'tiled' needs 2-byte x and w_up with 16-byte rows on a compute-capability 9.0 GPU")
-    if path == "tiled" or (path == "auto" and not quantized and packed is None and _tiled_up.chosen(gate, x, w_up)):
+    if path == "tiled" or (path == "auto" and not quantized and _tiled_up.chosen(gate, x, w_up)):
         _tiled_up.gated_up(gate, tile_n, x, w_up, h, up)
         return h, up
-    if packed is not None and (quantized or x.dtype.itemsize != 2 or path == "tiled"):
-        raise ValueError(f"packed: needs the row gathers on a dense 2-byte w_up, got {x.dtype} x on path {path!r}")
     up_rows: tuple[Any, ...]
     if quantized:  # codes (C-contiguous), scales, row stride
         kind, up_rows = "gated_up_e4m3", (w_up.data, w_up.scales, np.int64(w_up.shape[1]))
     else:
         w_up, ldu = row_stride(w_up)
-        kind, up_rows = ("gated_up" if packed is None else "gated_up_packed"), (w_up, np.int64(ldu))
+        kind, up_rows = "gated_up", (w_up, np.int64(ldu))
     kv, u = _variant(variant, kind)
     args = (
         *_matrix_args(gate),
@@ -551,7 +518,6 @@ def gated_up(
         h.data,
         h.spill_data,
         *((up.data, up.spill_data) if up is not None else (K.null_pointer(), K.null_pointer())),
-        *(() if packed is None else (np.int32(packed[2]), packed[0], packed[1])),
     )
     stage = _x_stage_bytes(x.shape[1]) if kind == "gated_up_e4m3" else 0
     K.launch_grid(K.gather_expression(kind, x.dtype, kv, u), *_gather_grid(m), args, stage)

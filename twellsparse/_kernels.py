@@ -57,7 +57,6 @@ GATHER_DEFAULT = {
     "sddmm_gated_bwd": (4, 4),  # as the SDDMM it extends (not timed on its own yet)
     "gated_up": (4, 4),
     "gated_up_e4m3": (4, 4),  # as the kernel it mirrors (not timed on its own yet)
-    "gated_up_packed": (4, 4),  # as the kernel it extends
     "csr_spmm": (8, 2),
     "csr_spmm_pair": (4, 4),
 }
@@ -69,7 +68,7 @@ def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = Fals
     structure summed), "sddmm", "gated_up" (the gated consumer's up projection and value
     product), "csr_spmm", "csr_spmm_pair" (two matrices of one structure times the same dense
     one, in one pass), "spmm_e4m3" and "gated_up_e4m3" (with fp8 e4m3 rows and row scales;
-    2-byte types), "gated_up_packed" ("gated_up" with the stationary pack of h; 2-byte types),
+    2-byte types),
     or the ReLU-mask-driven consumers "mask_gated" and "mask_spmm"."""
     t = CXX_TYPE[np.dtype(dtype)]
     if kind == "spmm":
@@ -84,8 +83,6 @@ def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = Fals
         return f"twell_gather_gated_up<{t}, {kv}, {u}>"
     if kind == "gated_up_e4m3":
         return f"twell_gather_gated_up_e4m3<{t}, {kv}, {u}>"
-    if kind == "gated_up_packed":
-        return f"twell_gather_gated_up_packed<{t}, {kv}, {u}>"
     if kind == "csr_spmm":
         return f"twell_gather_csr_spmm<{t}, {kv}, {u}>"
     if kind == "csr_spmm_pair":
@@ -95,8 +92,8 @@ def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = Fals
     if kind in ("mask_gated", "mask_spmm"):
         return f"twell_{kind}<{t}, {kv}, {u}>"
     kinds = (
-        "'spmm', 'spmm_sum', 'spmm_e4m3', 'sddmm', 'sddmm_gated_bwd', 'gated_up', 'gated_up_e4m3', "
-        "'gated_up_packed', 'csr_spmm', 'csr_spmm_pair', 'mask_gated' or 'mask_spmm'"
+        "'spmm', 'spmm_sum', 'spmm_e4m3', 'sddmm', 'sddmm_gated_bwd', 'gated_up', 'gated_up_e4m3', 'csr_spmm', "
+        "'csr_spmm_pair', 'mask_gated' or 'mask_spmm'"
     )
     raise ValueError(f"kind: expected {kinds}, got {kind!r}")
 
@@ -151,7 +148,7 @@ def _instantiations() -> dict[str, list[str]]:
         for dt in VALUE_DTYPES
         if dt.itemsize == 2
         for kv, u in GATHER_VARIANTS
-        for kind in ("spmm_e4m3", "gated_up_e4m3", "gated_up_packed")
+        for kind in ("spmm_e4m3", "gated_up_e4m3")
     ]
     elementwise = [
         f"ffn_{kind}<{t}, {a}>"

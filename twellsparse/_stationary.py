@@ -124,15 +124,16 @@ def fits(parts: TwELLParts, dual: bool) -> bool:
     return words_bound(parts, dual) < 2**31
 
 
-def row_pointers(parts: TwELLParts, dual: bool = False) -> tuple[Any, Any]:
-    """The packed rows' int32 pointers (each row's slot and spill entries rounded up to a batch,
-    twice in the dual form; ``stationary_row_sizes`` and a two-launch scan, no read-back) and an
-    uninitialised uint32 words array with room for :func:`words_bound` words: what :func:`pack`
-    fills, or the gated consumer's up projection when it packs h itself
-    (``_gpu_ops.gated_up(packed=...)``)."""
+def pack(parts: TwELLParts, tile_n: int, n: int, second: TwELLParts | None = None) -> tuple[Any, Any]:
+    """A's rows as packed words (column << 16 | value bits), each row padded to a multiple of
+    :data:`BATCH` with words of the zero rows ``n`` .. ``n + 3``, in the kernel's order against
+    bank conflicts: (int32 row pointers, uint32 words). With ``second`` (an A2 of A's structure,
+    other values) the dual form: batches of 16 words, 8 entries' words of A then the same 8 of
+    A2. The words array has room for every slot and spill entry and the padding; the first
+    ``indptr[-1]`` are written."""
     cp = _cp()
-    m, nt, _ = parts.data.shape
-    bound = words_bound(parts, dual)
+    m, nt, cap = parts.data.shape
+    bound = words_bound(parts, second is not None)
     if bound >= 2**31:
         raise ValueError(f"a: expected fewer than 2**31 packed words for the stationary kernel, got room for {bound}")
     indptr = cp.empty(m + 1, dtype=cp.int32)
@@ -141,25 +142,12 @@ def row_pointers(parts: TwELLParts, dual: bool = False) -> tuple[Any, Any]:
         indptr[0] = 0
         return indptr, words
     sizes = cp.empty(m, dtype=cp.int32)
-    args = (parts.counts, parts.spill_indptr, np.int32(nt), np.int32(m), np.int32(dual), sizes)
-    K.launch("stationary_row_sizes", 32 * m, 256, args)
+    dual = np.int32(second is not None)
+    K.launch(
+        "stationary_row_sizes", 32 * m, 256, (parts.counts, parts.spill_indptr, np.int32(nt), np.int32(m), dual, sizes)
+    )
     head = (sizes, np.int64(m))
     two_launch_scan(m, "stationary_row_sums", head, "stationary_row_place", head, (indptr,))
-    return indptr, words
-
-
-def pack(parts: TwELLParts, tile_n: int, n: int, second: TwELLParts | None = None) -> tuple[Any, Any]:
-    """A's rows as packed words (column << 16 | value bits), each row padded to a multiple of
-    :data:`BATCH` with words of the zero rows ``n`` .. ``n + 3``, in the kernel's order against
-    bank conflicts: (int32 row pointers, uint32 words). With ``second`` (an A2 of A's structure,
-    other values) the dual form: batches of 16 words, 8 entries' words of A then the same 8 of
-    A2. The words array has room for every slot and spill entry and the padding; the first
-    ``indptr[-1]`` are written."""
-    m, nt, cap = parts.data.shape
-    dual = second is not None
-    indptr, words = row_pointers(parts, dual)
-    if m == 0:
-        return indptr, words
     t = K.CXX_TYPE[parts.data.dtype]
     data2, spill2 = (K.null_pointer(),) * 2 if second is None else (second.data, second.spill_data)
     args = (parts.data, data2, parts.indices, parts.counts, parts.spill_indptr, parts.spill_indices)
