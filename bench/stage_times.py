@@ -84,6 +84,8 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         "gemm (cuBLASLt)": lambda: _gpu_ops.gemm_nt(x, wg),
         "relu-mask gemm": lambda: _gpu_producer.relu_linear(x, wg),
         "relu gemm (cuBLASLt)": lambda: _gpu_ops.gemm_nt(x, wg, relu=True),  # the dense remainder's two GEMMs
+        # The same as torch's dense block runs it: the plain GEMM, then relu as its own pass.
+        "gemm then relu (cuBLASLt, CuPy)": lambda: (lambda z: cp.maximum(z, 0, out=z))(_gpu_ops.gemm_nt(x, wg)),
         "down gemm (cuBLASLt)": lambda: _gpu_ops.gemm_nt(h_relu, wd),
         "mask pack, exact finish": lambda: _gpu_convert.relu_mask_to_parts_deferred(h_relu, mask, words, 256, 32)[1](
             "spill"
