@@ -270,3 +270,14 @@ def test_records_carry_the_checkouts_commit(monkeypatch):
     assert git_commit().removesuffix("-dirty") == head.stdout.strip()
     monkeypatch.setenv("TWELL_COMMIT", "abc123")
     assert git_commit() == "abc123"
+
+
+def test_plan_trace_reports_durations_and_gaps_in_launch_order(capsys):
+    plan_trace = _load("plan_trace")
+    events = [("pass 1", 100.0, 600.0), ("memset", 602.0, 603.0), ("up", 610.0, 900.0), ("down", 900.5, 1000.0)]
+    plan_trace.report("gated", events)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0] == "gated"
+    assert [line.split()[-1] for line in out[1:5]] == ["1", "memset", "up", "down"]  # launch order kept
+    assert out[3].split()[:3] == ["510.0", "290.0", "7.0"]  # start, duration, the gap before it
+    assert out[-1].strip() == "span 900.0 us, kernels 890.5 us, gaps 9.5 us, 4 launches"
