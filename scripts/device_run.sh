@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|hostgap|producerncu|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|gatherblocks|hostgap|producerncu|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"  # install, TWELL_COMMIT, PYTHONPATH, $OUT
 what=${*:-all}
@@ -152,6 +152,21 @@ for step in $what; do
       # ring depth: thirty-second session, item 6): Nsight Compute on one launch of each.
       ncu_rows twell_gemm_pack "fused producer" producerncu
       ncu_rows "gemm|sm90|cutlass" "gemm (cuBLASLt)" producerncu
+      ;;&
+    gatherblocks)
+      # Row-gather blocks of 4 (the default), 1 and 2 rows (TWELL_GATHER_BLOCK_WARPS; bench/NOTES.md,
+      # thirty-third session, item 9: a block's slots stay held until its longest row ends): the
+      # gather tests with 1-row blocks, then per setting the gathered stages and one gated plan
+      # call's kernels at 0.5 / 1% (16384 tokens).
+      TWELL_GATHER_BLOCK_WARPS=1 gpu_test_file tests/gpu/test_gpu_gather.py gatherblocks 240
+      for w in 4 1 2; do
+        echo "TWELL_GATHER_BLOCK_WARPS=$w" | tee -a "$OUT/gatherblocks.log"
+        TWELL_GATHER_BLOCK_WARPS=$w stage_rows " gather,up sddmm,bwd sddmm" "0.005 0.01" gatherblocks
+        for d in 0.005 0.01; do
+          TWELL_GATHER_BLOCK_WARPS=$w timeout 100 python3 bench/plan_trace.py --density "$d" 2>&1 \
+            | grep -E "plan|gather|stationary_spmm|span" | sed "s/^/warps=$w: /" | tee -a "$OUT/gatherblocks.log"
+        done
+      done
       ;;&
     smallm)
       # Few tokens per call (decoding): the sparse blocks against dense and what `auto` takes, at

@@ -179,3 +179,24 @@ def test_hopper_schedule_auto_takes_inline_for_few_tiles_per_sm():
     for named in hp.SCHEDULES:
         assert hp.schedule_for(named, 1, sms) == named
         assert hp.schedule_for(named, 10**6, sms) == named
+
+
+def test_gather_blocks_follow_the_rows_per_block_setting(monkeypatch):
+    """The row-gather grids put GATHER_WARPS rows (one warp each) in a block, and the e4m3 gated
+    up projection's shared x stages follow it; the environment switch takes 1, 2 or 4 only."""
+    import subprocess
+    import sys
+
+    from twellsparse import _gpu_ops
+
+    for warps in (1, 2, 4):
+        monkeypatch.setattr(_kernels, "GATHER_WARPS", warps)
+        assert _gpu_ops._gather_grid(1001) == ((-(-1001 // warps),), (32 * warps,))
+        assert _gpu_ops._x_stage_bytes(2048) == warps * 2048 * 2
+    bad = subprocess.run(
+        [sys.executable, "-c", "import twellsparse._kernels"],
+        env={**os.environ, "TWELL_GATHER_BLOCK_WARPS": "3"},
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode != 0 and "TWELL_GATHER_BLOCK_WARPS: expected 1, 2 or 4, got '3'" in bad.stderr

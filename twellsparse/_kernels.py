@@ -60,7 +60,17 @@ GATHER_DEFAULT = {
     "csr_spmm": (8, 2),
     "csr_spmm_pair": (4, 4),
 }
-GATHER_WARPS = 4  # rows (warps) per block
+#: Rows (warps, one row each) per block of the row-gather kernels. A block's registers and warp
+#: slots are freed only when its last warp ends, so a block of rows of unequal length holds its
+#: shorter rows' slots idle until its longest ends: at 0.5% on the standard problem a row of the
+#: gated up projection takes one batch of 32 entries or, ~20% of the time, two, so ~59% of
+#: 4-row blocks wait on a second batch. ``TWELL_GATHER_BLOCK_WARPS`` (1, 2 or 4, read at import;
+#: 4 unless measured otherwise) is there to measure blocks of fewer rows (bench/NOTES.md,
+#: thirty-third session; ``bash scripts/device_run.sh gatherblocks``).
+_GATHER_WARPS_SETTING = os.environ.get("TWELL_GATHER_BLOCK_WARPS", "") or "4"
+if _GATHER_WARPS_SETTING not in ("1", "2", "4"):
+    raise ValueError(f"TWELL_GATHER_BLOCK_WARPS: expected 1, 2 or 4, got {_GATHER_WARPS_SETTING!r}")
+GATHER_WARPS = int(_GATHER_WARPS_SETTING)
 
 
 def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = False) -> str:
