@@ -26,6 +26,13 @@ the slowest; the block then takes longer than its warps' mean work. :func:`ring_
 simulates that (each k-group one unit of a warp's time, refills instant) for 16 warps of 4 groups
 and 32 of 2.
 
+Fifth table, the row gathers' blocks (``_kernels.GATHER_WARPS``): a warp owns a token's row and
+takes its entries 32 at a time, and a block's warp slots return only when its longest row ends.
+:func:`block_occupancy` schedules the rows' blocks on the machine's block slots (each batch of 32
+entries one unit of time: the latency-bound limit; a bandwidth-bound kernel would let the busy
+warps go faster and lose less) and gives the useful share of the slots' time for blocks of 4 and
+1 rows.
+
 Usage: python bench/model.py [--m 16384] [--d-model 2048] [--d-ff 5632] [--l2-tbs 9.0]
        [--tflops 700] [--gather-tbs 6.4] [--smem-tbs 29.6]
 """
@@ -142,6 +149,7 @@ def packed_stats(fire: np.ndarray, d_model: int, rows: int = 8, chunk: int = 512
     b_chunk_bytes = (pad_m // 512) * col_blocks * (pad_n // chunk) * chunk * 64 * 2
     operand_bytes = col_blocks * kgs.sum() * (kgroup * 4 + 32 * 8)
     return {
+        "row_batches": -(-fire.sum(axis=1) // 32),  # the row gathers' batches of 32 entries per row
         "ring_16": ring_efficiency(kgs, 16),
         "ring_32": ring_efficiency(kgs, 32),
         "spmm_l2_gb": float((b_chunk_bytes + operand_bytes) / 1e9),
@@ -157,6 +165,24 @@ def packed_stats(fire: np.ndarray, d_model: int, rows: int = 8, chunk: int = 512
         "up_gb": up_bytes / 1e9,
         "transposed_gb": float(kgs_t.sum() * kgroup_bytes / 1e9),
     }
+
+
+def block_occupancy(batches: np.ndarray, rows_per_block: int, warps_per_sm: int, sms: int = 132) -> float:
+    """The share of the warp slots' time spent on rows when rows of ``batches`` units each run in
+    blocks of ``rows_per_block`` consecutive rows, ``warps_per_sm // rows_per_block`` blocks per
+    SM, each block started on the first block slot to free and holding it until its longest row
+    ends: the rows' total work over (makespan x warp slots)."""
+    import heapq
+
+    per_block = -(-batches.size // rows_per_block) * rows_per_block
+    padded = np.zeros(per_block, dtype=np.int64)
+    padded[: batches.size] = batches
+    block_time = padded.reshape(-1, rows_per_block).max(axis=1)
+    slots = [0] * (sms * (warps_per_sm // rows_per_block))  # block slots' free times
+    for t in block_time.tolist():
+        heapq.heappush(slots, heapq.heappop(slots) + t)
+    makespan = max(slots)
+    return float(batches.sum()) / (makespan * sms * (warps_per_sm // rows_per_block) * rows_per_block)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\npattern  density  down product's ring efficiency: 16 warps x 4 groups, 32 x 2")
     for pattern, density, st in packed:
         print(f"{pattern:>7}  {density:6.2%}  {st['ring_16']:.3f}  {st['ring_32']:.3f}")
+    print("\npattern  density  row gathers' slot use: 4-row blocks (5 per SM), 1-row blocks (21 per SM)")
+    for pattern, density, st in packed:
+        b = st["row_batches"]
+        print(f"{pattern:>7}  {density:6.2%}  {block_occupancy(b, 4, 20):.3f}  {block_occupancy(b, 1, 21):.3f}")
     return 0
 
 

@@ -96,6 +96,7 @@ def test_byte_model_runs(capsys):
     out = capsys.readouterr().out
     assert "uniform" in out and "skewed" in out
     assert "hot units H" in out
+    assert "row gathers' slot use" in out
 
 
 def test_hot_split_picks_the_cheapest_h():
@@ -152,6 +153,19 @@ def test_ring_efficiency_waits_for_the_slowest_warps_release():
     # chunk 3 reuses chunk 0's stage: warp 1 starts it when warp 0 has released chunk 0 (t = 4)
     assert model.ring_efficiency(kgs, 16) == (8 / 16) / 8
     assert model.ring_efficiency(kgs, 16, stages=4) == (8 / 16) / 4  # a stage more: no wait
+
+
+def test_block_occupancy_charges_a_block_its_longest_row():
+    import numpy as np
+
+    model = _load("model")
+    even = np.ones(2 * 4 * 8, dtype=np.int64)  # 2 SMs x 8 warp slots, 4 rows each: no idle slot
+    assert model.block_occupancy(even, 4, 8, sms=2) == 1.0
+    assert model.block_occupancy(even, 1, 8, sms=2) == 1.0
+    mixed = np.tile([2, 1, 1, 1], 16)  # every 4-row block waits 2 units on its first row
+    assert model.block_occupancy(mixed, 4, 8, sms=2) == 80 / (8 * 16)  # 4 blocks per slot, 2 each
+    # 1-row blocks: 80 units over 16 slots, taken in order by the first slot to free: 6 units long
+    assert model.block_occupancy(mixed, 1, 8, sms=2) == 80 / (6 * 16)
 
 
 def test_deal_spreads_the_heaviest_groups_over_blocks_and_warps():
