@@ -222,6 +222,13 @@ def fp8_table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _pattern_note(r: dict[str, Any]) -> str:
+    """`` skewed`` for a training record of the skewed pattern; nothing for the uniform one (records
+    before the pattern was recorded are uniform)."""
+    pattern = r.get("pattern", "uniform")
+    return "" if pattern == "uniform" else f" {pattern}"
+
+
 def training_table(steps: list[dict[str, Any]], models: list[dict[str, Any]]) -> str:
     """Training-step and whole-model records (bench/train_step.py, bench/model_bench.py)."""
     lines = []
@@ -244,7 +251,7 @@ def training_table(steps: list[dict[str, Any]], models: list[dict[str, Any]]) ->
             "TwELL / dense |",
             "|---|---|---|---|---|",
         ]
-        for r in sorted(steps, key=lambda r: r["density_target"]):
+        for r in sorted(steps, key=lambda r: (r.get("pattern", "uniform") != "uniform", r["density_target"])):
             graph = (
                 f"{r['dense_graph_ms']:.3f} / {r['twell_graph_ms']:.3f} ({r['speedup_graph']:.2f}x)"
                 if "speedup_graph" in r
@@ -257,7 +264,8 @@ def training_table(steps: list[dict[str, Any]], models: list[dict[str, Any]]) ->
                 else "not measured"
             )
             lines.append(
-                f"| {r['density_target']:.2%} | {r['dense_ms']:.3f} / {r['twell_ms']:.3f} ({r['speedup']:.2f}x) | "
+                f"| {r['density_target']:.2%}{_pattern_note(r)} | {r['dense_ms']:.3f} / {r['twell_ms']:.3f} "
+                f"({r['speedup']:.2f}x) | "
                 f"{b2b} | {graph} | {r['saved_ratio']:.2f} |"
             )
     if models:

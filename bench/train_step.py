@@ -53,7 +53,7 @@ def problem(
     args: argparse.Namespace, density: float, device: str, dtype: torch.dtype
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """``([x, w_gate, w_up, w_down], grad)``: the inputs (requiring grad) and an output gradient."""
-    p = ffn_problem(args.m, args.d_model, args.d_ff, density, "uniform", np.float32, 0)
+    p = ffn_problem(args.m, args.d_model, args.d_ff, density, args.pattern, np.float32, 0)
     params = [torch.from_numpy(p[k]).to(device, dtype).requires_grad_() for k in ("x", "w_gate", "w_up", "w_down")]
     return params, torch.randn(args.m, args.d_model, device=device, dtype=dtype)
 
@@ -93,6 +93,7 @@ def case(args: argparse.Namespace, density: float, device: str, dtype: torch.dty
     density_measured = float((torch.relu(x @ wg.T) > 0).float().mean())
     cuda = device.startswith("cuda")
     rec: dict[str, Any] = {
+        "pattern": args.pattern,
         "density_target": density,
         "density": density_measured,
         "rel_error": err,
@@ -195,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--d-model", type=int, default=2048)
     ap.add_argument("--d-ff", type=int, default=5632)
     ap.add_argument("--densities", default="0.005,0.01,0.02")
+    ap.add_argument("--pattern", default="uniform", help="uniform or skewed (TARGETS.md; hot units: long dW rows)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler's table of sparse steps (GPU)")

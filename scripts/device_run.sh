@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|gatherblocks|hostgap|producerncu|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|gatherblocks|skewedtrain|hostgap|producerncu|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"  # install, TWELL_COMMIT, PYTHONPATH, $OUT
 what=${*:-all}
@@ -166,6 +166,21 @@ for step in $what; do
           TWELL_GATHER_BLOCK_WARPS=$w timeout 100 python3 bench/plan_trace.py --density "$d" 2>&1 \
             | grep -E "plan|gather|stationary_spmm|span" | sed "s/^/warps=$w: /" | tee -a "$OUT/gatherblocks.log"
         done
+      done
+      ;;&
+    skewedtrain)
+      # The training step on the skewed pattern (bench/NOTES.md, thirty-third session, item 10: a
+      # hot unit's dW row is one warp's work in the transposed products), and the backward's
+      # stages there at 0.5 / 1%; the uniform step beside it for the same run's ratio.
+      for pattern in skewed uniform; do
+        timeout 240 python3 bench/train_step.py --pattern "$pattern" --densities 0.005,0.01 --reps 10 \
+          --out "$OUT/train_step.jsonl" 2>&1 | tail -4 | sed "s/^/$pattern: /" | tee -a "$OUT/skewedtrain.log"
+        status=$((status | ${PIPESTATUS[0]}))
+      done
+      for d in 0.005 0.01; do
+        timeout 200 python3 bench/stage_times.py --pattern skewed --density "$d" --only "bwd,gated up, gather" \
+          --out "$OUT/stages.jsonl" 2>&1 | tee -a "$OUT/skewedtrain.log"
+        status=$((status | ${PIPESTATUS[0]}))
       done
       ;;&
     smallm)
