@@ -200,3 +200,14 @@ def test_gather_blocks_follow_the_rows_per_block_setting(monkeypatch):
         text=True,
     )
     assert bad.returncode != 0 and "TWELL_GATHER_BLOCK_WARPS: expected 1, 2 or 4, got '3'" in bad.stderr
+
+
+def test_transposed_products_split_no_further_than_their_column_passes():
+    from twellsparse import _gpu_ops
+
+    # bf16 rows of 2048 values: (8, 2) makes one 2048-value pass, (4, 4) two of 1024
+    assert _gpu_ops.column_warps(2, 2048, 8, 2) == 1
+    assert _gpu_ops.column_warps(2, 2048, 4, 2) == 2
+    assert _gpu_ops.column_warps(7, 4096, 4, 2) == 4
+    assert _gpu_ops.column_warps(3, 100, 4, 8) == 1  # float64: 256 values a pass
+    assert _gpu_ops.column_warps(2, 0, 4, 2) == 1  # no columns: one warp, nothing to do

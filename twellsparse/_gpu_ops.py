@@ -204,9 +204,21 @@ def quantize_rows_e4m3(b: Any) -> tuple[Any, Any]:
 
 
 #: Warps that share each output row's column passes in the transposed products' row-gather
-#: kernel (its grid's y): 1, one warp per row, until a split is measured faster; the split's sums
-#: are bitwise the same (``bench/stage_times.py``: "bwd 3 transposed products, columns split").
-TRANSPOSED_COLUMN_SPLIT = 1
+#: kernel (its grid's y); the split's sums are bitwise the same. 2: in every same-run A/B of the
+#: backward's three products at 16384 tokens (``bench/stage_times.py``, "bwd 3 transposed
+#: products" against "..., columns split"; bench/results/2026-12-0[45]-stages.jsonl) the split
+#: tied at 0.5% (0.674-0.740 ms either way) and won 3-4% at 1% and 2% (1.171 -> 1.129-1.133 ms
+#: and 2.097-2.102 -> 2.022-2.027 on the H200, 1.303-1.313 -> 1.255-1.263 and 2.333-2.351 ->
+#: 2.281-2.286 on the H100). It also halves the longest rows, hot units' (their entries are one
+#: warp's work), where the paired product makes two column passes (d_model 2048).
+TRANSPOSED_COLUMN_SPLIT = 2
+
+
+def column_warps(split: int, k: int, kv: int, itemsize: int) -> int:
+    """Warps per output row of the transposed products' kernel for a ``split``: at most its
+    column passes over ``k`` columns (``KV`` 16-byte vectors per lane, 32 lanes), at least 1."""
+    passes = -(-k // (kv * 32 * (16 // itemsize)))
+    return max(1, min(split, passes))
 
 
 def spmm_transposed(
@@ -230,7 +242,7 @@ def spmm_transposed(
     ``second = (parts2, out2)``: also ``out2 = A2.T @ g`` for A2 of A's structure, in the same
     pass on the gather path (each row of g read once for both). ``column_split``: warps per
     output row on the gather path, each taking every ``column_split``-th column pass (default
-    :data:`TRANSPOSED_COLUMN_SPLIT`; more than the passes adds idle warps only).
+    :data:`TRANSPOSED_COLUMN_SPLIT`; capped at the passes, as more would only idle).
     """
     cp = _cp()
     split = TRANSPOSED_COLUMN_SPLIT if column_split is None else column_split
@@ -257,7 +269,8 @@ def spmm_transposed(
         kv, u = K.GATHER_DEFAULT[kind]
         expr = K.gather_expression(kind, g.dtype, kv, u)
         (blocks,), threads = _gather_grid(n_cols)
-        K.launch_grid(expr, (blocks, split), threads, (*args, out, out2, np.int64(ldo_out)))
+        grid = (blocks, column_warps(split, k, kv, g.itemsize))
+        K.launch_grid(expr, grid, threads, (*args, out, out2, np.int64(ldo_out)))
         return out
     if second is not None:  # the portable path: one product at a time
         spmm_transposed(second[0], tile_n, n_cols, g, second[1], pattern)
