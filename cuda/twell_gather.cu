@@ -130,6 +130,15 @@ template <typename A> __device__ __forceinline__ A warp_total(A v) {
   return v;
 }
 
+// The token row this warp owns: its global warp index w, or order[w] where the launch gives an
+// order (twell_row_order: rows with more batches of entries first, so that the last rows to start
+// are the short ones); -1 past the M rows.
+__device__ __forceinline__ long long owned_row(const int* __restrict__ order, int M) {
+  const long long w = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  if (w >= M) return -1;
+  return order == nullptr ? w : (long long)order[w];
+}
+
 // Entry positions: a slot of the padded part (>= 0) or ~i for spill entry i (< 0).
 __device__ __forceinline__ bool in_spill(long long where) { return where < 0; }
 
@@ -660,11 +669,12 @@ __global__ void ROW_SUM_BOUNDS(T, DUAL) twell_gather_spmm(
     const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
     const T* __restrict__ spill_vals, int M, int n_tiles, int tile_n, int capacity,
     const T* __restrict__ b, long long ldb, int K, T* __restrict__ out, long long ldo,
-    const T* __restrict__ data2, const T* __restrict__ spill_vals2, const T* __restrict__ b2, long long ldb2) {
+    const T* __restrict__ data2, const T* __restrict__ spill_vals2, const T* __restrict__ b2, long long ldb2,
+    const int* __restrict__ order) {
   using A = typename acc_of<T>::type;
-  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  const long long row = owned_row(order, M);
   const int lane = threadIdx.x & 31;
-  if (row >= M) return;  // warp-uniform
+  if (row < 0) return;  // warp-uniform
   sum_by_chunks<T, KV>(out + row * ldo, K, lane, [&](A(&acc)[KV][Lanes<T>::N], int k0) {
     for_each_product_batch<DUAL>(data, spill_vals, b, ldb, data2, spill_vals2, b2, ldb2, indices, counts,
                                  spill_indptr, spill_cols, row, n_tiles, tile_n, capacity, lane,
@@ -684,12 +694,13 @@ __global__ void __launch_bounds__(128) twell_gather_spmm_e4m3(
     const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
     const T* __restrict__ spill_vals, int M, int n_tiles, int tile_n, int capacity,
     const unsigned char* __restrict__ b, const float* __restrict__ scales, long long ldb, int K,
-    T* __restrict__ out, long long ldo) {
+    T* __restrict__ out, long long ldo,
+    const int* __restrict__ order) {
   static_assert(sizeof(T) == 2, "the e4m3 rows' 8-byte pieces cover a 2-byte type's 16-byte vector");
   using A = typename acc_of<T>::type;
-  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  const long long row = owned_row(order, M);
   const int lane = threadIdx.x & 31;
-  if (row >= M) return;  // warp-uniform
+  if (row < 0) return;  // warp-uniform
   const E4M3Rows rows{b, ldb};
   sum_by_chunks<T, KV>(out + row * ldo, K, lane, [&](A(&acc)[KV][Lanes<T>::N], int k0) {
     for_each_batch<true>(data, indices, counts, spill_indptr, spill_cols, spill_vals, row, n_tiles, tile_n,
@@ -710,11 +721,12 @@ __global__ void __launch_bounds__(128) twell_gather_sddmm(
     const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
     const T* __restrict__ spill_vals, int M, int n_tiles, int tile_n, int capacity,
     const T* __restrict__ x, long long ldx, const T* __restrict__ y, long long ldy, int K,
-    T* __restrict__ out, T* __restrict__ out_spill) {
+    T* __restrict__ out, T* __restrict__ out_spill,
+    const int* __restrict__ order) {
   using A = typename acc_of<T>::type;
-  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  const long long row = owned_row(order, M);
   const int lane = threadIdx.x & 31;
-  if (row >= M) return;  // warp-uniform
+  if (row < 0) return;  // warp-uniform
   const T* x_row = x + row * ldx;
   for_each_batch<SCALE>(data, indices, counts, spill_indptr, spill_cols, spill_vals, row, n_tiles, tile_n,
                         capacity, lane, [&](int n, int col, A val, long long where) {
@@ -743,11 +755,12 @@ __global__ void __launch_bounds__(128) twell_gather_sddmm_gated_bwd(
     const T* __restrict__ dy, long long lddy, const T* __restrict__ w_down_t, long long ldw, int K,
     const T* __restrict__ u_data, const T* __restrict__ u_spill, T* __restrict__ dz_data,
     T* __restrict__ dz_spill, T* __restrict__ du_data, T* __restrict__ du_spill, T* __restrict__ h_data,
-    T* __restrict__ h_spill) {
+    T* __restrict__ h_spill,
+    const int* __restrict__ order) {
   using A = typename acc_of<T>::type;
-  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  const long long row = owned_row(order, M);
   const int lane = threadIdx.x & 31;
-  if (row >= M) return;  // warp-uniform
+  if (row < 0) return;  // warp-uniform
   const T* dy_row = dy + row * lddy;
   const auto times = [](A a, A b) { return from_acc<T>((a != A(0) ? a : A(0)) * b); };
   for_each_batch<true>(gate, indices, counts, spill_indptr, spill_cols, gate_spill, row, n_tiles, tile_n,
@@ -807,10 +820,11 @@ __global__ void __launch_bounds__(128, sizeof(T) == 2 && TWELL_MMA_DOTS ? 5 : 1)
     const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
     const T* __restrict__ gate_spill, int M, int n_tiles, int tile_n, int capacity,
     const T* __restrict__ x, long long ldx, const T* __restrict__ w_up, long long ldu, int K,
-    T* __restrict__ h_data, T* __restrict__ h_spill, T* __restrict__ u_data, T* __restrict__ u_spill) {
-  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+    T* __restrict__ h_data, T* __restrict__ h_spill, T* __restrict__ u_data, T* __restrict__ u_spill,
+    const int* __restrict__ order) {
+  const long long row = owned_row(order, M);
   const int lane = threadIdx.x & 31;
-  if (row >= M) return;  // warp-uniform
+  if (row < 0) return;  // warp-uniform
   const T* x_row = x + row * ldx;
   gated_up_row(gate, indices, counts, spill_indptr, spill_cols, gate_spill, row, n_tiles, tile_n, capacity, lane,
                h_data, h_spill, u_data, u_spill,
@@ -829,12 +843,13 @@ __global__ void __launch_bounds__(128, U >= 4 ? 4 : 5) twell_gather_gated_up_e4m
     const T* __restrict__ gate_spill, int M, int n_tiles, int tile_n, int capacity,
     const T* __restrict__ x, long long ldx, const unsigned char* __restrict__ q, const float* __restrict__ scales,
     long long ldq, int K, T* __restrict__ h_data, T* __restrict__ h_spill, T* __restrict__ u_data,
-    T* __restrict__ u_spill) {
+    T* __restrict__ u_spill,
+    const int* __restrict__ order) {
   static_assert(sizeof(T) == 2, "the e4m3 codes multiply a 2-byte x in f16");
   extern __shared__ __align__(16) unsigned char x_stages[];
-  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  const long long row = owned_row(order, M);
   const int lane = threadIdx.x & 31;
-  if (row >= M) return;  // warp-uniform
+  if (row < 0) return;  // warp-uniform
   f16* stage = reinterpret_cast<f16*>(x_stages) + (long long)(threadIdx.x >> 5) * K;
   const float x_unscale = stage_x_f16(x + row * ldx, K, lane, stage);
   const MmaE4M3Rows rows{q, ldq};
@@ -941,4 +956,55 @@ __global__ void __launch_bounds__(128) twell_mask_spmm(
   const int lane = threadIdx.x & 31;
   if (row >= M) return;  // warp-uniform
   mask_down_row<T, KV, U>(mask, ld_words, z, ldz, row, N, lane, w_down_t, ldd, K_out, out + row * ldo);
+}
+
+// The row order of the row-gather kernels (their `order` argument): rows with more batches of
+// 32 entries first. A warp owns one row, and a block's slots return only when its longest row
+// ends; launched in index order, the last rows to start may be long ones that the machine then
+// waits for alone. A counting sort into TWELL_ORDER_BUCKETS buckets by batches (15 or more in
+// the first): launch 1 finds each row's bucket and counts the buckets, launch 2 places the rows.
+// Rows of one bucket land in an order that varies between calls; each row's result does not
+// depend on when it runs.
+#define TWELL_ORDER_BUCKETS 16
+
+// Launch 1, a warp per row: bucket[row] = 15 - min(batches, 15), histogram[bucket] += 1
+// (histogram zeroed by the caller: TWELL_ORDER_BUCKETS counters, then as many cursors).
+__global__ void __launch_bounds__(256) twell_row_buckets(const int* __restrict__ counts,
+                                                         const int* __restrict__ spill_indptr, int n_tiles, int M,
+                                                         unsigned char* __restrict__ bucket, int* __restrict__ histogram) {
+  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (row >= M) return;  // warp-uniform
+  int n = 0;
+  for (int t = lane; t < n_tiles; t += 32) n += counts[row * n_tiles + t];
+  n = (int)__reduce_add_sync(0xffffffffu, (unsigned)n) + spill_indptr[row + 1] - spill_indptr[row];
+  const int b = TWELL_ORDER_BUCKETS - 1 - min((n + 31) / 32, TWELL_ORDER_BUCKETS - 1);
+  if (lane == 0) {
+    bucket[row] = (unsigned char)b;
+    atomicAdd(&histogram[b], 1);
+  }
+}
+
+// Launch 2, a thread per row: order[start of its bucket + its rank] = row. The rank comes from
+// the bucket's cursor, one atomic per bucket present in the warp (its lanes of that bucket
+// ranked by their place in the warp).
+__global__ void __launch_bounds__(256) twell_row_scatter(const unsigned char* __restrict__ bucket,
+                                                         int* __restrict__ histogram, int M, int* __restrict__ order) {
+  __shared__ int start[TWELL_ORDER_BUCKETS];
+  if (threadIdx.x < TWELL_ORDER_BUCKETS) {
+    int s = 0;
+    for (int c = 0; c < (int)threadIdx.x; ++c) s += histogram[c];
+    start[threadIdx.x] = s;
+  }
+  __syncthreads();
+  const long long row = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  const bool live = row < M;
+  const int b = live ? bucket[row] : -1;
+  const unsigned same = __match_any_sync(0xffffffffu, b);  // every lane gets here: whole warps
+  const int lane = threadIdx.x & 31;
+  const int leader = __ffs(same) - 1;
+  int base = 0;
+  if (live && lane == leader) base = atomicAdd(&histogram[TWELL_ORDER_BUCKETS + b], __popc(same));
+  base = __shfl_sync(0xffffffffu, base, leader);
+  if (live) order[start[b] + base + __popc(same & ((1u << lane) - 1u))] = (int)row;
 }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|gatherblocks|skewedtrain|hostgap|producerncu|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|gatherblocks|skewedtrain|roworder|hostgap|producerncu|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"  # install, TWELL_COMMIT, PYTHONPATH, $OUT
 what=${*:-all}
@@ -181,6 +181,20 @@ for step in $what; do
         timeout 200 python3 bench/stage_times.py --pattern skewed --density "$d" --only "bwd,gated up, gather" \
           --out "$OUT/stages.jsonl" 2>&1 | tee -a "$OUT/skewedtrain.log"
         status=$((status | ${PIPESTATUS[0]}))
+      done
+      ;;&
+    roworder)
+      # Branch gather-row-order: the rows longest first (TWELL_GATHER_ROW_ORDER) with blocks of 4
+      # and 1 rows (bench/NOTES.md, thirty-third session, item 9): the order's tests, then the
+      # gathered stages and one gated plan call's kernels at 0.5 / 1% (16384 tokens).
+      gpu_test_file tests/gpu/test_gpu_row_order.py roworder 240
+      for w in 4 1; do
+        for o in 0 1; do
+          echo "TWELL_GATHER_BLOCK_WARPS=$w TWELL_GATHER_ROW_ORDER=$o" | tee -a "$OUT/roworder.log"
+          TWELL_GATHER_BLOCK_WARPS=$w TWELL_GATHER_ROW_ORDER=$o stage_rows " gather,up sddmm,bwd sddmm" "0.005 0.01" roworder
+          TWELL_GATHER_BLOCK_WARPS=$w TWELL_GATHER_ROW_ORDER=$o timeout 100 python3 bench/plan_trace.py --density 0.005 \
+            2>&1 | grep -E "plan|gather|row_|span" | sed "s/^/w=$w o=$o: /" | tee -a "$OUT/roworder.log"
+        done
       done
       ;;&
     smallm)

@@ -74,6 +74,36 @@ def _gather_grid(m: int) -> tuple[tuple[int], tuple[int]]:
     return (-(-m // K.GATHER_WARPS),), (32 * K.GATHER_WARPS,)
 
 
+#: Whether the row-gather kernels over TwELL rows take them longest first
+#: (``TWELL_GATHER_ROW_ORDER=1`` at import: a counting sort of the rows by batches of 32 entries,
+#: a memset and two launches per kernel call; bench/NOTES.md, thirty-third session, item 9: a
+#: block of rows holds its slots until its longest row ends, and rows launched in index order
+#: leave long ones for the last wave). Off until measured.
+ROW_ORDER = K.env_switch("TWELL_GATHER_ROW_ORDER") is True
+
+
+def row_order(parts: TwELLParts) -> Any:
+    """The ``order`` argument of the row-gather kernels over ``parts``' rows: a null pointer
+    (index order), or with :data:`ROW_ORDER` an int32 permutation of the rows, the rows with more
+    batches of 32 entries first (``twell_row_buckets``, ``twell_row_scatter``)."""
+    m, nt = parts.counts.shape
+    if not ROW_ORDER or m == 0:
+        return K.null_pointer()
+    cp = _cp()
+    counters = cp.zeros(2 * ORDER_BUCKETS, dtype=cp.int32)  # bucket sizes, then the scatter's cursors
+    bucket = cp.empty(m, dtype=cp.uint8)
+    order = cp.empty(m, dtype=cp.int32)
+    args = (parts.counts, parts.spill_indptr, np.int32(nt), np.int32(m), bucket, counters)
+    K.launch("twell_row_buckets", 32 * m, 256, args)
+    K.launch("twell_row_scatter", m, 256, (bucket, counters, np.int32(m), order))
+    return order
+
+
+#: The order's buckets (``TWELL_ORDER_BUCKETS`` in cuda/twell_gather.cu): rows of 0-14 batches,
+#: then 15 or more.
+ORDER_BUCKETS = 16
+
+
 def spmm(
     parts: TwELLParts,
     tile_n: int,
@@ -131,7 +161,7 @@ def spmm(
                 b2,
                 np.int64(ldb2),
             )
-        args = (*_matrix_args(parts), *geometry, b, np.int64(ldb), np.int32(k), out, ldo, *extra)
+        args = (*_matrix_args(parts), *geometry, b, np.int64(ldb), np.int32(k), out, ldo, *extra, row_order(parts))
         kind = "spmm" if second is None else "spmm_sum"
         K.launch_grid(K.gather_expression(kind, b.dtype, kv, u), *_gather_grid(m), args)
         return out
@@ -161,7 +191,7 @@ def spmm_e4m3(
     kv, u = _variant(variant, "spmm_e4m3")
     nt, cap = parts.data.shape[1:]
     geometry = (np.int32(m), np.int32(nt), np.int32(tile_n), np.int32(cap))
-    args = (*_matrix_args(parts), *geometry, q, scales, np.int64(k), np.int32(k), out, ldo)
+    args = (*_matrix_args(parts), *geometry, q, scales, np.int64(k), np.int32(k), out, ldo, row_order(parts))
     K.launch_grid(K.gather_expression("spmm_e4m3", parts.data.dtype, kv, u), *_gather_grid(m), args)
     return out
 
@@ -312,7 +342,7 @@ def sddmm(
     if path == "gather":
         spill = cp.empty(parts.spill_data.shape, dtype=x.dtype)
         geometry = (np.int32(m), np.int32(nt), np.int32(tile_n), np.int32(cap))
-        args = (*_matrix_args(parts), *geometry, x, np.int64(ldx), y, np.int64(ldy), k, data, spill)
+        args = (*_matrix_args(parts), *geometry, x, np.int64(ldx), y, np.int64(ldy), k, data, spill, row_order(parts))
         kv, u = _variant(variant, "sddmm")
         K.launch_grid(K.gather_expression("sddmm", x.dtype, kv, u, scale), *_gather_grid(m), args)
         return parts._replace(data=data, spill_data=spill)
@@ -410,7 +440,7 @@ def sddmm_gated_backward(
     geometry = (np.int32(m), np.int32(nt), np.int32(tile_n), np.int32(cap))
     dense = (dy, np.int64(lddy), w_down_t, np.int64(ldw), np.int32(dy.shape[1]))
     outputs = tuple(a for pair in results for a in pair)
-    args = (*_matrix_args(gate), *geometry, *dense, up.data, up.spill_data, *outputs)
+    args = (*_matrix_args(gate), *geometry, *dense, up.data, up.spill_data, *outputs, row_order(gate))
     kv, u = _variant(variant, "sddmm_gated_bwd")
     K.launch_grid(K.gather_expression("sddmm_gated_bwd", dy.dtype, kv, u), *_gather_grid(m), args)
     d_z, d_u, h = (gate._replace(data=data, spill_data=spill) for data, spill in results)
@@ -531,6 +561,7 @@ def gated_up(
         h.data,
         h.spill_data,
         *((up.data, up.spill_data) if up is not None else (K.null_pointer(), K.null_pointer())),
+        row_order(gate),
     )
     stage = _x_stage_bytes(x.shape[1]) if kind == "gated_up_e4m3" else 0
     K.launch_grid(K.gather_expression(kind, x.dtype, kv, u), *_gather_grid(m), args, stage)

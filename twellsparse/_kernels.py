@@ -146,6 +146,7 @@ def _instantiations() -> dict[str, list[str]]:
             ("sddmm_gated_bwd", False),
         )
     ]
+    gather += ["twell_row_buckets", "twell_row_scatter"]
     gather += [
         gather_expression(kind, dt, kv, u)
         for dt in VALUE_DTYPES
