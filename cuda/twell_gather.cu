@@ -130,13 +130,23 @@ template <typename A> __device__ __forceinline__ A warp_total(A v) {
   return v;
 }
 
-// The token row this warp owns: its global warp index w, or order[w] where the launch gives an
-// order (twell_row_order: rows with more batches of entries first, so that the last rows to start
-// are the short ones); -1 past the M rows.
-__device__ __forceinline__ long long owned_row(const int* __restrict__ order, int M) {
-  const long long w = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
-  if (w >= M) return -1;
-  return order == nullptr ? w : (long long)order[w];
+// Whether the kernels over TwELL rows read their row from an `order` (TWELL_GATHER_ROW_ORDER=1,
+// set by twellsparse._kernels.compile_options; 0 unless set, and then the order argument is
+// never read, so the default build is the one measured without it).
+#ifndef TWELL_GATHER_ROW_ORDER
+#define TWELL_GATHER_ROW_ORDER 0
+#endif
+
+// The token row of the warp with global index w (< M): w itself, or, in a TWELL_GATHER_ROW_ORDER
+// build, order[w] (twell_row_buckets / twell_row_scatter: rows with more batches of entries
+// first, so that the last rows to start are short ones).
+__device__ __forceinline__ long long ordered_row(const int* __restrict__ order, long long w) {
+#if TWELL_GATHER_ROW_ORDER
+  return (long long)order[w];
+#else
+  (void)order;
+  return w;
+#endif
 }
 
 // Entry positions: a slot of the padded part (>= 0) or ~i for spill entry i (< 0).
@@ -672,9 +682,10 @@ __global__ void ROW_SUM_BOUNDS(T, DUAL) twell_gather_spmm(
     const T* __restrict__ data2, const T* __restrict__ spill_vals2, const T* __restrict__ b2, long long ldb2,
     const int* __restrict__ order) {
   using A = typename acc_of<T>::type;
-  const long long row = owned_row(order, M);
+  const long long warp_index = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
-  if (row < 0) return;  // warp-uniform
+  if (warp_index >= M) return;  // warp-uniform
+  const long long row = ordered_row(order, warp_index);
   sum_by_chunks<T, KV>(out + row * ldo, K, lane, [&](A(&acc)[KV][Lanes<T>::N], int k0) {
     for_each_product_batch<DUAL>(data, spill_vals, b, ldb, data2, spill_vals2, b2, ldb2, indices, counts,
                                  spill_indptr, spill_cols, row, n_tiles, tile_n, capacity, lane,
@@ -698,9 +709,10 @@ __global__ void __launch_bounds__(128) twell_gather_spmm_e4m3(
     const int* __restrict__ order) {
   static_assert(sizeof(T) == 2, "the e4m3 rows' 8-byte pieces cover a 2-byte type's 16-byte vector");
   using A = typename acc_of<T>::type;
-  const long long row = owned_row(order, M);
+  const long long warp_index = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
-  if (row < 0) return;  // warp-uniform
+  if (warp_index >= M) return;  // warp-uniform
+  const long long row = ordered_row(order, warp_index);
   const E4M3Rows rows{b, ldb};
   sum_by_chunks<T, KV>(out + row * ldo, K, lane, [&](A(&acc)[KV][Lanes<T>::N], int k0) {
     for_each_batch<true>(data, indices, counts, spill_indptr, spill_cols, spill_vals, row, n_tiles, tile_n,
@@ -724,9 +736,10 @@ __global__ void __launch_bounds__(128) twell_gather_sddmm(
     T* __restrict__ out, T* __restrict__ out_spill,
     const int* __restrict__ order) {
   using A = typename acc_of<T>::type;
-  const long long row = owned_row(order, M);
+  const long long warp_index = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
-  if (row < 0) return;  // warp-uniform
+  if (warp_index >= M) return;  // warp-uniform
+  const long long row = ordered_row(order, warp_index);
   const T* x_row = x + row * ldx;
   for_each_batch<SCALE>(data, indices, counts, spill_indptr, spill_cols, spill_vals, row, n_tiles, tile_n,
                         capacity, lane, [&](int n, int col, A val, long long where) {
@@ -758,9 +771,10 @@ __global__ void __launch_bounds__(128) twell_gather_sddmm_gated_bwd(
     T* __restrict__ h_spill,
     const int* __restrict__ order) {
   using A = typename acc_of<T>::type;
-  const long long row = owned_row(order, M);
+  const long long warp_index = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
-  if (row < 0) return;  // warp-uniform
+  if (warp_index >= M) return;  // warp-uniform
+  const long long row = ordered_row(order, warp_index);
   const T* dy_row = dy + row * lddy;
   const auto times = [](A a, A b) { return from_acc<T>((a != A(0) ? a : A(0)) * b); };
   for_each_batch<true>(gate, indices, counts, spill_indptr, spill_cols, gate_spill, row, n_tiles, tile_n,
@@ -822,9 +836,10 @@ __global__ void __launch_bounds__(128, sizeof(T) == 2 && TWELL_MMA_DOTS ? 5 : 1)
     const T* __restrict__ x, long long ldx, const T* __restrict__ w_up, long long ldu, int K,
     T* __restrict__ h_data, T* __restrict__ h_spill, T* __restrict__ u_data, T* __restrict__ u_spill,
     const int* __restrict__ order) {
-  const long long row = owned_row(order, M);
+  const long long warp_index = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
-  if (row < 0) return;  // warp-uniform
+  if (warp_index >= M) return;  // warp-uniform
+  const long long row = ordered_row(order, warp_index);
   const T* x_row = x + row * ldx;
   gated_up_row(gate, indices, counts, spill_indptr, spill_cols, gate_spill, row, n_tiles, tile_n, capacity, lane,
                h_data, h_spill, u_data, u_spill,
@@ -847,9 +862,10 @@ __global__ void __launch_bounds__(128, U >= 4 ? 4 : 5) twell_gather_gated_up_e4m
     const int* __restrict__ order) {
   static_assert(sizeof(T) == 2, "the e4m3 codes multiply a 2-byte x in f16");
   extern __shared__ __align__(16) unsigned char x_stages[];
-  const long long row = owned_row(order, M);
+  const long long warp_index = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
-  if (row < 0) return;  // warp-uniform
+  if (warp_index >= M) return;  // warp-uniform
+  const long long row = ordered_row(order, warp_index);
   f16* stage = reinterpret_cast<f16*>(x_stages) + (long long)(threadIdx.x >> 5) * K;
   const float x_unscale = stage_x_f16(x + row * ldx, K, lane, stage);
   const MmaE4M3Rows rows{q, ldq};

@@ -184,10 +184,11 @@ for step in $what; do
       done
       ;;&
     roworder)
-      # Branch gather-row-order: the rows longest first (TWELL_GATHER_ROW_ORDER) with blocks of 4
-      # and 1 rows (bench/NOTES.md, thirty-third session, item 9): the order's tests, then the
-      # gathered stages and one gated plan call's kernels at 0.5 / 1% (16384 tokens).
-      gpu_test_file tests/gpu/test_gpu_row_order.py roworder 240
+      # The rows longest first (TWELL_GATHER_ROW_ORDER, a build switch) with blocks of 4 and 1 rows
+      # (bench/NOTES.md, thirty-third session, item 9): the order's tests and the gather tests in
+      # that build, then the gathered stages and one gated plan call's kernels at 0.5 / 1%.
+      TWELL_GATHER_ROW_ORDER=1 gpu_test_file tests/gpu/test_gpu_row_order.py roworder 240
+      TWELL_GATHER_ROW_ORDER=1 gpu_test_file tests/gpu/test_gpu_gather.py roworder 240
       for w in 4 1; do
         for o in 0 1; do
           echo "TWELL_GATHER_BLOCK_WARPS=$w TWELL_GATHER_ROW_ORDER=$o" | tee -a "$OUT/roworder.log"

@@ -75,10 +75,11 @@ def _gather_grid(m: int) -> tuple[tuple[int], tuple[int]]:
 
 
 #: Whether the row-gather kernels over TwELL rows take them longest first
-#: (``TWELL_GATHER_ROW_ORDER=1`` at import: a counting sort of the rows by batches of 32 entries,
-#: a memset and two launches per kernel call; bench/NOTES.md, thirty-third session, item 9: a
-#: block of rows holds its slots until its longest row ends, and rows launched in index order
-#: leave long ones for the last wave). Off until measured.
+#: (``TWELL_GATHER_ROW_ORDER=1`` at import, which also builds the kernels to read the order:
+#: ``_kernels.compile_options``; a counting sort of the rows by batches of 32 entries, a memset and
+#: two launches per kernel call; bench/NOTES.md, thirty-third session, item 9: a block of rows
+#: holds its slots until its longest row ends, and rows launched in index order leave long ones
+#: for the last wave). Off until measured; then the kernels never read their order argument.
 ROW_ORDER = K.env_switch("TWELL_GATHER_ROW_ORDER") is True
 
 

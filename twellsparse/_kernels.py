@@ -274,16 +274,18 @@ def source_hash() -> str:
 
 
 def compile_options() -> tuple[str, ...]:
-    """NVRTC options. Four measurement switches are read from the environment when a module is
-    first compiled: ``TWELL_L2_HINTS=0`` turns off the gather kernels' L2 eviction hint
-    (cuda/twell_gather.cu), ``TWELL_MMA_DOTS=0`` gives their dot products to the FMA pipes
-    instead of the tensor cores, ``TWELL_HOPPER_PACK=0`` leaves the fused producer's epilogue out
-    (cuda/twell_hopper_gemm.cu: wrong results, the GEMM's time alone), and
-    ``TWELL_GATHER_MIN_BLOCKS=N`` replaces the launch bounds of the 2-byte SpMM and
-    transposed-product kernels (by default a minimum of 1 block per SM for the single-output
-    ones, none for dX's dual pass): N blocks per SM for all of them, 0 for no minimum."""
+    """NVRTC options. Five measurement switches are read from the environment when a module is
+    first compiled: ``TWELL_GATHER_ROW_ORDER=1`` has the row-gather kernels over TwELL rows read
+    their row from an order (``_gpu_ops.row_order``, which builds it under the same switch),
+    ``TWELL_L2_HINTS=0`` turns off the gather kernels' L2 eviction hint (cuda/twell_gather.cu),
+    ``TWELL_MMA_DOTS=0`` gives their dot products to the FMA pipes instead of the tensor cores,
+    ``TWELL_HOPPER_PACK=0`` leaves the fused producer's epilogue out (cuda/twell_hopper_gemm.cu:
+    wrong results, the GEMM's time alone), and ``TWELL_GATHER_MIN_BLOCKS=N`` replaces the launch
+    bounds of the 2-byte SpMM and transposed-product kernels (by default a minimum of 1 block per
+    SM for the single-output ones, none for dX's dual pass): N blocks per SM for all of them, 0
+    for no minimum."""
     switches = []
-    for name in ("TWELL_L2_HINTS", "TWELL_MMA_DOTS", "TWELL_HOPPER_PACK"):
+    for name in ("TWELL_L2_HINTS", "TWELL_MMA_DOTS", "TWELL_HOPPER_PACK", "TWELL_GATHER_ROW_ORDER"):
         value = env_switch(name)
         switches += [f"-D{name}={int(value)}"] if value is not None else []
     blocks = os.environ.get("TWELL_GATHER_MIN_BLOCKS", "")
