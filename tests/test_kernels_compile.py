@@ -211,3 +211,14 @@ def test_transposed_products_split_no_further_than_their_column_passes():
     assert _gpu_ops.column_warps(7, 4096, 4, 2) == 4
     assert _gpu_ops.column_warps(3, 100, 4, 8) == 1  # float64: 256 values a pass
     assert _gpu_ops.column_warps(2, 0, 4, 2) == 1  # no columns: one warp, nothing to do
+
+
+def test_the_row_order_build_of_the_gather_kernels_compiles(monkeypatch):
+    """The TWELL_GATHER_ROW_ORDER=1 build (the kernels read their row from an order) is a
+    measurement build of the same instantiations: it compiles for sm_90a too."""
+    _nvrtc_or_skip()
+    monkeypatch.setattr(_kernels, "GATHER_ROW_ORDER", True)
+    assert "-DTWELL_GATHER_ROW_ORDER=1" in _kernels.compile_options()
+    name = "twell_gather.cu"
+    cubin = _kernels._nvrtc_cubin(name, _kernels.INSTANTIATIONS[name], "sm_90a")[0]
+    assert len(cubin) > 0

@@ -74,26 +74,29 @@ def _gather_grid(m: int) -> tuple[tuple[int], tuple[int]]:
     return (-(-m // K.GATHER_WARPS),), (32 * K.GATHER_WARPS,)
 
 
-#: Whether the row-gather kernels over TwELL rows take them longest first
-#: (``TWELL_GATHER_ROW_ORDER=1`` at import, which also builds the kernels to read the order:
-#: ``_kernels.compile_options``; a counting sort of the rows by batches of 32 entries, a memset and
-#: two launches per kernel call; bench/NOTES.md, thirty-third session, item 9: a block of rows
-#: holds its slots until its longest row ends, and rows launched in index order leave long ones
-#: for the last wave). Off until measured; then the kernels never read their order argument.
-ROW_ORDER = K.env_switch("TWELL_GATHER_ROW_ORDER") is True
-
-
 def row_order(parts: TwELLParts) -> Any:
-    """The ``order`` argument of the row-gather kernels over ``parts``' rows: a null pointer
-    (index order), or with :data:`ROW_ORDER` an int32 permutation of the rows, the rows with more
-    batches of 32 entries first (``twell_row_buckets``, ``twell_row_scatter``)."""
-    m, nt = parts.counts.shape
-    if not ROW_ORDER or m == 0:
+    """The ``order`` argument of the row-gather kernels over ``parts``' rows: in a build that reads
+    it (``_kernels.GATHER_ROW_ORDER``: ``TWELL_GATHER_ROW_ORDER=1`` at import) the rows longest
+    first (:func:`longest_first`), else a null pointer, which the default build never reads
+    (index order). bench/NOTES.md, thirty-third session, item 9: a block of rows holds its
+    slots until its longest row ends, and rows launched in index order leave long ones for the
+    last wave. Off until measured."""
+    if not K.GATHER_ROW_ORDER or parts.counts.shape[0] == 0:
         return K.null_pointer()
+    return longest_first(parts)
+
+
+def longest_first(parts: TwELLParts) -> Any:
+    """An int32 permutation of ``parts``' rows, those with more batches of 32 entries first
+    (``twell_row_buckets``, ``twell_row_scatter``: a memset and two launches; rows of one bucket
+    in any order)."""
+    m, nt = parts.counts.shape
     cp = _cp()
     counters = cp.zeros(2 * ORDER_BUCKETS, dtype=cp.int32)  # bucket sizes, then the scatter's cursors
     bucket = cp.empty(m, dtype=cp.uint8)
     order = cp.empty(m, dtype=cp.int32)
+    if m == 0:
+        return order
     args = (parts.counts, parts.spill_indptr, np.int32(nt), np.int32(m), bucket, counters)
     K.launch("twell_row_buckets", 32 * m, 256, args)
     K.launch("twell_row_scatter", m, 256, (bucket, counters, np.int32(m), order))

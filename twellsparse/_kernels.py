@@ -275,8 +275,8 @@ def source_hash() -> str:
 
 def compile_options() -> tuple[str, ...]:
     """NVRTC options. Five measurement switches are read from the environment when a module is
-    first compiled: ``TWELL_GATHER_ROW_ORDER=1`` has the row-gather kernels over TwELL rows read
-    their row from an order (``_gpu_ops.row_order``, which builds it under the same switch),
+    first compiled, one at import: ``TWELL_GATHER_ROW_ORDER=1`` (:data:`GATHER_ROW_ORDER`) has the
+    row-gather kernels over TwELL rows read their row from an order (``_gpu_ops.row_order``),
     ``TWELL_L2_HINTS=0`` turns off the gather kernels' L2 eviction hint (cuda/twell_gather.cu),
     ``TWELL_MMA_DOTS=0`` gives their dot products to the FMA pipes instead of the tensor cores,
     ``TWELL_HOPPER_PACK=0`` leaves the fused producer's epilogue out (cuda/twell_hopper_gemm.cu:
@@ -285,9 +285,10 @@ def compile_options() -> tuple[str, ...]:
     SM for the single-output ones, none for dX's dual pass): N blocks per SM for all of them, 0
     for no minimum."""
     switches = []
-    for name in ("TWELL_L2_HINTS", "TWELL_MMA_DOTS", "TWELL_HOPPER_PACK", "TWELL_GATHER_ROW_ORDER"):
+    for name in ("TWELL_L2_HINTS", "TWELL_MMA_DOTS", "TWELL_HOPPER_PACK"):
         value = env_switch(name)
         switches += [f"-D{name}={int(value)}"] if value is not None else []
+    switches += ["-DTWELL_GATHER_ROW_ORDER=1"] if GATHER_ROW_ORDER else []
     blocks = os.environ.get("TWELL_GATHER_MIN_BLOCKS", "")
     if blocks not in ("", "0", "1", "2", "3", "4", "5", "6"):
         raise ValueError(f"TWELL_GATHER_MIN_BLOCKS: expected a block count from 0 to 6, got {blocks!r}")
@@ -302,6 +303,12 @@ def env_switch(name: str) -> bool | None:
     if value not in ("", "0", "1"):
         raise ValueError(f"{name}: expected 0 or 1, got {value!r}")
     return None if value == "" else value == "1"
+
+
+#: Whether the row-gather kernels over TwELL rows read their row from an order
+#: (``TWELL_GATHER_ROW_ORDER=1``, read once at import so that the build and
+#: ``_gpu_ops.row_order``, which must hand such a build an order, always agree).
+GATHER_ROW_ORDER = env_switch("TWELL_GATHER_ROW_ORDER") is True
 
 
 @functools.cache

@@ -26,19 +26,18 @@ def _matrix(cp, rng, m=1030, n=4000, density=0.02):
     return h, ts.twell_array(cp.asarray(h), tile_n=64, capacity=8)
 
 
-def test_order_is_a_permutation_longest_rows_first(cp, rng, monkeypatch):
+def test_order_is_a_permutation_longest_rows_first(cp, rng):
     h, a = _matrix(cp, rng)
-    monkeypatch.setattr(_gpu_ops, "ROW_ORDER", True)
-    order = cp.asnumpy(_gpu_ops.row_order(a.parts))
+    order = cp.asnumpy(_gpu_ops.longest_first(a.parts))
     assert sorted(order.tolist()) == list(range(h.shape[0]))
     batches = np.minimum(-(-np.count_nonzero(h, axis=1) // 32), _gpu_ops.ORDER_BUCKETS - 1)
     assert (np.diff(batches[order]) <= 0).all()  # non-increasing: longest first, ties in any order
-    monkeypatch.setattr(_gpu_ops, "ROW_ORDER", False)
-    assert isinstance(_gpu_ops.row_order(a.parts), np.uint64)  # the null pointer: index order
+    # the null pointer unless the build reads an order
+    assert isinstance(_gpu_ops.row_order(a.parts), np.uint64) != K.GATHER_ROW_ORDER
 
 
 @pytest.mark.skipif(
-    "-DTWELL_GATHER_ROW_ORDER=1" not in K.compile_options(),
+    not K.GATHER_ROW_ORDER,
     reason="the kernels read their order only when built with TWELL_GATHER_ROW_ORDER=1",
 )
 def test_every_row_kernel_gives_the_same_bits_in_either_order(cp, rng, monkeypatch):
@@ -65,11 +64,8 @@ def test_every_row_kernel_gives_the_same_bits_in_either_order(cp, rng, monkeypat
         bits = [cp.asnumpy(v).view(np.uint16) for v in arrays]
         return [*bits, cp.asnumpy(h_parts.data).view(np.uint16)[used]]  # h's padding is never written
 
-    longest_first = _gpu_ops.row_order
+    ordered = results()  # the rows longest first
     monkeypatch.setattr(_gpu_ops, "row_order", lambda parts: cp.arange(parts.counts.shape[0], dtype=cp.int32))
     plain = results()  # the identity order: index order, read through the order argument
-    monkeypatch.setattr(_gpu_ops, "ROW_ORDER", True)
-    monkeypatch.setattr(_gpu_ops, "row_order", longest_first)
-    ordered = results()
     for i, (p, q) in enumerate(zip(plain, ordered, strict=True)):
         assert (p == q).all(), f"result {i} differs"
