@@ -35,22 +35,26 @@ def trace(call: Callable[[], Any], calls: int) -> list[tuple[str, float, float]]
         ),
         key=lambda e: e[1],
     )
-    # The last call's kernels: split the stream where the first kernel of each call starts. Calls
-    # launch the same sequence, so the last len(events) / calls events belong to the last call.
+    # The last call's kernels: calls launch the same sequence (the warm-up call above took the
+    # first-call work), so the last len(events) / calls events belong to the last call.
     per_call = len(events) // calls
     return events[-per_call:]
 
 
 def report(title: str, events: list[tuple[str, float, float]]) -> None:
+    """Print ``events`` (``(name, start us, end us)``, in launch order): start from the first,
+    duration and the idle gap before each, then the call's span, busy time and idle total
+    (``host_profile``'s accounting: overlapping kernels count once)."""
+    from host_profile import _busy_and_gaps  # bench/ is the script's first path entry
+
     print(f"\n{title}")
-    t0, prev_end, busy, gaps = events[0][1], events[0][1], 0.0, 0.0
+    t0 = prev_end = events[0][1]
     for name, start, end in events:
-        gap = max(0.0, start - prev_end)
-        gaps += gap
-        busy += end - start
-        print(f"  {start - t0:9.1f} {end - start:9.1f} {gap:8.1f}  {name[:110]}")
+        print(f"  {start - t0:9.1f} {end - start:9.1f} {max(0.0, start - prev_end):8.1f}  {name[:110]}")
         prev_end = max(prev_end, end)
-    print(f"  span {prev_end - t0:.1f} us, kernels {busy:.1f} us, gaps {gaps:.1f} us, {len(events)} launches")
+    span, busy, gaps = _busy_and_gaps([(start, end, name) for name, start, end in events])
+    idle = sum(gap[0] for gap in gaps)
+    print(f"  span {span:.1f} us, kernels {busy:.1f} us, gaps {idle:.1f} us, {len(events)} launches")
 
 
 def main(argv: list[str] | None = None) -> int:

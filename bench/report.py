@@ -251,7 +251,7 @@ def training_table(steps: list[dict[str, Any]], models: list[dict[str, Any]]) ->
             "TwELL / dense |",
             "|---|---|---|---|---|",
         ]
-        for r in sorted(steps, key=lambda r: (r.get("pattern", "uniform") != "uniform", r["density_target"])):
+        for r in sorted(steps, key=lambda r: (_pattern_note(r), r["density_target"])):  # uniform first
             graph = (
                 f"{r['dense_graph_ms']:.3f} / {r['twell_graph_ms']:.3f} ({r['speedup_graph']:.2f}x)"
                 if "speedup_graph" in r

@@ -16,6 +16,7 @@
 // fragment layout.
 #include "twell_fp8.cuh"
 #include "twell_mma.cuh"
+#include "twell_rows.cuh"
 #include "twell_types.cuh"
 
 using namespace twell;
@@ -991,9 +992,7 @@ __global__ void __launch_bounds__(256) twell_row_buckets(const int* __restrict__
   const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (row >= M) return;  // warp-uniform
-  int n = 0;
-  for (int t = lane; t < n_tiles; t += 32) n += counts[row * n_tiles + t];
-  n = (int)__reduce_add_sync(0xffffffffu, (unsigned)n) + spill_indptr[row + 1] - spill_indptr[row];
+  const int n = row_entries(counts, spill_indptr, row, n_tiles, lane);
   const int b = TWELL_ORDER_BUCKETS - 1 - min((n + 31) / 32, TWELL_ORDER_BUCKETS - 1);
   if (lane == 0) {
     bucket[row] = (unsigned char)b;

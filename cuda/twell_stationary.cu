@@ -37,6 +37,7 @@
 // the slice. A group takes 8 words at a time (4 per lane, one 16-byte load, two batches more in
 // flight), hands each word to both lanes with one shuffle, and each lane loads its 16 bytes of
 // that B row from shared memory.
+#include "twell_rows.cuh"
 #include "twell_scan.cuh"
 #include "twell_slot_class.cuh"
 #include "twell_types.cuh"
@@ -238,9 +239,7 @@ __global__ void __launch_bounds__(256) stationary_row_sizes(
   const int row = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5);
   const int lane = threadIdx.x & 31;
   if (row >= M) return;
-  int n = 0;
-  for (int t = lane; t < n_tiles; t += 32) n += counts[(long long)row * n_tiles + t];
-  n = __reduce_add_sync(0xffffffffu, n) + spill_indptr[row + 1] - spill_indptr[row];
+  const int n = twell::row_entries(counts, spill_indptr, row, n_tiles, lane);
   constexpr int B = twell::STATIONARY_BATCH;  // entries per batch
   if (lane == 0) sizes[row] = (dual ? 2 : 1) * ((n + B - 1) / B * B);
 }

@@ -23,6 +23,20 @@ stage_rows() {
     status=$((status | ${PIPESTATUS[0]}))
   done
 }
+# The row gathers under the TWELL_GATHER_* settings in the environment (named in the log): their
+# stages (" gather", "up sddmm", "bwd sddmm") and one gated plan call's kernels (bench/plan_trace.py)
+# at 0.5 / 1%, 16384 tokens, appended to $OUT/<log>.log. Usage: gather_layout_rows LOG
+gather_layout_rows() {
+  local label
+  label=$(env | grep -E "^TWELL_GATHER_(BLOCK_WARPS|ROW_ORDER)=" | sort | tr '\n' ' ')
+  echo "$label" | tee -a "$OUT/$1.log"
+  stage_rows " gather,up sddmm,bwd sddmm" "0.005 0.01" "$1"
+  for d in 0.005 0.01; do
+    timeout 100 python3 bench/plan_trace.py --density "$d" 2>&1 \
+      | grep -E "plan|gather|row_|stationary_spmm|span" | sed "s/^/$label: /" | tee -a "$OUT/$1.log"
+    status=$((status | ${PIPESTATUS[0]}))
+  done
+}
 # compute-sanitizer memcheck and racecheck on the tests of FILE selected by -k EXPR, appended to
 # $OUT/<log>.log. Usage: sanitize_tests FILE EXPR LOG
 sanitize_tests() {
@@ -156,16 +170,10 @@ for step in $what; do
     gatherblocks)
       # Row-gather blocks of 4 (the default), 1 and 2 rows (TWELL_GATHER_BLOCK_WARPS; bench/NOTES.md,
       # thirty-third session, item 9: a block's slots stay held until its longest row ends): the
-      # gather tests with 1-row blocks, then per setting the gathered stages and one gated plan
-      # call's kernels at 0.5 / 1% (16384 tokens).
+      # gather tests with 1-row blocks, then gather_layout_rows per setting.
       TWELL_GATHER_BLOCK_WARPS=1 gpu_test_file tests/gpu/test_gpu_gather.py gatherblocks 240
       for w in 4 1 2; do
-        echo "TWELL_GATHER_BLOCK_WARPS=$w" | tee -a "$OUT/gatherblocks.log"
-        TWELL_GATHER_BLOCK_WARPS=$w stage_rows " gather,up sddmm,bwd sddmm" "0.005 0.01" gatherblocks
-        for d in 0.005 0.01; do
-          TWELL_GATHER_BLOCK_WARPS=$w timeout 100 python3 bench/plan_trace.py --density "$d" 2>&1 \
-            | grep -E "plan|gather|stationary_spmm|span" | sed "s/^/warps=$w: /" | tee -a "$OUT/gatherblocks.log"
-        done
+        TWELL_GATHER_BLOCK_WARPS=$w gather_layout_rows gatherblocks
       done
       ;;&
     skewedtrain)
@@ -186,16 +194,12 @@ for step in $what; do
     roworder)
       # The rows longest first (TWELL_GATHER_ROW_ORDER, a build switch) with blocks of 4 and 1 rows
       # (bench/NOTES.md, thirty-third session, item 9): the order's tests and the gather tests in
-      # that build, then the gathered stages and one gated plan call's kernels at 0.5 / 1%.
+      # that build, then gather_layout_rows; the index-order rows to compare with are
+      # gatherblocks', so run both in one call (`device_run.sh gatherblocks roworder`).
       TWELL_GATHER_ROW_ORDER=1 gpu_test_file tests/gpu/test_gpu_row_order.py roworder 240
       TWELL_GATHER_ROW_ORDER=1 gpu_test_file tests/gpu/test_gpu_gather.py roworder 240
       for w in 4 1; do
-        for o in 0 1; do
-          echo "TWELL_GATHER_BLOCK_WARPS=$w TWELL_GATHER_ROW_ORDER=$o" | tee -a "$OUT/roworder.log"
-          TWELL_GATHER_BLOCK_WARPS=$w TWELL_GATHER_ROW_ORDER=$o stage_rows " gather,up sddmm,bwd sddmm" "0.005 0.01" roworder
-          TWELL_GATHER_BLOCK_WARPS=$w TWELL_GATHER_ROW_ORDER=$o timeout 100 python3 bench/plan_trace.py --density 0.005 \
-            2>&1 | grep -E "plan|gather|row_|span" | sed "s/^/w=$w o=$o: /" | tee -a "$OUT/roworder.log"
-        done
+        TWELL_GATHER_BLOCK_WARPS=$w TWELL_GATHER_ROW_ORDER=1 gather_layout_rows roworder
       done
       ;;&
     smallm)

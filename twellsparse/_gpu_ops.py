@@ -74,6 +74,11 @@ def _gather_grid(m: int) -> tuple[tuple[int], tuple[int]]:
     return (-(-m // K.GATHER_WARPS),), (32 * K.GATHER_WARPS,)
 
 
+#: The order's buckets (``TWELL_ORDER_BUCKETS`` in cuda/twell_gather.cu): rows of 0-14 batches,
+#: then 15 or more.
+ORDER_BUCKETS = 16
+
+
 def row_order(parts: TwELLParts) -> Any:
     """The ``order`` argument of the row-gather kernels over ``parts``' rows: in a build that reads
     it (``_kernels.GATHER_ROW_ORDER``: ``TWELL_GATHER_ROW_ORDER=1`` at import) the rows longest
@@ -92,20 +97,15 @@ def longest_first(parts: TwELLParts) -> Any:
     in any order)."""
     m, nt = parts.counts.shape
     cp = _cp()
-    counters = cp.zeros(2 * ORDER_BUCKETS, dtype=cp.int32)  # bucket sizes, then the scatter's cursors
-    bucket = cp.empty(m, dtype=cp.uint8)
     order = cp.empty(m, dtype=cp.int32)
     if m == 0:
         return order
+    counters = cp.zeros(2 * ORDER_BUCKETS, dtype=cp.int32)  # bucket sizes, then the scatter's cursors
+    bucket = cp.empty(m, dtype=cp.uint8)
     args = (parts.counts, parts.spill_indptr, np.int32(nt), np.int32(m), bucket, counters)
     K.launch("twell_row_buckets", 32 * m, 256, args)
     K.launch("twell_row_scatter", m, 256, (bucket, counters, np.int32(m), order))
     return order
-
-
-#: The order's buckets (``TWELL_ORDER_BUCKETS`` in cuda/twell_gather.cu): rows of 0-14 batches,
-#: then 15 or more.
-ORDER_BUCKETS = 16
 
 
 def spmm(

@@ -19,8 +19,8 @@ from ._twell import (
     check_axes,
     check_format_name,
     check_order,
-    is_twell,
     issparse,
+    sparse_product,
     twell_array,
     write_out,
 )
@@ -172,7 +172,7 @@ class twell_transpose:
         from ._ops import matmul
 
         if issparse(other):
-            return self.tocsr() @ other.tocsr() if is_twell(other) else self.tocsr() @ other
+            return sparse_product(self, other)
         if is_jax_array(self._base.data):  # the JAX adapter's op
             from .jax import matmul as jax_matmul
 
@@ -184,5 +184,5 @@ class twell_transpose:
         from ._ops import rmatmul
 
         if issparse(other):
-            return other.tocsr() @ self.tocsr() if is_twell(other) else other @ self.tocsr()
+            return sparse_product(other, self)
         return rmatmul(self, other)

@@ -740,9 +740,8 @@ class twell_array:
 
         if is_twell(other):
             self._require_values("@ of two TwELL matrices (a sparse product)", self._parts.data)
-            return self.tocsr() @ other.tocsr()
-        if sp.issparse(other) or _is_cupyx_sparse(other):
-            return self.tocsr() @ other
+        if issparse(other):
+            return sparse_product(self, other)
         if is_jax_array(self._parts.data):  # the JAX adapter's op: traceable, differentiable
             from .jax import matmul as jax_matmul
 
@@ -753,10 +752,8 @@ class twell_array:
         """``other @ self``: as :meth:`__matmul__`, from the left (:func:`twellsparse.rmatmul`)."""
         from ._ops import rmatmul
 
-        if is_twell(other):
-            return other.tocsr() @ self.tocsr()
-        if sp.issparse(other) or _is_cupyx_sparse(other):
-            return other @ self.tocsr()
+        if issparse(other):
+            return sparse_product(other, self)
         return rmatmul(self, other)
 
 
@@ -954,6 +951,13 @@ def is_twell(obj: Any) -> bool:
     from ._transpose import twell_transpose
 
     return isinstance(obj, (twell_array, twell_transpose))
+
+
+def sparse_product(a: Any, b: Any) -> Any:
+    """``a @ b`` for two sparse matrices, one of them TwELL (or its transposed view): TwELL ones
+    through :meth:`twell_array.tocsr`, so the product is CSR, as scipy.sparse multiplies sparse
+    matrices."""
+    return (a.tocsr() if is_twell(a) else a) @ (b.tocsr() if is_twell(b) else b)
 
 
 def issparse(obj: Any) -> bool:
