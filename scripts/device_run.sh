@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|gatherblocks|skewedtrain|roworder|hostgap|producerncu|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|gatherblocks|gatherblocksmodel|skewedtrain|roworder|hostgap|producerncu|producerclocks|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"  # install, TWELL_COMMIT, PYTHONPATH, $OUT
 what=${*:-all}
@@ -167,6 +167,18 @@ for step in $what; do
       ncu_rows twell_gemm_pack "fused producer" producerncu
       ncu_rows "gemm|sm90|cutlass" "gemm (cuBLASLt)" producerncu
       ;;&
+    producerclocks)
+      # The same two kernels with the clock free (ncu's --clock-control none; the thirty-third
+      # session's fixed 1.42 GHz made pass 1 the faster, 612 against 627 us, while free-running
+      # it is 1.14x slower): time, cycles and the SM clock each ran at, three launches each.
+      for kernel in "twell_gemm_pack:fused producer" "gemm|sm90|cutlass|nvjet:gemm (cuBLASLt)"; do
+        timeout 150 ncu --clock-control none --kernel-name regex:"${kernel%%:*}" --launch-skip 3 --launch-count 3 \
+          --metrics gpu__time_duration.sum,sm__cycles_elapsed.max,sm__cycles_elapsed.avg.per_second,smsp__inst_executed.sum \
+          python3 bench/stage_times.py --density 0.01 --reps 3 --only "${kernel#*:}" 2>&1 | tee -a "$OUT/producerclocks_ncu.log" \
+          | grep -E "twell_gemm|nvjet|gemm|duration|cycles|inst_executed" | head -24 | sed "s/^/${kernel#*:}: /"
+        status=$((status | ${PIPESTATUS[0]}))
+      done
+      ;;&
     gatherblocks)
       # Row-gather blocks of 4 (the default), 1 and 2 rows (TWELL_GATHER_BLOCK_WARPS; bench/NOTES.md,
       # thirty-third session, item 9: a block's slots stay held until its longest row ends): the
@@ -174,6 +186,16 @@ for step in $what; do
       TWELL_GATHER_BLOCK_WARPS=1 gpu_test_file tests/gpu/test_gpu_gather.py gatherblocks 240
       for w in 4 1 2; do
         TWELL_GATHER_BLOCK_WARPS=$w gather_layout_rows gatherblocks
+      done
+      ;;&
+    gatherblocksmodel)
+      # The model's forward and train step at 0.5% under 4- and 1-row gather blocks alternately
+      # (the model's 131072 rows a layer have the same imbalance; its up projection is ~2.1 of a
+      # ~7.5 ms sparse MLP): the eager rows only, which is what the block size changes.
+      for w in 4 1 4 1; do
+        TWELL_GATHER_BLOCK_WARPS=$w timeout 90 python3 bench/model_bench.py --densities 0.005 --no-graphs \
+          --reps 5 2>&1 | grep -i density | sed "s/^/rows per block $w: /" | tee -a "$OUT/gatherblocks.log"
+        status=$((status | ${PIPESTATUS[0]}))
       done
       ;;&
     skewedtrain)
