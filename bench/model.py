@@ -33,6 +33,13 @@ entries one unit of time: the latency-bound limit; a bandwidth-bound kernel woul
 warps go faster and lose less) and gives the useful share of the slots' time for blocks of 4 and
 1 rows.
 
+Sixth table, the transposed products' rows (``_gpu_ops.spmm_transposed``): a warp owns a unit's
+list of tokens (a row of A.T), so a hot unit is one warp's work. :func:`transposed_slot_use`
+schedules those rows as :func:`block_occupancy` does, whole, and with the rows longer than
+``_gpu_convert.segment_length(m)`` cut into runs that the grid's first warps take
+(``TWELL_TRANSPOSED_SEGMENTS``; bench/NOTES.md, thirty-fourth session), and gives the slots' use
+and the cut's predicted speed-up (the makespans' ratio; the partial rows' adding-up is left out).
+
 Usage: python bench/model.py [--m 16384] [--d-model 2048] [--d-ff 5632] [--l2-tbs 9.0]
        [--tflops 700] [--gather-tbs 6.4] [--smem-tbs 29.6]
 """
@@ -150,6 +157,7 @@ def packed_stats(fire: np.ndarray, d_model: int, rows: int = 8, chunk: int = 512
     operand_bytes = col_blocks * kgs.sum() * (kgroup * 4 + 32 * 8)
     return {
         "row_batches": -(-fire.sum(axis=1) // 32),  # the row gathers' batches of 32 entries per row
+        "transposed_use": lambda segment: transposed_slot_use(fire, segment),
         "ring_16": ring_efficiency(kgs, 16),
         "ring_32": ring_efficiency(kgs, 32),
         "spmm_l2_gb": float((b_chunk_bytes + operand_bytes) / 1e9),
@@ -183,6 +191,29 @@ def block_occupancy(batches: np.ndarray, rows_per_block: int, warps_per_sm: int,
         heapq.heappush(slots, heapq.heappop(slots) + t)
     makespan = max(slots)
     return float(batches.sum()) / (makespan * sms * (warps_per_sm // rows_per_block) * rows_per_block)
+
+
+def run_batches(entries: np.ndarray, segment: int | None) -> np.ndarray:
+    """Batches of 32 entries per warp of the transposed products' grid, one row of A.T per entry
+    of ``entries``: the rows whole (``segment`` None), or the rows longer than ``segment`` cut into
+    runs of ``segment`` entries, whose warps come first, then the rows' own warps (a cut row's
+    exits at once: 0)."""
+    if segment is None:
+        return -(-entries // 32)
+    cut = entries > segment
+    runs = [
+        -(-np.minimum(segment, e - np.arange(0, e, segment)) // 32) for e in entries[cut].tolist()
+    ]
+    whole = np.where(cut, 0, -(-entries // 32))
+    return np.concatenate([*runs, whole]).astype(np.int64)
+
+
+def transposed_slot_use(fire: np.ndarray, segment: int | None, warps_per_sm: int = 12, column_warps: int = 2) -> float:
+    """:func:`block_occupancy` of the transposed products' grid (4-row blocks, 12 warps per SM:
+    the bf16 kernels' 158-166 registers), its ``column_warps`` column shares launched one after
+    the other as the grid's y."""
+    batches = run_batches(fire.sum(axis=0), segment)
+    return block_occupancy(np.tile(batches, column_warps), 4, warps_per_sm)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,6 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     for pattern, density, st in packed:
         b = st["row_batches"]
         print(f"{pattern:>7}  {density:6.2%}  {block_occupancy(b, 4, 20):.3f}  {block_occupancy(b, 1, 21):.3f}")
+    segment = max(256, -(-args.m // 32))  # _gpu_convert.segment_length
+    print(f"\npattern  density  transposed products' slot use: rows whole, cut into runs of {segment}; speed-up")
+    for pattern, density, st in packed:
+        whole, cut = st["transposed_use"](None), st["transposed_use"](segment)
+        print(f"{pattern:>7}  {density:6.2%}  {whole:.3f}  {cut:.3f}  {cut / whole:.2f}x")
     return 0
 
 

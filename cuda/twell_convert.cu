@@ -5,6 +5,7 @@
 // overflow policy and, only when some row-tile overflowed under overflow="spill", launches pass
 // 2 (spill_offsets != nullptr) which writes the excess entries to the spill CSR at offsets the
 // host computed by a prefix sum. Nothing is ever written past a row-tile's capacity.
+#include "twell_rows.cuh"
 #include "twell_scan.cuh"
 #include "twell_types.cuh"
 
@@ -435,6 +436,35 @@ __global__ void __launch_bounds__(256) twell_transpose_place(
   const int pos = first[w] + __popc(bits[w] & ((1u << (row & 31)) - 1u));
   rows_t[pos] = row;
   sources_t[pos] = (int)i;  // slots first, then the spill: the products' value positions
+}
+
+// The segments of A.T's long rows for the transposed products (twell_gather_csr_spmm): a row of
+// more than `segment` entries (a unit that fires for many tokens: the skewed pattern's hot units)
+// is cut into ceil(length / segment) runs of `segment` entries, the last shorter, each summed by
+// its own warps into an fp32 partial row that the row's last warp adds up in run order. Without
+// it such a row is one warp's work, and the kernel waits for it alone. The runs take the partial
+// rows ("slots") in row order for as long as they fit; the rows after the first that does not
+// fit stay whole. One block of SCAN_THREADS threads, each a
+// contiguous stretch of rows: split_base[r] is row r's first slot or -1, slot_row[p] the row of
+// slot p or -1. Deterministic: the same plan, and so the same sums, for the same structure.
+__global__ void __launch_bounds__(SCAN_THREADS) twell_segment_plan(const int* __restrict__ indptr, int n_rows,
+                                                                     int segment, int slots,
+                                                                     int* __restrict__ split_base,
+                                                                     int* __restrict__ slot_row) {
+  for (int p = threadIdx.x; p < slots; p += SCAN_THREADS) slot_row[p] = -1;
+  const int per = (n_rows + SCAN_THREADS - 1) / SCAN_THREADS;
+  const int begin = min(n_rows, (int)threadIdx.x * per), end = min(n_rows, begin + per);
+  long long mine = 0;
+  for (int r = begin; r < end; ++r) mine += segments_of(indptr[r + 1] - indptr[r], segment);
+  long long total;
+  long long base = block_inclusive_sum(mine, total) - mine;  // its __syncthreads order the -1s first
+  for (int r = begin; r < end; ++r) {
+    const int need = segments_of(indptr[r + 1] - indptr[r], segment);
+    const bool cut = need > 0 && base + need <= slots;
+    split_base[r] = cut ? (int)base : -1;
+    for (int s = 0; cut && s < need; ++s) slot_row[base + s] = r;
+    base += need;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

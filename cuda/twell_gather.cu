@@ -877,6 +877,42 @@ __global__ void __launch_bounds__(128, U >= 4 ? 4 : 5) twell_gather_gated_up_e4m
                });
 }
 
+// One warp's columns of a chunk of fp32 sums, stored unrounded into a partial row (the runs of a
+// cut row in twell_gather_csr_spmm).
+template <typename T, int KV>
+__device__ __forceinline__ void store_partial(const typename acc_of<T>::type (&acc)[KV][Lanes<T>::N],
+                                              typename acc_of<T>::type* part, int K, int k0, int lane) {
+  constexpr int V = Lanes<T>::N;
+#pragma unroll
+  for (int kv = 0; kv < KV; ++kv) {
+    const int k = k0 + (kv * 32 + lane) * V;
+    if (k < K)
+#pragma unroll
+      for (int i = 0; i < V; ++i) __stcg(part + k + i, acc[kv][i]);
+  }
+}
+
+// out_row = the sum of `runs` partial rows of K columns from `first` on, in run order, rounded
+// once: the whole row, by one warp. The partial rows were written by other warps of this launch
+// (read past L1).
+template <typename T>
+__device__ __forceinline__ void add_runs(const typename acc_of<T>::type* partial, int first, int runs, int K,
+                                         T* __restrict__ out_row, int lane) {
+  using A = typename acc_of<T>::type;
+  constexpr int V = Lanes<T>::N;
+  for (int k = lane * V; k < K; k += 32 * V) {
+    A sum[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) sum[i] = A(0);
+    for (int s = 0; s < runs; ++s) {
+      const A* p = partial + (long long)(first + s) * K + k;
+#pragma unroll
+      for (int i = 0; i < V; ++i) sum[i] += __ldcg(p + i);
+    }
+    stg16_stream(out_row + k, Lanes<T>::narrow(sum));
+  }
+}
+
 // out[r, :] = sum over row r's entries e of value(sources[e]) * b[cols[e], :], for a matrix in
 // CSR form whose values stay where another layout keeps them: value(p) is data[p] for the first
 // n_slots positions and spill_vals[p - n_slots] after them. The transposed products A.T @ g of
@@ -888,19 +924,41 @@ __global__ void __launch_bounds__(128, U >= 4 ? 4 : 5) twell_gather_gated_up_e4m
 // passes between that many warps (pass p to warp p % gridDim.y: the same sums in the same order,
 // so the same bits): more warps in flight when the output has few rows (5632 units against the
 // forward's 16384 tokens).
+// With a segment plan (split_base not null: twell_segment_plan), the grid's first `slots` warps
+// (per column share) sum the runs of the cut rows, slot p's run into partial row p (partial:
+// `slots` rows of K columns, then as many for the second matrix), and the warp that hands in a
+// cut row's last run (a ticket per row at its first slot, zeroed by the caller) adds up the
+// row's partial rows in run order and writes it; the warps after them are the rows', those of
+// cut rows exiting at once. A cut row's sums are then associated by runs, the same way in every
+// call. Without a plan, `slots` is 0 and the grid holds the rows' warps alone.
 template <typename T, int KV, int U, bool PAIR = false>
 __global__ void ROW_SUM_BOUNDS(T, false) twell_gather_csr_spmm(
     const int* __restrict__ indptr, const int* __restrict__ cols, const int* __restrict__ sources,
     const T* __restrict__ data, long long n_slots, const T* __restrict__ spill_vals,
     const T* __restrict__ data2, const T* __restrict__ spill_vals2, int M, const T* __restrict__ b,
-    long long ldb, int K, T* __restrict__ out, T* __restrict__ out2, long long ldo) {
+    long long ldb, int K, T* __restrict__ out, T* __restrict__ out2, long long ldo,
+    const int* __restrict__ split_base, const int* __restrict__ slot_row, int slots, int segment,
+    typename acc_of<T>::type* partial, unsigned* tickets) {
   using A = typename acc_of<T>::type;
   constexpr int CHUNK = KV * 32 * Lanes<T>::N;
   constexpr int NV = PAIR ? 2 : 1;
-  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  const long long warp = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
-  if (row >= M) return;  // warp-uniform
-  const int e_begin = indptr[row], e_end = indptr[row + 1];
+  long long row;
+  int e_begin, e_end;
+  A* part = nullptr;  // this warp's partial row when it sums a run of a cut row
+  if (warp < slots) {  // warp-uniform branches throughout
+    row = slot_row[warp];
+    if (row < 0) return;
+    e_begin = indptr[row] + ((int)warp - split_base[row]) * segment;
+    e_end = min(e_begin + segment, indptr[row + 1]);
+    part = partial + warp * (long long)K;
+  } else {
+    row = warp - slots;
+    if (row >= M || (split_base != nullptr && split_base[row] >= 0)) return;
+    e_begin = indptr[row];
+    e_end = indptr[row + 1];
+  }
   for (int k0 = blockIdx.y * CHUNK; k0 < K; k0 += gridDim.y * CHUNK) {
     A acc[NV][KV][Lanes<T>::N];
 #pragma unroll
@@ -919,9 +977,28 @@ __global__ void ROW_SUM_BOUNDS(T, false) twell_gather_csr_spmm(
       }
       gather_accumulate_sets<T, KV, U, NV>(acc, min(32, e_end - e0), col, val, b, ldb, K, k0, lane);
     }
-    store_chunk<T, KV>(acc[0], out + row * ldo, K, k0, lane);
-    if constexpr (PAIR) store_chunk<T, KV>(acc[NV - 1], out2 + row * ldo, K, k0, lane);
+    if (part != nullptr) {
+      store_partial<T, KV>(acc[0], part, K, k0, lane);
+      if constexpr (PAIR) store_partial<T, KV>(acc[NV - 1], part + (long long)slots * K, K, k0, lane);
+    } else {
+      store_chunk<T, KV>(acc[0], out + row * ldo, K, k0, lane);
+      if constexpr (PAIR) store_chunk<T, KV>(acc[NV - 1], out2 + row * ldo, K, k0, lane);
+    }
   }
+  if (part == nullptr) return;
+  // Hand the run in: its partial columns visible device-wide before its ticket (the last-block
+  // reduction pattern); the warp drawing the row's last ticket adds the row up.
+  __threadfence();
+  __syncwarp();
+  const int first = split_base[row];
+  const int runs = segments_of(indptr[row + 1] - indptr[row], segment);
+  unsigned ticket = 0;
+  if (lane == 0) ticket = atomicAdd(tickets + first, 1u);
+  ticket = __shfl_sync(kFull, ticket, 0);
+  if (ticket != (unsigned)runs * gridDim.y - 1u) return;
+  __threadfence();
+  add_runs<T>(partial, first, runs, K, out + row * ldo, lane);
+  if constexpr (PAIR) add_runs<T>(partial + (long long)slots * K, first, runs, K, out2 + row * ldo, lane);
 }
 
 // out_row = sum over the set bits j of `row` in the ReLU bit-mask of z[row, j] * w_down_t[j, :]:

@@ -1,4 +1,6 @@
-// A TwELL row as the warp-per-row kernels read it (cuda/twell_stationary.cu, cuda/twell_gather.cu).
+// A TwELL row as the warp-per-row kernels read it (cuda/twell_stationary.cu, cuda/twell_gather.cu),
+// and the runs a long row of A.T is cut into for the transposed products (cuda/twell_convert.cu,
+// cuda/twell_gather.cu).
 #pragma once
 
 namespace twell {
@@ -10,6 +12,12 @@ __device__ __forceinline__ int row_entries(const int* __restrict__ counts, const
   int n = 0;
   for (int t = lane; t < n_tiles; t += 32) n += counts[row * n_tiles + t];
   return (int)__reduce_add_sync(0xffffffffu, (unsigned)n) + spill_indptr[row + 1] - spill_indptr[row];
+}
+
+// The runs of `segment` entries a row of `length` entries is cut into when it is longer than one
+// run (twell_segment_plan), else 0: the row stays whole.
+__device__ __forceinline__ int segments_of(int length, int segment) {
+  return length > segment ? (length + segment - 1) / segment : 0;
 }
 
 }  // namespace twell

@@ -7,6 +7,7 @@ pass 2 runs only when entries must spill, writing them at prefix-sum offsets.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -431,26 +432,75 @@ def parts_to_csr(parts: TwELLParts, shape: tuple[int, int], tile_n: int) -> tupl
     return vals, cols, indptr
 
 
+def _segment_slots() -> int:
+    value = os.environ.get("TWELL_TRANSPOSED_SEGMENTS", "") or "0"
+    if not value.isdigit() or int(value) >= 2**20:
+        raise ValueError(f"TWELL_TRANSPOSED_SEGMENTS: expected a slot count from 0 to 2**20 - 1, got {value!r}")
+    return int(value)
+
+
+#: Runs (partial rows) into which the transposed products may cut their long rows
+#: (:class:`SegmentPlan`); 0 leaves every row whole. A row of ``A.T`` is a unit's list of
+#: tokens, and it is one warp's work: on the skewed pattern a hot unit fires for ~11% of the
+#: tokens at 0.5% (1800 entries at 16384 tokens against ~80 for the mean unit), and the
+#: kernel waits for that warp alone (``bench/model.py``'s occupancy model: 0.16 of the slots'
+#: time used). Off until measured on a GPU (bench/NOTES.md, thirty-fourth session):
+#: ``TWELL_TRANSPOSED_SEGMENTS=N`` at import turns it on with N slots, each holding K fp32
+#: partial sums per product during a call (2048 slots: 16 MB at K = 2048, twice for the paired
+#: products).
+TRANSPOSED_SEGMENT_SLOTS = _segment_slots()
+#: The shortest run, in entries.
+SEGMENT_MIN = 256
+#: A row is cut when its unit fires for more than 1 / SEGMENT_SHARE of the tokens (and has more
+#: than SEGMENT_MIN entries), into runs of that length: the uniform pattern's rows stay whole up
+#: to ~3% density, and a cut row takes at most SEGMENT_SHARE runs.
+SEGMENT_SHARE = 32
+
+
+def segment_length(m: int) -> int:
+    """Entries per run of a cut row of ``A.T`` for an ``A`` of ``m`` rows (tokens)."""
+    return max(SEGMENT_MIN, -(-m // SEGMENT_SHARE))
+
+
+class SegmentPlan(NamedTuple):
+    """Where the transposed products cut the long rows of ``A.T`` (``twell_segment_plan`` in
+    cuda/twell_convert.cu; :func:`twellsparse._reference.segment_plan` is its oracle): each
+    row's first slot or -1 (``split_base``, int32), each slot's row or -1 (``slot_row``, int32),
+    the slot count and the run length in entries. Built on the device from the row pointers, no
+    read-back."""
+
+    split_base: Any
+    slot_row: Any
+    slots: int
+    segment: int
+
+
 class TransposedPattern(NamedTuple):
     """The structure of ``A.T`` in CSR for a TwELL pattern, whatever its values: int32 row
     pointers, the token of each entry, and each entry's source, its position in A's slots
     followed by its spill (``n_slots`` of them), through which the products read the values of
     any matrix of this structure. ``rows`` and ``sources`` have room for every slot and spill
-    entry; the first ``indptr[-1]`` are used (the count stays on the device)."""
+    entry; the first ``indptr[-1]`` are used (the count stays on the device). ``segments``: the
+    cut of the long rows, or None."""
 
     indptr: Any
     rows: Any
     sources: Any
     n_slots: int
+    segments: SegmentPlan | None = None
 
 
-def transposed_pattern(parts: TwELLParts, tile_n: int, n_cols: int) -> TransposedPattern:
+def transposed_pattern(parts: TwELLParts, tile_n: int, n_cols: int, slots: int | None = None) -> TransposedPattern:
     """The CSR structure of ``A.T`` (N x M) by the counting sort of ``cuda/twell_convert.cu``:
     each column's tokens increasing, no host read, so it can run inside a CUDA-graph capture.
 
     The arrays are sized for the most entries the parts can hold (every slot plus the spill's
     length), 8 bytes each, and the sort's work arrays take 1 bit and 4 bytes per (column,
-    32-row block): no count is read back to size them."""
+    32-row block): no count is read back to size them. ``slots``: runs for the long rows'
+    :class:`SegmentPlan` (default :data:`TRANSPOSED_SEGMENT_SLOTS`; 0, none)."""
+    slots = TRANSPOSED_SEGMENT_SLOTS if slots is None else slots
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 0 <= slots < 2**20:
+        raise ValueError(f"slots: expected an integer from 0 to 2**20 - 1, got {slots!r}")
     cp = _cp()
     m, nt, cap = parts.data.shape
     n_slots = m * nt * cap
@@ -486,4 +536,12 @@ def transposed_pattern(parts: TwELLParts, tile_n: int, n_cols: int) -> Transpose
     rows = cp.empty(room, dtype=cp.int32)
     sources = cp.empty(room, dtype=cp.int32)
     K.launch("twell_transpose_place", room, _BLOCK, (*structure, bits, first, rows, sources))
-    return TransposedPattern(indptr, rows, sources, n_slots)
+    segments = None
+    if slots and n_cols:
+        segment = segment_length(m)
+        split_base = cp.empty(n_cols, dtype=cp.int32)
+        slot_row = cp.empty(slots, dtype=cp.int32)
+        plan_args = (indptr, np.int32(n_cols), np.int32(segment), np.int32(slots), split_base, slot_row)
+        K.launch_grid("twell_segment_plan", (1,), (K.SCAN_THREADS,), plan_args)
+        segments = SegmentPlan(split_base, slot_row, slots, segment)
+    return TransposedPattern(indptr, rows, sources, n_slots, segments)

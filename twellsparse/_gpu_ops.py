@@ -12,7 +12,7 @@ from . import _kernels as K
 from . import _stationary, _tiled_ffn, _tiled_spmm, _tiled_up
 from ._backend import bfloat16, cupy_module, is_cupy_array
 from ._errors import TwELLFallbackWarning, warn
-from ._gpu_convert import TransposedPattern, leading_dim, row_stride, rows_aligned, transposed_pattern
+from ._gpu_convert import SegmentPlan, TransposedPattern, leading_dim, row_stride, rows_aligned, transposed_pattern
 from ._parts import TwELLParts
 from ._quantize import QuantizedRows
 
@@ -255,6 +255,22 @@ def column_warps(split: int, k: int, kv: int, itemsize: int) -> int:
     return max(1, min(split, passes))
 
 
+def _segment_arguments(plan: SegmentPlan | None, products: int, k: int, dtype: Any) -> tuple[tuple, int]:
+    """The transposed products' kernel arguments for a cut of the long rows (``split_base,
+    slot_row, slots, segment, partial, tickets``) and its slot count (0 and null pointers
+    without a plan): the fp32 (float64 for float64) partial rows of every product and the
+    tickets, zeroed, that the call's warps draw."""
+    if plan is None:
+        null = K.null_pointer()
+        return (null, null, np.int32(0), np.int32(0), null, null), 0
+    cp = _cp()
+    acc = cp.float64 if np.dtype(dtype) == np.float64 else cp.float32
+    partial = cp.empty((products * plan.slots, k), dtype=acc)
+    tickets = cp.zeros(plan.slots, dtype=cp.uint32)
+    head = (plan.split_base, plan.slot_row, np.int32(plan.slots), np.int32(plan.segment))
+    return (*head, partial, tickets), plan.slots
+
+
 def spmm_transposed(
     parts: TwELLParts,
     tile_n: int,
@@ -269,7 +285,9 @@ def spmm_transposed(
 
     With 16-byte rows (``rows_aligned``) the entries are placed in the CSR structure of ``A.T``
     (:func:`transposed_pattern`, a counting sort with no host read) and a row-gather kernel sums
-    each output row in one warp, reading A's values where they are; other layouts scatter with
+    each output row in one warp, reading A's values where they are (a row the pattern's
+    :class:`SegmentPlan` cuts is summed in runs by several warps, then added up in run order:
+    the same bits in every call); other layouts scatter with
     fp32 atomics into a workspace (the summation order, and so the last bits, can then vary
     between runs). ``pattern`` returns the shared :class:`TransposedPattern` of A's structure
     (built on first use by the caller's products), so products on one pattern sort once.
@@ -302,9 +320,10 @@ def spmm_transposed(
         args = (tp.indptr, tp.rows, tp.sources, *values, *values2, np.int32(n_cols), g, np.int64(ldg), np.int32(k))
         kv, u = K.GATHER_DEFAULT[kind]
         expr = K.gather_expression(kind, g.dtype, kv, u)
-        (blocks,), threads = _gather_grid(n_cols)
+        runs, slots = _segment_arguments(tp.segments, len(outs), k, g.dtype)
+        (blocks,), threads = _gather_grid(slots + n_cols)
         grid = (blocks, column_warps(split, k, kv, g.itemsize))
-        K.launch_grid(expr, grid, threads, (*args, out, out2, np.int64(ldo_out)))
+        K.launch_grid(expr, grid, threads, (*args, out, out2, np.int64(ldo_out), *runs))
         return out
     if second is not None:  # the portable path: one product at a time
         spmm_transposed(second[0], tile_n, n_cols, g, second[1], pattern)

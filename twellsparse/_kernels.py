@@ -123,6 +123,7 @@ def _instantiations() -> dict[str, list[str]]:
     convert += [f"relu_mask_to_twell<{CXX_TYPE[d]}>" for d in VALUE_DTYPES if d.itemsize <= 4]
     convert += ["twell_tile_totals", "twell_transpose_mark", "twell_transpose_sums", "twell_transpose_first"]
     convert += ["twell_transpose_place", "spill_layout_sums", "spill_layout_place", "row_tile_entry_totals"]
+    convert += ["twell_segment_plan"]
     spmm = []
     for t in types:
         spmm += [

@@ -77,6 +77,27 @@ def fixed_spill_layout(row_tile_nnz, capacity: int, spill_capacity: int, xp=np):
     return ends - excess, indptr, pass_counts, total - indptr[-1]
 
 
+def segment_plan(indptr, segment: int, slots: int):
+    """Where the transposed products cut their long rows (the oracle of cuda/twell_convert.cu,
+    ``twell_segment_plan``), in NumPy.
+
+    A row of more than ``segment`` entries is cut into ``ceil(length / segment)`` runs. The runs
+    take consecutive slots in row order for as long as they fit in ``slots``: from the first
+    row whose runs do not fit on, every row stays whole. Returns ``(split_base, slot_row)``:
+    each row's first slot or -1 (int32, one per row), and each slot's row or -1 (int32,
+    ``slots`` of them).
+    """
+    lengths = np.diff(np.asarray(indptr, dtype=np.int64))
+    need = np.where(lengths > segment, -(-lengths // segment), 0)
+    base = np.cumsum(need) - need
+    cut = (need > 0) & (base + need <= slots)
+    split_base = np.where(cut, base, -1).astype(np.int32)
+    slot_row = np.full(slots, -1, dtype=np.int32)
+    for row in np.flatnonzero(cut):
+        slot_row[base[row] : base[row] + need[row]] = row
+    return split_base, slot_row
+
+
 def excess_entries(row_tile_nnz, capacity: int, xp=np):
     """The entries beyond ``capacity`` over all row-tiles, as a 0-d array (no read-back)."""
     return xp.maximum(row_tile_nnz - capacity, 0).sum(dtype=np.int64)
