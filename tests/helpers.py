@@ -49,6 +49,16 @@ def rounding_bound(dtype, expected):
     return 2.0 * rel_error(rounded, expected) + 1e-4
 
 
+#: Relative-error bounds of products computed and stored in fp32 / float64.
+FLOAT_TOL = {np.dtype(np.float32): 2e-6, np.dtype(np.float64): 1e-12}
+
+
+def product_bound(dtype, expected):
+    """The bound a gathered product must meet: :data:`FLOAT_TOL` for fp32 and float64, else
+    :func:`rounding_bound` (sums in fp32, one rounding to a 16-bit type)."""
+    return FLOAT_TOL.get(np.dtype(dtype)) or rounding_bound(dtype, expected)
+
+
 def block_reference(problem: dict, gated: bool) -> np.ndarray:
     """The relu FFN block (gated or not) of a ``ffn_problem`` in float64 on the host (its arrays
     may live on the GPU)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import product_bound
 
 import twellsparse as ts
 from twellsparse import _gpu_ops
@@ -15,16 +16,7 @@ from twellsparse.testing import rel_error, sparse_activations
 
 pytestmark = pytest.mark.gpu
 
-FLOAT_TOL = {np.dtype(np.float32): 2e-6, np.dtype(np.float64): 1e-12}
 DTYPES = [np.float16, ts.bfloat16, np.float32, np.float64]
-
-
-def _bound(dtype, expected):
-    dt = np.dtype(dtype)
-    if dt in FLOAT_TOL:
-        return FLOAT_TOL[dt]
-    rounded = np.asarray(expected).astype(dt).astype(np.float64)
-    return 2.0 * rel_error(rounded, expected) + 1e-4
 
 
 def _round(x, dtype):
@@ -57,7 +49,7 @@ def test_spmm_variants(cp, rng, dtype, m, n, k, tile_n, capacity, density):
     for variant in K.GATHER_VARIANTS:
         out = cp.empty((m, k), dtype=dtype)
         _gpu_ops.spmm(a.parts, tile_n, cp.asarray(b), out, path="gather", variant=variant)
-        assert rel_error(out, expected) <= _bound(dtype, expected), variant
+        assert rel_error(out, expected) <= product_bound(dtype, expected), variant
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -72,10 +64,10 @@ def test_sddmm(cp, rng, dtype, scale, m, n, k, tile_n, capacity, density):
     for variant in K.GATHER_VARIANTS:
         parts = _gpu_ops.sddmm(a.parts, tile_n, cp.asarray(x), cp.asarray(y), scale, path="gather", variant=variant)
         got = ts.twell_array._from_parts(parts, (m, n), tile_n)
-        assert rel_error(got.toarray(), expected) <= _bound(dtype, expected), variant
+        assert rel_error(got.toarray(), expected) <= product_bound(dtype, expected), variant
         assert not cp.isnan(got.data).any()  # padding written (allocations are poisoned)
     portable = _gpu_ops.sddmm(a.parts, tile_n, cp.asarray(x), cp.asarray(y), scale, path="portable")
-    assert rel_error(got.toarray(), ts.twell_array._from_parts(portable, (m, n), tile_n).toarray()) <= _bound(
+    assert rel_error(got.toarray(), ts.twell_array._from_parts(portable, (m, n), tile_n).toarray()) <= product_bound(
         dtype, expected
     )
 
@@ -89,7 +81,7 @@ def test_sddmm_ignores_pattern_values_of_another_dtype(cp, rng):
     got = ts.twell_array._from_parts(parts, (40, 900), 128).toarray()
     dots = x.astype(np.float64) @ y.astype(np.float64).T
     expected = np.where(h != 0, dots, 0.0)
-    assert rel_error(got, expected) <= _bound(np.float16, expected)
+    assert rel_error(got, expected) <= product_bound(np.float16, expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -110,11 +102,11 @@ def test_gated_consumer(cp, rng, dtype, m, n, k, tile_n, capacity, density):
         out, up = _gpu_ops.gated_consumer(*args, True, variant)
         assert out.shape == (m, k)
         got_u = cp.asnumpy(ts.twell_array._from_parts(up, (m, n), tile_n).toarray()).astype(np.float64)
-        assert rel_error(got_u, u) <= _bound(dtype, u), variant
+        assert rel_error(got_u, u) <= product_bound(dtype, u), variant
         assert not cp.isnan(up.data).any()
         hidden = np.where(g != 0, _round(g.astype(np.float64) * got_u, dtype), 0.0)
         expected = hidden @ w_down_t.astype(np.float64)
-        assert rel_error(out, expected) <= _bound(dtype, expected), variant
+        assert rel_error(out, expected) <= product_bound(dtype, expected), variant
         alone, none = _gpu_ops.gated_consumer(*args, False, variant)
         assert none is None
         np.testing.assert_array_equal(cp.asnumpy(alone).view(np.uint8), cp.asnumpy(out).view(np.uint8))
@@ -136,7 +128,7 @@ def test_gated_product_fused_matches_unfused(cp, rng):
         uu = _round(cp.asnumpy(xx).astype(np.float64) @ cp.asnumpy(wu).astype(np.float64).T, ts.bfloat16)
         hh = np.where(g != 0, _round(g.astype(np.float64) * uu, ts.bfloat16), 0.0)
         exp = hh @ cp.asnumpy(w_down_t).astype(np.float64)
-        assert rel_error(out, exp) <= _bound(ts.bfloat16, exp)
+        assert rel_error(out, exp) <= product_bound(ts.bfloat16, exp)
 
 
 def test_gather_path_needs_aligned_rows(cp, rng):
@@ -159,7 +151,7 @@ def test_transposed_product_through_csr(cp, rng, dtype, m, n, k, tile_n, capacit
     expected = h.astype(np.float64).T @ g.astype(np.float64)
     out = cp.empty((n, k), dtype=dtype)
     _gpu_ops.spmm_transposed(a.parts, tile_n, n, cp.asarray(g), out)
-    assert rel_error(out, expected) <= _bound(dtype, expected)
+    assert rel_error(out, expected) <= product_bound(dtype, expected)
     _check_transposed_pattern(_gpu_ops.transposed_pattern(a.parts, tile_n, n), a, h)
     # A second matrix of the same structure times the same g, in the same pass (the pair kernel).
     from twellsparse._ops import with_values
@@ -170,8 +162,8 @@ def test_transposed_product_through_csr(cp, rng, dtype, m, n, k, tile_n, capacit
         o.view(cp.uint8).fill(0xFF)  # NaN in every dtype: rows the kernel misses would show
     _gpu_ops.spmm_transposed(a.parts, tile_n, n, cp.asarray(g), out1, second=(a2.parts, out2))
     expected2 = a2.toarray().get().astype(np.float64).T @ g.astype(np.float64)
-    assert rel_error(out1, expected) <= _bound(dtype, expected)
-    assert rel_error(out2, expected2) <= _bound(dtype, expected2)
+    assert rel_error(out1, expected) <= product_bound(dtype, expected)
+    assert rel_error(out2, expected2) <= product_bound(dtype, expected2)
     # Column passes split between warps: the same sums in the same order, so the same bits
     # (7 leaves idle warps where the passes are fewer), single and paired.
     for split in (2, 3, 7):

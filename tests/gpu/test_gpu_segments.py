@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import product_bound
 
 import twellsparse as ts
 from twellsparse import _gpu_convert, _gpu_ops
@@ -18,15 +19,6 @@ from twellsparse.testing import rel_error
 pytestmark = pytest.mark.gpu
 
 DTYPES = [np.float16, ts.bfloat16, np.float32, np.float64]
-FLOAT_TOL = {np.dtype(np.float32): 2e-6, np.dtype(np.float64): 1e-12}
-
-
-def _bound(dtype, expected):
-    dt = np.dtype(dtype)
-    if dt in FLOAT_TOL:
-        return FLOAT_TOL[dt]
-    rounded = np.asarray(expected).astype(dt).astype(np.float64)
-    return 2.0 * rel_error(rounded, expected) + 1e-4
 
 
 def _hot_units(rng, m, n, density, hot, dtype):
@@ -97,9 +89,9 @@ def test_cut_rows_sum_right_and_repeat_bitwise(cp, rng, dtype, m, n, k, tile_n, 
                 # The column split changes which warps sum which columns, not the sums.
                 for got, want in zip(bits, first.setdefault(paired, bits), strict=True):
                     np.testing.assert_array_equal(got, want)
-            assert rel_error(out, expected) <= _bound(dtype, expected), (split, paired)
+            assert rel_error(out, expected) <= product_bound(dtype, expected), (split, paired)
             if paired:
-                assert rel_error(out2, expected2) <= _bound(dtype, expected2), split
+                assert rel_error(out2, expected2) <= product_bound(dtype, expected2), split
     # Rows that were not cut are the plain kernel's, bit for bit.
     np.testing.assert_array_equal(first[False][0].reshape(n, -1)[whole], base.view(cp.uint8).get()[whole])
 
