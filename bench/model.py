@@ -201,9 +201,7 @@ def run_batches(entries: np.ndarray, segment: int | None) -> np.ndarray:
     if segment is None:
         return -(-entries // 32)
     cut = entries > segment
-    runs = [
-        -(-np.minimum(segment, e - np.arange(0, e, segment)) // 32) for e in entries[cut].tolist()
-    ]
+    runs = [-(-np.minimum(segment, e - np.arange(0, e, segment)) // 32) for e in entries[cut].tolist()]
     whole = np.where(cut, 0, -(-entries // 32))
     return np.concatenate([*runs, whole]).astype(np.int64)
 

@@ -97,6 +97,7 @@ def test_byte_model_runs(capsys):
     assert "uniform" in out and "skewed" in out
     assert "hot units H" in out
     assert "row gathers' slot use" in out
+    assert "transposed products' slot use" in out
 
 
 def test_hot_split_picks_the_cheapest_h():
@@ -166,6 +167,20 @@ def test_block_occupancy_charges_a_block_its_longest_row():
     assert model.block_occupancy(mixed, 4, 8, sms=2) == 80 / (8 * 16)  # 4 blocks per slot, 2 each
     # 1-row blocks: 80 units over 16 slots, taken in order by the first slot to free: 6 units long
     assert model.block_occupancy(mixed, 1, 8, sms=2) == 80 / (6 * 16)
+
+
+def test_run_batches_cut_long_rows_into_leading_runs():
+    import numpy as np
+
+    model = _load("model")
+    entries = np.array([40, 600, 256, 257])
+    np.testing.assert_array_equal(model.run_batches(entries, None), [2, 19, 8, 9])
+    # 600 -> runs of 256, 256, 88 (8, 8, 3 batches); 257 -> 256, 1 (8, 1); their rows' warps exit (0).
+    np.testing.assert_array_equal(model.run_batches(entries, 256), [8, 8, 3, 8, 1, 2, 0, 8, 0])
+    fire = np.zeros((1024, 64), dtype=bool)
+    fire[:, 0] = True  # one unit fires for every token: 32 batches on one warp
+    fire[:32, 1:] = True  # the others: one batch each
+    assert model.transposed_slot_use(fire, 256) > 2 * model.transposed_slot_use(fire, None)
 
 
 def test_deal_spreads_the_heaviest_groups_over_blocks_and_warps():
