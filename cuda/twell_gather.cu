@@ -877,6 +877,32 @@ __global__ void __launch_bounds__(128, U >= 4 ? 4 : 5) twell_gather_gated_up_e4m
                });
 }
 
+// V consecutive accumulators to and from global memory in 16-byte pieces, past L1 (.cg): the
+// partial rows of twell_gather_csr_spmm's runs, written and read by different warps of one
+// launch. p is 16-byte aligned (rows of K accumulators, K a multiple of V).
+template <int V> __device__ __forceinline__ void store_cg(float* p, const float (&v)[V]) {
+#pragma unroll
+  for (int i = 0; i < V; i += 4) __stcg(reinterpret_cast<float4*>(p + i), make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]));
+}
+template <int V> __device__ __forceinline__ void store_cg(double* p, const double (&v)[V]) {
+#pragma unroll
+  for (int i = 0; i < V; i += 2) __stcg(reinterpret_cast<double2*>(p + i), make_double2(v[i], v[i + 1]));
+}
+template <int V> __device__ __forceinline__ void load_cg(const float* p, float (&v)[V]) {
+#pragma unroll
+  for (int i = 0; i < V; i += 4) {
+    const float4 q = __ldcg(reinterpret_cast<const float4*>(p + i));
+    v[i] = q.x, v[i + 1] = q.y, v[i + 2] = q.z, v[i + 3] = q.w;
+  }
+}
+template <int V> __device__ __forceinline__ void load_cg(const double* p, double (&v)[V]) {
+#pragma unroll
+  for (int i = 0; i < V; i += 2) {
+    const double2 q = __ldcg(reinterpret_cast<const double2*>(p + i));
+    v[i] = q.x, v[i + 1] = q.y;
+  }
+}
+
 // One warp's columns of a chunk of fp32 sums, stored unrounded into a partial row (the runs of a
 // cut row in twell_gather_csr_spmm).
 template <typename T, int KV>
@@ -886,28 +912,32 @@ __device__ __forceinline__ void store_partial(const typename acc_of<T>::type (&a
 #pragma unroll
   for (int kv = 0; kv < KV; ++kv) {
     const int k = k0 + (kv * 32 + lane) * V;
-    if (k < K)
-#pragma unroll
-      for (int i = 0; i < V; ++i) __stcg(part + k + i, acc[kv][i]);
+    if (k < K) store_cg<V>(part + k, acc[kv]);
   }
 }
 
 // out_row = the sum of `runs` partial rows of K columns from `first` on, in run order, rounded
-// once: the whole row, by one warp. The partial rows were written by other warps of this launch
-// (read past L1).
+// once: the whole row, by one warp. RUNS partial rows' pieces are requested before any is added
+// (a lone warp, latency-bound: up to 32 runs x K / 256 columns per lane).
 template <typename T>
 __device__ __forceinline__ void add_runs(const typename acc_of<T>::type* partial, int first, int runs, int K,
                                          T* __restrict__ out_row, int lane) {
   using A = typename acc_of<T>::type;
-  constexpr int V = Lanes<T>::N;
+  constexpr int V = Lanes<T>::N, RUNS = 4;
   for (int k = lane * V; k < K; k += 32 * V) {
     A sum[V];
 #pragma unroll
     for (int i = 0; i < V; ++i) sum[i] = A(0);
-    for (int s = 0; s < runs; ++s) {
-      const A* p = partial + (long long)(first + s) * K + k;
+    for (int s0 = 0; s0 < runs; s0 += RUNS) {
+      A piece[RUNS][V];
 #pragma unroll
-      for (int i = 0; i < V; ++i) sum[i] += __ldcg(p + i);
+      for (int r = 0; r < RUNS; ++r)
+        if (s0 + r < runs) load_cg<V>(partial + (long long)(first + s0 + r) * K + k, piece[r]);
+#pragma unroll
+      for (int r = 0; r < RUNS; ++r)
+        if (s0 + r < runs)
+#pragma unroll
+          for (int i = 0; i < V; ++i) sum[i] += piece[r][i];
     }
     stg16_stream(out_row + k, Lanes<T>::narrow(sum));
   }
@@ -924,15 +954,74 @@ __device__ __forceinline__ void add_runs(const typename acc_of<T>::type* partial
 // passes between that many warps (pass p to warp p % gridDim.y: the same sums in the same order,
 // so the same bits): more warps in flight when the output has few rows (5632 units against the
 // forward's 16384 tokens).
-// With a segment plan (split_base not null: twell_segment_plan), the grid's first `slots` warps
+// twell_gather_csr_spmm_cut takes a segment plan (twell_segment_plan): the grid's first `slots`
+// warps (per column share) sum the runs of the cut rows, slot p's run into partial row p
+// (partial: `slots` rows of K columns, then as many for the second matrix), and the warp that
+// hands in a cut row's last run (a ticket per row at its first slot, zeroed by the caller) adds
+// up the row's partial rows in run order and writes it; the warps after them are the rows',
+// those of cut rows exiting at once. A cut row's sums are then associated by runs, the same way
+// in every call; the other rows' are the plain kernel's. A kernel of its own (one body, CUT a
+// template flag) so that the plain kernel's code and registers stay as they were.
+// acc[s] += the products of entries [e_begin, e_end) of a CSR row with b's rows, for the s-th
+// value set (data, then data2), over one chunk of columns: twell_gather_csr_spmm's inner walk.
+template <typename T, int KV, int U, int NV>
+__device__ __forceinline__ void csr_chunk_sums(typename acc_of<T>::type (&acc)[NV][KV][Lanes<T>::N], int e_begin,
+                                               int e_end, const int* __restrict__ cols,
+                                               const int* __restrict__ sources, const T* __restrict__ data,
+                                               long long n_slots, const T* __restrict__ spill_vals,
+                                               const T* __restrict__ data2, const T* __restrict__ spill_vals2,
+                                               const T* __restrict__ b, long long ldb, int K, int k0, int lane) {
+  using A = typename acc_of<T>::type;
+#pragma unroll
+  for (int s = 0; s < NV; ++s) clear<T, KV>(acc[s]);
+  for (int e0 = e_begin; e0 < e_end; e0 += 32) {
+    const int e = e0 + lane;
+    int col = 0;
+    A val[NV];
+#pragma unroll
+    for (int s = 0; s < NV; ++s) val[s] = A(0);
+    if (e < e_end) {
+      const long long p = sources[e];
+      col = cols[e];
+      val[0] = value_at(p, data, n_slots, spill_vals);
+      if constexpr (NV == 2) val[NV - 1] = value_at(p, data2, n_slots, spill_vals2);
+    }
+    gather_accumulate_sets<T, KV, U, NV>(acc, min(32, e_end - e0), col, val, b, ldb, K, k0, lane);
+  }
+}
+
+template <typename T, int KV, int U, bool PAIR = false>
+__global__ void ROW_SUM_BOUNDS(T, false) twell_gather_csr_spmm(
+    const int* __restrict__ indptr, const int* __restrict__ cols, const int* __restrict__ sources,
+    const T* __restrict__ data, long long n_slots, const T* __restrict__ spill_vals,
+    const T* __restrict__ data2, const T* __restrict__ spill_vals2, int M, const T* __restrict__ b,
+    long long ldb, int K, T* __restrict__ out, T* __restrict__ out2, long long ldo) {
+  using A = typename acc_of<T>::type;
+  constexpr int CHUNK = KV * 32 * Lanes<T>::N;
+  constexpr int NV = PAIR ? 2 : 1;
+  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (row >= M) return;  // warp-uniform
+  const int e_begin = indptr[row], e_end = indptr[row + 1];
+  for (int k0 = blockIdx.y * CHUNK; k0 < K; k0 += gridDim.y * CHUNK) {
+    A acc[NV][KV][Lanes<T>::N];
+    csr_chunk_sums<T, KV, U, NV>(acc, e_begin, e_end, cols, sources, data, n_slots, spill_vals, data2, spill_vals2, b,
+                                 ldb, K, k0, lane);
+    store_chunk<T, KV>(acc[0], out + row * ldo, K, k0, lane);
+    if constexpr (PAIR) store_chunk<T, KV>(acc[NV - 1], out2 + row * ldo, K, k0, lane);
+  }
+}
+
+// twell_gather_csr_spmm with a segment plan (twell_segment_plan): the grid's first `slots` warps
 // (per column share) sum the runs of the cut rows, slot p's run into partial row p (partial:
 // `slots` rows of K columns, then as many for the second matrix), and the warp that hands in a
 // cut row's last run (a ticket per row at its first slot, zeroed by the caller) adds up the
 // row's partial rows in run order and writes it; the warps after them are the rows', those of
 // cut rows exiting at once. A cut row's sums are then associated by runs, the same way in every
-// call. Without a plan, `slots` is 0 and the grid holds the rows' warps alone.
+// call; the other rows' are the plain kernel's. A kernel of its own, so that the plain kernel's
+// code and registers stay as they were.
 template <typename T, int KV, int U, bool PAIR = false>
-__global__ void ROW_SUM_BOUNDS(T, false) twell_gather_csr_spmm(
+__global__ void ROW_SUM_BOUNDS(T, false) twell_gather_csr_spmm_cut(
     const int* __restrict__ indptr, const int* __restrict__ cols, const int* __restrict__ sources,
     const T* __restrict__ data, long long n_slots, const T* __restrict__ spill_vals,
     const T* __restrict__ data2, const T* __restrict__ spill_vals2, int M, const T* __restrict__ b,
@@ -955,28 +1044,14 @@ __global__ void ROW_SUM_BOUNDS(T, false) twell_gather_csr_spmm(
     part = partial + warp * (long long)K;
   } else {
     row = warp - slots;
-    if (row >= M || (split_base != nullptr && split_base[row] >= 0)) return;
+    if (row >= M || split_base[row] >= 0) return;
     e_begin = indptr[row];
     e_end = indptr[row + 1];
   }
   for (int k0 = blockIdx.y * CHUNK; k0 < K; k0 += gridDim.y * CHUNK) {
     A acc[NV][KV][Lanes<T>::N];
-#pragma unroll
-    for (int s = 0; s < NV; ++s) clear<T, KV>(acc[s]);
-    for (int e0 = e_begin; e0 < e_end; e0 += 32) {
-      const int e = e0 + lane;
-      int col = 0;
-      A val[NV];
-#pragma unroll
-      for (int s = 0; s < NV; ++s) val[s] = A(0);
-      if (e < e_end) {
-        const long long p = sources[e];
-        col = cols[e];
-        val[0] = value_at(p, data, n_slots, spill_vals);
-        if constexpr (PAIR) val[NV - 1] = value_at(p, data2, n_slots, spill_vals2);
-      }
-      gather_accumulate_sets<T, KV, U, NV>(acc, min(32, e_end - e0), col, val, b, ldb, K, k0, lane);
-    }
+    csr_chunk_sums<T, KV, U, NV>(acc, e_begin, e_end, cols, sources, data, n_slots, spill_vals, data2, spill_vals2, b,
+                                 ldb, K, k0, lane);
     if (part != nullptr) {
       store_partial<T, KV>(acc[0], part, K, k0, lane);
       if constexpr (PAIR) store_partial<T, KV>(acc[NV - 1], part + (long long)slots * K, K, k0, lane);

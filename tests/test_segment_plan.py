@@ -75,6 +75,5 @@ def test_transposed_pattern_rejects_bad_slot_counts(slots):
         _gpu_convert.transposed_pattern(None, 256, 10, slots=slots)  # type: ignore[arg-type]
 
 
-def test_without_a_plan_the_kernel_gets_no_slots():
-    args, slots = _gpu_ops._segment_arguments(None, 2, 2048, np.float32)
-    assert slots == 0 and len(args) == 6 and int(args[2]) == 0
+def test_without_a_plan_the_plain_kernel_gets_no_extra_arguments():
+    assert _gpu_ops._segment_arguments(None, 2, 2048, np.float32) == ((), 0)

@@ -256,13 +256,12 @@ def column_warps(split: int, k: int, kv: int, itemsize: int) -> int:
 
 
 def _segment_arguments(plan: SegmentPlan | None, products: int, k: int, dtype: Any) -> tuple[tuple, int]:
-    """The transposed products' kernel arguments for a cut of the long rows (``split_base,
-    slot_row, slots, segment, partial, tickets``) and its slot count (0 and null pointers
-    without a plan): the fp32 (float64 for float64) partial rows of every product and the
-    tickets, zeroed, that the call's warps draw."""
+    """The cut transposed products' extra kernel arguments (``split_base, slot_row, slots,
+    segment, partial, tickets``) and their slot count (none and 0 without a plan): the fp32
+    (float64 for float64) partial rows of every product and the tickets, zeroed, that the
+    call's warps draw."""
     if plan is None:
-        null = K.null_pointer()
-        return (null, null, np.int32(0), np.int32(0), null, null), 0
+        return (), 0
     cp = _cp()
     acc = cp.float64 if np.dtype(dtype) == np.float64 else cp.float32
     partial = cp.empty((products * plan.slots, k), dtype=acc)
@@ -319,7 +318,7 @@ def spmm_transposed(
             values2 = [cp.ascontiguousarray(second[0].data), second[0].spill_data]
         args = (tp.indptr, tp.rows, tp.sources, *values, *values2, np.int32(n_cols), g, np.int64(ldg), np.int32(k))
         kv, u = K.GATHER_DEFAULT[kind]
-        expr = K.gather_expression(kind, g.dtype, kv, u)
+        expr = K.gather_expression(kind if tp.segments is None else f"{kind}_cut", g.dtype, kv, u)
         runs, slots = _segment_arguments(tp.segments, len(outs), k, g.dtype)
         (blocks,), threads = _gather_grid(slots + n_cols)
         grid = (blocks, column_warps(split, k, kv, g.itemsize))

@@ -77,7 +77,8 @@ def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = Fals
     """Name expression of a row-gather kernel: kind "spmm", "spmm_sum" (two products of one
     structure summed), "sddmm", "gated_up" (the gated consumer's up projection and value
     product), "csr_spmm", "csr_spmm_pair" (two matrices of one structure times the same dense
-    one, in one pass), "spmm_e4m3" and "gated_up_e4m3" (with fp8 e4m3 rows and row scales;
+    one, in one pass), each with a "_cut" twin that takes a segment plan (long rows cut into
+    runs: ``_gpu_convert.SegmentPlan``), "spmm_e4m3" and "gated_up_e4m3" (with fp8 e4m3 rows and row scales;
     2-byte types),
     or the ReLU-mask-driven consumers "mask_gated" and "mask_spmm"."""
     t = CXX_TYPE[np.dtype(dtype)]
@@ -97,13 +98,17 @@ def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = Fals
         return f"twell_gather_csr_spmm<{t}, {kv}, {u}>"
     if kind == "csr_spmm_pair":
         return f"twell_gather_csr_spmm<{t}, {kv}, {u}, true>"
+    if kind == "csr_spmm_cut":
+        return f"twell_gather_csr_spmm_cut<{t}, {kv}, {u}>"
+    if kind == "csr_spmm_pair_cut":
+        return f"twell_gather_csr_spmm_cut<{t}, {kv}, {u}, true>"
     if kind == "sddmm_gated_bwd":
         return f"twell_gather_sddmm_gated_bwd<{t}, {kv}, {u}>"
     if kind in ("mask_gated", "mask_spmm"):
         return f"twell_{kind}<{t}, {kv}, {u}>"
     kinds = (
         "'spmm', 'spmm_sum', 'spmm_e4m3', 'sddmm', 'sddmm_gated_bwd', 'gated_up', 'gated_up_e4m3', 'csr_spmm', "
-        "'csr_spmm_pair', 'mask_gated' or 'mask_spmm'"
+        "'csr_spmm_pair', 'csr_spmm_cut', 'csr_spmm_pair_cut', 'mask_gated' or 'mask_spmm'"
     )
     raise ValueError(f"kind: expected {kinds}, got {kind!r}")
 
@@ -148,6 +153,12 @@ def _instantiations() -> dict[str, list[str]]:
         )
     ]
     gather += ["twell_row_buckets", "twell_row_scatter"]
+    # The transposed products with long rows cut into runs: the variants they run only.
+    gather += [
+        gather_expression(f"{kind}_cut", dt, *GATHER_DEFAULT[kind])
+        for dt in VALUE_DTYPES
+        for kind in ("csr_spmm", "csr_spmm_pair")
+    ]
     gather += [
         gather_expression(kind, dt, kv, u)
         for dt in VALUE_DTYPES
