@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|gatherblocks|gatherblocksmodel|skewedtrain|segments|roworder|hostgap|producerncu|producerclocks|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|gatherblocks|gatherblocksmodel|skewedtrain|segments|segmentsuite|roworder|hostgap|producerncu|producerclocks|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"  # install, TWELL_COMMIT, PYTHONPATH, $OUT
 what=${*:-all}
@@ -217,11 +217,9 @@ for step in $what; do
       # The transposed products with their long rows cut into runs (TWELL_TRANSPOSED_SEGMENTS,
       # opt-in; bench/NOTES.md, thirty-fourth session: bench/model.py predicts 1.7 / 3.3 / 2.7x
       # for the three products on the skewed pattern at 0.5 / 1 / 2%, nothing on the uniform):
-      # the cut's tests, the gather and torch tests with it on, the stages both ways on both
-      # patterns, then the skewed training step with and without it.
+      # the cut's tests, the stages both ways on both patterns, then the skewed training step
+      # with and without it (~6 minutes; `segmentsuite` runs the other tests with it on).
       gpu_test_file tests/gpu/test_gpu_segments.py segments 240
-      TWELL_TRANSPOSED_SEGMENTS=2048 gpu_test_file tests/gpu/test_gpu_gather.py segments 240
-      TWELL_TRANSPOSED_SEGMENTS=2048 gpu_test_file tests/gpu/test_gpu_torch.py segments 300
       for pattern in skewed uniform; do
         for d in 0.005 0.01 0.02; do
           timeout 200 python3 bench/stage_times.py --pattern "$pattern" --density "$d" \
@@ -233,6 +231,13 @@ for step in $what; do
         TWELL_TRANSPOSED_SEGMENTS=$slots timeout 240 python3 bench/train_step.py --pattern skewed --densities 0.005,0.01 \
           --reps 10 --out "$OUT/train_step.jsonl" 2>&1 | tail -4 | sed "s/^/slots $slots: /" | tee -a "$OUT/segments.log"
         status=$((status | ${PIPESTATUS[0]}))
+      done
+      ;;&
+    segmentsuite)
+      # The gather, torch and JAX tests with the transposed products' long rows cut
+      # (TWELL_TRANSPOSED_SEGMENTS=2048): what turning it on by default would need.
+      for file in gather torch jax; do
+        TWELL_TRANSPOSED_SEGMENTS=2048 gpu_test_file "tests/gpu/test_gpu_$file.py" segments 300
       done
       ;;&
     roworder)
