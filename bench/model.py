@@ -51,6 +51,7 @@ import sys
 
 import numpy as np
 
+from twellsparse._gpu_convert import segment_length
 from twellsparse.testing import firing_rates
 
 
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     for pattern, density, st in packed:
         b = st["row_batches"]
         print(f"{pattern:>7}  {density:6.2%}  {block_occupancy(b, 4, 20):.3f}  {block_occupancy(b, 1, 21):.3f}")
-    segment = max(256, -(-args.m // 32))  # _gpu_convert.segment_length
+    segment = segment_length(args.m)
     print(f"\npattern  density  transposed products' slot use: rows whole, cut into runs of {segment}; speed-up")
     for pattern, density, st in packed:
         whole, cut = st["transposed_use"](None), st["transposed_use"](segment)

@@ -157,8 +157,9 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         "bwd value products": lambda: (product_values(g, u), product_values(d_h, u), product_values(d_h, g)),
         "bwd transposed pattern": lambda: _gpu_ops.transposed_pattern(g.parts, g.tile_n, g.shape[1]),
         "bwd 3 transposed products": three_products,
-        "bwd 3 transposed products, columns split": lambda: _with(
-            _gpu_ops, "TRANSPOSED_COLUMN_SPLIT", 2, three_products
+        # One warp per output row (the column split is the default since the thirty-third session).
+        "bwd 3 transposed products, columns whole": lambda: _with(
+            _gpu_ops, "TRANSPOSED_COLUMN_SPLIT", 1, three_products
         ),
         # The long rows of A.T (hot units) cut into runs of several warps (opt-in, 2048 slots).
         "bwd 3 transposed products, cut": lambda: _with(_gpu_convert, "TRANSPOSED_SEGMENT_SLOTS", 2048, three_products),

@@ -943,25 +943,6 @@ __device__ __forceinline__ void add_runs(const typename acc_of<T>::type* partial
   }
 }
 
-// out[r, :] = sum over row r's entries e of value(sources[e]) * b[cols[e], :], for a matrix in
-// CSR form whose values stay where another layout keeps them: value(p) is data[p] for the first
-// n_slots positions and spill_vals[p - n_slots] after them. The transposed products A.T @ g of
-// the backward pass run it on A.T's structure (twell_transpose_place) with A's own TwELL values,
-// so each output row is one warp's fp32 sum over its list, with no atomics and no gathered copy
-// of the values. With PAIR, a second matrix of the same structure (values data2 / spill_vals2)
-// is multiplied by the same b into out2 in the same pass: each b row is gathered once for both
-// (dW_gate = dZ.T @ x and dW_up = dU.T @ x). A grid of gridDim.y > 1 splits each row's column
-// passes between that many warps (pass p to warp p % gridDim.y: the same sums in the same order,
-// so the same bits): more warps in flight when the output has few rows (5632 units against the
-// forward's 16384 tokens).
-// twell_gather_csr_spmm_cut takes a segment plan (twell_segment_plan): the grid's first `slots`
-// warps (per column share) sum the runs of the cut rows, slot p's run into partial row p
-// (partial: `slots` rows of K columns, then as many for the second matrix), and the warp that
-// hands in a cut row's last run (a ticket per row at its first slot, zeroed by the caller) adds
-// up the row's partial rows in run order and writes it; the warps after them are the rows',
-// those of cut rows exiting at once. A cut row's sums are then associated by runs, the same way
-// in every call; the other rows' are the plain kernel's. A kernel of its own (one body, CUT a
-// template flag) so that the plain kernel's code and registers stay as they were.
 // acc[s] += the products of entries [e_begin, e_end) of a CSR row with b's rows, for the s-th
 // value set (data, then data2), over one chunk of columns: twell_gather_csr_spmm's inner walk.
 template <typename T, int KV, int U, int NV>
@@ -990,6 +971,17 @@ __device__ __forceinline__ void csr_chunk_sums(typename acc_of<T>::type (&acc)[N
   }
 }
 
+// out[r, :] = sum over row r's entries e of value(sources[e]) * b[cols[e], :], for a matrix in
+// CSR form whose values stay where another layout keeps them: value(p) is data[p] for the first
+// n_slots positions and spill_vals[p - n_slots] after them. The transposed products A.T @ g of
+// the backward pass run it on A.T's structure (twell_transpose_place) with A's own TwELL values,
+// so each output row is one warp's fp32 sum over its list, with no atomics and no gathered copy
+// of the values. With PAIR, a second matrix of the same structure (values data2 / spill_vals2)
+// is multiplied by the same b into out2 in the same pass: each b row is gathered once for both
+// (dW_gate = dZ.T @ x and dW_up = dU.T @ x). A grid of gridDim.y > 1 splits each row's column
+// passes between that many warps (pass p to warp p % gridDim.y: the same sums in the same order,
+// so the same bits): more warps in flight when the output has few rows (5632 units against the
+// forward's 16384 tokens).
 template <typename T, int KV, int U, bool PAIR = false>
 __global__ void ROW_SUM_BOUNDS(T, false) twell_gather_csr_spmm(
     const int* __restrict__ indptr, const int* __restrict__ cols, const int* __restrict__ sources,

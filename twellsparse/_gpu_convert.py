@@ -443,8 +443,9 @@ def _segment_slots() -> int:
 #: (:class:`SegmentPlan`); 0 leaves every row whole. A row of ``A.T`` is a unit's list of
 #: tokens, and it is one warp's work: on the skewed pattern a hot unit fires for ~11% of the
 #: tokens at 0.5% (1800 entries at 16384 tokens against ~80 for the mean unit), and the
-#: kernel waits for that warp alone (``bench/model.py``'s occupancy model: 0.16 of the slots'
-#: time used). Off until measured on a GPU (bench/NOTES.md, thirty-fourth session):
+#: kernel waits for that warp alone (``bench/model.py``'s sixth table: 0.22 / 0.13 / 0.20 of the
+#: slots' time used at 0.5 / 1 / 2%, 0.37 / 0.46 / 0.55 with the cut). Off until measured on a
+#: GPU (bench/NOTES.md, thirty-fourth session):
 #: ``TWELL_TRANSPOSED_SEGMENTS=N`` at import turns it on with N slots, each holding K fp32
 #: partial sums per product during a call (2048 slots: 16 MB at K = 2048, twice for the paired
 #: products).

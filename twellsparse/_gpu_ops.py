@@ -240,7 +240,8 @@ def quantize_rows_e4m3(b: Any) -> tuple[Any, Any]:
 #: Warps that share each output row's column passes in the transposed products' row-gather
 #: kernel (its grid's y); the split's sums are bitwise the same. 2: in every same-run A/B of the
 #: backward's three products at 16384 tokens (``bench/stage_times.py``, "bwd 3 transposed
-#: products" against "..., columns split"; bench/results/2026-12-0[45]-stages.jsonl) the split
+#: products" against "..., columns split", now "..., columns whole" with the split the default;
+#: bench/results/2026-12-0[45]-stages.jsonl) the split
 #: tied at 0.5% (0.674-0.740 ms either way) and won 3-4% at 1% and 2% (1.171 -> 1.129-1.133 ms
 #: and 2.097-2.102 -> 2.022-2.027 on the H200, 1.303-1.313 -> 1.255-1.263 and 2.333-2.351 ->
 #: 2.281-2.286 on the H100). It also halves the longest rows, hot units' (their entries are one
