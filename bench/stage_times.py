@@ -161,8 +161,11 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         "bwd 3 transposed products, columns whole": lambda: _with(
             _gpu_ops, "TRANSPOSED_COLUMN_SPLIT", 1, three_products
         ),
-        # The long rows of A.T (hot units) cut into runs of several warps (opt-in, 2048 slots).
-        "bwd 3 transposed products, cut": lambda: _with(_gpu_convert, "TRANSPOSED_SEGMENT_SLOTS", 2048, three_products),
+        # The long rows of A.T (hot units) left whole, one warp's work each (the cut into runs
+        # of several warps is the default since the thirty-fifth session).
+        "bwd 3 transposed products, rows whole": lambda: _with(
+            _gpu_convert, "TRANSPOSED_SEGMENT_SLOTS", 0, three_products
+        ),
         # The same on the tensor cores (opt-in): one pack of the transpose from the parts (no
         # transposed structure), 3 launches; and that pack alone.
         "bwd 3 transposed products, tiled": lambda: _with(_tiled_spmm, "PREFERRED", True, three_products),

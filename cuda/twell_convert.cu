@@ -438,22 +438,41 @@ __global__ void __launch_bounds__(256) twell_transpose_place(
   sources_t[pos] = (int)i;  // slots first, then the spill: the products' value positions
 }
 
-// The segments of A.T's long rows for the transposed products (twell_gather_csr_spmm): a row of
-// more than `segment` entries (a unit that fires for many tokens: the skewed pattern's hot units)
-// is cut into ceil(length / segment) runs of `segment` entries, the last shorter, each summed by
-// its own warps into an fp32 partial row that the row's last warp adds up in run order. Without
-// it such a row is one warp's work, and the kernel waits for it alone. The runs take the partial
-// rows ("slots") in row order for as long as they fit; the rows after the first that does not
-// fit stay whole. One block of SCAN_THREADS threads, each a
+// The segments of A.T's long rows for the transposed products (twell_gather_csr_spmm_cut): a
+// row of more than L entries (a unit that fires for many tokens: the skewed pattern's hot units)
+// is cut into ceil(length / L) runs of L entries, the last shorter, each summed by its own warp
+// into an fp32 partial row that the row's last warp adds up in run order. Without it such a row
+// is one warp's work, and the kernel waits for it alone. The run length L is the shortest of the
+// candidates run_length_candidate(shortest, k) whose runs fit in the `slots` partial rows (more
+// entries a warp beats rows left whole: at 2% on the skewed pattern 512-entry runs need ~3000
+// slots, 768-entry ones ~1550); it goes to run_length[0], which the products read. When not
+// even the longest candidate fits, the runs take the slots in row order while they fit and the
+// rows after the first that does not stay whole. One block of SCAN_THREADS threads, each a
 // contiguous stretch of rows: split_base[r] is row r's first slot or -1, slot_row[p] the row of
 // slot p or -1. Deterministic: the same plan, and so the same sums, for the same structure.
 __global__ void __launch_bounds__(SCAN_THREADS) twell_segment_plan(const int* __restrict__ indptr, int n_rows,
-                                                                     int segment, int slots,
+                                                                     int shortest, int slots,
                                                                      int* __restrict__ split_base,
-                                                                     int* __restrict__ slot_row) {
+                                                                     int* __restrict__ slot_row,
+                                                                     int* __restrict__ run_length) {
   for (int p = threadIdx.x; p < slots; p += SCAN_THREADS) slot_row[p] = -1;
   const int per = (n_rows + SCAN_THREADS - 1) / SCAN_THREADS;
   const int begin = min(n_rows, (int)threadIdx.x * per), end = min(n_rows, begin + per);
+  long long runs[RUN_CANDIDATES] = {};
+  for (int r = begin; r < end; ++r) {
+    const int length = indptr[r + 1] - indptr[r];
+#pragma unroll
+    for (int k = 0; k < RUN_CANDIDATES; ++k) runs[k] += segments_of(length, run_length_candidate(shortest, k));
+  }
+  int segment = run_length_candidate(shortest, RUN_CANDIDATES - 1);
+#pragma unroll
+  for (int k = 0; k < RUN_CANDIDATES - 1; ++k) {  // every thread sees the same totals: a uniform exit
+    if (block_reduce(runs[k], SumOp()) <= slots) {
+      segment = run_length_candidate(shortest, k);
+      break;
+    }
+  }
+  if (threadIdx.x == 0) *run_length = segment;
   long long mine = 0;
   for (int r = begin; r < end; ++r) mine += segments_of(indptr[r + 1] - indptr[r], segment);
   long long total;

@@ -1005,7 +1005,8 @@ __global__ void ROW_SUM_BOUNDS(T, false) twell_gather_csr_spmm(
 }
 
 // twell_gather_csr_spmm with a segment plan (twell_segment_plan): the grid's first `slots` warps
-// (per column share) sum the runs of the cut rows, slot p's run into partial row p (partial:
+// (per column share) sum the runs of the cut rows (run_length[0] entries each, as the plan
+// chose), slot p's run into partial row p (partial:
 // `slots` rows of K columns, then as many for the second matrix), and the warp that hands in a
 // cut row's last run (a ticket per row at its first slot, zeroed by the caller) adds up the
 // row's partial rows in run order and writes it; the warps after them are the rows', those of
@@ -1018,8 +1019,8 @@ __global__ void ROW_SUM_BOUNDS(T, false) twell_gather_csr_spmm_cut(
     const T* __restrict__ data, long long n_slots, const T* __restrict__ spill_vals,
     const T* __restrict__ data2, const T* __restrict__ spill_vals2, int M, const T* __restrict__ b,
     long long ldb, int K, T* __restrict__ out, T* __restrict__ out2, long long ldo,
-    const int* __restrict__ split_base, const int* __restrict__ slot_row, int slots, int segment,
-    typename acc_of<T>::type* partial, unsigned* tickets) {
+    const int* __restrict__ split_base, const int* __restrict__ slot_row, int slots,
+    const int* __restrict__ run_length, typename acc_of<T>::type* partial, unsigned* tickets) {
   using A = typename acc_of<T>::type;
   constexpr int CHUNK = KV * 32 * Lanes<T>::N;
   constexpr int NV = PAIR ? 2 : 1;
@@ -1031,14 +1032,19 @@ __global__ void ROW_SUM_BOUNDS(T, false) twell_gather_csr_spmm_cut(
   if (warp < slots) {  // warp-uniform branches throughout
     row = slot_row[warp];
     if (row < 0) return;
+    const int segment = *run_length;
     e_begin = indptr[row] + ((int)warp - split_base[row]) * segment;
     e_end = min(e_begin + segment, indptr[row + 1]);
     part = partial + warp * (long long)K;
   } else {
     row = warp - slots;
-    if (row >= M || split_base[row] >= 0) return;
+    if (row >= M) return;
+    // The three loads issue together, before the test: an uncut row's walk then starts as soon
+    // as in the plain kernel, not one dependent load later.
+    const int cut_at = split_base[row];
     e_begin = indptr[row];
     e_end = indptr[row + 1];
+    if (cut_at >= 0) return;
   }
   for (int k0 = blockIdx.y * CHUNK; k0 < K; k0 += gridDim.y * CHUNK) {
     A acc[NV][KV][Lanes<T>::N];
@@ -1058,7 +1064,7 @@ __global__ void ROW_SUM_BOUNDS(T, false) twell_gather_csr_spmm_cut(
   __threadfence();
   __syncwarp();
   const int first = split_base[row];
-  const int runs = segments_of(indptr[row + 1] - indptr[row], segment);
+  const int runs = segments_of(indptr[row + 1] - indptr[row], *run_length);
   unsigned ticket = 0;
   if (lane == 0) ticket = atomicAdd(tickets + first, 1u);
   ticket = __shfl_sync(kFull, ticket, 0);

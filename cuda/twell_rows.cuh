@@ -20,4 +20,12 @@ __device__ __forceinline__ int segments_of(int length, int segment) {
   return length > segment ? (length + segment - 1) / segment : 0;
 }
 
+// The run lengths twell_segment_plan chooses from, shortest first: `shortest` times 1, 1.25,
+// 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, ... 14 (k = 0 ... RUN_CANDIDATES - 1; the oracle,
+// twellsparse._reference.run_length_candidates, lists the same).
+constexpr int RUN_CANDIDATES = 16;
+__device__ __forceinline__ int run_length_candidate(int shortest, int k) {
+  return (int)min((((long long)(4 + (k & 3)) * shortest) << (k >> 2)) / 4, 2147483647LL);
+}
+
 }  // namespace twell

@@ -215,10 +215,9 @@ for step in $what; do
       ;;&
     segments)
       # The transposed products with their long rows cut into runs (TWELL_TRANSPOSED_SEGMENTS,
-      # opt-in; bench/NOTES.md, thirty-fourth session: bench/model.py predicts 1.7 / 3.3 / 2.7x
-      # for the three products on the skewed pattern at 0.5 / 1 / 2%, nothing on the uniform):
-      # the cut's tests, the stages both ways on both patterns, then the skewed training step
-      # with and without it (~6 minutes; `segmentsuite` runs the other tests with it on).
+      # 2048 slots by default since the thirty-fifth session, the run length chosen so that the
+      # runs fit): the cut's tests, the stages (cut, rows whole, columns whole, tiled) on both
+      # patterns, then the training step with and without the cut on both (~4 minutes).
       gpu_test_file tests/gpu/test_gpu_segments.py segments 240
       for pattern in skewed uniform; do
         for d in 0.005 0.01 0.02; do
@@ -227,10 +226,13 @@ for step in $what; do
           status=$((status | ${PIPESTATUS[0]}))
         done
       done
-      for slots in 0 2048; do
-        TWELL_TRANSPOSED_SEGMENTS=$slots timeout 240 python3 bench/train_step.py --pattern skewed --densities 0.005,0.01 \
-          --reps 10 --out "$OUT/train_step.jsonl" 2>&1 | tail -4 | sed "s/^/slots $slots: /" | tee -a "$OUT/segments.log"
-        status=$((status | ${PIPESTATUS[0]}))
+      for pattern in skewed uniform; do
+        for slots in 0 2048; do
+          TWELL_TRANSPOSED_SEGMENTS=$slots timeout 240 python3 bench/train_step.py --pattern $pattern \
+            --densities 0.005,0.01 --reps 10 --out "$OUT/train_step.jsonl" 2>&1 | tail -4 \
+            | sed "s/^/$pattern, slots $slots: /" | tee -a "$OUT/segments.log"
+          status=$((status | ${PIPESTATUS[0]}))
+        done
       done
       ;;&
     segmentsuite)

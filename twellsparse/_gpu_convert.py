@@ -433,7 +433,7 @@ def parts_to_csr(parts: TwELLParts, shape: tuple[int, int], tile_n: int) -> tupl
 
 
 def _segment_slots() -> int:
-    value = os.environ.get("TWELL_TRANSPOSED_SEGMENTS", "") or "0"
+    value = os.environ.get("TWELL_TRANSPOSED_SEGMENTS", "") or "2048"
     if not value.isdigit() or int(value) >= 2**20:
         raise ValueError(f"TWELL_TRANSPOSED_SEGMENTS: expected a slot count from 0 to 2**20 - 1, got {value!r}")
     return int(value)
@@ -443,23 +443,24 @@ def _segment_slots() -> int:
 #: (:class:`SegmentPlan`); 0 leaves every row whole. A row of ``A.T`` is a unit's list of
 #: tokens, and it is one warp's work: on the skewed pattern a hot unit fires for ~11% of the
 #: tokens at 0.5% (1800 entries at 16384 tokens against ~80 for the mean unit), and the
-#: kernel waits for that warp alone (``bench/model.py``'s sixth table: 0.22 / 0.13 / 0.20 of the
-#: slots' time used at 0.5 / 1 / 2%, 0.37 / 0.46 / 0.55 with the cut). Off until measured on a
-#: GPU (bench/NOTES.md, thirty-fourth session):
-#: ``TWELL_TRANSPOSED_SEGMENTS=N`` at import turns it on with N slots, each holding K fp32
-#: partial sums per product during a call (2048 slots: 16 MB at K = 2048, twice for the paired
-#: products).
+#: kernel waits for that warp alone. Cut, the three transposed products of the gated backward
+#: on that pattern took 1.8 / 2.3x less time at 0.5 / 1% and the training step went from 0.68x
+#: to 1.01x dense at 1% (H200, bench/NOTES.md, thirty-fifth session); on the uniform pattern,
+#: where no row is cut, they were 1-4% slower. ``TWELL_TRANSPOSED_SEGMENTS=N`` at import sets
+#: the slot count (0 turns the cut off); each slot holds K fp32 partial sums per product during
+#: a call (2048 slots: 16 MB at K = 2048, twice for the paired products).
 TRANSPOSED_SEGMENT_SLOTS = _segment_slots()
 #: The shortest run, in entries.
 SEGMENT_MIN = 256
-#: A row is cut when its unit fires for more than 1 / SEGMENT_SHARE of the tokens (and has more
-#: than SEGMENT_MIN entries), into runs of that length: the uniform pattern's rows stay whole up
-#: to ~3% density, and a cut row takes at most SEGMENT_SHARE runs.
+#: A row may be cut when its unit fires for more than 1 / SEGMENT_SHARE of the tokens (and has
+#: more than SEGMENT_MIN entries): the uniform pattern's rows stay whole up to ~3% density, and
+#: a cut row takes at most SEGMENT_SHARE runs of the shortest length. The plan lengthens the
+#: runs when they would not fit in the slots (:func:`twellsparse._reference.segment_plan`).
 SEGMENT_SHARE = 32
 
 
 def segment_length(m: int) -> int:
-    """Entries per run of a cut row of ``A.T`` for an ``A`` of ``m`` rows (tokens)."""
+    """The shortest run of a cut row of ``A.T``, in entries, for an ``A`` of ``m`` rows (tokens)."""
     return max(SEGMENT_MIN, -(-m // SEGMENT_SHARE))
 
 
@@ -467,13 +468,13 @@ class SegmentPlan(NamedTuple):
     """Where the transposed products cut the long rows of ``A.T`` (``twell_segment_plan`` in
     cuda/twell_convert.cu; :func:`twellsparse._reference.segment_plan` is its oracle): each
     row's first slot or -1 (``split_base``, int32), each slot's row or -1 (``slot_row``, int32),
-    the slot count and the run length in entries. Built on the device from the row pointers, no
-    read-back."""
+    the slot count, and the run length in entries the plan chose (``run_length``, one int32 on
+    the device). Built on the device from the row pointers, no read-back."""
 
     split_base: Any
     slot_row: Any
     slots: int
-    segment: int
+    run_length: Any
 
 
 class TransposedPattern(NamedTuple):
@@ -539,10 +540,11 @@ def transposed_pattern(parts: TwELLParts, tile_n: int, n_cols: int, slots: int |
     K.launch("twell_transpose_place", room, _BLOCK, (*structure, bits, first, rows, sources))
     segments = None
     if slots and n_cols:
-        segment = segment_length(m)
         split_base = cp.empty(n_cols, dtype=cp.int32)
         slot_row = cp.empty(slots, dtype=cp.int32)
-        plan_args = (indptr, np.int32(n_cols), np.int32(segment), np.int32(slots), split_base, slot_row)
+        run_length = cp.empty(1, dtype=cp.int32)
+        shortest = np.int32(segment_length(m))
+        plan_args = (indptr, np.int32(n_cols), shortest, np.int32(slots), split_base, slot_row, run_length)
         K.launch_grid("twell_segment_plan", (1,), (K.SCAN_THREADS,), plan_args)
-        segments = SegmentPlan(split_base, slot_row, slots, segment)
+        segments = SegmentPlan(split_base, slot_row, slots, run_length)
     return TransposedPattern(indptr, rows, sources, n_slots, segments)

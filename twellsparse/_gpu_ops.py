@@ -258,7 +258,7 @@ def column_warps(split: int, k: int, kv: int, itemsize: int) -> int:
 
 def _segment_arguments(plan: SegmentPlan | None, products: int, k: int, dtype: Any) -> tuple[tuple, int]:
     """The cut transposed products' extra kernel arguments (``split_base, slot_row, slots,
-    segment, partial, tickets``) and their slot count (none and 0 without a plan): the fp32
+    run_length, partial, tickets``) and their slot count (none and 0 without a plan): the fp32
     (float64 for float64) partial rows of every product and the tickets, zeroed, that the
     call's warps draw."""
     if plan is None:
@@ -267,7 +267,7 @@ def _segment_arguments(plan: SegmentPlan | None, products: int, k: int, dtype: A
     acc = cp.float64 if np.dtype(dtype) == np.float64 else cp.float32
     partial = cp.empty((products * plan.slots, k), dtype=acc)
     tickets = cp.zeros(plan.slots, dtype=cp.uint32)
-    head = (plan.split_base, plan.slot_row, np.int32(plan.slots), np.int32(plan.segment))
+    head = (plan.split_base, plan.slot_row, np.int32(plan.slots), plan.run_length)
     return (*head, partial, tickets), plan.slots
 
 

@@ -64,10 +64,12 @@ GATHER_DEFAULT = {
 #: slots are freed only when its last warp ends, so a block of rows of unequal length holds its
 #: shorter rows' slots idle until its longest ends: at 0.5% on the standard problem a row of the
 #: gated up projection takes one batch of 32 entries or, ~20% of the time, two, so ~59% of
-#: 4-row blocks wait on a second batch. ``TWELL_GATHER_BLOCK_WARPS`` (1, 2 or 4, read at import;
-#: 4 unless measured otherwise) is there to measure blocks of fewer rows (bench/NOTES.md,
-#: thirty-third session; ``bash scripts/device_run.sh gatherblocks``).
-_GATHER_WARPS_SETTING = os.environ.get("TWELL_GATHER_BLOCK_WARPS", "") or "4"
+#: 4-row blocks wait on a second batch. One-row blocks took 1.5-4% off the up projection and
+#: SDDMMs and 5-6% off the backward's dX by gathers at 0.5 / 1% against 4-row ones, 2-row
+#: blocks in between (H200, bench/NOTES.md, thirty-fifth session). ``TWELL_GATHER_BLOCK_WARPS``
+#: (1, 2 or 4, read at import) sets it for measurements (``bash scripts/device_run.sh
+#: gatherblocks``).
+_GATHER_WARPS_SETTING = os.environ.get("TWELL_GATHER_BLOCK_WARPS", "") or "1"
 if _GATHER_WARPS_SETTING not in ("1", "2", "4"):
     raise ValueError(f"TWELL_GATHER_BLOCK_WARPS: expected 1, 2 or 4, got {_GATHER_WARPS_SETTING!r}")
 GATHER_WARPS = int(_GATHER_WARPS_SETTING)

@@ -77,25 +77,43 @@ def fixed_spill_layout(row_tile_nnz, capacity: int, spill_capacity: int, xp=np):
     return ends - excess, indptr, pass_counts, total - indptr[-1]
 
 
-def segment_plan(indptr, segment: int, slots: int):
+#: How many run lengths the segment plan chooses from (cuda/twell_rows.cuh, RUN_CANDIDATES).
+RUN_CANDIDATES = 16
+
+
+def run_length_candidates(shortest: int) -> list[int]:
+    """The run lengths the segment plan chooses from, shortest first: ``shortest`` times 1,
+    1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, ... 14 (cuda/twell_rows.cuh,
+    ``run_length_candidate``)."""
+    return [min(((4 + k % 4) * shortest << (k // 4)) // 4, 2**31 - 1) for k in range(RUN_CANDIDATES)]
+
+
+def segment_plan(indptr, shortest: int, slots: int):
     """Where the transposed products cut their long rows (the oracle of cuda/twell_convert.cu,
     ``twell_segment_plan``), in NumPy.
 
-    A row of more than ``segment`` entries is cut into ``ceil(length / segment)`` runs. The runs
-    take consecutive slots in row order for as long as they fit in ``slots``: from the first
-    row whose runs do not fit on, every row stays whole. Returns ``(split_base, slot_row)``:
-    each row's first slot or -1 (int32, one per row), and each slot's row or -1 (int32,
-    ``slots`` of them).
+    With run length L, a row of more than L entries is cut into ``ceil(length / L)`` runs. L
+    is the first of :func:`run_length_candidates` whose runs fit in ``slots``, else the last;
+    the runs take consecutive slots in row order for as long as they fit: from the first row
+    whose runs do not fit on, every row stays whole. Returns ``(split_base, slot_row, L)``:
+    each row's first slot or -1 (int32, one per row), each slot's row or -1 (int32, ``slots``
+    of them), and the run length.
     """
     lengths = np.diff(np.asarray(indptr, dtype=np.int64))
-    need = np.where(lengths > segment, -(-lengths // segment), 0)
+
+    def runs_of(length: int):
+        return np.where(lengths > length, -(-lengths // length), 0)
+
+    candidates = run_length_candidates(shortest)
+    segment = next((c for c in candidates[:-1] if runs_of(c).sum() <= slots), candidates[-1])
+    need = runs_of(segment)
     base = np.cumsum(need) - need
     cut = (need > 0) & (base + need <= slots)
     split_base = np.where(cut, base, -1).astype(np.int32)
     slot_row = np.full(slots, -1, dtype=np.int32)
     for row in np.flatnonzero(cut):
         slot_row[base[row] : base[row] + need[row]] = row
-    return split_base, slot_row
+    return split_base, slot_row, segment
 
 
 def excess_entries(row_tile_nnz, capacity: int, xp=np):

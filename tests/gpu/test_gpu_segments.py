@@ -13,7 +13,7 @@ from helpers import product_bound
 import twellsparse as ts
 from twellsparse import _gpu_convert, _gpu_ops
 from twellsparse import _kernels as K
-from twellsparse._reference import segment_plan
+from twellsparse._reference import run_length_candidates, segment_plan
 from twellsparse.testing import rel_error
 
 pytestmark = pytest.mark.gpu
@@ -33,18 +33,37 @@ def _hot_units(rng, m, n, density, hot, dtype):
     return h
 
 
-@pytest.mark.parametrize("n_rows, segment, slots", [(5000, 256, 300), (100, 300, 7), (3000, 1000, 64)])
-def test_plan_matches_the_oracle(cp, rng, n_rows, segment, slots):
+# (rows, shortest run, longest row as runs of the shortest, slots, the run length the plan
+# should choose): the shortest, a longer one, and none fitting (the row-order prefix).
+PLANS = [
+    (5000, 256, 20, 4000, "shortest"),
+    (5000, 256, 6, 600, "longer"),
+    (400, 300, 20, 60, "longer"),
+    (3000, 1000, 60, 64, "none fits"),
+]
+
+
+@pytest.mark.parametrize("n_rows, shortest, longest, slots, choice", PLANS)
+def test_plan_matches_the_oracle(cp, rng, n_rows, shortest, longest, slots, choice):
     long_rows = rng.random(n_rows) < 0.05
-    lengths = np.where(long_rows, rng.integers(segment + 1, 20 * segment, n_rows), rng.integers(0, segment + 1, n_rows))
+    lengths = np.where(
+        long_rows, rng.integers(shortest + 1, longest * shortest, n_rows), rng.integers(0, shortest + 1, n_rows)
+    )
     indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    split_base = cp.empty(n_rows, dtype=cp.int32)
-    slot_row = cp.empty(slots, dtype=cp.int32)
-    args = (cp.asarray(indptr), np.int32(n_rows), np.int32(segment), np.int32(slots), split_base, slot_row)
+    split_base = cp.full(n_rows, -7, dtype=cp.int32)
+    slot_row = cp.full(slots, -7, dtype=cp.int32)
+    run_length = cp.full(1, -7, dtype=cp.int32)
+    args = (cp.asarray(indptr), np.int32(n_rows), np.int32(shortest), np.int32(slots), split_base, slot_row, run_length)
     K.launch_grid("twell_segment_plan", (1,), (K.SCAN_THREADS,), args)
-    want_base, want_rows = segment_plan(indptr, segment, slots)
+    want_base, want_rows, want_length = segment_plan(indptr, shortest, slots)
     np.testing.assert_array_equal(split_base.get(), want_base)
     np.testing.assert_array_equal(slot_row.get(), want_rows)
+    assert int(run_length.get()[0]) == want_length
+    candidates = run_length_candidates(shortest)
+    fits = np.count_nonzero(want_rows >= 0) == sum(-(-n // want_length) for n in lengths if n > want_length)
+    assert {"shortest": want_length == shortest, "longer": shortest < want_length and fits}.get(
+        choice, want_length == candidates[-1] and not fits
+    ), (choice, want_length)
     assert np.any(want_base >= 0)
 
 
@@ -97,7 +116,7 @@ def test_cut_rows_sum_right_and_repeat_bitwise(cp, rng, dtype, m, n, k, tile_n, 
     np.testing.assert_array_equal(first[False][0].reshape(n, -1)[whole], base.view(cp.uint8).get()[whole])
 
 
-def test_too_few_slots_cut_the_first_rows_only(cp, rng):
+def test_few_slots_lengthen_the_runs(cp, rng):
     m, n, k, tile_n = 1200, 400, 256, 128
     h = _hot_units(rng, m, n, 0.02, 8, np.float32)
     a = ts.twell_array(cp.asarray(h), tile_n=tile_n, capacity=4)
@@ -105,9 +124,11 @@ def test_too_few_slots_cut_the_first_rows_only(cp, rng):
     tp = _gpu_convert.transposed_pattern(a.parts, tile_n, n, slots=9)
     split_base = tp.segments.split_base.get()
     lengths = np.count_nonzero(h, axis=0)
-    want_base, _ = segment_plan(np.concatenate([[0], np.cumsum(lengths)]), _gpu_convert.segment_length(m), 9)
+    shortest = _gpu_convert.segment_length(m)
+    want_base, _, want_length = segment_plan(np.concatenate([[0], np.cumsum(lengths)]), shortest, 9)
     np.testing.assert_array_equal(split_base, want_base)
-    assert 0 < np.count_nonzero(split_base >= 0) < 8
+    assert int(tp.segments.run_length.get()[0]) == want_length > shortest
+    assert np.count_nonzero(split_base >= 0) > 0
     out = cp.empty((n, k), dtype=np.float32)
     _gpu_ops.spmm_transposed(a.parts, tile_n, n, cp.asarray(g), out, pattern=lambda: tp)
     expected = h.astype(np.float64).T @ g.astype(np.float64)
