@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|gatherblocks|gatherblocksmodel|skewedtrain|segments|segmentsuite|roworder|hostgap|producerncu|producerclocks|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|gatherblocks|gatherblocksmodel|skewedtrain|segments|cutblocks|segmentsuite|roworder|hostgap|producerncu|producerclocks|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"  # install, TWELL_COMMIT, PYTHONPATH, $OUT
 what=${*:-all}
@@ -231,6 +231,20 @@ for step in $what; do
           TWELL_TRANSPOSED_SEGMENTS=$slots timeout 240 python3 bench/train_step.py --pattern $pattern \
             --densities 0.005,0.01 --reps 10 --out "$OUT/train_step.jsonl" 2>&1 | tail -4 \
             | sed "s/^/$pattern, slots $slots: /" | tee -a "$OUT/segments.log"
+          status=$((status | ${PIPESTATUS[0]}))
+        done
+      done
+      ;;&
+    cutblocks)
+      # The cut transposed products' block size (TWELL_CUT_BLOCK_WARPS: its grid's idle slot
+      # warps cost ~5 ns a one-warp block; thirty-fifth session): 1 and 4 warps a block, with
+      # the rows whole beside them, on the uniform pattern at 0.5 / 1% and the skewed at 1 / 2%.
+      for w in 1 4; do
+        for case in "uniform 0.005" "uniform 0.01" "skewed 0.01" "skewed 0.02"; do
+          set -- $case
+          TWELL_CUT_BLOCK_WARPS=$w timeout 100 python3 bench/stage_times.py --pattern "$1" --density "$2" \
+            --only "bwd 3 transposed products,bwd 3 transposed products, rows whole" --out "$OUT/stages.jsonl" 2>&1 \
+            | grep -v "columns whole\|tiled" | sed "s/^/$w warps, $1 $2: /" | tee -a "$OUT/cutblocks.log"
           status=$((status | ${PIPESTATUS[0]}))
         done
       done

@@ -200,6 +200,14 @@ def test_gather_blocks_follow_the_rows_per_block_setting(monkeypatch):
         text=True,
     )
     assert bad.returncode != 0 and "TWELL_GATHER_BLOCK_WARPS: expected 1, 2 or 4, got '3'" in bad.stderr
+    assert _gpu_ops._gather_grid(1001, 4) == ((251,), (128,))  # the cut transposed products' blocks
+    bad = subprocess.run(
+        [sys.executable, "-c", "import twellsparse._kernels"],
+        env={**os.environ, "TWELL_CUT_BLOCK_WARPS": "8"},
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode != 0 and "TWELL_CUT_BLOCK_WARPS: expected 1, 2 or 4, got '8'" in bad.stderr
 
 
 def test_transposed_products_split_no_further_than_their_column_passes():

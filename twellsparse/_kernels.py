@@ -73,6 +73,16 @@ _GATHER_WARPS_SETTING = os.environ.get("TWELL_GATHER_BLOCK_WARPS", "") or "1"
 if _GATHER_WARPS_SETTING not in ("1", "2", "4"):
     raise ValueError(f"TWELL_GATHER_BLOCK_WARPS: expected 1, 2 or 4, got {_GATHER_WARPS_SETTING!r}")
 GATHER_WARPS = int(_GATHER_WARPS_SETTING)
+#: Warps per block of the transposed products when they cut long rows into runs
+#: (``twell_gather_csr_spmm_cut``): its grid starts with one warp per slot, most of them idle
+#: on patterns without long rows, and idle one-warp blocks cost the scheduler ~5 ns each (the
+#: uniform pattern's three products were 3-6% slower with the cut on, H100, thirty-fifth
+#: session). ``TWELL_CUT_BLOCK_WARPS`` (1, 2 or 4, read at import; default GATHER_WARPS) is
+#: there to measure fewer, larger blocks.
+_CUT_WARPS_SETTING = os.environ.get("TWELL_CUT_BLOCK_WARPS", "") or _GATHER_WARPS_SETTING
+if _CUT_WARPS_SETTING not in ("1", "2", "4"):
+    raise ValueError(f"TWELL_CUT_BLOCK_WARPS: expected 1, 2 or 4, got {_CUT_WARPS_SETTING!r}")
+CUT_BLOCK_WARPS = int(_CUT_WARPS_SETTING)
 
 
 def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = False) -> str:
