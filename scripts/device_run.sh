@@ -240,8 +240,9 @@ for step in $what; do
       # warps cost ~5 ns a one-warp block; thirty-fifth session): 1 and 4 warps a block, with
       # the rows whole beside them, on the uniform pattern at 0.5 / 1% and the skewed at 1 / 2%,
       # after the cut's tests.
+      # CUT_WARPS="1" (say) times fewer block sizes.
       gpu_test_file tests/gpu/test_gpu_segments.py cutblocks 120
-      for w in 1 4; do
+      for w in ${CUT_WARPS:-1 4}; do
         for case in "uniform 0.005" "uniform 0.01" "skewed 0.01" "skewed 0.02"; do
           set -- $case
           TWELL_CUT_BLOCK_WARPS=$w timeout 100 python3 bench/stage_times.py --pattern "$1" --density "$2" \
