@@ -1004,17 +1004,15 @@ __global__ void ROW_SUM_BOUNDS(T, false) twell_gather_csr_spmm(
   }
 }
 
-// twell_gather_csr_spmm with a segment plan (twell_segment_plan): the grid's first warps (per
-// column share), one per run handed out (run_length[1] of them), sum the runs of the cut rows
-// (run_length[0] entries each, as the plan chose), slot p's run into partial row p (partial:
+// twell_gather_csr_spmm with a segment plan (twell_segment_plan): the grid's first `slots` warps
+// (per column share) sum the runs of the cut rows (run_length[0] entries each, as the plan
+// chose), slot p's run into partial row p (partial:
 // `slots` rows of K columns, then as many for the second matrix), and the warp that hands in a
 // cut row's last run (a ticket per row at its first slot, zeroed by the caller) adds up the
-// row's partial rows in run order and writes it; the next warps are the rows', those of cut
-// rows exiting at once, and the grid's last `slots - run_length[1]` warps have nothing to do:
-// the grid is sized for every slot, and idle blocks cost least at its end, where they retire
-// while the last rows run (at its start, ~5 ns each before any work begins). A cut row's sums
-// are associated by runs, the same way in every call; the other rows' are the plain kernel's.
-// A kernel of its own, so that the plain kernel's code and registers stay as they were.
+// row's partial rows in run order and writes it; the warps after them are the rows', those of
+// cut rows exiting at once. A cut row's sums are then associated by runs, the same way in every
+// call; the other rows' are the plain kernel's. A kernel of its own, so that the plain kernel's
+// code and registers stay as they were.
 template <typename T, int KV, int U, bool PAIR = false>
 __global__ void ROW_SUM_BOUNDS(T, false) twell_gather_csr_spmm_cut(
     const int* __restrict__ indptr, const int* __restrict__ cols, const int* __restrict__ sources,
@@ -1031,15 +1029,15 @@ __global__ void ROW_SUM_BOUNDS(T, false) twell_gather_csr_spmm_cut(
   long long row;
   int e_begin, e_end;
   A* part = nullptr;  // this warp's partial row when it sums a run of a cut row
-  const int runs_used = run_length[1];
-  if (warp < runs_used) {  // warp-uniform branches throughout
+  if (warp < slots) {  // warp-uniform branches throughout
     row = slot_row[warp];
-    const int segment = run_length[0];
+    if (row < 0) return;
+    const int segment = *run_length;
     e_begin = indptr[row] + ((int)warp - split_base[row]) * segment;
     e_end = min(e_begin + segment, indptr[row + 1]);
     part = partial + warp * (long long)K;
   } else {
-    row = warp - runs_used;
+    row = warp - slots;
     if (row >= M) return;
     // The three loads issue together, before the test: an uncut row's walk then starts as soon
     // as in the plain kernel, not one dependent load later.
