@@ -444,9 +444,10 @@ def _segment_slots() -> int:
 #: tokens, and it is one warp's work: on the skewed pattern a hot unit fires for ~11% of the
 #: tokens at 0.5% (1800 entries at 16384 tokens against ~80 for the mean unit), and the
 #: kernel waits for that warp alone. Cut, the three transposed products of the gated backward
-#: on that pattern took 1.8 / 2.3x less time at 0.5 / 1% and the training step went from 0.68x
-#: to 1.01x dense at 1% (H200, bench/NOTES.md, thirty-fifth session); on the uniform pattern,
-#: where no row is cut, they were 1-4% slower. ``TWELL_TRANSPOSED_SEGMENTS=N`` at import sets
+#: on that pattern took 1.8 / 2.2 / 2.4x less time at 0.5 / 1 / 2% and the captured training
+#: step went from 0.70x to 1.04x dense at 1% (H100, bench/NOTES.md, thirty-fifth session); on
+#: the uniform pattern, where no row is cut, they were 3-6% slower (the grid's idle slot warps;
+#: the step the same within 0.03x). ``TWELL_TRANSPOSED_SEGMENTS=N`` at import sets
 #: the slot count (0 turns the cut off); each slot holds K fp32 partial sums per product during
 #: a call (2048 slots: 16 MB at K = 2048, twice for the paired products).
 TRANSPOSED_SEGMENT_SLOTS = _segment_slots()
