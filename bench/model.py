@@ -35,9 +35,9 @@ warps go faster and lose less) and gives the useful share of the slots' time for
 
 Sixth table, the transposed products' rows (``_gpu_ops.spmm_transposed``): a warp owns a unit's
 list of tokens (a row of A.T), so a hot unit is one warp's work. :func:`transposed_slot_use`
-schedules those rows as :func:`block_occupancy` does, whole, and with the rows longer than
-``_gpu_convert.segment_length(m)`` cut into runs that the grid's first warps take
-(``TWELL_TRANSPOSED_SEGMENTS``; bench/NOTES.md, thirty-fourth session), and gives the slots' use
+schedules those rows as :func:`block_occupancy` does, whole, and with the long rows cut into
+runs that the grid's first warps take, of the length the segment plan chooses to fit the slots
+(``TWELL_TRANSPOSED_SEGMENTS``; bench/NOTES.md, thirty-fourth and thirty-fifth sessions), and gives the slots' use
 and the cut's predicted speed-up (the makespans' ratio; the partial rows' adding-up is left out).
 
 Usage: python bench/model.py [--m 16384] [--d-model 2048] [--d-ff 5632] [--l2-tbs 9.0]
@@ -51,7 +51,8 @@ import sys
 
 import numpy as np
 
-from twellsparse._gpu_convert import segment_length
+from twellsparse._gpu_convert import TRANSPOSED_SEGMENT_SLOTS, segment_length
+from twellsparse._reference import segment_plan
 from twellsparse.testing import firing_rates
 
 
@@ -159,6 +160,10 @@ def packed_stats(fire: np.ndarray, d_model: int, rows: int = 8, chunk: int = 512
     return {
         "row_batches": -(-fire.sum(axis=1) // 32),  # the row gathers' batches of 32 entries per row
         "transposed_use": lambda segment: transposed_slot_use(fire, segment),
+        # The run length the segment plan would choose for this pattern's rows of A.T.
+        "run_length": lambda shortest, slots: segment_plan(
+            np.concatenate([[0], np.cumsum(fire.sum(axis=0))]), shortest, slots
+        )[2],
         "ring_16": ring_efficiency(kgs, 16),
         "ring_32": ring_efficiency(kgs, 32),
         "spmm_l2_gb": float((b_chunk_bytes + operand_bytes) / 1e9),
@@ -273,11 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     for pattern, density, st in packed:
         b = st["row_batches"]
         print(f"{pattern:>7}  {density:6.2%}  {block_occupancy(b, 4, 20):.3f}  {block_occupancy(b, 1, 21):.3f}")
-    segment = segment_length(args.m)
-    print(f"\npattern  density  transposed products' slot use: rows whole, cut into runs of {segment}; speed-up")
+    slots = TRANSPOSED_SEGMENT_SLOTS or 2048
+    print(f"\npattern  density  transposed products' slot use: rows whole, cut (runs fit {slots} slots); speed-up")
     for pattern, density, st in packed:
+        segment = st["run_length"](segment_length(args.m), slots)
         whole, cut = st["transposed_use"](None), st["transposed_use"](segment)
-        print(f"{pattern:>7}  {density:6.2%}  {whole:.3f}  {cut:.3f}  {cut / whole:.2f}x")
+        print(f"{pattern:>7}  {density:6.2%}  {whole:.3f}  {cut:.3f} (runs of {segment})  {cut / whole:.2f}x")
     return 0
 
 
