@@ -239,16 +239,20 @@ for step in $what; do
       # The cut transposed products' block size (TWELL_CUT_BLOCK_WARPS: its grid's idle slot
       # warps cost ~5 ns a one-warp block; thirty-fifth session): 1 and 4 warps a block, with
       # the rows whole beside them, on the uniform pattern at 0.5 / 1% and the skewed at 1 / 2%,
-      # after the cut's tests.
-      # CUT_WARPS="1" (say) times fewer block sizes.
+      # after the cut's tests (~5 minutes).
+      # Then the same in a TWELL_CUT_RUNS_FIRST=1 build (the idle slot warps at the grid's end;
+      # "rf" in the log), its tests first. CUT_WARPS="1" (say) times fewer block sizes.
       gpu_test_file tests/gpu/test_gpu_segments.py cutblocks 120
-      for w in ${CUT_WARPS:-1 4}; do
-        for case in "uniform 0.005" "uniform 0.01" "skewed 0.01" "skewed 0.02"; do
-          set -- $case
-          TWELL_CUT_BLOCK_WARPS=$w timeout 100 python3 bench/stage_times.py --pattern "$1" --density "$2" \
-            --only "bwd 3 transposed products,bwd 3 transposed products, rows whole" --out "$OUT/stages.jsonl" 2>&1 \
-            | grep -v "columns whole\|tiled" | sed "s/^/$w warps, $1 $2: /" | tee -a "$OUT/cutblocks.log"
-          status=$((status | ${PIPESTATUS[0]}))
+      TWELL_CUT_RUNS_FIRST=1 gpu_test_file tests/gpu/test_gpu_segments.py cutblocks 120
+      for order in 0 1; do
+        for w in ${CUT_WARPS:-1 4}; do
+          for case in "uniform 0.005" "uniform 0.01" "skewed 0.01" "skewed 0.02"; do
+            set -- $case
+            TWELL_CUT_RUNS_FIRST=$order TWELL_CUT_BLOCK_WARPS=$w timeout 100 python3 bench/stage_times.py \
+              --pattern "$1" --density "$2" --only "bwd 3 transposed products" --out "$OUT/stages.jsonl" 2>&1 \
+              | grep -v "columns whole\|tiled" | sed "s/^/rf $order, $w warps, $1 $2: /" | tee -a "$OUT/cutblocks.log"
+            status=$((status | ${PIPESTATUS[0]}))
+          done
         done
       done
       ;;&

@@ -230,3 +230,17 @@ def test_the_row_order_build_of_the_gather_kernels_compiles(monkeypatch):
     name = "twell_gather.cu"
     cubin = _kernels._nvrtc_cubin(name, _kernels.INSTANTIATIONS[name], "sm_90a")[0]
     assert len(cubin) > 0
+
+
+def test_the_runs_first_build_of_the_cut_compiles(monkeypatch):
+    """The TWELL_CUT_RUNS_FIRST=1 build (the cut transposed products' idle slot warps last, the
+    plan writing the runs it handed out) compiles for sm_90a: the plan and the cut kernels."""
+    _nvrtc_or_skip()
+    monkeypatch.setenv("TWELL_CUT_RUNS_FIRST", "1")
+    assert "-DTWELL_CUT_RUNS_FIRST=1" in _kernels.compile_options()
+    for name, part in (("twell_gather.cu", "_cut<"), ("twell_convert.cu", "twell_segment_plan")):
+        expressions = [e for e in _kernels.INSTANTIATIONS[name] if part in e]
+        assert expressions and len(_kernels._nvrtc_cubin(name, expressions, "sm_90a")[0]) > 0
+    monkeypatch.setenv("TWELL_CUT_RUNS_FIRST", "yes")
+    with pytest.raises(ValueError, match="TWELL_CUT_RUNS_FIRST: expected 0 or 1, got 'yes'"):
+        _kernels.compile_options()

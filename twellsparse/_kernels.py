@@ -298,9 +298,11 @@ def source_hash() -> str:
 
 
 def compile_options() -> tuple[str, ...]:
-    """NVRTC options. Five measurement switches are read from the environment when a module is
+    """NVRTC options. Six measurement switches are read from the environment when a module is
     first compiled, one at import: ``TWELL_GATHER_ROW_ORDER=1`` (:data:`GATHER_ROW_ORDER`) has the
     row-gather kernels over TwELL rows read their row from an order (``_gpu_ops.row_order``),
+    ``TWELL_CUT_RUNS_FIRST=1`` puts the cut transposed products' idle slot warps at the grid's
+    end (cuda/twell_rows.cuh),
     ``TWELL_L2_HINTS=0`` turns off the gather kernels' L2 eviction hint (cuda/twell_gather.cu),
     ``TWELL_MMA_DOTS=0`` gives their dot products to the FMA pipes instead of the tensor cores,
     ``TWELL_HOPPER_PACK=0`` leaves the fused producer's epilogue out (cuda/twell_hopper_gemm.cu:
@@ -313,6 +315,7 @@ def compile_options() -> tuple[str, ...]:
         value = env_switch(name)
         switches += [f"-D{name}={int(value)}"] if value is not None else []
     switches += ["-DTWELL_GATHER_ROW_ORDER=1"] if GATHER_ROW_ORDER else []
+    switches += ["-DTWELL_CUT_RUNS_FIRST=1"] if env_switch("TWELL_CUT_RUNS_FIRST") else []
     blocks = os.environ.get("TWELL_GATHER_MIN_BLOCKS", "")
     if blocks not in ("", "0", "1", "2", "3", "4", "5", "6"):
         raise ValueError(f"TWELL_GATHER_MIN_BLOCKS: expected a block count from 0 to 6, got {blocks!r}")
