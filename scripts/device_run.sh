@@ -257,11 +257,11 @@ for step in $what; do
       done
       ;;&
     segmentsuite)
-      # The gather, torch and JAX tests with the transposed products' long rows cut
-      # (TWELL_TRANSPOSED_SEGMENTS=2048): what turning it on by default would need. Each file
-      # takes minutes: SEGMENT_TEST_FILES="torch" (say) runs fewer in one call.
+      # The gather, torch and JAX tests in the TWELL_CUT_RUNS_FIRST=1 build (the cut, on by
+      # default, with its idle slot warps last): what making that order the default would
+      # need. Each file takes minutes: SEGMENT_TEST_FILES="torch" (say) runs fewer in one call.
       for file in ${SEGMENT_TEST_FILES:-gather torch jax}; do
-        TWELL_TRANSPOSED_SEGMENTS=2048 gpu_test_file "tests/gpu/test_gpu_$file.py" segments 300
+        TWELL_CUT_RUNS_FIRST=1 gpu_test_file "tests/gpu/test_gpu_$file.py" segments 300
       done
       ;;&
     roworder)
