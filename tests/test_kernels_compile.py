@@ -193,21 +193,15 @@ def test_gather_blocks_follow_the_rows_per_block_setting(monkeypatch):
         monkeypatch.setattr(_kernels, "GATHER_WARPS", warps)
         assert _gpu_ops._gather_grid(1001) == ((-(-1001 // warps),), (32 * warps,))
         assert _gpu_ops._x_stage_bytes(2048) == warps * 2048 * 2
-    bad = subprocess.run(
-        [sys.executable, "-c", "import twellsparse._kernels"],
-        env={**os.environ, "TWELL_GATHER_BLOCK_WARPS": "3"},
-        capture_output=True,
-        text=True,
-    )
-    assert bad.returncode != 0 and "TWELL_GATHER_BLOCK_WARPS: expected 1, 2 or 4, got '3'" in bad.stderr
     assert _gpu_ops._gather_grid(1001, 4) == ((251,), (128,))  # the cut transposed products' blocks
-    bad = subprocess.run(
-        [sys.executable, "-c", "import twellsparse._kernels"],
-        env={**os.environ, "TWELL_CUT_BLOCK_WARPS": "8"},
-        capture_output=True,
-        text=True,
-    )
-    assert bad.returncode != 0 and "TWELL_CUT_BLOCK_WARPS: expected 1, 2 or 4, got '8'" in bad.stderr
+    for switch, value in (("TWELL_GATHER_BLOCK_WARPS", "3"), ("TWELL_CUT_BLOCK_WARPS", "8")):
+        bad = subprocess.run(
+            [sys.executable, "-c", "import twellsparse._kernels"],
+            env={**os.environ, switch: value},
+            capture_output=True,
+            text=True,
+        )
+        assert bad.returncode != 0 and f"{switch}: expected 1, 2 or 4, got '{value}'" in bad.stderr
 
 
 def test_transposed_products_split_no_further_than_their_column_passes():
