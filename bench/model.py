@@ -213,11 +213,11 @@ def run_batches(entries: np.ndarray, segment: int | None) -> np.ndarray:
 
 
 def transposed_slot_use(fire: np.ndarray, segment: int | None, warps_per_sm: int = 12, column_warps: int = 2) -> float:
-    """:func:`block_occupancy` of the transposed products' grid (4-row blocks, 12 warps per SM:
-    the bf16 kernels' 158-166 registers), its ``column_warps`` column shares launched one after
-    the other as the grid's y."""
+    """:func:`block_occupancy` of the transposed products' grid (1-row blocks, the default since
+    the thirty-fifth session; 12 warps per SM: the bf16 kernels' 150-168 registers), its
+    ``column_warps`` column shares launched one after the other as the grid's y."""
     batches = run_batches(fire.sum(axis=0), segment)
-    return block_occupancy(np.tile(batches, column_warps), 4, warps_per_sm)
+    return block_occupancy(np.tile(batches, column_warps), 1, warps_per_sm)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -180,10 +180,11 @@ for step in $what; do
       done
       ;;&
     gatherblocks)
-      # Row-gather blocks of 4 (the default), 1 and 2 rows (TWELL_GATHER_BLOCK_WARPS; bench/NOTES.md,
-      # thirty-third session, item 9: a block's slots stay held until its longest row ends): the
-      # gather tests with 1-row blocks, then gather_layout_rows per setting.
-      TWELL_GATHER_BLOCK_WARPS=1 gpu_test_file tests/gpu/test_gpu_gather.py gatherblocks 240
+      # Row-gather blocks of 4, 1 (the default since the thirty-fifth session) and 2 rows
+      # (TWELL_GATHER_BLOCK_WARPS; bench/NOTES.md, thirty-third session, item 9: a block's slots
+      # stay held until its longest row ends): the gather tests with 4-row blocks, then
+      # gather_layout_rows per setting.
+      TWELL_GATHER_BLOCK_WARPS=4 gpu_test_file tests/gpu/test_gpu_gather.py gatherblocks 240
       for w in 4 1 2; do
         TWELL_GATHER_BLOCK_WARPS=$w gather_layout_rows gatherblocks
       done
@@ -217,7 +218,7 @@ for step in $what; do
       # The transposed products with their long rows cut into runs (TWELL_TRANSPOSED_SEGMENTS,
       # 2048 slots by default since the thirty-fifth session, the run length chosen so that the
       # runs fit): the cut's tests, the stages (cut, rows whole, columns whole, tiled) on both
-      # patterns, then the training step with and without the cut on both (~4 minutes).
+      # patterns, then the training step with and without the cut on both (~4.5 minutes).
       gpu_test_file tests/gpu/test_gpu_segments.py segments 240
       for pattern in skewed uniform; do
         for d in 0.005 0.01 0.02; do
@@ -239,7 +240,8 @@ for step in $what; do
       # The cut transposed products' block size (TWELL_CUT_BLOCK_WARPS: its grid's idle slot
       # warps cost ~5 ns a one-warp block; thirty-fifth session): 1 and 4 warps a block, with
       # the rows whole beside them, on the uniform pattern at 0.5 / 1% and the skewed at 1 / 2%,
-      # after the cut's tests (~5 minutes).
+      # after the cut's tests (~5 minutes; CUT_WARPS="1" for fewer). The runs-first build also
+      # adds a dependent load (run_length[1]) before each row warp's walk: read its rows with that.
       # Then the same in a TWELL_CUT_RUNS_FIRST=1 build (the idle slot warps at the grid's end;
       # "rf" in the log), its tests first. CUT_WARPS="1" (say) times fewer block sizes.
       gpu_test_file tests/gpu/test_gpu_segments.py cutblocks 120
@@ -266,6 +268,7 @@ for step in $what; do
       ;;&
     roworder)
       # The rows longest first (TWELL_GATHER_ROW_ORDER, a build switch) with blocks of 4 and 1 rows
+      # (1, the default)
       # (bench/NOTES.md, thirty-third session, item 9): the order's tests and the gather tests in
       # that build, then gather_layout_rows; the index-order rows to compare with are
       # gatherblocks', so run both in one call (`device_run.sh gatherblocks roworder`).

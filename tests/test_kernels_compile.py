@@ -229,12 +229,19 @@ def test_the_row_order_build_of_the_gather_kernels_compiles(monkeypatch):
 def test_the_runs_first_build_of_the_cut_compiles(monkeypatch):
     """The TWELL_CUT_RUNS_FIRST=1 build (the cut transposed products' idle slot warps last, the
     plan writing the runs it handed out) compiles for sm_90a: the plan and the cut kernels."""
+    import subprocess
+    import sys
+
     _nvrtc_or_skip()
-    monkeypatch.setenv("TWELL_CUT_RUNS_FIRST", "1")
+    monkeypatch.setattr(_kernels, "CUT_RUNS_FIRST", True)
     assert "-DTWELL_CUT_RUNS_FIRST=1" in _kernels.compile_options()
     for name, part in (("twell_gather.cu", "_cut<"), ("twell_convert.cu", "twell_segment_plan")):
         expressions = [e for e in _kernels.INSTANTIATIONS[name] if part in e]
         assert expressions and len(_kernels._nvrtc_cubin(name, expressions, "sm_90a")[0]) > 0
-    monkeypatch.setenv("TWELL_CUT_RUNS_FIRST", "yes")
-    with pytest.raises(ValueError, match="TWELL_CUT_RUNS_FIRST: expected 0 or 1, got 'yes'"):
-        _kernels.compile_options()
+    bad = subprocess.run(
+        [sys.executable, "-c", "import twellsparse._kernels"],
+        env={**os.environ, "TWELL_CUT_RUNS_FIRST": "yes"},
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode != 0 and "TWELL_CUT_RUNS_FIRST: expected 0 or 1, got 'yes'" in bad.stderr

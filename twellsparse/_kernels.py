@@ -301,8 +301,8 @@ def compile_options() -> tuple[str, ...]:
     """NVRTC options. Six measurement switches are read from the environment when a module is
     first compiled, one at import: ``TWELL_GATHER_ROW_ORDER=1`` (:data:`GATHER_ROW_ORDER`) has the
     row-gather kernels over TwELL rows read their row from an order (``_gpu_ops.row_order``),
-    ``TWELL_CUT_RUNS_FIRST=1`` puts the cut transposed products' idle slot warps at the grid's
-    end (cuda/twell_rows.cuh),
+    ``TWELL_CUT_RUNS_FIRST=1`` (:data:`CUT_RUNS_FIRST`) puts the cut transposed products' idle
+    slot warps at the grid's end (cuda/twell_rows.cuh),
     ``TWELL_L2_HINTS=0`` turns off the gather kernels' L2 eviction hint (cuda/twell_gather.cu),
     ``TWELL_MMA_DOTS=0`` gives their dot products to the FMA pipes instead of the tensor cores,
     ``TWELL_HOPPER_PACK=0`` leaves the fused producer's epilogue out (cuda/twell_hopper_gemm.cu:
@@ -315,7 +315,7 @@ def compile_options() -> tuple[str, ...]:
         value = env_switch(name)
         switches += [f"-D{name}={int(value)}"] if value is not None else []
     switches += ["-DTWELL_GATHER_ROW_ORDER=1"] if GATHER_ROW_ORDER else []
-    switches += ["-DTWELL_CUT_RUNS_FIRST=1"] if env_switch("TWELL_CUT_RUNS_FIRST") else []
+    switches += ["-DTWELL_CUT_RUNS_FIRST=1"] if CUT_RUNS_FIRST else []
     blocks = os.environ.get("TWELL_GATHER_MIN_BLOCKS", "")
     if blocks not in ("", "0", "1", "2", "3", "4", "5", "6"):
         raise ValueError(f"TWELL_GATHER_MIN_BLOCKS: expected a block count from 0 to 6, got {blocks!r}")
@@ -336,6 +336,10 @@ def env_switch(name: str) -> bool | None:
 #: (``TWELL_GATHER_ROW_ORDER=1``, read once at import so that the build and
 #: ``_gpu_ops.row_order``, which must hand such a build an order, always agree).
 GATHER_ROW_ORDER = env_switch("TWELL_GATHER_ROW_ORDER") is True
+#: Whether the cut transposed products run their runs' warps first and the idle slot warps last
+#: (``TWELL_CUT_RUNS_FIRST=1``, read once at import: the segment plan, in twell_convert.cu, and
+#: the cut kernels, in twell_gather.cu, are compiled apart and must agree on ``run_length[1]``).
+CUT_RUNS_FIRST = env_switch("TWELL_CUT_RUNS_FIRST") is True
 
 
 @functools.cache

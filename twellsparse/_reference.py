@@ -85,6 +85,7 @@ def run_length_candidates(shortest: int) -> list[int]:
     """The run lengths the segment plan chooses from, shortest first: ``shortest`` times 1,
     1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, ... 14 (cuda/twell_rows.cuh,
     ``run_length_candidate``)."""
+    shortest = int(shortest)  # Python ints: no wrap-around before the clamp
     return [min(((4 + k % 4) * shortest << (k // 4)) // 4, 2**31 - 1) for k in range(RUN_CANDIDATES)]
 
 

@@ -20,15 +20,15 @@ pytestmark = pytest.mark.gpu
 
 DTYPES = [np.float16, ts.bfloat16, np.float32, np.float64]
 #: A TWELL_CUT_RUNS_FIRST=1 build: the plan also writes the runs it handed out (run_length[1]).
-RUNS_FIRST = "-DTWELL_CUT_RUNS_FIRST=1" in K.compile_options()
+RUNS_FIRST = K.CUT_RUNS_FIRST
 
 
-def _hot_units(rng, m, n, density, hot, dtype):
+def _hot_units(rng, m, n, density, hot, dtype, hot_rates=None):
     """m tokens x n units at `density`, except `hot` units spread over the columns that fire for
-    60-95% of the tokens (rows of A.T far longer than one run of 256 from 700 tokens on); one
-    token fires nowhere."""
+    60-95% of the tokens (rows of A.T far longer than one run of 256 from 700 tokens on), or at
+    `hot_rates`; one token fires nowhere."""
     rates = np.full(n, density)
-    rates[rng.choice(n, hot, replace=False)] = rng.uniform(0.6, 0.95, hot)
+    rates[rng.choice(n, hot, replace=False)] = rng.uniform(0.6, 0.95, hot) if hot_rates is None else hot_rates
     fires = rng.random((m, n)) < rates
     h = np.where(fires, rng.standard_normal((m, n)), 0.0).astype(dtype)
     h[m // 3] = 0
@@ -121,7 +121,9 @@ def test_cut_rows_sum_right_and_repeat_bitwise(cp, rng, dtype, m, n, k, tile_n, 
 
 def test_few_slots_lengthen_the_runs(cp, rng):
     m, n, k, tile_n = 1200, 400, 256, 128
-    h = _hot_units(rng, m, n, 0.02, 8, np.float32)
+    # ~720-1140 entries: 9 slots hold the runs of 1024 entries (the two or three rows above
+    # 1024, two runs each) and of no shorter candidate.
+    h = _hot_units(rng, m, n, 0.02, 8, np.float32, hot_rates=np.linspace(0.6, 0.95, 8))
     a = ts.twell_array(cp.asarray(h), tile_n=tile_n, capacity=4)
     g = rng.standard_normal((m, k)).astype(np.float32)
     tp = _gpu_convert.transposed_pattern(a.parts, tile_n, n, slots=9)
@@ -135,6 +137,30 @@ def test_few_slots_lengthen_the_runs(cp, rng):
         assert int(tp.segments.run_length.get()[1]) == np.count_nonzero(tp.segments.slot_row.get() >= 0)
     assert np.count_nonzero(split_base >= 0) > 0
     out = cp.empty((n, k), dtype=np.float32)
+    _gpu_ops.spmm_transposed(a.parts, tile_n, n, cp.asarray(g), out, pattern=lambda: tp)
+    expected = h.astype(np.float64).T @ g.astype(np.float64)
+    assert rel_error(out, expected) <= 2e-6
+
+
+def test_when_no_run_length_fits_a_prefix_of_the_rows_is_cut(cp, rng):
+    """8192 tokens: runs of at least 256 entries, the longest tried 3072 (12 x 256) and the last
+    candidate 3584. Hot units of 4900-7800 entries need two or three runs each even at 3584, so
+    3 slots take the first hot row's runs and leave the rest whole, and the product is still
+    right."""
+    m, n, k, tile_n = 8192, 300, 64, 256
+    h = _hot_units(rng, m, n, 0.005, 6, np.float32)
+    a = ts.twell_array(cp.asarray(h), tile_n=tile_n, capacity=8)
+    g = rng.standard_normal((m, k)).astype(np.float32)
+    tp = _gpu_convert.transposed_pattern(a.parts, tile_n, n, slots=3)
+    lengths = np.count_nonzero(h, axis=0)
+    shortest = _gpu_convert.segment_length(m)
+    want_base, want_rows, want_length = segment_plan(np.concatenate([[0], np.cumsum(lengths)]), shortest, 3)
+    assert want_length == run_length_candidates(shortest)[-1]
+    np.testing.assert_array_equal(tp.segments.split_base.get(), want_base)
+    np.testing.assert_array_equal(tp.segments.slot_row.get(), want_rows)
+    assert int(tp.segments.run_length.get()[0]) == want_length
+    assert np.count_nonzero(want_base >= 0) == 1
+    out = cp.full((n, k), np.nan, dtype=np.float32)
     _gpu_ops.spmm_transposed(a.parts, tile_n, n, cp.asarray(g), out, pattern=lambda: tp)
     expected = h.astype(np.float64).T @ g.astype(np.float64)
     assert rel_error(out, expected) <= 2e-6
