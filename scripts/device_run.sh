@@ -237,13 +237,12 @@ for step in $what; do
       done
       ;;&
     cutblocks)
-      # The cut transposed products' block size (TWELL_CUT_BLOCK_WARPS: its grid's idle slot
-      # warps cost ~5 ns a one-warp block; thirty-fifth session): 1 and 4 warps a block, with
-      # the rows whole beside them, on the uniform pattern at 0.5 / 1% and the skewed at 1 / 2%,
-      # after the cut's tests (~5 minutes; CUT_WARPS="1" for fewer). The runs-first build also
-      # adds a dependent load (run_length[1]) before each row warp's walk: read its rows with that.
-      # Then the same in a TWELL_CUT_RUNS_FIRST=1 build (the idle slot warps at the grid's end;
-      # "rf" in the log), its tests first. CUT_WARPS="1" (say) times fewer block sizes.
+      # The cut transposed products' idle slot warps (~5 ns a one-warp block; thirty-fifth
+      # session): the cut's tests in the default and the TWELL_CUT_RUNS_FIRST=1 build (idle
+      # warps at the grid's end; "rf 1" in the log), then in each build 1 and 4 warps a block
+      # (TWELL_CUT_BLOCK_WARPS; CUT_WARPS="1" times fewer), with the rows whole beside them, on
+      # the uniform pattern at 0.5 / 1% and the skewed at 1 / 2% (~5 minutes). The runs-first
+      # build adds a dependent load (run_length[1]) before each row warp's walk: read it with that.
       gpu_test_file tests/gpu/test_gpu_segments.py cutblocks 120
       TWELL_CUT_RUNS_FIRST=1 gpu_test_file tests/gpu/test_gpu_segments.py cutblocks 120
       for order in 0 1; do

@@ -60,6 +60,16 @@ GATHER_DEFAULT = {
     "csr_spmm": (8, 2),
     "csr_spmm_pair": (4, 4),
 }
+
+
+def _block_warps(name: str, default: int) -> int:
+    """Warps per block from the environment variable ``name`` (1, 2 or 4; unset: ``default``)."""
+    value = os.environ.get(name, "") or str(default)
+    if value not in ("1", "2", "4"):
+        raise ValueError(f"{name}: expected 1, 2 or 4, got {value!r}")
+    return int(value)
+
+
 #: Rows (warps, one row each) per block of the row-gather kernels. A block's registers and warp
 #: slots are freed only when its last warp ends, so a block of rows of unequal length holds its
 #: shorter rows' slots idle until its longest ends: at 0.5% on the standard problem a row of the
@@ -69,20 +79,14 @@ GATHER_DEFAULT = {
 #: blocks in between (H200, bench/NOTES.md, thirty-fifth session). ``TWELL_GATHER_BLOCK_WARPS``
 #: (1, 2 or 4, read at import) sets it for measurements (``bash scripts/device_run.sh
 #: gatherblocks``).
-_GATHER_WARPS_SETTING = os.environ.get("TWELL_GATHER_BLOCK_WARPS", "") or "1"
-if _GATHER_WARPS_SETTING not in ("1", "2", "4"):
-    raise ValueError(f"TWELL_GATHER_BLOCK_WARPS: expected 1, 2 or 4, got {_GATHER_WARPS_SETTING!r}")
-GATHER_WARPS = int(_GATHER_WARPS_SETTING)
+GATHER_WARPS = _block_warps("TWELL_GATHER_BLOCK_WARPS", 1)
 #: Warps per block of the transposed products when they cut long rows into runs
 #: (``twell_gather_csr_spmm_cut``): its grid starts with one warp per slot, most of them idle
 #: on patterns without long rows, and idle one-warp blocks cost the scheduler ~5 ns each (the
 #: uniform pattern's three products were 3-6% slower with the cut on, H100, thirty-fifth
 #: session). ``TWELL_CUT_BLOCK_WARPS`` (1, 2 or 4, read at import; default GATHER_WARPS) is
 #: there to measure fewer, larger blocks.
-_CUT_WARPS_SETTING = os.environ.get("TWELL_CUT_BLOCK_WARPS", "") or _GATHER_WARPS_SETTING
-if _CUT_WARPS_SETTING not in ("1", "2", "4"):
-    raise ValueError(f"TWELL_CUT_BLOCK_WARPS: expected 1, 2 or 4, got {_CUT_WARPS_SETTING!r}")
-CUT_BLOCK_WARPS = int(_CUT_WARPS_SETTING)
+CUT_BLOCK_WARPS = _block_warps("TWELL_CUT_BLOCK_WARPS", GATHER_WARPS)
 
 
 def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = False) -> str:
