@@ -2,10 +2,12 @@
 idle gaps between them (torch.profiler's CUDA activity, which records CuPy's launches too).
 
     python bench/plan_trace.py [--m 16384] [--density 0.005] [--pattern uniform] [--calls 3]
+                               [--stages "bwd 3 transposed products;bwd 3 transposed products, rows whole"]
 
-Prints, for the gated and the non-gated plan (``dispatch="sparse"``, exact spill), each kernel of
-the last of ``--calls`` back-to-back calls: start offset, duration and the gap before it (us),
-then the call's span, kernel time and gap total. A gap is time the GPU waits for the host (a
+Prints, for the gated and the non-gated plan (``dispatch="sparse"``, exact spill), or for the
+stages of ``bench/stage_times.py`` named by ``--stages`` (whole names, separated by semicolons),
+each kernel of the last of ``--calls`` back-to-back calls: start offset, duration and the gap
+before it (us), then the call's span, kernel time and gap total. A gap is time the GPU waits for the host (a
 read-back, a launch the host had not issued yet); the stages' sum is what fusing launches saves.
 """
 
@@ -65,7 +67,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--density", type=float, default=0.005)
     ap.add_argument("--pattern", default="uniform")
     ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--stages", default="", help="stage_times stage names (separated by ;) to trace instead")
     args = ap.parse_args(argv)
+    shape = f"m {args.m}, d_model {args.d_model}, d_ff {args.d_ff}, {args.pattern} {args.density:.3%}"
+    if args.stages:
+        from stage_times import stages  # bench/ is the script's first path entry
+
+        calls = stages(args.density, args.m, args.pattern, args.d_model, args.d_ff)[1]
+        for name in args.stages.split(";"):
+            report(f"{name} ({shape})", trace(calls[name], args.calls))
+        return 0
 
     import cupy as cp
 
@@ -76,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     x, wg, wu, wd = p["x"], p["w_gate"], p["w_up"], p["w_down"]
     gated = ts.GatedFFN(wg, wu, wd, dispatch="sparse")
     plain = ts.FFN(wg, wd, dispatch="sparse")
-    shape = f"m {args.m}, d_model {args.d_model}, d_ff {args.d_ff}, {args.pattern} {args.density:.3%}"
     report(f"gated plan ({shape}): start, duration, gap before (us)", trace(lambda: gated(x), args.calls))
     report(f"non-gated plan ({shape})", trace(lambda: plain(x), args.calls))
     return 0

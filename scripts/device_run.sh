@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|gatherblocks|gatherblocksmodel|skewedtrain|segments|cutblocks|segmentsuite|roworder|hostgap|producerncu|producerclocks|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|gatherblocks|gatherblocksmodel|skewedtrain|segments|cutblocks|cuttrace|segmentsuite|roworder|hostgap|producerncu|producerclocks|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"  # install, TWELL_COMMIT, PYTHONPATH, $OUT
 what=${*:-all}
@@ -255,6 +255,16 @@ for step in $what; do
             status=$((status | ${PIPESTATUS[0]}))
           done
         done
+      done
+      ;;&
+    cuttrace)
+      # Where the cut's uniform-pattern cost goes (thirty-sixth session: neither the runs-first
+      # order nor 4-warp blocks removed the 3-6%): each kernel of the three transposed products,
+      # cut and rows whole, uniform and skewed at 1% (bench/plan_trace.py --stages).
+      for pattern in uniform skewed; do
+        timeout 120 python3 bench/plan_trace.py --pattern $pattern --density 0.01 \
+          --stages "bwd 3 transposed products;bwd 3 transposed products, rows whole" 2>&1 | tee -a "$OUT/cuttrace.log"
+        status=$((status | ${PIPESTATUS[0]}))
       done
       ;;&
     segmentsuite)
