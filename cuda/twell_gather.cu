@@ -61,6 +61,15 @@ struct alignas(16) Raw16 {
 #endif
 #define ROW_SUM_BOUNDS(T, DUAL) __launch_bounds__(128, ROW_SUM_MIN_BLOCKS(T, DUAL))
 
+// The cut transposed products' bounds. TWELL_CUT_MAX_REGS=N (a measurement switch) caps the
+// 2-byte single-output kernel at N registers instead (ptxas gives it 168 under ROW_SUM_BOUNDS,
+// against the plain kernel's 150: 12 warps an SM instead of 13).
+#ifdef TWELL_CUT_MAX_REGS
+#define CUT_BOUNDS(T, PAIR) __maxnreg__(sizeof(T) == 2 && !(PAIR) ? TWELL_CUT_MAX_REGS : 255)
+#else
+#define CUT_BOUNDS(T, PAIR) ROW_SUM_BOUNDS(T, false)
+#endif
+
 __device__ __forceinline__ unsigned long long evict_first_policy() {
   unsigned long long policy;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
@@ -1018,7 +1027,7 @@ __global__ void ROW_SUM_BOUNDS(T, false) twell_gather_csr_spmm(
 // cost ~5 ns each before any work begins (the uniform pattern's products, where nothing is
 // cut, were 3-6% slower with the cut on), while at its end they retire as the last rows run.
 template <typename T, int KV, int U, bool PAIR = false>
-__global__ void ROW_SUM_BOUNDS(T, false) twell_gather_csr_spmm_cut(
+__global__ void CUT_BOUNDS(T, PAIR) twell_gather_csr_spmm_cut(
     const int* __restrict__ indptr, const int* __restrict__ cols, const int* __restrict__ sources,
     const T* __restrict__ data, long long n_slots, const T* __restrict__ spill_vals,
     const T* __restrict__ data2, const T* __restrict__ spill_vals2, int M, const T* __restrict__ b,

@@ -45,6 +45,12 @@ def test_measurement_switches_reach_the_compiler_and_are_validated(monkeypatch):
     monkeypatch.setenv("TWELL_GATHER_MIN_BLOCKS", "many")
     with pytest.raises(ValueError, match="TWELL_GATHER_MIN_BLOCKS: expected a block count from 0 to 6, got 'many'"):
         _kernels.compile_options()
+    monkeypatch.setenv("TWELL_GATHER_MIN_BLOCKS", "")
+    monkeypatch.setenv("TWELL_CUT_MAX_REGS", "152")
+    assert "-DTWELL_CUT_MAX_REGS=152" in _kernels.compile_options()
+    monkeypatch.setenv("TWELL_CUT_MAX_REGS", "40")
+    with pytest.raises(ValueError, match="TWELL_CUT_MAX_REGS: expected a register count from 64 to 255, got '40'"):
+        _kernels.compile_options()
 
 
 def _compiles_with(source_name: str, checks: str, failure: str) -> None:

@@ -302,7 +302,7 @@ def source_hash() -> str:
 
 
 def compile_options() -> tuple[str, ...]:
-    """NVRTC options. Six measurement switches are read from the environment when a module is
+    """NVRTC options. Seven measurement switches are read from the environment when a module is
     first compiled, one at import: ``TWELL_GATHER_ROW_ORDER=1`` (:data:`GATHER_ROW_ORDER`) has the
     row-gather kernels over TwELL rows read their row from an order (``_gpu_ops.row_order``),
     ``TWELL_CUT_RUNS_FIRST=1`` (:data:`CUT_RUNS_FIRST`) puts the cut transposed products' idle
@@ -313,7 +313,8 @@ def compile_options() -> tuple[str, ...]:
     wrong results, the GEMM's time alone), and ``TWELL_GATHER_MIN_BLOCKS=N`` replaces the launch
     bounds of the 2-byte SpMM and transposed-product kernels (by default a minimum of 1 block per
     SM for the single-output ones, none for dX's dual pass): N blocks per SM for all of them, 0
-    for no minimum."""
+    for no minimum; ``TWELL_CUT_MAX_REGS=N`` caps the 2-byte single-output cut transposed product
+    at N registers (cuda/twell_gather.cu, ``CUT_BOUNDS``)."""
     switches = []
     for name in ("TWELL_L2_HINTS", "TWELL_MMA_DOTS", "TWELL_HOPPER_PACK"):
         value = env_switch(name)
@@ -324,6 +325,10 @@ def compile_options() -> tuple[str, ...]:
     if blocks not in ("", "0", "1", "2", "3", "4", "5", "6"):
         raise ValueError(f"TWELL_GATHER_MIN_BLOCKS: expected a block count from 0 to 6, got {blocks!r}")
     switches += [f"-DTWELL_GATHER_MIN_BLOCKS={blocks}"] if blocks else []
+    regs = os.environ.get("TWELL_CUT_MAX_REGS", "")
+    if regs and not (regs.isdigit() and 64 <= int(regs) <= 255):
+        raise ValueError(f"TWELL_CUT_MAX_REGS: expected a register count from 64 to 255, got {regs!r}")
+    switches += [f"-DTWELL_CUT_MAX_REGS={regs}"] if regs else []
     return ("-std=c++17", f"-DTWELL_SOURCES_SHA=0x{source_hash()}", *switches)
 
 
