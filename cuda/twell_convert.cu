@@ -445,9 +445,8 @@ __global__ void __launch_bounds__(256) twell_transpose_place(
 // is one warp's work, and the kernel waits for it alone. The run length L is the shortest of the
 // candidates run_length_candidate(shortest, k) whose runs fit in the `slots` partial rows (more
 // entries a warp beats rows left whole: at 2% on the skewed pattern 512-entry runs need ~3000
-// slots, 768-entry ones ~1550); it goes to run_length[0], which the products read (and in a
-// TWELL_CUT_RUNS_FIRST build the runs handed out, a prefix of the slots, to run_length[1]). When not
-// even the longest candidate fits, the runs take the slots in row order while they fit and the
+// slots, 768-entry ones ~1550); it goes to *run_length, which the products read. When not even
+// the longest candidate fits, the runs take the slots in row order while they fit and the
 // rows after the first that does not stay whole. One block of SCAN_THREADS threads, each a
 // contiguous stretch of rows: split_base[r] is row r's first slot or -1, slot_row[p] the row of
 // slot p or -1. Deterministic: the same plan, and so the same sums, for the same structure.
@@ -478,23 +477,13 @@ __global__ void __launch_bounds__(SCAN_THREADS) twell_segment_plan(const int* __
   for (int r = begin; r < end; ++r) mine += segments_of(indptr[r + 1] - indptr[r], segment);
   long long total;
   long long base = block_inclusive_sum(mine, total) - mine;  // its __syncthreads order the -1s first
-#if TWELL_CUT_RUNS_FIRST
-  long long used = 0;  // the end of this thread's last cut row's runs
-#endif
   for (int r = begin; r < end; ++r) {
     const int need = segments_of(indptr[r + 1] - indptr[r], segment);
     const bool cut = need > 0 && base + need <= slots;
     split_base[r] = cut ? (int)base : -1;
     for (int s = 0; cut && s < need; ++s) slot_row[base + s] = r;
     base += need;
-#if TWELL_CUT_RUNS_FIRST
-    if (cut) used = base;
-#endif
   }
-#if TWELL_CUT_RUNS_FIRST
-  used = block_reduce(used, MaxOp());
-  if (threadIdx.x == 0) run_length[1] = (int)used;
-#endif
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -14,14 +14,6 @@ __device__ __forceinline__ int row_entries(const int* __restrict__ counts, const
   return (int)__reduce_add_sync(0xffffffffu, (unsigned)n) + spill_indptr[row + 1] - spill_indptr[row];
 }
 
-// Whether the cut transposed products put the runs' warps first, the rows' next and the idle
-// slots' last (TWELL_CUT_RUNS_FIRST=1, set by twellsparse._kernels.compile_options; 0 unless
-// set, and then the plan and the kernel are the ones measured without it: the slots' warps,
-// used or idle, first).
-#ifndef TWELL_CUT_RUNS_FIRST
-#define TWELL_CUT_RUNS_FIRST 0
-#endif
-
 // The runs of `segment` entries a row of `length` entries is cut into when it is longer than one
 // run (twell_segment_plan), else 0: the row stays whole.
 __device__ __forceinline__ int segments_of(int length, int segment) {

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|gatherblocks|gatherblocksmodel|skewedtrain|segments|cutblocks|cuttrace|segmentsuite|roworder|hostgap|producerncu|producerclocks|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|gatherblocks|gatherblocksmodel|skewedtrain|segments|cuttrace|roworder|hostgap|producerncu|producerclocks|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"  # install, TWELL_COMMIT, PYTHONPATH, $OUT
 what=${*:-all}
@@ -236,30 +236,9 @@ for step in $what; do
         done
       done
       ;;&
-    cutblocks)
-      # The cut transposed products' idle slot warps (~5 ns a one-warp block; thirty-fifth
-      # session): the cut's tests in the default and the TWELL_CUT_RUNS_FIRST=1 build (idle
-      # warps at the grid's end; "rf 1" in the log), then in each build 1 and 4 warps a block
-      # (TWELL_CUT_BLOCK_WARPS; CUT_WARPS="1" times fewer), with the rows whole beside them, on
-      # the uniform pattern at 0.5 / 1% and the skewed at 1 / 2% (~5 minutes). The runs-first
-      # build adds a dependent load (run_length[1]) before each row warp's walk: read it with that.
-      gpu_test_file tests/gpu/test_gpu_segments.py cutblocks 120
-      TWELL_CUT_RUNS_FIRST=1 gpu_test_file tests/gpu/test_gpu_segments.py cutblocks 120
-      for order in 0 1; do
-        for w in ${CUT_WARPS:-1 4}; do
-          for case in "uniform 0.005" "uniform 0.01" "skewed 0.01" "skewed 0.02"; do
-            set -- $case
-            TWELL_CUT_RUNS_FIRST=$order TWELL_CUT_BLOCK_WARPS=$w timeout 100 python3 bench/stage_times.py \
-              --pattern "$1" --density "$2" --only "bwd 3 transposed products" --out "$OUT/stages.jsonl" 2>&1 \
-              | grep -v "columns whole\|tiled" | sed "s/^/rf $order, $w warps, $1 $2: /" | tee -a "$OUT/cutblocks.log"
-            status=$((status | ${PIPESTATUS[0]}))
-          done
-        done
-      done
-      ;;&
     cuttrace)
-      # Where the cut's uniform-pattern cost goes (thirty-sixth session: neither the runs-first
-      # order nor 4-warp blocks removed the 3-6%): each kernel of the three transposed products,
+      # Where the cut's uniform-pattern cost goes (thirty-sixth session: neither the runs' warps
+      # first nor 4-warp blocks removed the 3-6%): each kernel of the three transposed products,
       # cut and rows whole, uniform and skewed at 1% (bench/plan_trace.py --stages).
       # Then the cut's single product capped at 152 registers (TWELL_CUT_MAX_REGS: 13 warps an SM
       # as the plain kernel's, with 60 bytes of spills) on the uniform pattern, its tests first.
@@ -279,14 +258,6 @@ for step in $what; do
             | sed "s/^/max regs ${regs:-none}: /" | tee -a "$OUT/cuttrace.log"
           status=$((status | ${PIPESTATUS[0]}))
         done
-      done
-      ;;&
-    segmentsuite)
-      # The gather, torch and JAX tests in the TWELL_CUT_RUNS_FIRST=1 build (the cut, on by
-      # default, with its idle slot warps last): what making that order the default would
-      # need. Each file takes minutes: SEGMENT_TEST_FILES="torch" (say) runs fewer in one call.
-      for file in ${SEGMENT_TEST_FILES:-gather torch jax}; do
-        TWELL_CUT_RUNS_FIRST=1 gpu_test_file "tests/gpu/test_gpu_$file.py" segments 300
       done
       ;;&
     roworder)

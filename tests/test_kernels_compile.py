@@ -199,15 +199,13 @@ def test_gather_blocks_follow_the_rows_per_block_setting(monkeypatch):
         monkeypatch.setattr(_kernels, "GATHER_WARPS", warps)
         assert _gpu_ops._gather_grid(1001) == ((-(-1001 // warps),), (32 * warps,))
         assert _gpu_ops._x_stage_bytes(2048) == warps * 2048 * 2
-    assert _gpu_ops._gather_grid(1001, 4) == ((251,), (128,))  # the cut transposed products' blocks
-    for switch, value in (("TWELL_GATHER_BLOCK_WARPS", "3"), ("TWELL_CUT_BLOCK_WARPS", "8")):
-        bad = subprocess.run(
-            [sys.executable, "-c", "import twellsparse._kernels"],
-            env={**os.environ, switch: value},
-            capture_output=True,
-            text=True,
-        )
-        assert bad.returncode != 0 and f"{switch}: expected 1, 2 or 4, got '{value}'" in bad.stderr
+    bad = subprocess.run(
+        [sys.executable, "-c", "import twellsparse._kernels"],
+        env={**os.environ, "TWELL_GATHER_BLOCK_WARPS": "3"},
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode != 0 and "TWELL_GATHER_BLOCK_WARPS: expected 1, 2 or 4, got '3'" in bad.stderr
 
 
 def test_transposed_products_split_no_further_than_their_column_passes():
@@ -232,22 +230,11 @@ def test_the_row_order_build_of_the_gather_kernels_compiles(monkeypatch):
     assert len(cubin) > 0
 
 
-def test_the_runs_first_build_of_the_cut_compiles(monkeypatch):
-    """The TWELL_CUT_RUNS_FIRST=1 build (the cut transposed products' idle slot warps last, the
-    plan writing the runs it handed out) compiles for sm_90a: the plan and the cut kernels."""
-    import subprocess
-    import sys
-
+def test_the_register_capped_build_of_the_cut_compiles(monkeypatch):
+    """The TWELL_CUT_MAX_REGS build (the cut single transposed product capped at N registers) is a
+    measurement build of the same instantiations: it compiles for sm_90a too."""
     _nvrtc_or_skip()
-    monkeypatch.setattr(_kernels, "CUT_RUNS_FIRST", True)
-    assert "-DTWELL_CUT_RUNS_FIRST=1" in _kernels.compile_options()
-    for name, part in (("twell_gather.cu", "_cut<"), ("twell_convert.cu", "twell_segment_plan")):
-        expressions = [e for e in _kernels.INSTANTIATIONS[name] if part in e]
-        assert expressions and len(_kernels._nvrtc_cubin(name, expressions, "sm_90a")[0]) > 0
-    bad = subprocess.run(
-        [sys.executable, "-c", "import twellsparse._kernels"],
-        env={**os.environ, "TWELL_CUT_RUNS_FIRST": "yes"},
-        capture_output=True,
-        text=True,
-    )
-    assert bad.returncode != 0 and "TWELL_CUT_RUNS_FIRST: expected 0 or 1, got 'yes'" in bad.stderr
+    monkeypatch.setenv("TWELL_CUT_MAX_REGS", "152")
+    name = "twell_gather.cu"
+    expressions = [e for e in _kernels.INSTANTIATIONS[name] if "_cut<" in e]
+    assert expressions and len(_kernels._nvrtc_cubin(name, expressions, "sm_90a")[0]) > 0

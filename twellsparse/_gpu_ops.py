@@ -70,10 +70,9 @@ def _variant(variant: tuple[int, int] | None, kind: str) -> tuple[int, int]:
     return kv, u
 
 
-def _gather_grid(m: int, warps: int | None = None) -> tuple[tuple[int], tuple[int]]:
-    """Grid and block of a row-gather kernel over ``m`` warps, ``warps`` a block (default
-    ``_kernels.GATHER_WARPS``)."""
-    warps = warps or K.GATHER_WARPS
+def _gather_grid(m: int) -> tuple[tuple[int], tuple[int]]:
+    """Grid and block of a row-gather kernel over ``m`` warps, ``_kernels.GATHER_WARPS`` a block."""
+    warps = K.GATHER_WARPS
     return (-(-m // warps),), (32 * warps,)
 
 
@@ -324,7 +323,7 @@ def spmm_transposed(
         kv, u = K.GATHER_DEFAULT[kind]
         expr = K.gather_expression(kind if tp.segments is None else f"{kind}_cut", g.dtype, kv, u)
         runs, slots = _segment_arguments(tp.segments, len(outs), k, g.dtype)
-        (blocks,), threads = _gather_grid(slots + n_cols, K.CUT_BLOCK_WARPS if slots else None)
+        (blocks,), threads = _gather_grid(slots + n_cols)
         grid = (blocks, column_warps(split, k, kv, g.itemsize))
         K.launch_grid(expr, grid, threads, (*args, out, out2, np.int64(ldo_out), *runs))
         return out

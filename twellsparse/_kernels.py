@@ -80,13 +80,6 @@ def _block_warps(name: str, default: int) -> int:
 #: (1, 2 or 4, read at import) sets it for measurements (``bash scripts/device_run.sh
 #: gatherblocks``).
 GATHER_WARPS = _block_warps("TWELL_GATHER_BLOCK_WARPS", 1)
-#: Warps per block of the transposed products when they cut long rows into runs
-#: (``twell_gather_csr_spmm_cut``): its grid starts with one warp per slot, most of them idle
-#: on patterns without long rows, and idle one-warp blocks cost the scheduler ~5 ns each (the
-#: uniform pattern's three products were 3-6% slower with the cut on, H100, thirty-fifth
-#: session). ``TWELL_CUT_BLOCK_WARPS`` (1, 2 or 4, read at import; default GATHER_WARPS) is
-#: there to measure fewer, larger blocks.
-CUT_BLOCK_WARPS = _block_warps("TWELL_CUT_BLOCK_WARPS", GATHER_WARPS)
 
 
 def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = False) -> str:
@@ -302,11 +295,9 @@ def source_hash() -> str:
 
 
 def compile_options() -> tuple[str, ...]:
-    """NVRTC options. Seven measurement switches are read from the environment when a module is
+    """NVRTC options. Six measurement switches are read from the environment when a module is
     first compiled, one at import: ``TWELL_GATHER_ROW_ORDER=1`` (:data:`GATHER_ROW_ORDER`) has the
     row-gather kernels over TwELL rows read their row from an order (``_gpu_ops.row_order``),
-    ``TWELL_CUT_RUNS_FIRST=1`` (:data:`CUT_RUNS_FIRST`) puts the cut transposed products' idle
-    slot warps at the grid's end (cuda/twell_rows.cuh),
     ``TWELL_L2_HINTS=0`` turns off the gather kernels' L2 eviction hint (cuda/twell_gather.cu),
     ``TWELL_MMA_DOTS=0`` gives their dot products to the FMA pipes instead of the tensor cores,
     ``TWELL_HOPPER_PACK=0`` leaves the fused producer's epilogue out (cuda/twell_hopper_gemm.cu:
@@ -320,7 +311,6 @@ def compile_options() -> tuple[str, ...]:
         value = env_switch(name)
         switches += [f"-D{name}={int(value)}"] if value is not None else []
     switches += ["-DTWELL_GATHER_ROW_ORDER=1"] if GATHER_ROW_ORDER else []
-    switches += ["-DTWELL_CUT_RUNS_FIRST=1"] if CUT_RUNS_FIRST else []
     blocks = os.environ.get("TWELL_GATHER_MIN_BLOCKS", "")
     if blocks not in ("", "0", "1", "2", "3", "4", "5", "6"):
         raise ValueError(f"TWELL_GATHER_MIN_BLOCKS: expected a block count from 0 to 6, got {blocks!r}")
@@ -345,10 +335,6 @@ def env_switch(name: str) -> bool | None:
 #: (``TWELL_GATHER_ROW_ORDER=1``, read once at import so that the build and
 #: ``_gpu_ops.row_order``, which must hand such a build an order, always agree).
 GATHER_ROW_ORDER = env_switch("TWELL_GATHER_ROW_ORDER") is True
-#: Whether the cut transposed products run their runs' warps first and the idle slot warps last
-#: (``TWELL_CUT_RUNS_FIRST=1``, read once at import: the segment plan, in twell_convert.cu, and
-#: the cut kernels, in twell_gather.cu, are compiled apart and must agree on ``run_length[1]``).
-CUT_RUNS_FIRST = env_switch("TWELL_CUT_RUNS_FIRST") is True
 
 
 @functools.cache

@@ -57,14 +57,13 @@ def test_plan_matches_the_oracle(cp, rng, n_rows, shortest, longest, slots, choi
     indptr = _indptr(lengths)
     split_base = cp.full(n_rows, -7, dtype=cp.int32)
     slot_row = cp.full(slots, -7, dtype=cp.int32)
-    run_length = cp.full(2, -7, dtype=cp.int32)
+    run_length = cp.full(1, -7, dtype=cp.int32)
     args = (cp.asarray(indptr), np.int32(n_rows), np.int32(shortest), np.int32(slots), split_base, slot_row, run_length)
     K.launch_grid("twell_segment_plan", (1,), (K.SCAN_THREADS,), args)
     want_base, want_rows, want_length = segment_plan(indptr, shortest, slots)
     np.testing.assert_array_equal(split_base.get(), want_base)
     np.testing.assert_array_equal(slot_row.get(), want_rows)
     assert int(run_length.get()[0]) == want_length
-    assert int(run_length.get()[1]) == (np.count_nonzero(want_rows >= 0) if K.CUT_RUNS_FIRST else -7)
     candidates = run_length_candidates(shortest)
     fits = np.count_nonzero(want_rows >= 0) == sum(-(-n // want_length) for n in lengths if n > want_length)
     assert {"shortest": want_length == shortest, "longer": shortest < want_length and fits}.get(
@@ -136,8 +135,6 @@ def test_few_slots_lengthen_the_runs(cp, rng):
     want_base, _, want_length = segment_plan(_indptr(lengths), shortest, 9)
     np.testing.assert_array_equal(split_base, want_base)
     assert int(tp.segments.run_length.get()[0]) == want_length > shortest
-    if K.CUT_RUNS_FIRST:
-        assert int(tp.segments.run_length.get()[1]) == np.count_nonzero(tp.segments.slot_row.get() >= 0)
     assert np.count_nonzero(split_base >= 0) > 0
     out = cp.empty((n, k), dtype=np.float32)
     _gpu_ops.spmm_transposed(a.parts, tile_n, n, cp.asarray(g), out, pattern=lambda: tp)
@@ -178,7 +175,6 @@ def test_a_plan_without_long_rows_changes_nothing(cp, rng):
     gd = cp.asarray(rng.standard_normal((m, k)).astype(ts.bfloat16))
     tp = _gpu_convert.transposed_pattern(a.parts, tile_n, n, slots=512)
     assert np.all(tp.segments.split_base.get() == -1) and np.all(tp.segments.slot_row.get() == -1)
-    assert not K.CUT_RUNS_FIRST or int(tp.segments.run_length.get()[1]) == 0
     plain = _gpu_convert.transposed_pattern(a.parts, tile_n, n, slots=0)
     outs = [cp.empty((n, k), dtype=ts.bfloat16) for _ in range(2)]
     for out, pattern in zip(outs, (tp, plain), strict=True):
