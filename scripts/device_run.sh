@@ -239,23 +239,26 @@ for step in $what; do
     cuttrace)
       # Where the cut's uniform-pattern cost goes (thirty-sixth session: neither the runs' warps
       # first nor 4-warp blocks removed the 3-6%): each kernel of the three transposed products,
-      # cut and rows whole, uniform and skewed at 1% (bench/plan_trace.py --stages).
+      # cut and rows whole, uniform and skewed at 1% (bench/plan_trace.py --stages), after the
+      # cut's tests.
       # Then the cut's single product capped at 152 registers (TWELL_CUT_MAX_REGS: 13 warps an SM
       # as the plain kernel's, with 60 bytes of spills) on the uniform pattern, its tests first.
+      gpu_test_file tests/gpu/test_gpu_segments.py cuttrace 120
       for pattern in uniform skewed; do
         timeout 120 python3 bench/plan_trace.py --pattern $pattern --density 0.01 \
           --stages "bwd 3 transposed products;bwd 3 transposed products, rows whole" 2>&1 | tee -a "$OUT/cuttrace.log"
         status=$((status | ${PIPESTATUS[0]}))
       done
       TWELL_CUT_MAX_REGS=152 gpu_test_file tests/gpu/test_gpu_segments.py cuttrace 120
-      for d in 0.005 0.01; do
-        TWELL_CUT_MAX_REGS=152 timeout 120 python3 bench/plan_trace.py --pattern uniform --density $d \
-          --stages "bwd 3 transposed products" 2>&1 | sed "s/^/152 regs: /" | tee -a "$OUT/cuttrace.log"
-        status=$((status | ${PIPESTATUS[0]}))
+      TWELL_CUT_MAX_REGS=152 timeout 120 python3 bench/plan_trace.py --pattern uniform --density 0.01 \
+        --stages "bwd 3 transposed products" 2>&1 | sed "s/^/152 regs: /" | tee -a "$OUT/cuttrace.log"
+      status=$((status | ${PIPESTATUS[0]}))
+      for case in "uniform 0.005" "uniform 0.01" "skewed 0.01"; do
+        set -- $case
         for regs in "" 152; do
-          TWELL_CUT_MAX_REGS=$regs timeout 100 python3 bench/stage_times.py --pattern uniform --density $d \
+          TWELL_CUT_MAX_REGS=$regs timeout 100 python3 bench/stage_times.py --pattern "$1" --density "$2" \
             --only "bwd 3 transposed products" --out "$OUT/stages.jsonl" 2>&1 | grep -v "columns whole\|tiled" \
-            | sed "s/^/max regs ${regs:-none}: /" | tee -a "$OUT/cuttrace.log"
+            | sed "s/^/max regs ${regs:-none}, $1 $2: /" | tee -a "$OUT/cuttrace.log"
           status=$((status | ${PIPESTATUS[0]}))
         done
       done
