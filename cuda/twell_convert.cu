@@ -447,23 +447,19 @@ __global__ void __launch_bounds__(256) twell_transpose_place(
 // entries a warp beats rows left whole: at 2% on the skewed pattern 512-entry runs need ~3000
 // slots, 768-entry ones ~1550); it goes to *run_length, which the products read. When not even
 // the longest candidate fits, the runs take the slots in row order while they fit and the
-// rows after the first that does not stay whole. One block of SCAN_THREADS threads: the
-// candidates' totals over rows strided by thread (coalesced loads: a contiguous stretch per
-// thread made each warp's load touch 32 sectors), then the chosen length's slots by a scan over
-// a contiguous stretch of rows per thread (in L1 by then): split_base[r] is row r's first slot
-// or -1, slot_row[p] the row of slot p or -1. It also zeroes the `slots` tickets the products
-// draw (each product's last warp of a row sets its ticket back to 0, so the plan's tickets serve
-// every product on it, one after another on a stream). Deterministic: the same plan, and so the
-// same sums, for the same structure.
+// rows after the first that does not stay whole. One block of SCAN_THREADS threads, each a
+// contiguous stretch of rows: split_base[r] is row r's first slot or -1, slot_row[p] the row of
+// slot p or -1. Deterministic: the same plan, and so the same sums, for the same structure.
 __global__ void __launch_bounds__(SCAN_THREADS) twell_segment_plan(const int* __restrict__ indptr, int n_rows,
                                                                      int shortest, int slots,
                                                                      int* __restrict__ split_base,
                                                                      int* __restrict__ slot_row,
-                                                                     int* __restrict__ run_length,
-                                                                     unsigned* __restrict__ tickets) {
-  for (int p = threadIdx.x; p < slots; p += SCAN_THREADS) slot_row[p] = -1, tickets[p] = 0u;
+                                                                     int* __restrict__ run_length) {
+  for (int p = threadIdx.x; p < slots; p += SCAN_THREADS) slot_row[p] = -1;
+  const int per = (n_rows + SCAN_THREADS - 1) / SCAN_THREADS;
+  const int begin = min(n_rows, (int)threadIdx.x * per), end = min(n_rows, begin + per);
   long long runs[RUN_CANDIDATES] = {};
-  for (int r = threadIdx.x; r < n_rows; r += SCAN_THREADS) {
+  for (int r = begin; r < end; ++r) {
     const int length = indptr[r + 1] - indptr[r];
 #pragma unroll
     for (int k = 0; k < RUN_CANDIDATES; ++k) runs[k] += segments_of(length, run_length_candidate(shortest, k));
@@ -477,8 +473,6 @@ __global__ void __launch_bounds__(SCAN_THREADS) twell_segment_plan(const int* __
     }
   }
   if (threadIdx.x == 0) *run_length = segment;
-  const int per = (n_rows + SCAN_THREADS - 1) / SCAN_THREADS;
-  const int begin = min(n_rows, (int)threadIdx.x * per), end = min(n_rows, begin + per);
   long long mine = 0;
   for (int r = begin; r < end; ++r) mine += segments_of(indptr[r + 1] - indptr[r], segment);
   long long total;

@@ -1017,9 +1017,8 @@ __global__ void ROW_SUM_BOUNDS(T, false) twell_gather_csr_spmm(
 // (per column share) sum the runs of the cut rows (run_length[0] entries each, as the plan
 // chose), slot p's run into partial row p (partial:
 // `slots` rows of K columns, then as many for the second matrix), and the warp that hands in a
-// cut row's last run (a ticket per row at its first slot, zeroed by the plan) sets the ticket
-// back to 0 for the next product on the plan and adds up the row's partial rows in run order
-// and writes it; the warps after them are the rows', those of
+// cut row's last run (a ticket per row at its first slot, zeroed by the caller) adds up the
+// row's partial rows in run order and writes it; the warps after them are the rows', those of
 // cut rows exiting at once. A cut row's sums are then associated by runs, the same way in every
 // call; the other rows' are the plain kernel's. A kernel of its own, so that the plain kernel's
 // code and registers stay as they were. The slots' warps, idle ones included, come first: with
@@ -1082,7 +1081,6 @@ __global__ void CUT_BOUNDS(T, PAIR) twell_gather_csr_spmm_cut(
   if (lane == 0) ticket = atomicAdd(tickets + first, 1u);
   ticket = __shfl_sync(kFull, ticket, 0);
   if (ticket != (unsigned)runs * gridDim.y - 1u) return;
-  if (lane == 0) tickets[first] = 0u;  // every run of the row has drawn: none reads it again
   __threadfence();
   add_runs<T>(partial, first, runs, K, out + row * ldo, lane);
   if constexpr (PAIR) add_runs<T>(partial + (long long)slots * K, first, runs, K, out2 + row * ldo, lane);

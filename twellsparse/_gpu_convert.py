@@ -469,16 +469,13 @@ class SegmentPlan(NamedTuple):
     """Where the transposed products cut the long rows of ``A.T`` (``twell_segment_plan`` in
     cuda/twell_convert.cu; :func:`twellsparse._reference.segment_plan` is its oracle): each
     row's first slot or -1 (``split_base``, int32), each slot's row or -1 (``slot_row``, int32),
-    the slot count, on the device the run length in entries the plan chose (``run_length``,
-    one int32), and the products' tickets (uint32, one a slot), zeroed by the plan and left
-    zero by each product, so products on one plan run one after another on a stream, not
-    concurrently. Built on the device from the row pointers, no read-back."""
+    the slot count, and on the device the run length in entries the plan chose (``run_length``,
+    one int32). Built on the device from the row pointers, no read-back."""
 
     split_base: Any
     slot_row: Any
     slots: int
     run_length: Any
-    tickets: Any
 
 
 class TransposedPattern(NamedTuple):
@@ -547,9 +544,8 @@ def transposed_pattern(parts: TwELLParts, tile_n: int, n_cols: int, slots: int |
         split_base = cp.empty(n_cols, dtype=cp.int32)
         slot_row = cp.empty(slots, dtype=cp.int32)
         run_length = cp.empty(1, dtype=cp.int32)
-        tickets = cp.empty(slots, dtype=cp.uint32)
         shortest = np.int32(segment_length(m))
-        plan_args = (indptr, np.int32(n_cols), shortest, np.int32(slots), split_base, slot_row, run_length, tickets)
+        plan_args = (indptr, np.int32(n_cols), shortest, np.int32(slots), split_base, slot_row, run_length)
         K.launch_grid("twell_segment_plan", (1,), (K.SCAN_THREADS,), plan_args)
-        segments = SegmentPlan(split_base, slot_row, slots, run_length, tickets)
+        segments = SegmentPlan(split_base, slot_row, slots, run_length)
     return TransposedPattern(indptr, rows, sources, n_slots, segments)

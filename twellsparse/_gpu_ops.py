@@ -261,15 +261,16 @@ def column_warps(split: int, k: int, kv: int, itemsize: int) -> int:
 def _segment_arguments(plan: SegmentPlan | None, products: int, k: int, dtype: Any) -> tuple[tuple, int]:
     """The cut transposed products' extra kernel arguments (``split_base, slot_row, slots,
     run_length, partial, tickets``) and their slot count (none and 0 without a plan): the fp32
-    (float64 for float64) partial rows of every product, and the plan's tickets, which the
-    call's warps draw and leave zero."""
+    (float64 for float64) partial rows of every product and the tickets, zeroed, that the
+    call's warps draw."""
     if plan is None:
         return (), 0
     cp = _cp()
     acc = cp.float64 if np.dtype(dtype) == np.float64 else cp.float32
     partial = cp.empty((products * plan.slots, k), dtype=acc)
+    tickets = cp.zeros(plan.slots, dtype=cp.uint32)
     head = (plan.split_base, plan.slot_row, np.int32(plan.slots), plan.run_length)
-    return (*head, partial, plan.tickets), plan.slots
+    return (*head, partial, tickets), plan.slots
 
 
 def spmm_transposed(
