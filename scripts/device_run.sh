@@ -10,9 +10,10 @@ status=0
   python3 -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVersion())"
 } 2>&1 | tee "$OUT/env.txt"
 # One GPU test file (stopping at the first failure; a hang ends at the timeout, default 240 s),
-# appended to $OUT/<log>.log; its exit status joins the run's. Usage: gpu_test_file FILE LOG [SECONDS]
+# appended to $OUT/<log>.log; its exit status joins the run's. Usage: gpu_test_file FILE LOG [SECONDS
+# [PYTEST ARGUMENTS...]]
 gpu_test_file() {
-  timeout "${3:-240}" python3 -m pytest -m gpu -q -x -p no:cacheprovider "$1" 2>&1 | tee -a "$OUT/$2.log" | tail -15
+  timeout "${3:-240}" python3 -m pytest -m gpu -q -x -p no:cacheprovider "$1" "${@:4}" 2>&1 | tee -a "$OUT/$2.log" | tail -15
   status=$((status | ${PIPESTATUS[0]}))
 }
 # bench/stage_times.py for the stages named ONLY at each density, appended to $OUT/<log>.log and
@@ -244,6 +245,9 @@ for step in $what; do
       # Then the cut's single product capped at 152 registers (TWELL_CUT_MAX_REGS: 13 warps an SM
       # as the plain kernel's, with 60 bytes of spills) on the uniform pattern, its tests first.
       gpu_test_file tests/gpu/test_gpu_segments.py cuttrace 120
+      # The backward's products on one plan, one after another (the plan's tickets on branch
+      # cut-tickets): the torch gradient and captured-training tests.
+      gpu_test_file tests/gpu/test_gpu_torch.py cuttrace 200 -k "grads or training_step"
       for pattern in uniform skewed; do
         timeout 120 python3 bench/plan_trace.py --pattern $pattern --density 0.01 \
           --stages "bwd 3 transposed products;bwd 3 transposed products, rows whole" 2>&1 | tee -a "$OUT/cuttrace.log"
