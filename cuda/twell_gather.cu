@@ -1023,7 +1023,7 @@ __global__ void ROW_SUM_BOUNDS(T, false) twell_gather_csr_spmm(
 // call; the other rows' are the plain kernel's. A kernel of its own, so that the plain kernel's
 // code and registers stay as they were. The slots' warps, idle ones included, come first: with
 // the runs first, the rows next and the idle slots last (measured in the thirty-sixth session,
-// H100) the uniform pattern's products were 0.3-0.8% faster and the skewed one's 0.6-0.8%
+// H100) the uniform pattern's products were 0.3-0.5% faster and the skewed one's 0.4-1.1%
 // slower, and blocks of 4 warps instead of 1 were 5-6% slower on the skewed pattern.
 template <typename T, int KV, int U, bool PAIR = false>
 __global__ void CUT_BOUNDS(T, PAIR) twell_gather_csr_spmm_cut(
