@@ -7,8 +7,9 @@ idle gaps between them (torch.profiler's CUDA activity, which records CuPy's lau
 Prints, for the gated and the non-gated plan (``dispatch="sparse"``, exact spill), or for the
 stages of ``bench/stage_times.py`` named by ``--stages`` (whole names, separated by semicolons),
 each kernel of the last of ``--calls`` back-to-back calls: start offset, duration and the gap
-before it (us), then the call's span, kernel time and gap total. A gap is time the GPU waits for the host (a
-read-back, a launch the host had not issued yet); the stages' sum is what fusing launches saves.
+before it (us), then the call's span, kernel time and gap total. A gap is time the GPU waits
+for the host (a read-back, a launch the host had not issued yet); the stages' sum is what fusing
+launches saves.
 """
 
 from __future__ import annotations

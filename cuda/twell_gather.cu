@@ -63,7 +63,9 @@ struct alignas(16) Raw16 {
 
 // The cut transposed products' bounds. TWELL_CUT_MAX_REGS=N (a measurement switch) caps the
 // 2-byte single-output kernel at N registers instead (ptxas gives it 168 under ROW_SUM_BOUNDS,
-// against the plain kernel's 150: 12 warps an SM instead of 13).
+// against the plain kernel's 150: 12 warps an SM instead of 13). An attribute cannot depend on
+// the template's arguments any other way, so in that build the other instantiations trade their
+// launch bounds for a cap of 255 (the 2-byte pair keeps 168 registers; fp32 and fp64 take more).
 #ifdef TWELL_CUT_MAX_REGS
 #define CUT_BOUNDS(T, PAIR) __maxnreg__(sizeof(T) == 2 && !(PAIR) ? TWELL_CUT_MAX_REGS : 255)
 #else

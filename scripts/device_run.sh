@@ -239,20 +239,21 @@ for step in $what; do
       ;;&
     cuttrace)
       # Where the cut's uniform-pattern cost goes (thirty-sixth session: neither the runs' warps
-      # first nor 4-warp blocks removed the 3-6%): each kernel of the three transposed products,
-      # cut and rows whole, uniform and skewed at 1% (bench/plan_trace.py --stages), after the
-      # cut's tests.
-      # Then the cut's single product capped at 152 registers (TWELL_CUT_MAX_REGS: 13 warps an SM
-      # as the plain kernel's, with 60 bytes of spills) on the uniform pattern, its tests first.
+      # first nor 4-warp blocks removed the 3-6%). The cut's tests first.
       gpu_test_file tests/gpu/test_gpu_segments.py cuttrace 120
       # The backward's products on one plan, one after another (the plan's tickets on branch
       # cut-tickets): the torch gradient and captured-training tests.
       gpu_test_file tests/gpu/test_gpu_torch.py cuttrace 200 -k "grads or training_step"
+      # Each kernel of the three transposed products, cut and rows whole, uniform and skewed at
+      # 1% (bench/plan_trace.py --stages).
       for pattern in uniform skewed; do
         timeout 120 python3 bench/plan_trace.py --pattern $pattern --density 0.01 \
           --stages "bwd 3 transposed products;bwd 3 transposed products, rows whole" 2>&1 | tee -a "$OUT/cuttrace.log"
         status=$((status | ${PIPESTATUS[0]}))
       done
+      # Then the cut's single product capped at 152 registers (TWELL_CUT_MAX_REGS: 13 warps an SM
+      # as the plain kernel's, with 60 bytes of spills): its tests, its trace, its times beside
+      # the default's.
       TWELL_CUT_MAX_REGS=152 gpu_test_file tests/gpu/test_gpu_segments.py cuttrace 120
       TWELL_CUT_MAX_REGS=152 timeout 120 python3 bench/plan_trace.py --pattern uniform --density 0.01 \
         --stages "bwd 3 transposed products" 2>&1 | sed "s/^/152 regs: /" | tee -a "$OUT/cuttrace.log"
@@ -269,10 +270,9 @@ for step in $what; do
       ;;&
     roworder)
       # The rows longest first (TWELL_GATHER_ROW_ORDER, a build switch) with blocks of 4 and 1 rows
-      # (1, the default)
-      # (bench/NOTES.md, thirty-third session, item 9): the order's tests and the gather tests in
-      # that build, then gather_layout_rows; the index-order rows to compare with are
-      # gatherblocks', so run both in one call (`device_run.sh gatherblocks roworder`).
+      # (1 is the default; bench/NOTES.md, thirty-third session, item 9): the order's tests and
+      # the gather tests in that build, then gather_layout_rows; the index-order rows to compare
+      # with are gatherblocks', so run both in one call (`device_run.sh gatherblocks roworder`).
       TWELL_GATHER_ROW_ORDER=1 gpu_test_file tests/gpu/test_gpu_row_order.py roworder 240
       TWELL_GATHER_ROW_ORDER=1 gpu_test_file tests/gpu/test_gpu_gather.py roworder 240
       for w in 4 1; do

@@ -40,6 +40,11 @@ def assert_bit_equal(actual, expected):
     np.testing.assert_array_equal(bits(actual), bits(expected))
 
 
+def row_pointers(lengths):
+    """CSR row pointers (int32) of rows of these lengths."""
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
 def rounding_bound(dtype, expected):
     """A relative-error bound for a product computed in fp32 and rounded to ``dtype``: twice the
     error of rounding the exact result itself, plus 1e-4."""

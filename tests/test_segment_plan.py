@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import row_pointers
 
 from twellsparse import _gpu_convert, _gpu_ops
 from twellsparse._reference import run_length_candidates, segment_plan
 
 
-def _indptr(lengths):
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-
-
 def test_long_rows_are_cut_into_runs_in_row_order():
     lengths = [10, 600, 256, 257, 0, 1300]
-    split_base, slot_row, segment = segment_plan(_indptr(lengths), 256, 16)
+    split_base, slot_row, segment = segment_plan(row_pointers(lengths), 256, 16)
     # 600 -> 3 runs, 257 -> 2, 1300 -> 6; a row of exactly one run stays whole.
     assert segment == 256
     np.testing.assert_array_equal(split_base, [-1, 0, -1, 3, -1, 5])
@@ -27,7 +24,7 @@ def test_long_rows_are_cut_into_runs_in_row_order():
 
 def test_runs_lengthen_until_they_fit_the_slots():
     lengths = [600, 1300, 300, 10]
-    split_base, slot_row, segment = segment_plan(_indptr(lengths), 256, 6)
+    split_base, slot_row, segment = segment_plan(row_pointers(lengths), 256, 6)
     # Runs of 256 need 3 + 6 + 2 = 11 slots, of 320 2 + 5 = 7; of 384 2 + 4 = 6 fit (300 stays
     # whole at that length).
     assert segment == 384
@@ -37,7 +34,7 @@ def test_runs_lengthen_until_they_fit_the_slots():
 
 def test_the_cut_stops_at_the_first_row_that_does_not_fit():
     lengths = [8000, 20000, 5000, 10]
-    split_base, slot_row, segment = segment_plan(_indptr(lengths), 256, 5)
+    split_base, slot_row, segment = segment_plan(row_pointers(lengths), 256, 5)
     # Even runs of the longest candidate, 14 x 256 = 3584, need 3 + 6 + 2 = 11 slots: the row
     # 8000 takes slots 0-2, 20000 does not fit, nor does 5000 after it (the slots are handed out
     # in row order, so a later row never fills a gap).
@@ -55,7 +52,7 @@ def test_the_run_length_candidates():
 def test_runs_cover_each_cut_row_exactly_once():
     rng = np.random.default_rng(5)
     lengths = np.where(rng.random(3000) < 0.05, rng.integers(257, 5000, 3000), rng.integers(0, 257, 3000))
-    indptr = _indptr(lengths)
+    indptr = row_pointers(lengths)
     split_base, slot_row, segment = segment_plan(indptr, 256, 400)
     assert segment > 256  # runs of 256 would need more than the 400 slots
     used = slot_row[slot_row >= 0]

@@ -446,8 +446,8 @@ def _segment_slots() -> int:
 #: kernel waits for that warp alone. Cut, the three transposed products of the gated backward
 #: on that pattern took 1.8 / 2.2 / 2.4x less time at 0.5 / 1 / 2% and the captured training
 #: step went from 0.70x to 1.04x dense at 1% (H100, bench/NOTES.md, thirty-fifth session); on
-#: the uniform pattern, where no row is cut, they were 3-6% slower (the grid's idle slot warps;
-#: the step the same within 0.03x). ``TWELL_TRANSPOSED_SEGMENTS=N`` at import sets
+#: the uniform pattern, where no row is cut, they were 3-6% slower (not the grid's idle slot
+#: warps, thirty-sixth session; the step the same within 0.03x). ``TWELL_TRANSPOSED_SEGMENTS=N`` at import sets
 #: the slot count (0 turns the cut off); each slot holds K fp32 partial sums per product during
 #: a call (2048 slots: 16 MB at K = 2048, twice for the paired products).
 TRANSPOSED_SEGMENT_SLOTS = _segment_slots()

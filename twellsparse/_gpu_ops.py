@@ -72,8 +72,7 @@ def _variant(variant: tuple[int, int] | None, kind: str) -> tuple[int, int]:
 
 def _gather_grid(m: int) -> tuple[tuple[int], tuple[int]]:
     """Grid and block of a row-gather kernel over ``m`` warps, ``_kernels.GATHER_WARPS`` a block."""
-    warps = K.GATHER_WARPS
-    return (-(-m // warps),), (32 * warps,)
+    return (-(-m // K.GATHER_WARPS),), (32 * K.GATHER_WARPS,)
 
 
 #: The order's buckets (``TWELL_ORDER_BUCKETS`` in cuda/twell_gather.cu): rows of 0-14 batches,

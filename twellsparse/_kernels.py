@@ -62,14 +62,6 @@ GATHER_DEFAULT = {
 }
 
 
-def _block_warps(name: str, default: int) -> int:
-    """Warps per block from the environment variable ``name`` (1, 2 or 4; unset: ``default``)."""
-    value = os.environ.get(name, "") or str(default)
-    if value not in ("1", "2", "4"):
-        raise ValueError(f"{name}: expected 1, 2 or 4, got {value!r}")
-    return int(value)
-
-
 #: Rows (warps, one row each) per block of the row-gather kernels. A block's registers and warp
 #: slots are freed only when its last warp ends, so a block of rows of unequal length holds its
 #: shorter rows' slots idle until its longest ends: at 0.5% on the standard problem a row of the
@@ -79,7 +71,10 @@ def _block_warps(name: str, default: int) -> int:
 #: blocks in between (H200, bench/NOTES.md, thirty-fifth session). ``TWELL_GATHER_BLOCK_WARPS``
 #: (1, 2 or 4, read at import) sets it for measurements (``bash scripts/device_run.sh
 #: gatherblocks``).
-GATHER_WARPS = _block_warps("TWELL_GATHER_BLOCK_WARPS", 1)
+_GATHER_WARPS_SETTING = os.environ.get("TWELL_GATHER_BLOCK_WARPS", "") or "1"
+if _GATHER_WARPS_SETTING not in ("1", "2", "4"):
+    raise ValueError(f"TWELL_GATHER_BLOCK_WARPS: expected 1, 2 or 4, got {_GATHER_WARPS_SETTING!r}")
+GATHER_WARPS = int(_GATHER_WARPS_SETTING)
 
 
 def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = False) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import product_bound
+from helpers import product_bound, row_pointers
 
 import twellsparse as ts
 from twellsparse import _gpu_convert, _gpu_ops
@@ -19,11 +19,6 @@ from twellsparse.testing import rel_error
 pytestmark = pytest.mark.gpu
 
 DTYPES = [np.float16, ts.bfloat16, np.float32, np.float64]
-
-
-def _indptr(lengths):
-    """Row pointers (int32) of rows of these lengths."""
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
 def _hot_units(rng, m, n, density, hot, dtype, hot_rates=None):
@@ -54,7 +49,7 @@ def test_plan_matches_the_oracle(cp, rng, n_rows, shortest, longest, slots, choi
     lengths = np.where(
         long_rows, rng.integers(shortest + 1, longest * shortest, n_rows), rng.integers(0, shortest + 1, n_rows)
     )
-    indptr = _indptr(lengths)
+    indptr = row_pointers(lengths)
     split_base = cp.full(n_rows, -7, dtype=cp.int32)
     slot_row = cp.full(slots, -7, dtype=cp.int32)
     run_length = cp.full(1, -7, dtype=cp.int32)
@@ -132,7 +127,7 @@ def test_few_slots_lengthen_the_runs(cp, rng):
     split_base = tp.segments.split_base.get()
     lengths = np.count_nonzero(h, axis=0)
     shortest = _gpu_convert.segment_length(m)
-    want_base, _, want_length = segment_plan(_indptr(lengths), shortest, 9)
+    want_base, _, want_length = segment_plan(row_pointers(lengths), shortest, 9)
     np.testing.assert_array_equal(split_base, want_base)
     assert int(tp.segments.run_length.get()[0]) == want_length > shortest
     assert np.count_nonzero(split_base >= 0) > 0
@@ -154,7 +149,7 @@ def test_when_no_run_length_fits_a_prefix_of_the_rows_is_cut(cp, rng):
     tp = _gpu_convert.transposed_pattern(a.parts, tile_n, n, slots=3)
     lengths = np.count_nonzero(h, axis=0)
     shortest = _gpu_convert.segment_length(m)
-    want_base, want_rows, want_length = segment_plan(_indptr(lengths), shortest, 3)
+    want_base, want_rows, want_length = segment_plan(row_pointers(lengths), shortest, 3)
     assert want_length == run_length_candidates(shortest)[-1]
     np.testing.assert_array_equal(tp.segments.split_base.get(), want_base)
     np.testing.assert_array_equal(tp.segments.slot_row.get(), want_rows)
