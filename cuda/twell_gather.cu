@@ -61,15 +61,15 @@ struct alignas(16) Raw16 {
 #endif
 #define ROW_SUM_BOUNDS(T, DUAL) __launch_bounds__(128, ROW_SUM_MIN_BLOCKS(T, DUAL))
 
-// The cut transposed products' bounds. TWELL_CUT_MAX_REGS=N (a measurement switch) caps the
-// 2-byte single-output kernel at N registers instead (ptxas gives it 168 under ROW_SUM_BOUNDS,
-// against the plain kernel's 150: 12 warps an SM instead of 13). An attribute cannot depend on
-// the template's arguments any other way, so in that build the other instantiations trade their
-// launch bounds for a cap of 255 (the 2-byte pair keeps 168 registers; fp32 and fp64 take more).
-#ifdef TWELL_CUT_MAX_REGS
-#define CUT_BOUNDS(T, PAIR) __maxnreg__(sizeof(T) == 2 && !(PAIR) ? TWELL_CUT_MAX_REGS : 255)
-#else
-#define CUT_BOUNDS(T, PAIR) ROW_SUM_BOUNDS(T, false)
+// The 2-byte single-output cut transposed product's register cap (twell_gather_csr_spmm_cut_capped):
+// under ROW_SUM_BOUNDS ptxas gives it 168 registers against the plain kernel's 150 (12 warps an
+// SM instead of 13); capped at 152 it spills 60 bytes and ran 0.2-1% faster than at 168 on the
+// uniform (0.5, 1%) and skewed (1%) patterns, in each of two runs (H100, thirty-seventh session).
+// Launch bounds cannot give 152 (a minimum of 10-12 one-warp blocks gives 166, of 13 gives 128),
+// and an attribute cannot switch between __maxnreg__ and __launch_bounds__ by template argument,
+// hence a kernel of its own. TWELL_CUT_MAX_REGS=N (a measurement switch) caps it at N instead.
+#ifndef TWELL_CUT_MAX_REGS
+#define TWELL_CUT_MAX_REGS 152
 #endif
 
 __device__ __forceinline__ unsigned long long evict_first_policy() {
@@ -1022,19 +1022,26 @@ __global__ void ROW_SUM_BOUNDS(T, false) twell_gather_csr_spmm(
 // cut row's last run (a ticket per row at its first slot, zeroed by the caller) adds up the
 // row's partial rows in run order and writes it; the warps after them are the rows', those of
 // cut rows exiting at once. A cut row's sums are then associated by runs, the same way in every
-// call; the other rows' are the plain kernel's. A kernel of its own, so that the plain kernel's
-// code and registers stay as they were. The slots' warps, idle ones included, come first: with
+// call; the other rows' are the plain kernel's. Kernels of their own (twell_gather_csr_spmm_cut,
+// and _capped for the 2-byte single product), so that the plain kernel's code and registers stay
+// as they were. The slots' warps, idle ones included, come first: with
 // the runs first, the rows next and the idle slots last (measured in the thirty-sixth session,
 // H100) the uniform pattern's products were 0.3-0.5% faster and the skewed one's 0.4-1.1%
 // slower, and blocks of 4 warps instead of 1 were 5-6% slower on the skewed pattern.
-template <typename T, int KV, int U, bool PAIR = false>
-__global__ void CUT_BOUNDS(T, PAIR) twell_gather_csr_spmm_cut(
-    const int* __restrict__ indptr, const int* __restrict__ cols, const int* __restrict__ sources,
-    const T* __restrict__ data, long long n_slots, const T* __restrict__ spill_vals,
-    const T* __restrict__ data2, const T* __restrict__ spill_vals2, int M, const T* __restrict__ b,
-    long long ldb, int K, T* __restrict__ out, T* __restrict__ out2, long long ldo,
-    const int* __restrict__ split_base, const int* __restrict__ slot_row, int slots,
-    const int* __restrict__ run_length, typename acc_of<T>::type* partial, unsigned* tickets) {
+// Its parameters, shared by the two kernels below.
+#define CUT_KERNEL_PARAMETERS                                                                       \
+  const int* __restrict__ indptr, const int* __restrict__ cols, const int* __restrict__ sources,    \
+      const T* __restrict__ data, long long n_slots, const T* __restrict__ spill_vals,              \
+      const T* __restrict__ data2, const T* __restrict__ spill_vals2, int M, const T* __restrict__ b, \
+      long long ldb, int K, T* __restrict__ out, T* __restrict__ out2, long long ldo,               \
+      const int* __restrict__ split_base, const int* __restrict__ slot_row, int slots,              \
+      const int* __restrict__ run_length, typename acc_of<T>::type* partial, unsigned* tickets
+#define CUT_KERNEL_ARGUMENTS                                                                        \
+  indptr, cols, sources, data, n_slots, spill_vals, data2, spill_vals2, M, b, ldb, K, out, out2, ldo, \
+      split_base, slot_row, slots, run_length, partial, tickets
+
+template <typename T, int KV, int U, bool PAIR>
+__device__ __forceinline__ void csr_spmm_cut(CUT_KERNEL_PARAMETERS) {
   using A = typename acc_of<T>::type;
   constexpr int CHUNK = KV * 32 * Lanes<T>::N;
   constexpr int NV = PAIR ? 2 : 1;
@@ -1086,6 +1093,19 @@ __global__ void CUT_BOUNDS(T, PAIR) twell_gather_csr_spmm_cut(
   __threadfence();
   add_runs<T>(partial, first, runs, K, out + row * ldo, lane);
   if constexpr (PAIR) add_runs<T>(partial + (long long)slots * K, first, runs, K, out2 + row * ldo, lane);
+}
+
+// The pair, and the 4- and 8-byte single products.
+template <typename T, int KV, int U, bool PAIR = false>
+__global__ void ROW_SUM_BOUNDS(T, false) twell_gather_csr_spmm_cut(CUT_KERNEL_PARAMETERS) {
+  csr_spmm_cut<T, KV, U, PAIR>(CUT_KERNEL_ARGUMENTS);
+}
+
+// The 2-byte single-output product under its register cap (TWELL_CUT_MAX_REGS above).
+template <typename T, int KV, int U>
+__global__ void __maxnreg__(TWELL_CUT_MAX_REGS) twell_gather_csr_spmm_cut_capped(CUT_KERNEL_PARAMETERS) {
+  static_assert(sizeof(T) == 2, "the capped cut product is the 2-byte types' single-output kernel");
+  csr_spmm_cut<T, KV, U, false>(CUT_KERNEL_ARGUMENTS);
 }
 
 // out_row = sum over the set bits j of `row` in the ReLU bit-mask of z[row, j] * w_down_t[j, :]:

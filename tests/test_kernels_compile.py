@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 from twellsparse import _kernels
@@ -230,11 +231,22 @@ def test_the_row_order_build_of_the_gather_kernels_compiles(monkeypatch):
     assert len(cubin) > 0
 
 
-def test_the_register_capped_build_of_the_cut_compiles(monkeypatch):
-    """The TWELL_CUT_MAX_REGS build (the cut single transposed product capped at N registers) is a
-    measurement build of the same instantiations: it compiles for sm_90a too."""
+def test_the_cut_products_take_their_kernels_and_another_register_cap_compiles(monkeypatch):
+    """The 2-byte single cut product runs the register-capped kernel, the pair and the wider types
+    the launch-bounded one; the TWELL_CUT_MAX_REGS build (another cap, for measurements) compiles
+    the same instantiations for sm_90a."""
+    assert _kernels.gather_expression("csr_spmm_cut", np.dtype("float16"), 8, 2).startswith(
+        "twell_gather_csr_spmm_cut_capped<"
+    )
+    assert _kernels.gather_expression("csr_spmm_cut", np.dtype("float32"), 8, 2).startswith(
+        "twell_gather_csr_spmm_cut<"
+    )
+    assert _kernels.gather_expression("csr_spmm_pair_cut", np.dtype("float16"), 4, 4).startswith(
+        "twell_gather_csr_spmm_cut<"
+    )
     _nvrtc_or_skip()
-    monkeypatch.setenv("TWELL_CUT_MAX_REGS", "152")
+    monkeypatch.setenv("TWELL_CUT_MAX_REGS", "168")
     name = "twell_gather.cu"
-    expressions = [e for e in _kernels.INSTANTIATIONS[name] if "_cut<" in e]
-    assert expressions and len(_kernels._nvrtc_cubin(name, expressions, "sm_90a")[0]) > 0
+    expressions = [e for e in _kernels.INSTANTIATIONS[name] if "csr_spmm_cut" in e]
+    assert any("_capped<" in e for e in expressions)
+    assert len(_kernels._nvrtc_cubin(name, expressions, "sm_90a")[0]) > 0

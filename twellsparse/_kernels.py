@@ -102,8 +102,9 @@ def gather_expression(kind: str, dtype: Any, kv: int, u: int, scale: bool = Fals
         return f"twell_gather_csr_spmm<{t}, {kv}, {u}>"
     if kind == "csr_spmm_pair":
         return f"twell_gather_csr_spmm<{t}, {kv}, {u}, true>"
-    if kind == "csr_spmm_cut":
-        return f"twell_gather_csr_spmm_cut<{t}, {kv}, {u}>"
+    if kind == "csr_spmm_cut":  # the 2-byte types' kernel has a register cap (cuda/twell_gather.cu)
+        capped = "_capped" if np.dtype(dtype).itemsize == 2 else ""
+        return f"twell_gather_csr_spmm_cut{capped}<{t}, {kv}, {u}>"
     if kind == "csr_spmm_pair_cut":
         return f"twell_gather_csr_spmm_cut<{t}, {kv}, {u}, true>"
     if kind == "sddmm_gated_bwd":
@@ -300,7 +301,7 @@ def compile_options() -> tuple[str, ...]:
     bounds of the 2-byte SpMM and transposed-product kernels (by default a minimum of 1 block per
     SM for the single-output ones, none for dX's dual pass): N blocks per SM for all of them, 0
     for no minimum; ``TWELL_CUT_MAX_REGS=N`` caps the 2-byte single-output cut transposed product
-    at N registers (cuda/twell_gather.cu, ``CUT_BOUNDS``)."""
+    at N registers instead of 152 (cuda/twell_gather.cu, ``twell_gather_csr_spmm_cut_capped``)."""
     switches = []
     for name in ("TWELL_L2_HINTS", "TWELL_MMA_DOTS", "TWELL_HOPPER_PACK"):
         value = env_switch(name)
