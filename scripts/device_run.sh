@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|gatherblocks|gatherblocksmodel|skewedtrain|segments|cuttrace|roworder|hostgap|producerncu|producerclocks|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|gatherblocks|gatherblocksmodel|skewedtrain|segments|cuttrace|roworder|hostgap|producerncu|producerclocks|producerenergy|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"  # install, TWELL_COMMIT, PYTHONPATH, $OUT
 what=${*:-all}
@@ -177,6 +177,16 @@ for step in $what; do
           --metrics gpu__time_duration.sum,sm__cycles_elapsed.max,sm__cycles_elapsed.avg.per_second,smsp__inst_executed.sum \
           python3 bench/stage_times.py --density 0.01 --reps 3 --only "${kernel#*:}" 2>&1 | tee -a "$OUT/producerclocks_ncu.log" \
           | grep -E "twell_gemm|nvjet|gemm|duration|cycles|inst_executed" | head -24 | sed "s/^/${kernel#*:}: /"
+        status=$((status | ${PIPESTATUS[0]}))
+      done
+      ;;&
+    producerenergy)
+      # Energy per call and mean power (NVML's counter around two seconds of back-to-back calls)
+      # of cuBLASLt's GEMM and pass 1 under each schedule, with and without the epilogue
+      # (TWELL_HOPPER_PACK=0): whether pass 1 runs at the power limit where the GEMM does not.
+      for pack in "" 0; do
+        TWELL_HOPPER_PACK=$pack timeout 120 python3 bench/producer_probe.py --energy 2>&1 | tail -9 \
+          | sed "s/^/TWELL_HOPPER_PACK=${pack:-default}: /" | tee -a "$OUT/producerenergy.log"
         status=$((status | ${PIPESTATUS[0]}))
       done
       ;;&
