@@ -63,8 +63,9 @@ struct alignas(16) Raw16 {
 
 // The 2-byte single-output cut transposed product's register cap (twell_gather_csr_spmm_cut_capped):
 // under ROW_SUM_BOUNDS ptxas gives it 168 registers against the plain kernel's 150 (12 warps an
-// SM instead of 13); capped at 152 it spills 60 bytes and ran 0.2-1% faster than at 168 on the
-// uniform (0.5, 1%) and skewed (1%) patterns, in each of two runs (H100, thirty-seventh session).
+// SM instead of 13); capped at 152 it spills 60 bytes and ran 0.7-0.8% faster than at 168 on the
+// uniform pattern (0.5, 1%) and 0.05-0.6% on the skewed one (1%), in each of two runs (H100,
+// thirty-seventh session).
 // Launch bounds cannot give 152 (a minimum of 10-12 one-warp blocks gives 166, of 13 gives 128),
 // and an attribute cannot switch between __maxnreg__ and __launch_bounds__ by template argument,
 // hence a kernel of its own. TWELL_CUT_MAX_REGS=N (a measurement switch) caps it at N instead.
