@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|gatherblocks|gatherblocksmodel|skewedtrain|segments|cuttrace|roworder|hostgap|producerncu|producerclocks|producerenergy|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|gatherblocks|gatherblocksmodel|skewedtrain|segments|cuttrace|roworder|hostgap|producerncu|producerclocks|producerenergy|ffnenergy|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"  # install, TWELL_COMMIT, PYTHONPATH, $OUT
 what=${*:-all}
@@ -189,6 +189,12 @@ for step in $what; do
           | sed "s/^/TWELL_HOPPER_PACK=${pack:-default}: /" | tee -a "$OUT/producerenergy.log"
         status=$((status | ${PIPESTATUS[0]}))
       done
+      ;;&
+    ffnenergy)
+      # The gated and non-gated blocks under a sustained load (bench/ffn_energy.py: time and
+      # energy per call, torch's dense blocks against the sparse plans, at the power cap).
+      timeout 240 python3 bench/ffn_energy.py --out "$OUT/ffn_energy.jsonl" 2>&1 | tee -a "$OUT/ffnenergy.log"
+      status=$((status | ${PIPESTATUS[0]}))
       ;;&
     gatherblocks)
       # Row-gather blocks of 4, 1 (the default since the thirty-fifth session) and 2 rows
