@@ -383,6 +383,37 @@ def jax_table(records: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def energy_table(records: list[dict[str, Any]]) -> str:
+    """The FFN blocks under a sustained load (bench/ffn_energy.py): each block's best window of
+    back-to-back calls, time and energy per call, torch's dense block against the sparse plan."""
+    recs = sorted(latest(records, "ffn_energy"), key=lambda r: (r["pattern"], r["density_target"]))
+    if not recs:
+        return ""
+    out = [
+        f"Under a sustained load (`python bench/ffn_energy.py`: each block run back to back for two seconds, "
+        f"in turn, twice; NVML's energy counter around each window; the best window per block), M = {recs[0]['m']}, "
+        f"d_model 2048, d_ff 5632, bf16, L2 not flushed, the plans with a fixed spill; {_provenance(recs)}. "
+        f"Every window ran at the board's {recs[0]['power_limit_w']:.0f} W cap, so a call's time follows its "
+        "energy. Time per call in ms, energy per call in mJ.",
+        "",
+        "| pattern | density | gated: dense / sparse ms (speed-up) | gated: dense / sparse mJ (ratio) "
+        "| non-gated: dense / sparse ms (speed-up) | non-gated: dense / sparse mJ (ratio) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in recs:
+        cells = []
+        for kind in ("gated", "non-gated"):
+            dense, sparse = (r["windows"][name] for name in (f"dense {kind} (torch)", f"sparse {kind}"))
+            ms = [min(w["ms_per_call"] for w in windows) for windows in (dense, sparse)]
+            mj = [min(w["mj_per_call"] for w in windows) for windows in (dense, sparse)]
+            cells += [
+                f"{ms[0]:.3f} / {ms[1]:.3f} ({ms[0] / ms[1]:.2f}x)",
+                f"{mj[0]:.0f} / {mj[1]:.0f} ({mj[1] / mj[0]:.2f})",
+            ]
+        out.append(f"| {r['pattern']} | {r['density_target']:.2%} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def distributed_table(records: list[dict[str, Any]]) -> str:
     """Training throughput per GPU with TwELL MLPs against the same stack with dense ones, on one
     GPU and over two (examples/distributed_train.py and jax_data_parallel.py ``--json``;
@@ -417,14 +448,22 @@ def distributed_table(records: list[dict[str, Any]]) -> str:
 
 def tables(records: list[dict[str, Any]]) -> str:
     """The FFN tables (one per problem shape, the standard problem first), the training ones, the
-    plans with fp8 rows, the microbenchmarks against cuSPARSE and the JAX adapter."""
+    FFN blocks under a sustained load, the plans with fp8 rows, the microbenchmarks against
+    cuSPARSE, the JAX adapter and multi-GPU training."""
     ffn = latest_per_case(records, "ffn", ("shape", "pattern", "density_target"))
     shapes = sorted({tuple(r["shape"]) for r in ffn}, key=lambda s: (s != STANDARD_SHAPE, s))
     parts = [ffn_table([r for r in ffn if tuple(r["shape"]) == shape]) for shape in shapes] or [ffn_table([])]
     models = latest_per_case(records, "model", ("density_target", "layers", "tokens"))
     training = training_table(latest(records, "train_step"), models)
     text = "\n\n".join(parts) + ("\n" + training if training else "")
-    for extra in (fp8_table(ffn), micro_tables(records), jax_table(records), distributed_table(records)):
+    extras = (
+        energy_table(records),
+        fp8_table(ffn),
+        micro_tables(records),
+        jax_table(records),
+        distributed_table(records),
+    )
+    for extra in extras:
         if extra:
             text += "\n\n" + extra
     return text

@@ -80,6 +80,31 @@ def test_distributed_table_gives_speed_up_and_scaling():
     assert "| torch | single | 1 | 1.00% | 100 / 150 (1.50x) |  |" in table
 
 
+def test_energy_table_takes_each_blocks_best_window():
+    """The sustained-load table: the fastest and the least-energy window of each block, the
+    speed-up as dense time over sparse time, the energy as sparse over dense."""
+    report = _load("report")
+
+    def window(ms, mj):
+        return {"ms_per_call": ms, "mj_per_call": mj, "watts": 690.0, "sm_mhz": 1700, "reasons": "sw power cap"}
+
+    windows = {
+        "dense gated (torch)": [window(2.0, 1400.0), window(1.9, 1300.0)],
+        "sparse gated": [window(1.0, 650.0), window(1.1, 700.0)],
+        "dense non-gated (torch)": [window(1.2, 800.0)],
+        "sparse non-gated": [window(0.8, 600.0)],
+    }
+    base = {"kind": "ffn_energy", "commit": "abcdef1234", "gpu": "NVIDIA H100", "date": "2026-12-06T00:00:00"}
+    record = {**base, "m": 16384, "pattern": "uniform", "density_target": 0.005, "power_limit_w": 700.0}
+    table = report.energy_table([{**record, "windows": windows}])
+    assert (
+        "| uniform | 0.50% | 1.900 / 1.000 (1.90x) | 1300 / 650 (0.50) | 1.200 / 0.800 (1.50x) | 800 / 600 (0.75) |"
+        in table
+    )
+    assert "700 W cap" in table
+    assert report.energy_table([]) == ""
+
+
 def test_ffn_bench_summary_line():
     pytest.importorskip("cupy")  # the script imports it at the top
     bench = _load("ffn_bench")
