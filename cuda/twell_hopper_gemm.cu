@@ -194,7 +194,12 @@ template <typename T, int ACT> __device__ __forceinline__ T activated(float z) {
 struct PackArgs {
   int M, N, tile_n, n_tiles, capacity;
   double threshold;
+  // ceil(65536 / (capacity / 4)): i * it >> 16 is i / (capacity / 4) for i < 2 * capacity (the
+  // 16-byte vectors of 8 rows of one 256-column row-tile; capacity / 4 is at most 16).
+  unsigned row_vectors_inv;
 };
+
+__host__ __device__ constexpr int log2_of(int v) { return v <= 1 ? 0 : 1 + log2_of(v / 2); }
 
 // The accumulators of one half (I) of a math warp's 16 rows rounded to T, two per register
 // (e = 0 low, e = 1 high): what the epilogue starts from. Registers are indexed by constants only.
@@ -206,18 +211,32 @@ template <typename T, int I> __device__ __forceinline__ void rounded_pairs(const
 // The epilogue of one half (half) of a math warp's 16 rows: 8 rows, each held by a quad of lanes
 // in the accumulator layout, from their values rounded to T (rounded_pairs). Run by the math warp
 // itself (SPLIT = 0) or by a pack warp whose lanes stand for the math warp's (SPLIT = 1).
-template <typename T, int ACT>
+//
+// Under a sustained load the producer runs at the board's power cap, where its time follows its
+// energy, and the epilogue's instructions are what it spends beyond the GEMM's (bench/NOTES.md,
+// thirty-seventh session). So the common case has code of its own: TN = BN (256-column row-tiles,
+// the default) makes the row-tile geometry constant (one row-tile per output tile: no variable
+// 64-bit shifts, loops of one trip unrolled away, the slot vectors written by every lane), and
+// STAGED (relu under the split schedules, whose values stay as rounded) reads a kept entry's
+// value back from the handed-off tile in shared memory (`staged`: the shared-memory address of
+// this lane's first word; pair j is word 128 (j / 4) + j % 4 from there) instead of a 31-select
+// tree over the registers. TN = 0 serves any tile_n at run time.
+template <typename T, int ACT, int TN = 0, bool STAGED = false>
 __device__ __forceinline__ void pack_pairs(unsigned (&pair)[32], int half, const PackArgs& p, int row0, int nb,
                                            unsigned char* stage, T* __restrict__ data, short* __restrict__ indices,
                                            int* __restrict__ counts, int* __restrict__ row_tile_nnz,
-                                           T* __restrict__ h, unsigned* __restrict__ mask, long long mask_ld) {
+                                           T* __restrict__ h, unsigned* __restrict__ mask, long long mask_ld,
+                                           unsigned staged = 0u) {
+  static_assert(TN == 0 || TN == BN, "the constant geometry is that of one row-tile per output tile");
+  static_assert(!STAGED || ACT == ACT_RELU, "the handed-off values are the rounded ones, which relu keeps");
   const int lane = threadIdx.x & 31, q = lane & 3, r = lane >> 2;
   const int row = row0 + half * 8 + r;
-  const int tiles_here = BN / p.tile_n;
+  const int tile_n = TN ? TN : p.tile_n;
+  const int tiles_here = BN / tile_n;
   const int tile0 = nb * tiles_here;
   const int row_slots = tiles_here * p.capacity;
-  const int groups = p.tile_n >> 3;  // j values per row-tile
-  const int shift = __ffs(groups) - 1;
+  const int groups = tile_n >> 3;  // j values per row-tile
+  const int shift = TN ? log2_of(TN >> 3) : __ffs(groups) - 1;
   const int lane_bits = 2 * groups;  // bits of one lane's mask per row-tile
   T* s_val = reinterpret_cast<T*>(stage);
   short* s_idx = reinterpret_cast<short*>(stage + 8 * MAX_ROW_SLOTS * sizeof(T));
@@ -279,7 +298,7 @@ __device__ __forceinline__ void pack_pairs(unsigned (&pair)[32], int half, const
   // Kept entries to their slots (and, for overflowing row-tiles, to h), one set bit at a time.
   for (unsigned long long left = mine; left; left &= left - 1ull) {
     const int bit = __ffsll((long long)left) - 1, j = bit >> 1, e = bit & 1;
-    const int st = j >> shift, jl = j & (groups - 1);
+    const int st = TN == BN ? 0 : j >> shift, jl = j & (groups - 1);
     const int sh = st * lane_bits;
     int rank = 0;
 #pragma unroll
@@ -287,16 +306,21 @@ __device__ __forceinline__ void pack_pairs(unsigned (&pair)[32], int half, const
       const int below = s < q ? 2 * jl + 2 : (s > q ? 2 * jl : 2 * jl + e);
       rank += __popcll((quad[s] >> sh) & low_bits(below));
     }
-    // pair[j] for a run-time j: a tree of selects on j's bits (31 selects, no compares).
-    unsigned l16[16], l8[8], l4[4];
+    unsigned word;
+    if constexpr (STAGED) {
+      asm volatile("ld.shared.u32 %0, [%1];" : "=r"(word) : "r"(staged + 4u * (128 * (j >> 2) + (j & 3))));
+    } else {
+      // pair[j] for a run-time j: a tree of selects on j's bits (31 selects, no compares).
+      unsigned l16[16], l8[8], l4[4];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) l16[i] = (j & 16) ? pair[i + 16] : pair[i];
+      for (int i = 0; i < 16; ++i) l16[i] = (j & 16) ? pair[i + 16] : pair[i];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) l8[i] = (j & 8) ? l16[i + 8] : l16[i];
+      for (int i = 0; i < 8; ++i) l8[i] = (j & 8) ? l16[i + 8] : l16[i];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) l4[i] = (j & 4) ? l8[i + 4] : l8[i];
-    const unsigned l2a = (j & 2) ? l4[2] : l4[0], l2b = (j & 2) ? l4[3] : l4[1];
-    const unsigned word = (j & 1) ? l2b : l2a;
+      for (int i = 0; i < 4; ++i) l4[i] = (j & 4) ? l8[i + 4] : l8[i];
+      const unsigned l2a = (j & 2) ? l4[2] : l4[0], l2b = (j & 2) ? l4[3] : l4[1];
+      word = (j & 1) ? l2b : l2a;
+    }
     const T v = value_of<T>(word >> (16 * e));
     if (rank < p.capacity) {
       s_val[r * row_slots + st * p.capacity + rank] = v;
@@ -307,7 +331,7 @@ __device__ __forceinline__ void pack_pairs(unsigned (&pair)[32], int half, const
   // Mask words of overflowing row-tiles (the spill pass reads them): word w of the block covers
   // columns 32w .. 32w + 31, i.e. j = 4w .. 4w + 3 of every lane of the quad.
   if (over) {
-    const int words_per_tile = p.tile_n >> 5;
+    const int words_per_tile = tile_n >> 5;
     for (int w = q; w < 8; w += 4) {
       const int st = w / words_per_tile;
       if (!((over >> st) & 1u)) continue;
@@ -321,6 +345,25 @@ __device__ __forceinline__ void pack_pairs(unsigned (&pair)[32], int half, const
   }
   __syncwarp();
   // The 8 rows' slots out as 16-byte vectors (capacity is a multiple of 8).
+  if constexpr (TN == BN) {
+    // One row-tile (nb < n_tiles): capacity / 8 vectors of values, then as many of indices, a row;
+    // the 8 rows' vectors spread over all the lanes.
+    const int val_vectors = p.capacity >> 3, per_row = p.capacity >> 2;
+    static_assert(MAX_ROW_SLOTS / 4 <= 16, "row_vectors_inv's quotient is exact below 8 x 16 vectors");
+    for (int i = lane; i < 8 * per_row; i += 32) {
+      const int rr = (int)(((unsigned)i * p.row_vectors_inv) >> 16), k = i - rr * per_row;
+      const long long grow = row0 + half * 8 + rr;
+      if (grow >= p.M) continue;
+      const long long slot0 = (grow * p.n_tiles + tile0) * p.capacity;
+      if (k < val_vectors)
+        reinterpret_cast<uint4*>(data + slot0)[k] = reinterpret_cast<const uint4*>(s_val + rr * row_slots)[k];
+      else
+        reinterpret_cast<uint4*>(indices + slot0)[k - val_vectors] =
+            reinterpret_cast<const uint4*>(s_idx + rr * row_slots)[k - val_vectors];
+    }
+    __syncwarp();
+    return;
+  }
   const int live_tiles = min(tiles_here, p.n_tiles - tile0);
   const int val_vectors = live_tiles * p.capacity * (int)sizeof(T) / 16;
   const int idx_vectors = live_tiles * p.capacity / 8;
@@ -356,7 +399,10 @@ __device__ __forceinline__ void gemm_pack(const TensorMap& map_x, const TensorMa
   using S = Schedule<SPLIT>;
   constexpr int STAGES = S::STAGES;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<unsigned long long>(smem_raw) + 1023) & ~1023ull);
+  // Aligned by an offset from the array itself (not through an integer), so that the compiler
+  // still knows every pointer derived from it is shared memory: the epilogue's loads and stores
+  // then compile to LDS / STS instead of generic LD / ST.
+  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   const unsigned ring = smem_u32(smem);
   unsigned* handoff = reinterpret_cast<unsigned*>(smem + STAGES * STAGE_BYTES);
   // full[s] at 8 s, empty[s] at 8 (STAGES + s); SPLIT: handed-off at 16 STAGES, drained after it.
@@ -387,7 +433,8 @@ __device__ __forceinline__ void gemm_pack(const TensorMap& map_x, const TensorMa
 
   const int wg = threadIdx.x / 128;
   const int lane = threadIdx.x & 31;
-  const PackArgs args{M, N, tile_n, n_tiles, capacity, threshold};
+  const unsigned row_vectors = (unsigned)max(capacity >> 2, 1);
+  const PackArgs args{M, N, tile_n, n_tiles, capacity, threshold, (65536u + row_vectors - 1u) / row_vectors};
   if (wg == 0 && (!SPLIT || threadIdx.x < 32)) {
     if (!SPLIT) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x == 0) {
@@ -494,8 +541,19 @@ __device__ __forceinline__ void gemm_pack(const TensorMap& map_x, const TensorMa
           const uint4 w4 = in[32 * j4];
           pair[4 * j4] = w4.x, pair[4 * j4 + 1] = w4.y, pair[4 * j4 + 2] = w4.z, pair[4 * j4 + 3] = w4.w;
         }
-        pack_pairs<T, ACT>(pair, half, args, mb * BM + v * 16, nb, stage, data, indices, counts, row_tile_nnz, h,
-                           mask, mask_ld);
+        // relu on 256-column row-tiles (the defaults) takes the epilogue's constant-geometry code
+        // (the other activations keep one copy of the epilogue: two left the f16 silu one spilling).
+        bool done = false;
+        if constexpr (ACT == ACT_RELU) {
+          if (args.tile_n == BN) {
+            pack_pairs<T, ACT, BN, true>(pair, half, args, mb * BM + v * 16, nb, stage, data, indices, counts,
+                                         row_tile_nnz, h, mask, mask_ld, smem_u32(in));
+            done = true;
+          }
+        }
+        if (!done)
+          pack_pairs<T, ACT>(pair, half, args, mb * BM + v * 16, nb, stage, data, indices, counts, row_tile_nnz, h,
+                             mask, mask_ld);
       }
       barrier_arrive(drained);
     }
