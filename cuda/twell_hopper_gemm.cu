@@ -50,6 +50,12 @@
 #define TWELL_HOPPER_PACK 1
 #endif
 
+// TWELL_HOPPER_TILE256=0 (TWELL_HOPPER_TILE256=0 in the environment) sends relu on 256-column
+// row-tiles through the run-time geometry epilogue too, for measuring what its own code saves.
+#ifndef TWELL_HOPPER_TILE256
+#define TWELL_HOPPER_TILE256 1
+#endif
+
 namespace twell {
 namespace hopper {
 
@@ -544,7 +550,7 @@ __device__ __forceinline__ void gemm_pack(const TensorMap& map_x, const TensorMa
         // relu on 256-column row-tiles (the defaults) takes the epilogue's constant-geometry code
         // (the other activations keep one copy of the epilogue: two left the f16 silu one spilling).
         bool done = false;
-        if constexpr (ACT == ACT_RELU) {
+        if constexpr (ACT == ACT_RELU && TWELL_HOPPER_TILE256) {
           if (args.tile_n == BN) {
             pack_pairs<T, ACT, BN, true>(pair, half, args, mb * BM + v * 16, nb, stage, data, indices, counts,
                                          row_tile_nnz, h, mask, mask_ld, smem_u32(in));
