@@ -214,6 +214,21 @@ template <typename T, int I> __device__ __forceinline__ void rounded_pairs(const
   for (int j = 0; j < 32; ++j) pair[j] = rounded_pair<T>(acc[4 * j + 2 * I], acc[4 * j + 2 * I + 1]);
 }
 
+// Vector k of global row `grow`'s staged slots (its row-tiles of this block, from `staged_row` in
+// the warp's stage: val_vectors 16-byte vectors of values, then those of indices) to the TwELL
+// arrays, where the row's row-tiles from tile0 on are adjacent.
+template <typename T>
+__device__ __forceinline__ void store_slot_vector(const PackArgs& p, long long grow, int tile0, int staged_row, int k,
+                                                  int val_vectors, const T* s_val, const short* s_idx,
+                                                  T* __restrict__ data, short* __restrict__ indices) {
+  const long long slot0 = (grow * p.n_tiles + tile0) * p.capacity;
+  if (k < val_vectors)
+    reinterpret_cast<uint4*>(data + slot0)[k] = reinterpret_cast<const uint4*>(s_val + staged_row)[k];
+  else
+    reinterpret_cast<uint4*>(indices + slot0)[k - val_vectors] =
+        reinterpret_cast<const uint4*>(s_idx + staged_row)[k - val_vectors];
+}
+
 // The epilogue of one half (half) of a math warp's 16 rows: 8 rows, each held by a quad of lanes
 // in the accumulator layout, from their values rounded to T (rounded_pairs). Run by the math warp
 // itself (SPLIT = 0) or by a pack warp whose lanes stand for the math warp's (SPLIT = 1).
@@ -361,13 +376,7 @@ __device__ __forceinline__ void pack_pairs(unsigned (&pair)[32], int half, const
     for (int i = lane; i < 8 * per_row; i += 32) {
       const int rr = (int)(((unsigned)i * p.row_vectors_inv) >> 16), k = i - rr * per_row;
       const long long grow = row0 + half * 8 + rr;
-      if (grow >= p.M) continue;
-      const long long slot0 = (grow * p.n_tiles + tile0) * p.capacity;
-      if (k < val_vectors)
-        reinterpret_cast<uint4*>(data + slot0)[k] = reinterpret_cast<const uint4*>(s_val + rr * row_slots)[k];
-      else
-        reinterpret_cast<uint4*>(indices + slot0)[k - val_vectors] =
-            reinterpret_cast<const uint4*>(s_idx + rr * row_slots)[k - val_vectors];
+      if (grow < p.M) store_slot_vector(p, grow, tile0, rr * row_slots, k, val_vectors, s_val, s_idx, data, indices);
     }
     __syncwarp();
     return;
@@ -380,13 +389,8 @@ __device__ __forceinline__ void pack_pairs(unsigned (&pair)[32], int half, const
   const int k = lane & 15;  // a half-warp per row, two rows per step: no division
   for (int rr = lane >> 4; rr < 8; rr += 2) {
     const long long grow = row0 + half * 8 + rr;
-    if (grow >= p.M || k >= per_row) continue;
-    const long long slot0 = (grow * p.n_tiles + tile0) * p.capacity;
-    if (k < val_vectors)
-      reinterpret_cast<uint4*>(data + slot0)[k] = reinterpret_cast<const uint4*>(s_val + rr * row_slots)[k];
-    else
-      reinterpret_cast<uint4*>(indices + slot0)[k - val_vectors] =
-          reinterpret_cast<const uint4*>(s_idx + rr * row_slots)[k - val_vectors];
+    if (grow < p.M && k < per_row)
+      store_slot_vector(p, grow, tile0, rr * row_slots, k, val_vectors, s_val, s_idx, data, indices);
   }
   __syncwarp();
 }
