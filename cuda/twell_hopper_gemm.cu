@@ -200,8 +200,9 @@ template <typename T, int ACT> __device__ __forceinline__ T activated(float z) {
 struct PackArgs {
   int M, N, tile_n, n_tiles, capacity;
   double threshold;
-  // ceil(65536 / (capacity / 4)): i * it >> 16 is i / (capacity / 4) for i < 2 * capacity (the
-  // 16-byte vectors of 8 rows of one 256-column row-tile; capacity / 4 is at most 16).
+  // ceil(65536 / (capacity / 4)): (i * row_vectors_inv) >> 16 is i / (capacity / 4) exactly for
+  // i < 2 capacity, the 16-byte vectors of 8 rows of one 256-column row-tile (capacity / 4, the
+  // vectors of a row, is 2 to 16; the error i (ceil - exact) / 65536 stays below 1 / 512).
   unsigned row_vectors_inv;
 };
 
