@@ -5,7 +5,9 @@ reports as each window ends. Used by ``producer_probe.py --energy`` and ``ffn_en
 Why (bench/NOTES.md, thirty-seventh session): run back to back for seconds, an H100 holds its
 board at the 700 W cap for cuBLASLt's GEMM and for the fused producer alike, so a call's time is
 its energy over the cap, while the library's usual timings (a few calls after an idle, L2
-flushed) run below it, at a higher clock.
+flushed) run below it, at a higher clock. NVML's counter moves in steps, so a two-second
+window's energy carries a few percent of jitter (the windows that read above the 700 W cap show
+it): compare kernels over rounds, in turn, on one machine.
 """
 
 from __future__ import annotations
