@@ -17,7 +17,7 @@ from typing import Any
 
 import cupy as cp
 import torch
-from sustained import Nvml, energy_while
+from sustained import Nvml, dense_and_sparse, energy_while
 
 import twellsparse as ts
 from twellsparse._environment import append_records, environment
@@ -59,13 +59,11 @@ def main(argv: list[str] | None = None) -> None:
             for name, fn in calls.items():
                 rows[name].append(energy_while(nvml, fn, args.seconds))
                 print(f"{density:.3%} {name}: {rows[name][-1]}")
-        best = {name: min(r["ms_per_call"] for r in runs) for name, runs in rows.items()}
-        energy = {name: min(r["mj_per_call"] for r in runs) for name, runs in rows.items()}
         for kind in ("gated", "non-gated"):
-            dense, sparse = f"dense {kind} (torch)", f"sparse {kind}"
+            (dense_ms, dense_mj), (sparse_ms, sparse_mj) = dense_and_sparse(rows, kind)
             print(
-                f"{density:.3%} {kind}: sustained speed-up {best[dense] / best[sparse]:.2f}x, "
-                f"energy per call {energy[sparse] / energy[dense]:.2f} of dense"
+                f"{density:.3%} {kind}: sustained speed-up {dense_ms / sparse_ms:.2f}x, "
+                f"energy per call {sparse_mj / dense_mj:.2f} of dense"
             )
         record = {**env, "kind": "ffn_energy", "m": args.m, "pattern": args.pattern, "density_target": density}
         append_records(args.out, [{**record, "windows": rows, "power_limit_w": nvml.power_limit_w()}])

@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 import numpy as np
+from sustained import dense_and_sparse  # bench/ is the script's first path entry
 
 HERE = pathlib.Path(__file__).resolve().parent
 START, END = "<!-- bench:ffn:start -->", "<!-- bench:ffn:end -->"
@@ -403,12 +404,10 @@ def energy_table(records: list[dict[str, Any]]) -> str:
     for r in recs:
         cells = []
         for kind in ("gated", "non-gated"):
-            dense, sparse = (r["windows"][name] for name in (f"dense {kind} (torch)", f"sparse {kind}"))
-            ms = [min(w["ms_per_call"] for w in windows) for windows in (dense, sparse)]
-            mj = [min(w["mj_per_call"] for w in windows) for windows in (dense, sparse)]
+            (dense_ms, dense_mj), (sparse_ms, sparse_mj) = dense_and_sparse(r["windows"], kind)
             cells += [
-                f"{ms[0]:.3f} / {ms[1]:.3f} ({ms[0] / ms[1]:.2f}x)",
-                f"{mj[0]:.0f} / {mj[1]:.0f} ({mj[1] / mj[0]:.2f})",
+                f"{dense_ms:.3f} / {sparse_ms:.3f} ({dense_ms / sparse_ms:.2f}x)",
+                f"{dense_mj:.0f} / {sparse_mj:.0f} ({sparse_mj / dense_mj:.2f})",
             ]
         out.append(f"| {r['pattern']} | {r['density_target']:.2%} | " + " | ".join(cells) + " |")
     return "\n".join(out)

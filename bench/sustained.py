@@ -107,3 +107,10 @@ def energy_while(nvml: Nvml, fn: Callable[[], Any], seconds: float = 2.0) -> dic
         "reasons": reasons,
         "calls": calls,
     }
+
+
+def dense_and_sparse(windows: dict[str, list[dict[str, Any]]], kind: str) -> tuple[tuple[float, float], ...]:
+    """``((dense ms, dense mJ), (sparse ms, sparse mJ))`` per call for ``kind`` ("gated" or
+    "non-gated") from ``bench/ffn_energy.py``'s windows: each block's best window."""
+    names = (f"dense {kind} (torch)", f"sparse {kind}")
+    return tuple((min(w["ms_per_call"] for w in windows[n]), min(w["mj_per_call"] for w in windows[n])) for n in names)

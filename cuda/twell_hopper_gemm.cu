@@ -206,8 +206,6 @@ struct PackArgs {
   unsigned row_vectors_inv;
 };
 
-__host__ __device__ constexpr int log2_of(int v) { return v <= 1 ? 0 : 1 + log2_of(v / 2); }
-
 // The accumulators of one half (I) of a math warp's 16 rows rounded to T, two per register
 // (e = 0 low, e = 1 high): what the epilogue starts from. Registers are indexed by constants only.
 template <typename T, int I> __device__ __forceinline__ void rounded_pairs(const float* acc, unsigned (&pair)[32]) {
@@ -236,31 +234,30 @@ __device__ __forceinline__ void store_slot_vector(const PackArgs& p, long long g
 //
 // Under a sustained load the producer runs at the board's power cap, where its time follows its
 // energy, and the epilogue's instructions are what it spends beyond the GEMM's (bench/NOTES.md,
-// thirty-seventh session). So the common case has code of its own: TN = BN (256-column row-tiles,
-// the default) makes the row-tile geometry constant (one row-tile per output tile: no variable
-// 64-bit shifts, loops of one trip unrolled away, the slot vectors written by every lane), and
-// STAGED (relu under the split schedules, whose values stay as rounded) reads a kept entry's
-// value back from the handed-off tile in shared memory (`staged`: the shared-memory address of
-// this lane's first word; pair j is word 128 (j / 4) + j % 4 from there) instead of a 31-select
-// tree over the registers. TN = 0 serves any tile_n at run time. Per pack unit (8 rows x 256
+// thirty-seventh session). So the common case has code of its own: RELU256 (relu on 256-column
+// row-tiles, the defaults, under the split schedules) makes the row-tile geometry constant (one
+// row-tile per output tile: no variable 64-bit shifts, loops of one trip unrolled away, the slot
+// vectors written by every lane) and reads a kept entry's value back from the handed-off tile in
+// shared memory, where relu leaves it as rounded (`staged`: the shared-memory address of this
+// lane's first word; pair j is word 128 (j / 4) + j % 4 from there), instead of a 31-select tree
+// over the registers. Otherwise any tile_n is served at run time. Per pack unit (8 rows x 256
 // columns) the SASS runs ~490 instead of ~700 instructions; pass 1 ran 0.5-1% faster in pairs
 // and 1.3% split in a same-machine A/B (H100, thirty-seventh session, TWELL_HOPPER_TILE256).
-template <typename T, int ACT, int TN = 0, bool STAGED = false>
+template <typename T, int ACT, bool RELU256 = false>
 __device__ __forceinline__ void pack_pairs(unsigned (&pair)[32], int half, const PackArgs& p, int row0, int nb,
                                            unsigned char* stage, T* __restrict__ data, short* __restrict__ indices,
                                            int* __restrict__ counts, int* __restrict__ row_tile_nnz,
                                            T* __restrict__ h, unsigned* __restrict__ mask, long long mask_ld,
                                            unsigned staged = 0u) {
-  static_assert(TN == 0 || TN == BN, "the constant geometry is that of one row-tile per output tile");
-  static_assert(!STAGED || ACT == ACT_RELU, "the handed-off values are the rounded ones, which relu keeps");
+  static_assert(!RELU256 || ACT == ACT_RELU, "the handed-off values are the rounded ones, which relu keeps");
   const int lane = threadIdx.x & 31, q = lane & 3, r = lane >> 2;
   const int row = row0 + half * 8 + r;
-  const int tile_n = TN ? TN : p.tile_n;
+  const int tile_n = RELU256 ? BN : p.tile_n;
   const int tiles_here = BN / tile_n;
   const int tile0 = nb * tiles_here;
   const int row_slots = tiles_here * p.capacity;
   const int groups = tile_n >> 3;  // j values per row-tile
-  const int shift = TN ? log2_of(TN >> 3) : __ffs(groups) - 1;
+  const int shift = __ffs(groups) - 1;
   const int lane_bits = 2 * groups;  // bits of one lane's mask per row-tile
   T* s_val = reinterpret_cast<T*>(stage);
   short* s_idx = reinterpret_cast<short*>(stage + 8 * MAX_ROW_SLOTS * sizeof(T));
@@ -322,7 +319,7 @@ __device__ __forceinline__ void pack_pairs(unsigned (&pair)[32], int half, const
   // Kept entries to their slots (and, for overflowing row-tiles, to h), one set bit at a time.
   for (unsigned long long left = mine; left; left &= left - 1ull) {
     const int bit = __ffsll((long long)left) - 1, j = bit >> 1, e = bit & 1;
-    const int st = TN == BN ? 0 : j >> shift, jl = j & (groups - 1);
+    const int st = RELU256 ? 0 : j >> shift, jl = j & (groups - 1);
     const int sh = st * lane_bits;
     int rank = 0;
 #pragma unroll
@@ -331,7 +328,7 @@ __device__ __forceinline__ void pack_pairs(unsigned (&pair)[32], int half, const
       rank += __popcll((quad[s] >> sh) & low_bits(below));
     }
     unsigned word;
-    if constexpr (STAGED) {
+    if constexpr (RELU256) {
       asm volatile("ld.shared.u32 %0, [%1];" : "=r"(word) : "r"(staged + 4u * (128 * (j >> 2) + (j & 3))));
     } else {
       // pair[j] for a run-time j: a tree of selects on j's bits (31 selects, no compares).
@@ -369,7 +366,7 @@ __device__ __forceinline__ void pack_pairs(unsigned (&pair)[32], int half, const
   }
   __syncwarp();
   // The 8 rows' slots out as 16-byte vectors (capacity is a multiple of 8).
-  if constexpr (TN == BN) {
+  if constexpr (RELU256) {
     // One row-tile (nb < n_tiles): capacity / 8 vectors of values, then as many of indices, a row;
     // the 8 rows' vectors spread over all the lanes.
     const int val_vectors = p.capacity >> 3, per_row = p.capacity >> 2;
@@ -554,19 +551,17 @@ __device__ __forceinline__ void gemm_pack(const TensorMap& map_x, const TensorMa
           const uint4 w4 = in[32 * j4];
           pair[4 * j4] = w4.x, pair[4 * j4 + 1] = w4.y, pair[4 * j4 + 2] = w4.z, pair[4 * j4 + 3] = w4.w;
         }
-        // relu on 256-column row-tiles (the defaults) takes the epilogue's constant-geometry code
-        // (the other activations keep one copy of the epilogue: two left the f16 silu one spilling).
-        bool done = false;
+        // relu on 256-column row-tiles (the defaults) takes the epilogue's code of its own (the
+        // other activations keep one copy of the epilogue: two left the f16 silu one spilling).
         if constexpr (ACT == ACT_RELU && TWELL_HOPPER_TILE256) {
           if (args.tile_n == BN) {
-            pack_pairs<T, ACT, BN, true>(pair, half, args, mb * BM + v * 16, nb, stage, data, indices, counts,
-                                         row_tile_nnz, h, mask, mask_ld, smem_u32(in));
-            done = true;
+            pack_pairs<T, ACT, true>(pair, half, args, mb * BM + v * 16, nb, stage, data, indices, counts,
+                                     row_tile_nnz, h, mask, mask_ld, smem_u32(in));
+            continue;
           }
         }
-        if (!done)
-          pack_pairs<T, ACT>(pair, half, args, mb * BM + v * 16, nb, stage, data, indices, counts, row_tile_nnz, h,
-                             mask, mask_ld);
+        pack_pairs<T, ACT>(pair, half, args, mb * BM + v * 16, nb, stage, data, indices, counts, row_tile_nnz, h,
+                           mask, mask_ld);
       }
       barrier_arrive(drained);
     }

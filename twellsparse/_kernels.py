@@ -291,7 +291,7 @@ def source_hash() -> str:
 
 
 def compile_options() -> tuple[str, ...]:
-    """NVRTC options. Six measurement switches are read from the environment when a module is
+    """NVRTC options. Seven measurement switches are read from the environment when a module is
     first compiled, one at import: ``TWELL_GATHER_ROW_ORDER=1`` (:data:`GATHER_ROW_ORDER`) has the
     row-gather kernels over TwELL rows read their row from an order (``_gpu_ops.row_order``),
     ``TWELL_L2_HINTS=0`` turns off the gather kernels' L2 eviction hint (cuda/twell_gather.cu),
