@@ -56,53 +56,36 @@
 #define TWELL_HOPPER_TILE256 1
 #endif
 
-// TWELL_HOPPER_SPLIT_BK=64 (in the environment) gives the split schedules' ring 3 stages of 64
-// columns of K instead of 6 of 32 (see Schedule), for measuring what the deeper ring gains.
-#ifndef TWELL_HOPPER_SPLIT_BK
-#define TWELL_HOPPER_SPLIT_BK 32
-#endif
-
 namespace twell {
 namespace hopper {
 
-constexpr int BM = 128, BN = 256, GROUP_M = 16;
+constexpr int BM = 128, BN = 256, BK = 64, GROUP_M = 16;
+constexpr int A_BYTES = BM * BK * 2;
+constexpr int B_BYTES = BN * BK * 2;
+constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int MAX_ROW_SLOTS = 64;                    // slots of one row in one output tile
 constexpr int WARP_STAGE_BYTES = 8 * MAX_ROW_SLOTS * 4;  // 8 rows x slots x (value + index)
 constexpr int HANDOFF_WORDS = BM * BN / 2;               // the tile rounded to T, two per word
 
 // Launch shape and shared memory of each schedule (twellsparse._hopper_producer mirrors them).
-// A ring stage holds BK columns of K of the x tile (BM rows) and the w tile (BN rows). The split
-// schedules' 64 KB hand-off buffer leaves room for 3 stages of 64 columns (144 KB) or 6 of 32:
-// the same bytes, but the copies run twice as many stages ahead of the math warps (with one
-// group of MMAs in flight, the stage being multiplied and the one before it are held), which
-// the inline schedule's 4 stages of 64 get by having no hand-off buffer. TWELL_HOPPER_SPLIT_BK
-// (64 or 32) picks the split schedules' stage width.
 template <int SPLIT> struct Schedule {
   static constexpr int THREADS = 384;
-  static constexpr int BK = SPLIT ? TWELL_HOPPER_SPLIT_BK : 64;  // K columns of a stage: 128 or 64 bytes
-  static constexpr int A_BYTES = BM * BK * 2;
-  static constexpr int B_BYTES = BN * BK * 2;
-  static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-  static constexpr int STAGES = SPLIT ? (BK == 64 ? 3 : 6) : 4;
+  static constexpr int STAGES = SPLIT ? 3 : 4;
   static constexpr int PACK_WARPS = SPLIT ? 3 : 8;  // warps running the epilogue, a slot stage each
   static constexpr int HANDOFF_BYTES = SPLIT ? HANDOFF_WORDS * 4 : 0;
   // full[s], empty[s], then (SPLIT) handed-off and drained
   static constexpr int BARRIER_BYTES = (2 * STAGES + (SPLIT ? 2 : 0)) * 8;
-  // 1 KB of slack to align the ring to the swizzle's 1024-byte (128-byte rows) or 512-byte
-  // (64-byte rows) pattern.
+  // 1 KB of slack to align the ring to the 128-byte swizzle's 1024-byte pattern.
   static constexpr int SMEM_BYTES =
       1024 + STAGES * STAGE_BYTES + HANDOFF_BYTES + BARRIER_BYTES + PACK_WARPS * WARP_STAGE_BYTES;
-  static_assert(BK == 64 || BK == 32, "a stage is 64 or 32 columns of K");
-  static_assert(SMEM_BYTES <= 227 * 1024, "a schedule fits an SM's shared memory");
 };
+static_assert(Schedule<1>::SMEM_BYTES <= 227 * 1024, "the split schedule fits an SM's shared memory");
+static_assert(Schedule<0>::SMEM_BYTES <= 227 * 1024, "the inline schedule fits an SM's shared memory");
 
-// A K-major operand tile of BK 16-bit columns in the swizzle of its row width: rows of 64 values
-// (128 bytes, the 128-byte swizzle, 8-row groups 1024 bytes apart) or of 32 (64 bytes, the 64-byte
-// swizzle, 8-row groups 512 bytes apart). Advancing 16 values along K adds 32 bytes (2 in the
-// address field) in both.
-template <int BK> __device__ __forceinline__ unsigned long long swizzled_descriptor(unsigned saddr) {
-  constexpr unsigned long long group_stride = 8 * BK * 2 / 16, mode = BK == 64 ? 1 : 2;
-  return (unsigned long long)((saddr & 0x3FFFF) >> 4) | (1ull << 16) | (group_stride << 32) | (mode << 62);
+// A K-major operand tile in the 128-byte swizzle: rows of 64 16-bit values (128 bytes), 8-row
+// groups 1024 bytes apart. Advancing 16 values along K adds 32 bytes (2 in the address field).
+__device__ __forceinline__ unsigned long long sw128_descriptor(unsigned saddr) {
+  return (unsigned long long)((saddr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -424,8 +407,7 @@ __device__ __forceinline__ void gemm_pack(const TensorMap& map_x, const TensorMa
                                           unsigned* __restrict__ mask, long long mask_ld) {
   static_assert(CLUSTER == 1 || (CLUSTER == 2 && BN % 2 == 0), "clusters of 1 or 2 CTAs");
   using S = Schedule<SPLIT>;
-  constexpr int STAGES = S::STAGES, BK = S::BK, STAGE_BYTES = S::STAGE_BYTES;
-  constexpr int A_BYTES = S::A_BYTES, B_BYTES = S::B_BYTES;
+  constexpr int STAGES = S::STAGES;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // Aligned by an offset from the array itself (not through an integer), so that the compiler
   // still knows every pointer derived from it is shared memory: the epilogue's loads and stores
@@ -500,13 +482,12 @@ __device__ __forceinline__ void gemm_pack(const TensorMap& map_x, const TensorMa
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
         const int s = it % STAGES;
         barrier_wait(bars + 8 * s, (it / STAGES) & 1);
-        const unsigned a_tile = ring + s * STAGE_BYTES + math * (64 * BK * 2);
+        const unsigned a_tile = ring + s * STAGE_BYTES + math * (64 * 128);
         const unsigned b_tile = ring + s * STAGE_BYTES + A_BYTES;
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk)
-          wgmma_m64n256k16<T>(acc, swizzled_descriptor<BK>(a_tile) + 2 * kk,
-                              swizzled_descriptor<BK>(b_tile) + 2 * kk);
+          wgmma_m64n256k16<T>(acc, sw128_descriptor(a_tile) + 2 * kk, sw128_descriptor(b_tile) + 2 * kk);
         wgmma_commit();
         wgmma_wait<1>();  // the previous k block's products are done: free its stage
         if (kb > 0 && lane == 0) release_stage<CLUSTER>(bars + 8 * (STAGES + (it - 1) % STAGES));

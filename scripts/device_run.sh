@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|gatherblocks|gatherblocksmodel|skewedtrain|segments|cuttrace|roworder|hostgap|producerncu|producerclocks|producerenergy|producerring|ffnenergy|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|gatherblocks|gatherblocksmodel|skewedtrain|segments|cuttrace|roworder|hostgap|producerncu|producerclocks|producerenergy|ffnenergy|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"  # install, TWELL_COMMIT, PYTHONPATH, $OUT
 what=${*:-all}
@@ -188,18 +188,6 @@ for step in $what; do
         TWELL_HOPPER_PACK=$pack timeout 120 python3 bench/producer_probe.py --energy 2>&1 | tail -9 \
           | sed "s/^/TWELL_HOPPER_PACK=${pack:-default}: /" | tee -a "$OUT/producerenergy.log"
         status=$((status | ${PIPESTATUS[0]}))
-      done
-      ;;&
-    producerring)
-      # The split schedules' ring, 6 stages of 32 columns of K (the default) against 3 of 64
-      # (TWELL_HOPPER_SPLIT_BK=64), each with and without the epilogue, by energy per call; the
-      # default last as well, for the drift between windows.
-      for bk in 32 64 32; do
-        for pack in "" 0; do
-          TWELL_HOPPER_SPLIT_BK=$bk TWELL_HOPPER_PACK=$pack timeout 120 python3 bench/producer_probe.py --energy 2>&1 \
-            | tail -9 | sed "s/^/BK=$bk PACK=${pack:-default}: /" | tee -a "$OUT/producerring.log"
-          status=$((status | ${PIPESTATUS[0]}))
-        done
       done
       ;;&
     ffnenergy)

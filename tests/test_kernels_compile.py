@@ -135,26 +135,21 @@ def test_every_dtype_has_a_cxx_type():
     assert set(_kernels.CXX_TYPE) == set(VALUE_DTYPES)
 
 
-@pytest.mark.parametrize("split_block_k", ["", "64"])
-def test_hopper_launch_shape_matches_the_kernel(split_block_k, monkeypatch):
-    """The fused producer's launch (threads, dynamic shared memory, ring, hand-off words) is
-    computed in Python; the kernel's own constants must agree, or a launch would overrun shared
-    memory or a tensor map would fill the ring's stages with the wrong box (both stage widths)."""
+def test_hopper_launch_shape_matches_the_kernel():
+    """The fused producer's launch (threads, dynamic shared memory, hand-off words) is computed in
+    Python; the kernel's own constants must agree, or a launch would overrun shared memory."""
     _nvrtc_or_skip()
-    monkeypatch.setenv("TWELL_HOPPER_SPLIT_BK", split_block_k)
 
     from twellsparse import _hopper_producer as hp
 
-    checks = ""
-    for split in (0, 1):
-        stages, block_k = hp.ring(bool(split))
-        values = {"SMEM_BYTES": hp.shared_mem(bool(split)), "THREADS": hp.THREADS, "STAGES": stages, "BK": block_k}
-        checks += "".join(
-            f'\nstatic_assert(twell::hopper::Schedule<{split}>::{k} == {v}, "{k}, SPLIT={split}");'
-            for k, v in values.items()
-        )
-    assert hp.ring(True) == ((3, 64) if split_block_k == "64" else (6, 32))
-    constants = {"BM": hp.BLOCK_ROWS, "BN": hp.BLOCK_COLS, "MAX_ROW_SLOTS": hp.MAX_ROW_SLOTS}
+    checks = "\n".join(
+        f"static_assert(twell::hopper::Schedule<{split}>::SMEM_BYTES == {hp.shared_mem(bool(split))}, "
+        f'"shared memory, SPLIT={split}");\n'
+        f"static_assert(twell::hopper::Schedule<{split}>::THREADS == {hp.THREADS}, "
+        f'"threads, SPLIT={split}");'
+        for split in (0, 1)
+    )
+    constants = {"BM": hp.BLOCK_ROWS, "BN": hp.BLOCK_COLS, "BK": hp.BLOCK_K, "MAX_ROW_SLOTS": hp.MAX_ROW_SLOTS}
     checks += "".join(f'\nstatic_assert(twell::hopper::{k} == {v}, "{k}");' for k, v in constants.items())
     _compiles_with("twell_hopper_gemm.cu", checks, "launch constants disagree with the kernel")
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import _kernels as K
 from ._parts import TwELLParts
-from ._tensor_map import SWIZZLE_64B, SWIZZLE_128B, TENSOR_MAP_TYPE, tensor_map, tma_ready
+from ._tensor_map import SWIZZLE_128B, TENSOR_MAP_TYPE, tensor_map, tma_ready
 from ._validation import n_tiles
 
 if TYPE_CHECKING:
@@ -69,30 +69,20 @@ def schedule_for(schedule: str, tiles: int, sms: int) -> str:
 
 
 #: Output tile of one block (BM x BN in the kernel) and its launch shape.
-BLOCK_ROWS, BLOCK_COLS = 128, 256
+BLOCK_ROWS, BLOCK_COLS, BLOCK_K = 128, 256, 64
 THREADS = 384
 MAX_ROW_SLOTS = 64
 
 
-def ring(split: bool) -> tuple[int, int]:
-    """``(stages, block_k)`` of a schedule's ring (``Schedule<SPLIT>::STAGES`` and ``::BK`` in the
-    kernel): the inline schedule's 4 stages of 64 columns of K; the split ones' 6 stages of 32,
-    or 3 of 64 under ``TWELL_HOPPER_SPLIT_BK=64`` (:func:`twellsparse._kernels.hopper_split_block_k`)."""
-    if not split:
-        return 4, 64
-    block_k = K.hopper_split_block_k()
-    return (3 if block_k == 64 else 6), block_k
-
-
 def shared_mem(split: bool) -> int:
     """Dynamic shared memory of one block (``Schedule<SPLIT>::SMEM_BYTES`` in the kernel): 1 KB
-    of alignment slack, the ring's stages (:func:`ring`), the 64 KB hand-off buffer (split), the
-    barriers, and a 2 KB slot stage per warp that packs (3 split, 8 inline)."""
-    (stages, block_k), pack_warps = ring(split), (3 if split else 8)
+    of alignment slack, the ring of 48 KB stages (3 split, 4 inline), the 64 KB hand-off buffer
+    (split), the barriers, and a 2 KB slot stage per warp that packs (3 split, 8 inline)."""
+    stages, pack_warps = (3, 3) if split else (4, 8)
     handoff = BLOCK_ROWS * BLOCK_COLS * 2 if split else 0
     barriers = (2 * stages + (2 if split else 0)) * 8
     slot_stages = pack_warps * 8 * MAX_ROW_SLOTS * 4  # 8 rows x slots x (value + index)
-    return 1024 + stages * (BLOCK_ROWS + BLOCK_COLS) * block_k * 2 + handoff + barriers + slot_stages
+    return 1024 + stages * (BLOCK_ROWS + BLOCK_COLS) * BLOCK_K * 2 + handoff + barriers + slot_stages
 
 
 def applies(x: Any, w: Any, activation: str, threshold: float | None, tile_n: int, capacity: int) -> bool:
@@ -137,11 +127,9 @@ def linear_to_parts_deferred(
         clusters = K.max_active_clusters(pair, cp.cuda.Device().id, THREADS, smem, 2)
         gemm = pair if clusters > 0 else gemm
     cluster = 2 if clusters > 0 else 1  # a cluster's row blocks share a w tile
-    block_k = ring(split)[1]
-    swizzle = SWIZZLE_128B if block_k == 64 else SWIZZLE_64B  # the swizzle of the stage's row bytes
     maps = (
-        tensor_map(x, BLOCK_ROWS, block_k, swizzle),
-        tensor_map(w, BLOCK_COLS // cluster, block_k, swizzle),
+        tensor_map(x, BLOCK_ROWS, BLOCK_K, SWIZZLE_128B),
+        tensor_map(w, BLOCK_COLS // cluster, BLOCK_K, SWIZZLE_128B),
     )
     thr = np.float64(-1.0 if threshold is None else threshold)
     geometry = (np.int32(m), np.int32(n), np.int32(k), np.int32(tile_n), np.int32(nt), np.int32(capacity), thr)

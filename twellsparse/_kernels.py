@@ -291,7 +291,7 @@ def source_hash() -> str:
 
 
 def compile_options() -> tuple[str, ...]:
-    """NVRTC options. Eight measurement switches are read from the environment when a module is
+    """NVRTC options. Seven measurement switches are read from the environment when a module is
     first compiled, one at import: ``TWELL_GATHER_ROW_ORDER=1`` (:data:`GATHER_ROW_ORDER`) has the
     row-gather kernels over TwELL rows read their row from an order (``_gpu_ops.row_order``),
     ``TWELL_L2_HINTS=0`` turns off the gather kernels' L2 eviction hint (cuda/twell_gather.cu),
@@ -303,9 +303,7 @@ def compile_options() -> tuple[str, ...]:
     transposed-product kernels (by default a minimum of 1 block per
     SM for the single-output ones, none for dX's dual pass): N blocks per SM for all of them, 0
     for no minimum; ``TWELL_CUT_MAX_REGS=N`` caps the 2-byte single-output cut transposed product
-    at N registers instead of 152 (cuda/twell_gather.cu, ``twell_gather_csr_spmm_cut_capped``);
-    ``TWELL_HOPPER_SPLIT_BK=64`` gives the fused producer's split schedules 3 ring stages of 64
-    columns of K instead of 6 of 32 (:func:`hopper_split_block_k`)."""
+    at N registers instead of 152 (cuda/twell_gather.cu, ``twell_gather_csr_spmm_cut_capped``)."""
     switches = []
     for name in ("TWELL_L2_HINTS", "TWELL_MMA_DOTS", "TWELL_HOPPER_PACK", "TWELL_HOPPER_TILE256"):
         value = env_switch(name)
@@ -319,17 +317,7 @@ def compile_options() -> tuple[str, ...]:
     if regs and not (regs.isdigit() and 64 <= int(regs) <= 255):
         raise ValueError(f"TWELL_CUT_MAX_REGS: expected a register count from 64 to 255, got {regs!r}")
     switches += [f"-DTWELL_CUT_MAX_REGS={regs}"] if regs else []
-    switches += [f"-DTWELL_HOPPER_SPLIT_BK={hopper_split_block_k()}"]
     return ("-std=c++17", f"-DTWELL_SOURCES_SHA=0x{source_hash()}", *switches)
-
-
-def hopper_split_block_k() -> int:
-    """K columns of a ring stage of the fused producer's split schedules (cuda/twell_hopper_gemm.cu,
-    ``Schedule``): 32 (6 stages), or 64 (3 stages) where ``TWELL_HOPPER_SPLIT_BK=64`` is set."""
-    value = os.environ.get("TWELL_HOPPER_SPLIT_BK", "")
-    if value not in ("", "32", "64"):
-        raise ValueError(f"TWELL_HOPPER_SPLIT_BK: expected 32 or 64, got {value!r}")
-    return int(value or 32)
 
 
 def env_switch(name: str) -> bool | None:
