@@ -16,11 +16,14 @@
 //   hand-off buffer, arrive on a barrier and start the next tile's MMAs while the pack warps run
 //   the epilogue below on the handed-off tile; the buffer is free again when the pack warps
 //   arrive on a second barrier. The tensor cores no longer wait for the epilogue; the price is
-//   one ring stage (3 of 48 KB instead of 4) for the buffer, and no register shift between the
-//   warpgroups (every thread keeps the 168 registers a block of 384 threads allows: the pack
-//   warps need ~100, the math warps' m64n256 MMAs ~154; 512 threads would leave 128).
+//   one ring stage (3 of 48 KB instead of 4) for the buffer, won back by freeing each stage as
+//   soon as a math warpgroup's own MMAs on it are done (see the main loop). Every thread keeps
+//   the 168 registers a block of 384 threads allows (512 threads would leave 128): the math
+//   warps' m64n256 MMAs need ~154 and the pack warps more than 144, so setmaxnreg could move
+//   at most 8 (measured: no gain, bench/NOTES.md, thirty-eighth session).
 // - SPLIT = 0: 384 threads, 4 stages; the math warpgroups pack their own tile after its MMAs (the
-//   copy thread runs ahead into the next tile meanwhile). Kept for comparison.
+//   copy thread runs ahead into the next tile meanwhile). The faster one for calls of a few
+//   tiles per SM (twellsparse._hopper_producer.schedule_for).
 // On the H200 (standard problem, 0.5%): pass 1 0.524 ms in pairs, 0.529 split, 0.537 inline,
 // against 0.458 for cuBLASLt's GEMM; without the epilogue 0.497 / 0.506 / 0.471 (bench/NOTES.md,
 // nineteenth session: the GEMMs run power-limited, so the overlap gains less than expected).
