@@ -17,10 +17,10 @@
 //   the epilogue below on the handed-off tile; the buffer is free again when the pack warps
 //   arrive on a second barrier. The tensor cores no longer wait for the epilogue; the price is
 //   one ring stage (3 of 48 KB instead of 4) for the buffer, won back by freeing each stage as
-//   soon as a math warpgroup's own MMAs on it are done (see the main loop). Every thread keeps
-//   the 168 registers a block of 384 threads allows (512 threads would leave 128): the math
-//   warps' m64n256 MMAs need ~154 and the pack warps more than 144, so setmaxnreg could move
-//   at most 8 (measured: no gain, bench/NOTES.md, thirty-eighth session).
+//   soon as a math warpgroup's own MMAs on it are done (IN_FLIGHT in gemm_pack). Every thread
+//   keeps the 168 registers a block of 384 threads allows (512 threads would leave 128): the
+//   math warps' m64n256 MMAs need ~154 and the pack warps more than 144, so setmaxnreg could
+//   move at most 8 (measured: no gain, bench/NOTES.md, thirty-eighth session).
 // - SPLIT = 0: 384 threads, 4 stages; the math warpgroups pack their own tile after its MMAs (the
 //   copy thread runs ahead into the next tile meanwhile). The faster one for calls of a few
 //   tiles per SM (twellsparse._hopper_producer.schedule_for).
@@ -411,6 +411,12 @@ __device__ __forceinline__ void gemm_pack(const TensorMap& map_x, const TensorMa
   static_assert(CLUSTER == 1 || (CLUSTER == 2 && BN % 2 == 0), "clusters of 1 or 2 CTAs");
   using S = Schedule<SPLIT>;
   constexpr int STAGES = S::STAGES;
+  // Groups of MMAs (one per k block) a math warp leaves in flight before freeing a stage. The
+  // split schedules' 3 stages free each one as soon as its own MMAs are done: the other math
+  // warpgroup's keep the tensor cores busy meanwhile, and the copies run a stage further ahead,
+  // which made pass 1 1.6% faster in pairs and 2.7% split (H100, bench/NOTES.md, thirty-eighth
+  // session); the inline schedule's 4 stages gain nothing from it and keep one group in flight.
+  constexpr int IN_FLIGHT = SPLIT ? 0 : 1;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // Aligned by an offset from the array itself (not through an integer), so that the compiler
   // still knows every pointer derived from it is shared memory: the epilogue's loads and stores
@@ -492,20 +498,12 @@ __device__ __forceinline__ void gemm_pack(const TensorMap& map_x, const TensorMa
         for (int kk = 0; kk < BK / 16; ++kk)
           wgmma_m64n256k16<T>(acc, sw128_descriptor(a_tile) + 2 * kk, sw128_descriptor(b_tile) + 2 * kk);
         wgmma_commit();
-        if (SPLIT) {
-          // The split schedules' 3 stages: this k block's products are done, its stage is free at
-          // once. The other math warpgroup's MMAs keep the tensor cores busy meanwhile, and the
-          // copies run a stage further ahead than with one group left in flight: on an H100
-          // (bench/NOTES.md, thirty-eighth session) pass 1 in pairs 1.6% faster, split 2.7%;
-          // the inline schedule's 4 stages gain nothing from it.
-          wgmma_wait<0>();
-          if (lane == 0) release_stage<CLUSTER>(bars + 8 * (STAGES + s));
-        } else {
-          wgmma_wait<1>();  // the previous k block's products are done: free its stage
-          if (kb > 0 && lane == 0) release_stage<CLUSTER>(bars + 8 * (STAGES + (it - 1) % STAGES));
-        }
+        // Once the k block IN_FLIGHT groups back is done, its stage is free.
+        wgmma_wait<IN_FLIGHT>();
+        if (kb >= IN_FLIGHT && lane == 0)
+          release_stage<CLUSTER>(bars + 8 * (STAGES + (it - IN_FLIGHT) % STAGES));
       }
-      if (!SPLIT) {
+      if (IN_FLIGHT) {  // the tile's last k block
         wgmma_wait<0>();
         if (k_blocks > 0 && lane == 0) release_stage<CLUSTER>(bars + 8 * (STAGES + (it - 1) % STAGES));
       }

@@ -183,7 +183,8 @@ for step in $what; do
     producerenergy)
       # Energy per call and mean power (NVML's counter around two seconds of back-to-back calls)
       # of cuBLASLt's GEMM and pass 1 under each schedule, with and without the epilogue
-      # (TWELL_HOPPER_PACK=0): whether pass 1 runs at the power limit where the GEMM does not.
+      # (TWELL_HOPPER_PACK=0). Both run at the power cap, where time follows energy: the way to
+      # compare producer builds (thirty-seventh and thirty-eighth sessions).
       for pack in "" 0; do
         TWELL_HOPPER_PACK=$pack timeout 120 python3 bench/producer_probe.py --energy 2>&1 | tail -9 \
           | sed "s/^/TWELL_HOPPER_PACK=${pack:-default}: /" | tee -a "$OUT/producerenergy.log"
