@@ -31,13 +31,22 @@
 // holds 8 entries as 16 words [A values x 8 | A2 values x 8], each lane of a group loads and sums
 // one product's 8 words (no shuffle), and the group adds its two lanes' sums at the row's end.
 //
+// Column bands. A slice of a tall B (N x 32 bytes) can outgrow shared memory (N above ~7260 on
+// Hopper: d_ff 14336 needs 459 KB). A is then cut into bands of whole row-tiles of its columns,
+// each band's slice fits, and one launch per band sums its part of every output row: the first
+// band stores its fp32 sums in a workspace (MODE 1, accumulate = 0), middle bands add to it
+// (MODE 1, accumulate = 1) and the last adds the workspace and writes T (MODE 2); MODE 0 is a
+// single band's plain write. Each band is packed on its own (stationary_row_sizes and
+// stationary_pack over tiles t_lo .. t_hi - 1 and the spill entries in those columns), with
+// columns counted from the band's first, so the words, the zero rows and the slice are the
+// band's. The launches run in stream order, so the sums are deterministic and rounded to T once.
+//
 // Work split: block (slice, row part), 32 warps; a warp owns a contiguous run of the part's
 // rows, and its 16 groups of 2 lanes take rows g, g + 16, ... of that run (static, so a row's
 // bounds are read one row ahead). Lane h of a group accumulates output columns 8h .. 8h + 7 of
 // the slice. A group takes 8 words at a time (4 per lane, one 16-byte load, two batches more in
 // flight), hands each word to both lanes with one shuffle, and each lane loads its 16 bytes of
 // that B row from shared memory.
-#include "twell_rows.cuh"
 #include "twell_scan.cuh"
 #include "twell_slot_class.cuh"
 #include "twell_types.cuh"
@@ -172,34 +181,51 @@ __device__ __forceinline__ void for_each_batch(Cursor& c, const int* __restrict_
   }
 }
 
+// Whether column `col` of A lies in the band [col_lo, col_hi).
+__device__ __forceinline__ bool in_band(int col, int col_lo, int col_hi) { return col >= col_lo && col < col_hi; }
+
+// Row `row`'s entries in the band: its tiles t_lo .. t_hi - 1 (each lane summing every 32nd) and
+// its spill entries in columns [col_lo, col_hi). The whole warp calls it; every lane gets the total.
+__device__ __forceinline__ int band_entries(const int* __restrict__ counts, const int* __restrict__ spill_indptr,
+                                            const int* __restrict__ spill_cols, long long row, int n_tiles,
+                                            int t_lo, int t_hi, int col_lo, int col_hi, int lane) {
+  int n = 0;
+  for (int t = t_lo + lane; t < t_hi; t += 32) n += counts[row * n_tiles + t];
+  for (int i = spill_indptr[row] + lane; i < spill_indptr[row + 1]; i += 32) n += in_band(spill_cols[i], col_lo, col_hi);
+  return (int)__reduce_add_sync(0xffffffffu, (unsigned)n);
+}
+
 // a[q] for a run-time q without local memory.
 __device__ __forceinline__ int pick4(const int (&a)[4], int q) {
   return q == 0 ? a[0] : q == 1 ? a[1] : q == 2 ? a[2] : a[3];
 }
 
-// Visit every entry of A's row `row` (its tiles' slots in order, then its spill entries) as
-// visit(q, k, word, bits2): the entry's slot class q = (column - row) % 4, its rank k among the
-// row's entries of that class, its packed word, and (DUAL) A2's value bits there. Returns the
-// row's four class totals.
+// Visit every entry of A's row `row` in the band of tiles t_lo .. t_hi - 1 (those tiles' slots in
+// order, then its spill entries in the band's columns) as visit(q, k, word, bits2): the entry's
+// slot class q = (column - row) % 4, its rank k among the row's entries of that class, its
+// packed word (the column counted from the band's first, col_lo = t_lo * tile_n), and (DUAL)
+// A2's value bits there. Returns the row's four class totals. col_lo is a multiple of 4 (tile_n
+// is), so a column's class is the same counted from the band's start.
 template <typename T, int DUAL, typename Visit>
 __device__ __forceinline__ unsigned long long walk_row(
     const T* __restrict__ data, const T* __restrict__ data2, const short* __restrict__ indices,
     const int* __restrict__ counts, const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
     const T* __restrict__ spill_vals, const T* __restrict__ spill_vals2, int row, int n_tiles, int tile_n,
-    int capacity, Visit visit) {
+    int capacity, int t_lo, int t_hi, Visit visit) {
   const int lane = threadIdx.x & 31;
+  const int col_lo = t_lo * tile_n, col_hi = t_hi * tile_n;
   unsigned long long base = 0;  // entries of each class before the current chunk
-  for (int t0 = 0; t0 < n_tiles; t0 += 32) {  // a lane per tile
+  for (int t0 = t_lo; t0 < t_hi; t0 += 32) {  // a lane per tile
     const int t = t0 + lane;
     const long long rt = (long long)row * n_tiles + t;
-    const int n = t < n_tiles ? counts[rt] : 0;
+    const int n = t < t_hi ? counts[rt] : 0;
     unsigned long long mine = 0;
     for (int s = 0; s < n; ++s) mine += class_unit((t * tile_n + indices[rt * capacity + s] - row) & 3);
     const unsigned long long incl = (unsigned long long)warp_inclusive_sum((long long)mine);
     unsigned long long rank = base + incl - mine;
     for (int s = 0; s < n; ++s) {
       const long long slot = rt * capacity + s;
-      const int col = t * tile_n + indices[slot];
+      const int col = t * tile_n + indices[slot] - col_lo;
       const int q = (col - row) & 3;
       visit(q, class_field(rank, q), ((unsigned)col << 16) | data[slot].bits, DUAL ? data2[slot].bits : 0);
       rank += class_unit(q);
@@ -209,8 +235,8 @@ __device__ __forceinline__ unsigned long long walk_row(
   const int s0 = spill_indptr[row], s1 = spill_indptr[row + 1];
   for (int i0 = s0; i0 < s1; i0 += 32) {  // a lane per entry
     const int i = i0 + lane;
-    const bool live = i < s1;
-    const int col = live ? spill_cols[i] : 0;
+    const int col = (i < s1 ? spill_cols[i] : col_lo - 1) - col_lo;
+    const bool live = i < s1 && in_band(col, 0, col_hi - col_lo);
     const int q = (col - row) & 3;
     const int k = ballot_rank(live, q, base);
     if (live) visit(q, k, ((unsigned)col << 16) | spill_vals[i].bits, DUAL ? spill_vals2[i].bits : 0);
@@ -230,16 +256,17 @@ __device__ __forceinline__ int compact_position(const int (&n)[4], int q, int k)
 
 }  // namespace twell
 
-// Each row's packed length in words (its slot and spill entries rounded up to a batch of 8; dual:
-// two words per entry), one warp per row (the scan below then reads one value per
-// row).
+// Each row's packed length in words in the band of tiles t_lo .. t_hi - 1 (its entries there
+// rounded up to a batch of 8; dual: two words per entry), one warp per row (the scan below then
+// reads one value per row).
 __global__ void __launch_bounds__(256) stationary_row_sizes(
-    const int* __restrict__ counts, const int* __restrict__ spill_indptr, int n_tiles, int M, int dual,
-    int* __restrict__ sizes) {
+    const int* __restrict__ counts, const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
+    int n_tiles, int tile_n, int t_lo, int t_hi, int M, int dual, int* __restrict__ sizes) {
   const int row = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5);
   const int lane = threadIdx.x & 31;
   if (row >= M) return;
-  const int n = twell::row_entries(counts, spill_indptr, row, n_tiles, lane);
+  const int n =
+      twell::band_entries(counts, spill_indptr, spill_cols, row, n_tiles, t_lo, t_hi, t_lo * tile_n, t_hi * tile_n, lane);
   constexpr int B = twell::STATIONARY_BATCH;  // entries per batch
   if (lane == 0) sizes[row] = (dual ? 2 : 1) * ((n + B - 1) / B * B);
 }
@@ -262,8 +289,9 @@ __global__ void __launch_bounds__(twell::SCAN_THREADS) stationary_row_place(
   if (threadIdx.x == 0 && blockIdx.x == 0) indptr[0] = 0;
 }
 
-// Pack A's rows as words at the scanned pointers, in the order of the slot classes (see the top
-// of this file); one warp per row. A row of up to STATIONARY_STAGE_WORDS entries is read once
+// Pack A's rows (their entries in the band of tiles t_lo .. t_hi - 1, columns counted from the
+// band's first; N the band's width) as words at the scanned pointers, in the order of the slot
+// classes (see the top of this file); one warp per row. A row of up to STATIONARY_STAGE_WORDS entries is read once
 // into shared memory in walk order (its tiles' slots, then its spill), bucketed there by class,
 // and read out in the greedy order; a longer one is walked twice (class totals, then each entry
 // to compact_position's place). Entry position P is word P, or (DUAL) word P % 8 of the 16-word
@@ -273,7 +301,7 @@ __global__ void __launch_bounds__(twell::STATIONARY_PACK_WARPS * 32) stationary_
     const T* __restrict__ data, const T* __restrict__ data2, const short* __restrict__ indices,
     const int* __restrict__ counts, const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
     const T* __restrict__ spill_vals, const T* __restrict__ spill_vals2, int M, int n_tiles, int tile_n,
-    int capacity, int N, const int* __restrict__ indptr, unsigned* __restrict__ words) {
+    int capacity, int t_lo, int t_hi, int N, const int* __restrict__ indptr, unsigned* __restrict__ words) {
   using namespace twell;
   constexpr int W = STATIONARY_PACK_WARPS, S = STATIONARY_STAGE_WORDS;
   __shared__ unsigned staged[W][2][S];
@@ -288,27 +316,34 @@ __global__ void __launch_bounds__(twell::STATIONARY_PACK_WARPS * 32) stationary_
   const bool staging = size <= S;
   // Word offset of entry position P (its A2 word is 8 further in the dual form).
   auto at = [](int P) { return DUAL ? 16 * (P >> 3) + (P & 7) : P; };
+  const int col_lo = t_lo * tile_n, col_hi = t_hi * tile_n;
   unsigned long long totals = 0;
   int entries = 0;
   if (staging) {
-    for (int t0 = 0; t0 < n_tiles; t0 += 32) {  // a lane per tile
+    for (int t0 = t_lo; t0 < t_hi; t0 += 32) {  // a lane per tile
       const int t = t0 + lane;
       const long long rt = (long long)row * n_tiles + t;
-      const int n = t < n_tiles ? counts[rt] : 0;
+      const int n = t < t_hi ? counts[rt] : 0;
       const int first = entries + (int)warp_inclusive_sum(n) - n;
       for (int s = 0; s < n; ++s) {
         const long long slot = rt * capacity + s;
-        walked[first + s] = ((unsigned)(t * tile_n + indices[slot]) << 16) | data[slot].bits;
+        walked[first + s] = ((unsigned)(t * tile_n + indices[slot] - col_lo) << 16) | data[slot].bits;
         if (DUAL) walked2[first + s] = data2[slot].bits;
       }
       entries = __shfl_sync(0xffffffffu, first + n, 31);
     }
     const int s0 = spill_indptr[row], s1 = spill_indptr[row + 1];
-    for (int i = s0 + lane; i < s1; i += 32) {
-      walked[entries + i - s0] = ((unsigned)spill_cols[i] << 16) | spill_vals[i].bits;
-      if (DUAL) walked2[entries + i - s0] = spill_vals2[i].bits;
+    for (int i0 = s0; i0 < s1; i0 += 32) {  // the band's spill entries, in order
+      const int i = i0 + lane;
+      const bool live = i < s1 && in_band(spill_cols[i], col_lo, col_hi);
+      const unsigned taken = __ballot_sync(0xffffffffu, live);
+      const int place = entries + __popc(taken & ((1u << lane) - 1u));
+      if (live) {
+        walked[place] = ((unsigned)(spill_cols[i] - col_lo) << 16) | spill_vals[i].bits;
+        if (DUAL) walked2[place] = spill_vals2[i].bits;
+      }
+      entries += __popc(taken);
     }
-    entries += s1 - s0;
     __syncwarp();
     unsigned long long mine = 0;
     for (int i = lane; i < entries; i += 32) mine += class_unit(((int)(walked[i] >> 16) - row) & 3);
@@ -317,7 +352,7 @@ __global__ void __launch_bounds__(twell::STATIONARY_PACK_WARPS * 32) stationary_
     totals = mine;
   } else {
     totals = walk_row<T, DUAL>(data, data2, indices, counts, spill_indptr, spill_cols, spill_vals, spill_vals2, row,
-                               n_tiles, tile_n, capacity, [](int, int, unsigned, unsigned) {});
+                               n_tiles, tile_n, capacity, t_lo, t_hi, [](int, int, unsigned, unsigned) {});
   }
   int n[4], start[4], rem[4], taken[4];
   entries = 0;
@@ -343,7 +378,7 @@ __global__ void __launch_bounds__(twell::STATIONARY_PACK_WARPS * 32) stationary_
     __syncwarp();
   } else {
     walk_row<T, DUAL>(data, data2, indices, counts, spill_indptr, spill_cols, spill_vals, spill_vals2, row, n_tiles,
-                      tile_n, capacity, [&](int q, int k, unsigned word, unsigned bits2) {
+                      tile_n, capacity, t_lo, t_hi, [&](int q, int k, unsigned word, unsigned bits2) {
                         const int w = pos + at(compact_position(n, q, k));
                         words[w] = word;
                         if (DUAL) words[w + 8] = (word & 0xffff0000u) | bits2;
@@ -392,11 +427,58 @@ __global__ void __launch_bounds__(twell::STATIONARY_PACK_WARPS * 32) stationary_
   }
 }
 
-template <typename T, int DUAL>
+namespace twell {
+
+// Band modes of the SpMM (see "Column bands" at the top of this file).
+constexpr int BAND_WHOLE = 0;    // the only band: out = sums, rounded to T
+constexpr int BAND_PARTIAL = 1;  // a band before the last: ws = sums (accumulate: ws += sums), fp32
+constexpr int BAND_LAST = 2;     // the last band: out = ws + sums, rounded to T
+
+// Hand a row's V sums (output columns col .. col + V - 1) on as MODE says.
+template <typename T, int MODE, int V>
+__device__ __forceinline__ void emit_sums(const float (&sums)[V], T* __restrict__ out, long long ldo,
+                                          float* __restrict__ ws, long long ldw, int accumulate, int row, int col) {
+  static_assert(V == 4 || V == 8, "a lane's sums are 4 or 8 columns");
+  float v[V];
+#pragma unroll
+  for (int k = 0; k < V; ++k) v[k] = sums[k];
+  if constexpr (MODE != BAND_WHOLE) {
+    float4* w = reinterpret_cast<float4*>(ws + row * ldw + col);
+#pragma unroll
+    for (int k = 0; k < V / 4; ++k) {
+      if (MODE == BAND_LAST || accumulate) {
+        const float4 prior = w[k];
+        v[4 * k] += prior.x, v[4 * k + 1] += prior.y, v[4 * k + 2] += prior.z, v[4 * k + 3] += prior.w;
+      }
+      if (MODE == BAND_PARTIAL) w[k] = make_float4(v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3]);
+    }
+  }
+  if constexpr (MODE == BAND_PARTIAL) {
+    return;
+  } else if constexpr (V == 8) {
+    uint4 o;
+    o.x = pack2<T>(v[0], v[1]);
+    o.y = pack2<T>(v[2], v[3]);
+    o.z = pack2<T>(v[4], v[5]);
+    o.w = pack2<T>(v[6], v[7]);
+    *reinterpret_cast<uint4*>(out + row * ldo + col) = o;
+  } else {
+    uint2 o;
+    o.x = pack2<T>(v[0], v[1]);
+    o.y = pack2<T>(v[2], v[3]);
+    *reinterpret_cast<uint2*>(out + row * ldo + col) = o;
+  }
+}
+
+}  // namespace twell
+
+// out = A @ B (DUAL: + A2 @ B2) for A packed by stationary_pack, or one band's part of it (MODE,
+// with the fp32 workspace ws of leading dimension ldw; unused by BAND_WHOLE).
+template <typename T, int DUAL, int MODE>
 __global__ void __launch_bounds__(twell::STATIONARY_WARPS * 32, 1) twell_stationary_spmm(
     const int* __restrict__ indptr, const uint4* __restrict__ words, int M, int N,
     const T* __restrict__ b, long long ldb, const T* __restrict__ b2, long long ldb2, int K,
-    T* __restrict__ out, long long ldo, int rows_per_part) {
+    T* __restrict__ out, long long ldo, float* __restrict__ ws, long long ldw, int accumulate, int rows_per_part) {
   using namespace twell;
   extern __shared__ uint4 slice[];  // stage_slice's layout
   const int c0 = blockIdx.x * (DUAL ? STATIONARY_COLS / 2 : STATIONARY_COLS);
@@ -459,20 +541,11 @@ __global__ void __launch_bounds__(twell::STATIONARY_WARPS * 32, 1) twell_station
       }
     }
     if (bt.last) {
-      if (DUAL) {
-        if (bt.row < run_hi && writes) {
-          uint2 o;
-          o.x = pack2<T>(sum[0], sum[1]);
-          o.y = pack2<T>(sum[2], sum[3]);
-          *reinterpret_cast<uint2*>(out + bt.row * ldo + c0 + 4 * h) = o;
-        }
-      } else if (bt.row < run_hi && writes) {
-        uint4 o;
-        o.x = pack2<T>(acc[0], acc[1]);
-        o.y = pack2<T>(acc[2], acc[3]);
-        o.z = pack2<T>(acc[4], acc[5]);
-        o.w = pack2<T>(acc[6], acc[7]);
-        *reinterpret_cast<uint4*>(out + bt.row * ldo + c0 + 8 * h) = o;
+      if (bt.row < run_hi && writes) {
+        if (DUAL)
+          emit_sums<T, MODE>(sum, out, ldo, ws, ldw, accumulate, bt.row, c0 + 4 * h);
+        else
+          emit_sums<T, MODE>(acc, out, ldo, ws, ldw, accumulate, bt.row, c0 + 8 * h);
       }
 #pragma unroll
       for (int k = 0; k < 8; ++k) acc[k] = 0.f;

@@ -144,6 +144,21 @@ def test_stationary_breakeven_falls_with_rows_and_columns():
     assert _stationary.breakeven_entries(0, 0) > 0  # empty shapes: no division by zero
 
 
+def test_stationary_bands_cut_a_tall_b_into_whole_row_tiles():
+    from twellsparse import _stationary
+
+    hopper = 227 * 1024  # the H100's and H200's opt-in shared memory per block
+    assert _stationary.band_tiles(5632, 256, hopper) == 22  # the standard widths: one band, all tiles
+    assert _stationary.band_tiles(5632, None, hopper) == 1  # fits whole: no tile width needed
+    assert _stationary.band_tiles(14336, 256, hopper) == 28  # (7264 - 4) // 256: two bands
+    assert _stationary.band_tiles(14336, None, hopper) is None  # tall, and bands not allowed
+    assert _stationary.band_tiles(9000, 128, hopper) == 56  # 71 tiles: 56 + 15
+    assert _stationary.band_tiles(60000, 256, hopper) is None  # 9 bands: over MAX_BANDS
+    assert _stationary.band_tiles(14336, 256, 64) is None  # not one tile fits
+    assert _stationary.band_columns(14336, 256, 28, 56) == (7168, 14336)
+    assert _stationary.band_columns(9000, 128, 56, 112) == (7168, 9000)  # the last band's partial tile
+
+
 def test_the_dual_stationary_form_follows_the_single_forms_rule(monkeypatch):
     from twellsparse import _stationary
 

@@ -139,13 +139,13 @@ def spmm(
     if path == "tiled" or (path == "auto" and _tiled_spmm.chosen(b, out, b2)):
         return _tiled_spmm.spmm(parts, tile_n, b, out, second)
     fits = _stationary.fits(parts, second is not None)  # its int32 row pointers
-    if path == "stationary" and not (fits and _stationary.applies(b.shape[0], b, out, b2)):
+    if path == "stationary" and not (fits and _stationary.applies(b.shape[0], b, out, b2, tile_n)):
         raise ValueError(
             "path: 'stationary' needs 2-byte values, 16-byte-aligned rows, b with columns, a 16-column slice "
-            f"of b (b.shape[0] * 32 bytes) that fits in shared memory and fewer than 2**31 packed words; got "
-            f"{b.dtype} b of shape {b.shape}"
+            f"of b (b.shape[0] * 32 bytes) that fits in shared memory in at most {_stationary.MAX_BANDS} column "
+            f"bands of whole row-tiles and fewer than 2**31 packed words; got {b.dtype} b of shape {b.shape}"
         )
-    if path == "stationary" or (path == "auto" and fits and _stationary.chosen(m, b.shape[0], b, out, b2)):
+    if path == "stationary" or (path == "auto" and fits and _stationary.chosen(m, b.shape[0], b, out, b2, tile_n)):
         return _stationary.spmm(parts, tile_n, b, out, second)
     k = b.shape[1]
     ldo = np.int64(leading_dim(out))

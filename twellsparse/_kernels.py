@@ -193,11 +193,17 @@ def _instantiations() -> dict[str, list[str]]:
         "twell_quantize.cu": [f"twell_quantize_rows_e4m3<{t}>" for t in types],
         "twell_dense_transpose.cu": [f"dense_transpose<{t}>" for t in types],
         "twell_stationary.cu": [
-            f"{kernel}<{CXX_TYPE[d]}, {dual}>"
+            f"stationary_pack<{CXX_TYPE[d]}, {dual}>"
             for d in VALUE_DTYPES
             if d.itemsize == 2  # the packed words hold 16-bit values
-            for kernel in ("stationary_pack", "twell_stationary_spmm")
             for dual in (0, 1)  # one product, or the sum of two (A @ B + A2 @ B2)
+        ]
+        + [
+            f"twell_stationary_spmm<{CXX_TYPE[d]}, {dual}, {mode}>"
+            for d in VALUE_DTYPES
+            if d.itemsize == 2
+            for dual in (0, 1)
+            for mode in (0, 1, 2)  # one band, a band before the last, the last (column bands)
         ]
         + ["stationary_row_sizes", "stationary_row_sums", "stationary_row_place"],
     }

@@ -1,7 +1,8 @@
 """The weight-stationary SpMM (cuda/twell_stationary.cu) against the float64 reference: row parts
 of every size (one row, fewer rows than warps, many rows per group), a partial last slice,
-spill entries, empty rows, a poisoned output, and Inf in a B row no entry uses; and the packed
-layout against the reference's entries."""
+spill entries, empty rows, a poisoned output, and Inf in a B row no entry uses; column bands (a
+B too tall for one slice: forced with a small shared-memory limit, and d_ff 14336 as it comes);
+and the packed layout, whole and per band, against the reference's entries."""
 
 from __future__ import annotations
 
@@ -241,3 +242,81 @@ def test_an_expected_density_decides_instead_of_the_rows(cp, rng, monkeypatch):
         with _stationary.expected_density(density):
             choices.append(taken())
     assert choices == [True, False, True]
+
+
+# (m, n, k, tile_n, capacity, density, slice rows): column bands forced by a shared-memory limit of
+# `slice rows` B rows (None: the device's own), each band whole row-tiles of A.
+BANDED = [
+    (300, 2000, 96, 64, 2, 0.08, 600),  # 4 bands of 9 tiles (the last 5), heavy spill in every band
+    (67, 1000, 40, 32, None, 0.05, 300),  # 4 bands, K = 2.5 slices: a partial last slice
+    (130, 9000, 64, 128, 8, 0.01, None),  # 2 bands on the device (7168 + 1832 columns: a partial tile)
+    (40, 14336, 32, 256, 32, 0.01, None),  # the down projection of d_ff 14336: 2 bands of 28 tiles
+]
+
+
+def _limit_slices(monkeypatch, rows):
+    """Shared memory for a slice of ``rows`` B rows (and the zero rows), or the device's own."""
+    if rows is not None:
+        monkeypatch.setattr(_stationary, "_max_slice_bytes", lambda: _stationary.slice_bytes(rows, 2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, n, k, tile_n, capacity, density, rows", BANDED)
+def test_stationary_spmm_in_column_bands_matches_float64(
+    cp, rng, monkeypatch, dtype, m, n, k, tile_n, capacity, density, rows
+):
+    _limit_slices(monkeypatch, rows)
+    per_band = _stationary.band_tiles(n, tile_n, _stationary._max_slice_bytes())
+    assert per_band is not None and per_band < -(-n // tile_n)  # more than one band
+    h, a = _problem(cp, rng, m, n, tile_n, capacity, density, dtype)
+    b, expected = inf_in_an_unused_row(rng, h, k, dtype)
+    b_gpu = cp.asarray(b)
+    out = cp.full((m, k), np.nan, dtype=dtype)  # poisoned
+    assert not _stationary.applies(n, b_gpu, out)  # one slice does not fit
+    assert _stationary.applies(n, b_gpu, out, tile_n=tile_n)
+    _gpu_ops.spmm(a.parts, tile_n, b_gpu, out, path="stationary")
+    check_spmm_result(cp, a.parts, tile_n, b_gpu, out, expected, dtype)
+
+
+@pytest.mark.parametrize("m, n, k, tile_n, capacity, density, rows", BANDED[:2])
+def test_dual_stationary_in_column_bands_sums_two_products(
+    cp, rng, monkeypatch, m, n, k, tile_n, capacity, density, rows
+):
+    _limit_slices(monkeypatch, rows)
+    dtype = ts.bfloat16
+    h, a = _problem(cp, rng, m, n, tile_n, capacity, density, dtype)
+    h2, a2 = _twin(cp, rng, h, a, dtype)
+    b, b2 = (rng.standard_normal((n, k)).astype(dtype) for _ in range(2))
+    expected = h.astype(np.float64) @ b.astype(np.float64) + h2.astype(np.float64) @ b2.astype(np.float64)
+    out = cp.full((m, k), np.nan, dtype=dtype)
+    _gpu_ops.spmm(a.parts, tile_n, cp.asarray(b), out, path="stationary", second=(a2.parts, cp.asarray(b2)))
+    got = cp.asnumpy(out).astype(np.float64)
+    assert np.isfinite(got).all()
+    assert rel_error(got, expected) <= rounding_bound(dtype, expected)
+
+
+def test_stationary_refuses_more_bands_than_allowed(cp, rng, monkeypatch):
+    _limit_slices(monkeypatch, 100)
+    _, a = _problem(cp, rng, 8, 2000, 32, None, 0.05, ts.bfloat16)  # 63 tiles, 3 per band: 21 bands
+    b = cp.zeros((2000, 16), dtype=ts.bfloat16)
+    out = cp.empty((8, 16), dtype=ts.bfloat16)
+    assert not _stationary.applies(2000, b, out, tile_n=32)
+    with pytest.raises(ValueError, match="column bands"):
+        _gpu_ops.spmm(a.parts, 32, b, out, path="stationary")
+
+
+def test_pack_of_a_band_holds_its_entries_from_its_first_column(cp, rng):
+    m, n, tile_n, capacity, density = 300, 2000, 32, 2, 0.08  # heavy spill
+    h, a = _problem(cp, rng, m, n, tile_n, capacity, density, ts.bfloat16)
+    host = TwELLParts(*(cp.asnumpy(p) for p in a.parts))
+    t_lo, t_hi = 20, 41
+    lo, hi = _stationary.band_columns(n, tile_n, t_lo, t_hi)
+    indptr, words = _stationary.pack(a.parts, tile_n, n, band=(t_lo, t_hi))
+    indptr, words = cp.asnumpy(indptr), cp.asnumpy(words)
+    for row in range(m):
+        walk = [w - (lo << 16) for w in _walk_order(host, row, tile_n) if lo <= w >> 16 < hi]
+        got = words[indptr[row] : indptr[row + 1]]
+        assert np.array_equal(got, _expected_row(walk, row, hi - lo)), f"row {row}"
+        cols = got >> 16
+        real = cols < hi - lo
+        assert sorted((cols[real] + lo).tolist()) == (np.flatnonzero(h[row, lo:hi]) + lo).tolist()
