@@ -138,11 +138,12 @@ def chosen(m: int, n: int, b: Any, out: Any, b2: Any = None, tile_n: int | None 
     return applies(n, b, out, b2, tile_n)
 
 
-def words_bound(parts: TwELLParts, dual: bool) -> int:
-    """The packed words' room: every slot and spill entry (twice in the dual form) and each
-    row's padding."""
+def words_bound(parts: TwELLParts, dual: bool, band: tuple[int, int] | None = None) -> int:
+    """The packed words' room: every slot (of the band's row-tiles, when a ``band`` is given)
+    and spill entry (twice in the dual form) and each row's padding."""
     m, nt, cap = parts.data.shape
-    return (2 if dual else 1) * (m * nt * cap + int(parts.spill_data.size) + m * (BATCH - 1))
+    tiles = nt if band is None else band[1] - band[0]
+    return (2 if dual else 1) * (m * tiles * cap + int(parts.spill_data.size) + m * (BATCH - 1))
 
 
 def fits(parts: TwELLParts, dual: bool) -> bool:
@@ -165,7 +166,7 @@ def pack(
     m, nt, cap = parts.data.shape
     t_lo, t_hi = (0, nt) if band is None else band
     width = band_columns(n, tile_n, t_lo, t_hi)[1] - t_lo * tile_n
-    bound = words_bound(parts, second is not None)
+    bound = words_bound(parts, second is not None, (t_lo, t_hi))
     if bound >= 2**31:
         raise ValueError(f"a: expected fewer than 2**31 packed words for the stationary kernel, got room for {bound}")
     indptr = cp.empty(m + 1, dtype=cp.int32)
