@@ -41,6 +41,13 @@ import math
 #: :data:`E4M3_CROSSING_FACTOR`, so they too run dense at 1024 tokens or fewer (not measured
 #: there; their producer is the same).
 #:
+#: The d_model 4096 points predate the stationary SpMM's column bands (20f0dc8), which made the
+#: down projection of those widths 1.5-2.6x faster (it had run on the row gathers, from HBM): the
+#: sparse blocks at 16384 tokens and 0.5% went from 1.05 / 1.14x torch to 1.33 / 1.39x, and the
+#: banded down projection alone beats the dense GEMM up to ~1.2% (H100, bench/NOTES.md,
+#: thirty-ninth session). Until they are measured again (``scripts/device_run.sh wide``) these
+#: crossings err towards dense there.
+#:
 #: The gated 16384-token point of d_model 4096 was 0.85% (H200, 7acaf49); on an H100 (f037e9e)
 #: the sparse block at 0.75% took 8.81 ms against torch's 8.44 (0.96x; `auto` 0.87x, GPU time)
 #: and the library's dense plan's 8.11: its weights do not fit in L2, so the gathers run at
