@@ -291,10 +291,10 @@ __global__ void __launch_bounds__(twell::SCAN_THREADS) stationary_row_place(
 
 // Pack A's rows (their entries in the band of tiles t_lo .. t_hi - 1, columns counted from the
 // band's first; N the band's width) as words at the scanned pointers, in the order of the slot
-// classes (see the top of this file); one warp per row. A row of up to STATIONARY_STAGE_WORDS entries is read once
-// into shared memory in walk order (its tiles' slots, then its spill), bucketed there by class,
-// and read out in the greedy order; a longer one is walked twice (class totals, then each entry
-// to compact_position's place). Entry position P is word P, or (DUAL) word P % 8 of the 16-word
+// classes (see the top of this file); one warp per row. A row of up to STATIONARY_STAGE_WORDS
+// entries is read once into shared memory in walk order (its tiles' slots, then its spill),
+// bucketed there by class, and read out in the greedy order; a longer one is walked twice (class
+// totals, then each entry to compact_position's place). Entry position P is word P, or (DUAL) word P % 8 of the 16-word
 // batch P / 8, with A2's word 8 after it.
 template <typename T, int DUAL>
 __global__ void __launch_bounds__(twell::STATIONARY_PACK_WARPS * 32) stationary_pack(
