@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|wide|wide65536|gatherblocks|gatherblocksmodel|skewedtrain|segments|cuttrace|roworder|hostgap|producerncu|producerclocks|producerenergy|ffnenergy|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|wide|widestages|wide65536|gatherblocks|gatherblocksmodel|skewedtrain|segments|cuttrace|roworder|hostgap|producerncu|producerclocks|producerenergy|ffnenergy|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"  # install, TWELL_COMMIT, PYTHONPATH, $OUT
 what=${*:-all}
@@ -201,21 +201,23 @@ for step in $what; do
       # d_model 4096 / d_ff 14336 after the stationary SpMM's column bands (thirty-ninth session,
       # item 6): the down projection's kernels at 4096-65536 rows, then the blocks around the new
       # crossings at 4096 and 16384 tokens, both patterns (bench/breakeven_fit.py reads
-      # $OUT/ffn_bench.jsonl for _dispatch.CROSSINGS). ~7 minutes on an H200.
+      # $OUT/ffn_bench.jsonl for _dispatch.CROSSINGS). ~5 minutes on an H200.
       timeout 150 python3 bench/down_choice.py --d-model 4096 --d-ff 14336 --m 4096,65536 \
         --densities 0.0025,0.005,0.01,0.02 --reps 5 --out "$OUT/down_choice.jsonl" 2>&1 | tee -a "$OUT/wide.log"
       status=$((status | ${PIPESTATUS[0]}))
-      # The gated up projection (row gathers, the tiled kernels) and the backward's dX (the dual
-      # form, now banded) at those widths: the largest sparse stages left there.
-      for d in 0.005 0.01; do
-        timeout 120 python3 bench/stage_times.py --d-model 4096 --d-ff 14336 --density $d --reps 5 \
-          --only "gated up,bwd dX" --out "$OUT/stages.jsonl" 2>&1 | tee -a "$OUT/wide.log"
-        status=$((status | ${PIPESTATUS[0]}))
-      done
       for m in 4096 16384; do
         timeout 240 python3 bench/ffn_bench.py --m $m --d-model 4096 --d-ff 14336 --patterns uniform,skewed \
           --densities 0.0075,0.01,0.015,0.02 --reps 5 --no-variants --out "$OUT/ffn_bench.jsonl" 2>&1 \
           | grep -E "^ *(uniform|skewed) " | tee -a "$OUT/wide.log"
+        status=$((status | ${PIPESTATUS[0]}))
+      done
+      ;;&
+    widestages)
+      # The gated up projection (row gathers, the tiled kernels) and the backward's dX (the dual
+      # form, now banded) at d_model 4096 / d_ff 14336: the largest sparse stages left there.
+      for d in 0.005 0.01; do
+        timeout 120 python3 bench/stage_times.py --d-model 4096 --d-ff 14336 --density $d --reps 5 \
+          --only "gated up,bwd dX" --out "$OUT/stages.jsonl" 2>&1 | tee -a "$OUT/wide.log"
         status=$((status | ${PIPESTATUS[0]}))
       done
       ;;&
