@@ -88,6 +88,8 @@ def band_tiles(n: int, tile_n: int | None, max_bytes: int) -> int | None:
 
 
 def _max_slice_bytes() -> int:
+    """The shared memory one block may hold on the current device (the tests lower it to force
+    column bands at small sizes)."""
     return int(K.device_attribute("MaxSharedMemoryPerBlockOptin"))
 
 
@@ -253,7 +255,10 @@ def spmm(parts: TwELLParts, tile_n: int, b: Any, out: Any, second: tuple[TwELLPa
     nt = parts.data.shape[1]
     per_band = band_tiles(n, tile_n, _max_slice_bytes())
     if per_band is None:
-        raise ValueError(f"b: expected a slice of {n} rows that fits shared memory in column bands, got too many rows")
+        raise ValueError(
+            f"b: expected rows whose {SLICE_COLS}-column slices fit shared memory in at most {MAX_BANDS} column "
+            f"bands of {tile_n}-column row-tiles, got {n} rows"
+        )
     if per_band >= nt:
         indptr, words = pack(parts, tile_n, n, parts2)
         return packed_spmm(indptr, words, n, b, out, b2)
