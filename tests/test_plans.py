@@ -159,6 +159,28 @@ def test_stationary_bands_cut_a_tall_b_into_whole_row_tiles():
     assert _stationary.band_columns(9000, 128, 56, 112) == (7168, 9000)  # the last band's partial tile
 
 
+def test_auto_takes_column_bands_only_where_b_outgrows_the_l2(monkeypatch):
+    """Bands were measured where the gathers read b from device memory (d_ff 14336); a b that
+    needs bands but fits the L2 keeps the gathers under "auto", and TWELL_STATIONARY=1 forces
+    the bands anyway."""
+    from twellsparse import _stationary
+
+    monkeypatch.setattr(_stationary, "_max_slice_bytes", lambda: 227 * 1024)
+    monkeypatch.setattr(_stationary, "_l2_bytes", lambda: 50 << 20)
+    monkeypatch.setattr(_stationary, "product_operands_aligned", lambda *operands: True)  # host arrays here
+    monkeypatch.setattr(_stationary, "PREFERRED", None)
+    wide = np.zeros((14336, 4096), dtype=ts.bfloat16)  # W_down.T of d_ff 14336: 117 MB
+    tall = np.zeros((8192, 2048), dtype=ts.bfloat16)  # d_ff 8192 at d_model 2048: 34 MB, fits the L2
+    standard = np.zeros((5632, 2048), dtype=ts.bfloat16)  # one band
+    out4096, out2048 = (np.zeros((16384, k), dtype=ts.bfloat16) for k in (4096, 2048))
+    assert _stationary.chosen(16384, 14336, wide, out4096, tile_n=256)
+    assert not _stationary.chosen(16384, 14336, wide, out4096)  # no tile width: no bands
+    assert not _stationary.chosen(16384, 8192, tall, out2048, tile_n=256)
+    assert _stationary.chosen(16384, 5632, standard, out2048, tile_n=256)
+    monkeypatch.setattr(_stationary, "PREFERRED", True)
+    assert _stationary.chosen(16384, 8192, tall, out2048, tile_n=256)
+
+
 def test_the_dual_stationary_form_follows_the_single_forms_rule(monkeypatch):
     from twellsparse import _stationary
 

@@ -87,6 +87,11 @@ def band_tiles(n: int, tile_n: int | None, max_bytes: int) -> int | None:
     return per_band
 
 
+def _l2_bytes() -> int:
+    """The current device's L2 cache size in bytes."""
+    return int(K.device_attribute("L2CacheSize"))
+
+
 def _max_slice_bytes() -> int:
     """The shared memory one block may hold on the current device (the tests lower it to force
     column bands at small sizes)."""
@@ -128,7 +133,14 @@ def chosen(m: int, n: int, b: Any, out: Any, b2: Any = None, tile_n: int | None 
     rule: against the row gathers' dual pass at 16384 rows it was as fast or faster from 0.25%
     density (0.313 / 0.320 ms at 0.25%, 0.466 / 0.553 at 0.5%, 0.750 / 1.020 at 1%, the
     backward's dX of the standard problem, with its pack; bench/stage_times.py,
-    bench/results/2026-12-04-stages.jsonl); fewer rows were not measured."""
+    bench/results/2026-12-04-stages.jsonl); fewer rows were not measured.
+
+    Column bands are taken only where b (and b2) outgrow the L2, so that the row gathers read
+    them from device memory: where they were measured (d_ff 14336, 1.5-2.6x faster than the
+    gathers on an H100, bench/NOTES.md, thirty-ninth session). Where b fits the L2 (for instance
+    d_ff 8192 at d_model 2048, or the standard widths on a GPU with less shared memory) the
+    workspace's round trip has not been weighed against the gathers' L2 reads, so those keep
+    the gathers unless ``TWELL_STATIONARY=1``."""
     if PREFERRED is False:
         return False
     if PREFERRED is None:
@@ -137,6 +149,9 @@ def chosen(m: int, n: int, b: Any, out: Any, b2: Any = None, tile_n: int | None 
             return False
         if density is not None and density * n < breakeven_entries(m, b.shape[1]):
             return False
+        weights = b.shape[0] * b.shape[1] * b.dtype.itemsize * (1 if b2 is None else 2)
+        if not applies(n, b, out, b2) and weights <= _l2_bytes():
+            return False  # bands needed, but b is read from the L2 by the gathers
     return applies(n, b, out, b2, tile_n)
 
 
