@@ -5,11 +5,15 @@ the host hidden (a spin kernel ahead). At d_model 4096, 16384 tokens, skewed 1-2
 f8b4e95) the non-gated ``auto`` plan ran dense at 0.83-0.89x torch eagerly but 1.04x in GPU
 time, where the ``dense`` plan, doing the same GPU work, lost no such time. This probe builds the
 same plans as ``ffn_bench.py`` and, per eager repetition, records both the GPU time (events) and
-the host time of the call itself, then profiles one eager ``auto`` call with ``cProfile``: host
-time near the GPU time means the host queues too slowly or waits inside the call.
+the host time of the call itself and how many blocks CuPy's memory pool had to add for it,
+then profiles one eager ``auto`` call with ``cProfile``: host time near the GPU time means the
+host queues too slowly or waits inside the call, and pool growth points at an allocation (a
+cudaMalloc of the call's pre-activation) on the host path. ``--bench-state`` first builds what
+``ffn_bench.py`` holds when it times these rows (its other plans, their outputs and the dense
+reference arrays), where the loss was seen.
 
     python bench/auto_eager_probe.py [--m 16384] [--d-model 4096] [--d-ff 14336]
-        [--density 0.015] [--pattern skewed] [--reps 10]
+        [--density 0.015] [--pattern skewed] [--reps 10] [--bench-state]
 """
 
 from __future__ import annotations
@@ -29,23 +33,43 @@ from twellsparse._timing import FLUSH_BYTES
 from twellsparse.testing import ffn_problem
 
 
-def eager_reps(fn: Callable[[], Any], reps: int, flush: Any) -> list[tuple[float, float]]:
-    """``(gpu ms, host ms of the call)`` of ``reps`` eager calls, each after an L2 flush and
-    with the GPU idle before it, as ``twellsparse._timing.Timer`` times them (three warm-ups)."""
+def eager_reps(fn: Callable[[], Any], reps: int, flush: Any) -> list[tuple[float, float, float]]:
+    """``(gpu ms, host ms of the call, MiB the memory pool grew by in it)`` of ``reps`` eager
+    calls, each after an L2 flush and with the GPU idle before it, as
+    ``twellsparse._timing.Timer`` times them (three warm-ups)."""
+    pool = cp.get_default_memory_pool()
     for _ in range(3):
         fn()
     out = []
     for i in range(reps):
         flush.fill(i)
         start, stop = cp.cuda.Event(), cp.cuda.Event()
+        held = pool.total_bytes()
         start.record()
         t0 = time.perf_counter()
         fn()
         host = (time.perf_counter() - t0) * 1e3
         stop.record()
         stop.synchronize()
-        out.append((cp.cuda.get_elapsed_time(start, stop), host))
+        out.append((cp.cuda.get_elapsed_time(start, stop), host, (pool.total_bytes() - held) / 2**20))
     return out
+
+
+def bench_state(x: Any, wg: Any, wu: Any, wd: Any) -> list[Any]:
+    """What ``ffn_bench.py`` keeps alive while it times the auto rows: its other plans (sparse,
+    dense, fp8) after a call each, their outputs, and the dense arrays of its checks."""
+    from twellsparse._gpu_ops import gemm_nt
+
+    plans = [
+        ts.GatedFFN(wg, wu, wd, dispatch="sparse"),
+        ts.FFN(wg, wd, dispatch="sparse"),
+        ts.GatedFFN(wg, wu, wd, dispatch="sparse", down_format="e4m3", up_format="e4m3"),
+        ts.FFN(wg, wd, dispatch="sparse", down_format="e4m3"),
+    ]
+    held: list[Any] = [plan(x) for plan in plans] + plans
+    h = ts.linear_to_twell(x, wg)
+    held += [h, h.toarray(), gemm_nt(x, wg), cp.ascontiguousarray(wd.T)]
+    return held
 
 
 def main() -> None:
@@ -56,6 +80,7 @@ def main() -> None:
     ap.add_argument("--density", type=float, default=0.015)
     ap.add_argument("--pattern", default="skewed")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--bench-state", action="store_true", help="hold what ffn_bench.py holds first")
     args = ap.parse_args()
     p = ffn_problem(args.m, args.d_model, args.d_ff, args.density, args.pattern, ts.bfloat16, 0, cp)
     x, wg, wu, wd = p["x"], p["w_gate"], p["w_up"], p["w_down"]
@@ -67,11 +92,13 @@ def main() -> None:
     }
     flush = cp.empty(FLUSH_BYTES // 4, dtype=cp.int32)
     pool = cp.get_default_memory_pool()
+    held = bench_state(x, wg, wu, wd) if args.bench_state else []
     for name, plan in plans.items():
         times = np.asarray(eager_reps(lambda plan=plan: plan(x), args.reps, flush))
-        gpu, host = np.median(times, axis=0)
+        gpu, host, grown = np.median(times, axis=0)
         print(
-            f"{name:12s} eager gpu {gpu:7.3f} ms, host {host:7.3f} ms (max {times[:, 1].max():.3f}); "
+            f"{name:12s} eager gpu {gpu:7.3f} ms (max {times[:, 0].max():.3f}), host {host:7.3f} ms "
+            f"(max {times[:, 1].max():.3f}), pool grew {grown:.0f} MiB a call (max {times[:, 2].max():.0f}); "
             f"path {plan.last_stats['path']}, sampled {plan.last_stats['sampled_density']:.4f}; "
             f"pool used {pool.used_bytes() / 2**30:.1f} / held {pool.total_bytes() / 2**30:.1f} GiB",
             flush=True,
@@ -87,6 +114,7 @@ def main() -> None:
         cp.cuda.Device().synchronize()
         print(f"--- one eager call of {name}: the functions with the most own time")
         pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+    del held
 
 
 if __name__ == "__main__":
