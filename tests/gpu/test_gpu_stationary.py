@@ -320,3 +320,16 @@ def test_pack_of_a_band_holds_its_entries_from_its_first_column(cp, rng):
         cols = got >> 16
         real = cols < hi - lo
         assert sorted((cols[real] + lo).tolist()) == (np.flatnonzero(h[row, lo:hi]) + lo).tolist()
+
+
+def test_auto_takes_bands_for_weights_beyond_the_l2(cp, monkeypatch):
+    """On the device itself (its shared memory and L2 sizes): W_down.T of d_ff 14336 at d_model
+    4096 (117 MB, over any Hopper L2) takes the bands under "auto"; d_ff 8192 at d_model 2048
+    (34 MB, needing bands but within the L2) keeps the gathers."""
+    monkeypatch.setattr(_stationary, "PREFERRED", None)
+    wide, tall = cp.zeros((14336, 4096), dtype=ts.bfloat16), cp.zeros((8192, 2048), dtype=ts.bfloat16)
+    out4096, out2048 = cp.empty((16384, 4096), dtype=ts.bfloat16), cp.empty((16384, 2048), dtype=ts.bfloat16)
+    assert _stationary._l2_bytes() < wide.nbytes
+    assert _stationary.chosen(16384, 14336, wide, out4096, tile_n=256)
+    if _stationary._l2_bytes() >= tall.nbytes:
+        assert not _stationary.chosen(16384, 8192, tall, out2048, tile_n=256)
