@@ -235,8 +235,8 @@ __device__ __forceinline__ unsigned long long walk_row(
   const int s0 = spill_indptr[row], s1 = spill_indptr[row + 1];
   for (int i0 = s0; i0 < s1; i0 += 32) {  // a lane per entry
     const int i = i0 + lane;
-    const int col = (i < s1 ? spill_cols[i] : col_lo - 1) - col_lo;
-    const bool live = i < s1 && in_band(col, 0, col_hi - col_lo);
+    const bool live = i < s1 && in_band(spill_cols[i], col_lo, col_hi);
+    const int col = live ? spill_cols[i] - col_lo : 0;
     const int q = (col - row) & 3;
     const int k = ballot_rank(live, q, base);
     if (live) visit(q, k, ((unsigned)col << 16) | spill_vals[i].bits, DUAL ? spill_vals2[i].bits : 0);

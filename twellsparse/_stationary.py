@@ -149,10 +149,12 @@ def chosen(m: int, n: int, b: Any, out: Any, b2: Any = None, tile_n: int | None 
             return False
         if density is not None and density * n < breakeven_entries(m, b.shape[1]):
             return False
+    if not applies(n, b, out, b2, tile_n):
+        return False
+    if PREFERRED is None and slice_bytes(n, 2) > _max_slice_bytes():  # bands needed
         weights = b.shape[0] * b.shape[1] * b.dtype.itemsize * (1 if b2 is None else 2)
-        if not applies(n, b, out, b2) and weights <= _l2_bytes():
-            return False  # bands needed, but b is read from the L2 by the gathers
-    return applies(n, b, out, b2, tile_n)
+        return weights > _l2_bytes()  # else the gathers read b from the L2
+    return True
 
 
 def words_bound(parts: TwELLParts, dual: bool, band: tuple[int, int] | None = None) -> int:

@@ -249,6 +249,7 @@ def test_an_expected_density_decides_instead_of_the_rows(cp, rng, monkeypatch):
 BANDED = [
     (300, 2000, 96, 64, 2, 0.08, 600),  # 4 bands of 9 tiles (the last 5), heavy spill in every band
     (67, 1000, 40, 32, None, 0.05, 300),  # 4 bands, K = 2.5 slices: a partial last slice
+    (40, 3000, 48, 64, 8, 0.5, 1200),  # 3 bands of rows over 512 entries (the unstaged pack), spill in each
     (130, 9000, 64, 128, 8, 0.01, None),  # 2 bands on the device (7168 + 1832 columns: a partial tile)
     (40, 14336, 32, 256, 32, 0.01, None),  # the down projection of d_ff 14336: 2 bands of 28 tiles
 ]
