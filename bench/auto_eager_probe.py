@@ -13,7 +13,7 @@ cudaMalloc of the call's pre-activation) on the host path. ``--bench-state`` fir
 reference arrays), where the loss was seen.
 
     python bench/auto_eager_probe.py [--m 16384] [--d-model 4096] [--d-ff 14336]
-        [--density 0.015] [--pattern skewed] [--reps 10] [--bench-state]
+        [--density 0.015] [--pattern skewed] [--reps 10] [--bench-state] [--interleave] [--reverse]
 """
 
 from __future__ import annotations
@@ -81,6 +81,8 @@ def main() -> None:
     ap.add_argument("--pattern", default="skewed")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--bench-state", action="store_true", help="hold what ffn_bench.py holds first")
+    ap.add_argument("--interleave", action="store_true", help="one call of each plan per round")
+    ap.add_argument("--reverse", action="store_true", help="time the plans in the reverse order")
     args = ap.parse_args()
     p = ffn_problem(args.m, args.d_model, args.d_ff, args.density, args.pattern, ts.bfloat16, 0, cp)
     x, wg, wu, wd = p["x"], p["w_gate"], p["w_up"], p["w_down"]
@@ -93,8 +95,19 @@ def main() -> None:
     flush = cp.empty(FLUSH_BYTES // 4, dtype=cp.int32)
     pool = cp.get_default_memory_pool()
     held = bench_state(x, wg, wu, wd) if args.bench_state else []
-    for name, plan in plans.items():
-        times = np.asarray(eager_reps(lambda plan=plan: plan(x), args.reps, flush))
+    order = list(plans.items())
+    if args.reverse:
+        order.reverse()
+    per_plan: dict[str, list[tuple[float, float, float]]] = {name: [] for name in plans}
+    if args.interleave:  # one call of each plan per round: a drift of the clocks hits all alike
+        for _ in range(args.reps):
+            for name, plan in order:
+                per_plan[name] += eager_reps(lambda plan=plan: plan(x), 1, flush)
+    else:
+        for name, plan in order:
+            per_plan[name] = eager_reps(lambda plan=plan: plan(x), args.reps, flush)
+    for name, plan in order:
+        times = np.asarray(per_plan[name])
         gpu, host, grown = np.median(times, axis=0)
         print(
             f"{name:12s} eager gpu {gpu:7.3f} ms (max {times[:, 0].max():.3f}), host {host:7.3f} ms "

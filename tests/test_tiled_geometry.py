@@ -5,6 +5,8 @@ the refusals of what the kernel cannot take."""
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 
@@ -44,3 +46,33 @@ def test_applies_refuses_x_without_columns():
     gate = ts.twell_array(np.eye(8, 64, dtype=ts.bfloat16), tile_n=64).parts
     x, w_up = np.zeros((8, 0), dtype=ts.bfloat16), np.zeros((64, 0), dtype=ts.bfloat16)
     assert not _tiled_up.applies(gate, x, w_up)
+
+
+@pytest.mark.parametrize(
+    ("density", "tokens"), [(None, 512), (0.0, 512), (0.0025, 512), (0.005, 512), (0.01, 384), (0.02, 192), (0.5, 64)]
+)
+def test_block_tokens_keep_an_item_round_within_its_room(density, tokens):
+    """At d_ff 14336 (parts of 718 units) the token blocks shrink with the density so that an item
+    expects at most ROUND_FILL entries (512 at 0.5% and 384 at 1%, the fastest measured there),
+    never under one step; without a density the default block."""
+    assert _tiled_up.block_tokens(14336, density) == tokens
+    units = _tiled_up.geometry(1, 14336)[1]
+    if density and tokens > _tiled_up.TOKEN_STEP:
+        assert (
+            tokens * units * density <= _tiled_up.ROUND_FILL < (tokens + _tiled_up.TOKEN_STEP) * units * density
+            or tokens == _tiled_up.MAX_TOKENS
+        )
+
+
+@pytest.mark.parametrize(
+    ("preferred", "nbytes", "taken"),
+    [(None, 2**20, False), (None, 2**30, True), (True, 2**20, True), (False, 2**30, False)],
+)
+def test_auto_takes_the_tiled_up_projection_for_weights_beyond_the_l2(monkeypatch, preferred, nbytes, taken):
+    """Unset, the tiled kernel serves "auto" only where W_up outgrows the L2 (the row gathers
+    would read it from device memory); TWELL_TILED_UP=1 takes it wherever it applies, =0 never."""
+    monkeypatch.setattr(_tiled_up, "PREFERRED", preferred)
+    monkeypatch.setattr(_tiled_up, "applies", lambda gate, x, w_up: True)
+    monkeypatch.setattr(_tiled_up._stationary, "_l2_bytes", lambda: 50 * 2**20)
+    w_up = types.SimpleNamespace(nbytes=nbytes)
+    assert _tiled_up.chosen(None, None, w_up) is taken  # type: ignore[arg-type]

@@ -119,6 +119,11 @@ def expected_density(density: float) -> Iterator[None]:
         _expected_density.reset(token)
 
 
+def expected() -> float | None:
+    """The density set by the innermost :func:`expected_density` block, or None."""
+    return _expected_density.get()
+
+
 def breakeven_entries(m: int, k: int) -> float:
     """Entries per row of an ``m``-row A above which the kernel beats the row gathers for a B
     of ``k`` columns (:data:`BREAKEVEN_ENTRIES` scaled by sqrt(16384 / m) and 2048 / k)."""
@@ -144,7 +149,7 @@ def chosen(m: int, n: int, b: Any, out: Any, b2: Any = None, tile_n: int | None 
     if PREFERRED is False:
         return False
     if PREFERRED is None:
-        density = _expected_density.get()
+        density = expected()
         if density is None and m < MIN_ROWS:
             return False
         if density is not None and density * n < breakeven_entries(m, b.shape[1]):

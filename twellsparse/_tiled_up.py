@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import _kernels as K
+from . import _stationary
 from ._gpu_convert import row_stride, rows_aligned, two_launch_scan
 from ._parts import TwELLParts
 from ._tensor_map import SWIZZLE_NONE, tensor_map
@@ -129,13 +130,16 @@ def gated_up(
     """Write ``u = x @ w_up.T`` at ``gate``'s stored entries (rounded to x's dtype) into ``up``'s
     values (when given) and ``h = gate * u`` (fp32 product, rounded) into ``h``'s, both in the
     gate's layout; padding slots are not written. The caller has checked :func:`applies`.
-    ``tokens``: tokens per block (default :data:`TOKENS`)."""
+    ``tokens``: tokens per block (default :func:`block_tokens` at the plan's expected density,
+    :data:`TOKENS` without one)."""
     m = gate.data.shape[0]
     n, k = w_up.shape
     if m == 0 or n == 0:
         return
     x, _ = row_stride(x)
     w_up, _ = row_stride(w_up)
+    if tokens is None:
+        tokens = block_tokens(n, _stationary.expected())
     t, units, parts = geometry(m, n, tokens)
     tile_ptr, codes, dests, quads = pack(gate, tile_n, n, t, units, parts)
     blocks = -(-m // t) * parts
@@ -149,12 +153,42 @@ def gated_up(
     K.launch_arch(expr, (blocks,), (WARPS * 32,), args, shared_bytes())
 
 
-#: Whether the gated consumer's "auto" up projection takes this kernel where it applies: only
-#: with ``TWELL_TILED_UP=1`` (faster than the row gathers at 1% and 2%, not at 0.5%, and not
-#: yet run inside the FFN tests; bench/NOTES.md).
+#: Whether the gated consumer's "auto" up projection takes this kernel: ``TWELL_TILED_UP=1``
+#: wherever it applies, ``=0`` never, unset (None) where W_up outgrows the L2 (see :func:`chosen`).
 PREFERRED: bool | None = K.env_switch("TWELL_TILED_UP")
+
+#: Expected entries per (token block, unit part, quad) item round at most when the tokens per
+#: block are sized from a density: three quarters of a round's room (WARPS * MAX_TILES * TILE
+#: = 4096), leaving the rest for the spread of row lengths around the mean; a fuller item runs
+#: a second round.
+ROUND_FILL = 3072
+#: The step of the token counts chosen by density (TMA boxes of 64-byte rows fill whole lines).
+TOKEN_STEP = 64
+
+
+def block_tokens(n: int, density: float | None) -> int:
+    """Tokens per block for ``n`` units at an expected ``density`` (None: :data:`TOKENS`): the
+    most, in steps of :data:`TOKEN_STEP` up to :data:`MAX_TOKENS`, whose items expect at most
+    :data:`ROUND_FILL` entries. At d_ff 14336 (20 parts of 717 units), d_model 4096 and 16384
+    tokens on an H100 this picks 512 at 0.5% and 384 at 1%, the fastest of 256 / 384 / 512
+    there (1.23 / 1.50 / 2.16 ms at 0.5%, 2.54 / 1.79 / 2.30 at 1% for 512 / 384 / 256;
+    bench/results/2026-12-06-stages.jsonl)."""
+    if density is None or not density > 0:
+        return TOKENS
+    units = geometry(1, n)[1]
+    fit = int(ROUND_FILL / (units * density)) // TOKEN_STEP * TOKEN_STEP
+    return max(TOKEN_STEP, min(MAX_TOKENS, fit))
 
 
 def chosen(gate: TwELLParts, x: Any, w_up: Any) -> bool:
-    """Whether the gated consumer's "auto" up projection takes the tiled kernel."""
-    return bool(PREFERRED) and applies(gate, x, w_up)
+    """Whether the gated consumer's "auto" up projection takes the tiled kernel: where it applies
+    and :data:`PREFERRED` says so, or (unset) where ``w_up`` outgrows the L2, so that the row
+    gathers would read each active unit's whole row from device memory once per token. Measured
+    there (d_model 4096, d_ff 14336, 16384 tokens, H100): 1.23 / 1.79 ms against the gathers'
+    2.41 / 4.91 at 0.5 / 1%. Where W_up fits the L2 the gathers read it at L2 speed, and the
+    two were within 5% at 0.5-1% (standard widths, bench/NOTES.md), so they keep it there."""
+    if PREFERRED is False:
+        return False
+    if PREFERRED is None and w_up.nbytes <= _stationary._l2_bytes():
+        return False
+    return applies(gate, x, w_up)

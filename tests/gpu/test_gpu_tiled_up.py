@@ -10,7 +10,7 @@ import pytest
 
 import twellsparse as ts
 from twellsparse import _gpu_ops, _tiled_up
-from twellsparse.testing import rel_error, sparse_activations
+from twellsparse.testing import ffn_problem, rel_error, sparse_activations
 
 pytestmark = pytest.mark.gpu
 
@@ -137,3 +137,41 @@ def test_tiled_pack_holds_every_entry_once_in_parity_order(cp, rng, capacity):
             assert (row, col) == (token, unit)
             seen.append((token, unit))
     assert sorted(seen) == sorted(zip(*np.nonzero(g), strict=True))
+
+
+@pytest.mark.parametrize("density", [0.01, 0.06])
+def test_auto_plan_takes_it_for_weights_beyond_the_l2_sized_by_the_density(cp, rng, monkeypatch, density):
+    """A gated plan whose W_up outgrows the L2 (here a 64 KB one) runs its up projection on the
+    tiled kernel under "auto", with token blocks sized from the plan's density estimate (fewer
+    at the higher density), and matches float64 of the same roundings; the same plan with the
+    kernel switched off (the row gathers) agrees."""
+    m, d, f = 1500, 136, 3000
+    p = ffn_problem(m, d, f, density, "skewed", ts.bfloat16, rng, cp)
+    x, wg, wu, wd = p["x"], p["w_gate"], p["w_up"], p["w_down"]
+    gate = ts.linear_to_twell(x, wg)
+    if not _tiled_up.applies(gate.parts, x, wu):
+        pytest.skip("the tiled up projection needs a compute-capability 9.0 GPU")
+    monkeypatch.setattr(_tiled_up, "PREFERRED", None)
+    monkeypatch.setattr(_tiled_up._stationary, "_l2_bytes", lambda: 64 * 1024)
+    seen = []  # (the density estimate, tokens per block) of each tiled launch
+    real = _tiled_up.geometry
+    monkeypatch.setattr(
+        _tiled_up, "geometry", lambda m, n, t=None: seen.append((_tiled_up._stationary.expected(), t)) or real(m, n, t)
+    )
+    plan = ts.GatedFFN(wg, wu, wd, dispatch="sparse")
+    for _ in range(3):  # the first call has no estimate yet; later ones size the blocks by it
+        out = cp.full((m, d), np.nan, dtype=ts.bfloat16)
+        plan(x, out=out)
+    assert len(seen) == 3 and seen[0] == (None, _tiled_up.TOKENS)
+    estimate, tokens = seen[-1]
+    assert estimate is not None and abs(estimate - density) < 0.5 * density
+    assert tokens == _tiled_up.block_tokens(f, estimate) < _tiled_up.TOKENS
+    g = cp.asnumpy(gate.toarray()).astype(np.float64)
+    xs, ws, wds = (cp.asnumpy(a).astype(np.float64) for a in (x, wu, wd))
+    h = _round(g * _round(xs @ ws.T, ts.bfloat16), ts.bfloat16)
+    expected = h @ wds.T
+    got = cp.asnumpy(out).astype(np.float64)
+    assert np.isfinite(got).all()
+    assert rel_error(got, expected) <= 4.0 * rel_error(_round(expected, ts.bfloat16), expected) + 1e-3
+    monkeypatch.setattr(_tiled_up, "PREFERRED", False)
+    assert rel_error(got, cp.asnumpy(plan(x)).astype(np.float64)) <= 1e-2
