@@ -160,7 +160,8 @@ def test_auto_plan_takes_it_for_weights_beyond_the_l2_sized_by_the_density(cp, r
     for _ in range(3):  # the first call has no estimate yet; later ones size the blocks by it
         out = cp.full((m, d), np.nan, dtype=ts.bfloat16)
         plan(x, out=out)
-    assert len(seen) == 3 and seen[0] == (None, _tiled_up.TOKENS)
+    # One launch a call, two where rows overflow (the spill's pass); the first call's without an estimate.
+    assert len(seen) >= 3 and seen[0] == (None, _tiled_up.TOKENS)
     estimate, tokens = seen[-1]
     assert estimate is not None and abs(estimate - density) < 0.5 * density
     assert tokens == real(f, estimate) < _tiled_up.TOKENS
