@@ -6,14 +6,16 @@ side by side in one run) moves with the shape: at 4096 tokens the sparse path's 
 (the producer's finish, small launches) weigh more and it falls to about 0.65-0.9%, at 2048
 tokens to 0.3-0.5%, and at 1024 tokens or fewer the sparse path never wins (those calls run
 dense); at 16384-65536 tokens of the standard widths it is about 1.0-1.5%; with d_model 4096 and d_ff
-14336 (twice the gathered bytes per entry) about 0.6-0.7%. One constant for all of them left
-up to ~8% on the table at large shapes and ran sparse at 0.76x dense at small ones.
+14336 (weights beyond the L2) about 0.65-1.0% at 4096 tokens and 1.35-1.5% at 16384-65536. One
+constant for all of them left up to ~8% on the table at large shapes and ran sparse at 0.76x
+dense at small ones.
 
-Limits: the crossings are the H200's, measured against torch's unfused dense block (the
-library's own dense path is 6-16% faster at the standard widths, so they sit somewhat high
-until refitted against it); other shapes take the nearest measured widths and clamp to the
-measured token counts (a call under 1024 tokens gets the 1024-token value, dense); other GPUs
-get the same numbers. A plan's ``breakeven`` overrides them.
+Limits: the standard widths' crossings are the H200's, measured against torch's unfused dense
+block (the library's own dense path is 6-16% faster there, so they sit somewhat high until
+refitted against it); the d_model 4096 ones are an H100's, against the library's dense plans;
+other shapes take the nearest measured widths and clamp to the measured token counts (a call
+under 1024 tokens gets the 1024-token value, dense); other GPUs get the same numbers. A plan's
+``breakeven`` overrides them.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ import math
 #: are from commit b01dbb6, after the plan calls' host work was cut (their sparse times then
 #: matched the GPU-only ones), except the gated one of the standard widths; that one and the
 #: gated 16384-token one of the standard widths are from 8e75718 (the gated consumer in two
-#: launches with tensor-core dots, uniform only); the 65536-token points and the 16384-token ones
-#: of d_model 4096 from 7acaf49 (uniform only); the others from b871c25.
+#: launches with tensor-core dots, uniform only); their 65536-token points from 7acaf49 (uniform
+#: only); the others from b871c25. The d_model 4096 points are an H100's (below).
 #:
 #: Under 4096 tokens (e992aa3, H200, uniform, ``ffn_bench.py --m 256 / 512 / 1024 / 2048``): the
 #: sparse path's fixed costs (the producer took 0.068-0.096 ms against a 0.016-0.035 ms GEMM)
@@ -41,26 +43,20 @@ import math
 #: :data:`E4M3_CROSSING_FACTOR`, so they too run dense at 1024 tokens or fewer (not measured
 #: there; their producer is the same).
 #:
-#: The d_model 4096 points predate the stationary SpMM's column bands (20f0dc8), which made the
-#: down projection of those widths 1.5-2.6x faster (it had run on the row gathers, from HBM): the
-#: sparse blocks at 16384 tokens and 0.5% went from 1.05 / 1.14x torch to 1.33 / 1.39x, and the
-#: banded down projection alone beats the dense GEMM up to ~1.2% (H100, bench/NOTES.md,
-#: thirty-ninth session). Until they are measured again (``scripts/device_run.sh wide``) these
-#: crossings err towards dense there.
-#:
-#: The gated 16384-token point of d_model 4096 was 0.85% (H200, 7acaf49); on an H100 (f037e9e)
-#: the sparse block at 0.75% took 8.81 ms against torch's 8.44 (0.96x; `auto` 0.87x, GPU time)
-#: and the library's dense plan's 8.11: its weights do not fit in L2, so the gathers run at
-#: the slower card's memory rate. It is now 0.70%, below both cards' crossings (the H200's
-#: 0.75% rows read 0.95x and 1.10x), erring towards dense.
+#: The d_model 4096 points at 4096-65536 tokens are from 2687ed3 (H100, both patterns, against
+#: the library's dense plans, ``bench/results/2026-12-06-ffn-widths.jsonl``): after the
+#: stationary SpMM's column bands (20f0dc8) and the tiled up projection for weights beyond the
+#: L2 (2687ed3), which moved them from 0.61 / 0.70% at 16384 tokens to 1.35 / 1.36% (the gated
+#: block at 16384 tokens and 1%: 1.20x torch, it was 0.93x). Their 2048-token points scale the
+#: 4096-token ones as above (0.42, 0.60).
 CROSSINGS: dict[tuple[int, int], dict[str, tuple[tuple[int, float], ...]]] = {
     (2048, 5632): {
         "ffn": ((1024, 0.0), (2048, 0.0028), (4096, 0.0066), (16384, 0.0103), (65536, 0.0120)),
         "gated_ffn": ((1024, 0.0), (2048, 0.0053), (4096, 0.0088), (16384, 0.0118), (65536, 0.0147)),
     },
     (4096, 14336): {
-        "ffn": ((1024, 0.0), (2048, 0.0027), (4096, 0.0064), (16384, 0.0061)),
-        "gated_ffn": ((1024, 0.0), (2048, 0.0039), (4096, 0.0064), (16384, 0.0070)),
+        "ffn": ((1024, 0.0), (2048, 0.0027), (4096, 0.0065), (16384, 0.0135), (65536, 0.0134)),
+        "gated_ffn": ((1024, 0.0), (2048, 0.0061), (4096, 0.0101), (16384, 0.0136), (65536, 0.0148)),
     },
 }
 
@@ -79,7 +75,7 @@ def _family(d_model: int, d_ff: int) -> tuple[int, int]:
 #: (bench/NOTES.md, eighteenth session; linear between 1% and 2%): at 16384 tokens of the
 #: standard widths the gated block's crossing moves from about 1.27% to 1.7% and the
 #: non-gated one's from 1.07% to 1.6%; with d_model 4096 the e4m3 blocks still run 1.29x /
-#: 1.11x dense at 1%, past their 2-byte crossings of 0.85% / 0.61% (the gated one now 0.70%).
+#: 1.11x dense at 1%, past their 2-byte crossings of then 0.85% / 0.61%.
 E4M3_CROSSING_FACTOR = 1.3
 
 
