@@ -3,7 +3,10 @@
 The standard problem of TARGETS.md: bf16, d_model 2048, d_ff 5632, M 16384 tokens, gated
 ``(relu(x Wg^T) * (x Wu^T)) Wd^T`` and non-gated ``relu(x Wu^T) Wd^T``, uniform and skewed firing
 patterns. The dense baselines run through torch (cuBLAS) when torch is installed, else through
-twellsparse's own cuBLAS call. Every timed op is first checked against the dense result.
+twellsparse's own cuBLAS call. Every timed op is first checked against the dense result. The
+ops are timed in rounds (one repetition of each per round, ``Timer.interleaved``), so that a
+drift of the card's clocks during a case reaches the dense and the sparse side alike; records
+before the fortieth session timed them one after the other.
 
 Usage: python bench/ffn_bench.py [--quick] [--m 16384] [--d-model 2048] [--d-ff 5632]
                                  [--densities 0.005,0.01,0.02] [--out results.jsonl]
@@ -153,41 +156,43 @@ def bench_case(args: argparse.Namespace, pattern: str, density: float, timer: Ti
         if not err < (6e-2 if "e4m3" in name else 2e-2):
             raise SystemExit(f"{name}: relative error {err:.3e} vs dense at {pattern} {density}; not timing")
     dense_gemm, dense_down = prepare_nt(x, wg), prepare_nt(h_dense, wd)
-    rows = {
-        "dense_gemm": ms(dense_gemm),
-        "producer": ms(lambda: ts.linear_to_twell(x, wg)),
-        "gemm_cupy_cublas": ms(lambda: gemm_nt(x, wg)),
-        "pack_relu": ms(lambda: ts._convert.dense_to_twell(z, 256, 32, "spill", None, "relu")),
-        "spmm_down": ms(lambda: ts.matmul(h, wd_t)),
-        "dense_down": ms(dense_down),
-        "dense_ffn": ms(dense_plain),
-        "ffn": ms(lambda: plain_plan(x)),
-        "dense_gated_ffn": ms(dense_gated),
-        "gated_ffn": ms(lambda: gated_plan(x)),
-        "dense_gated_ffn_plan": ms(lambda: gated_dense_plan(x)),
-        "dense_ffn_plan": ms(lambda: plain_dense_plan(x)),
-        "gated_ffn_auto": ms(lambda: gated_auto(x)),
-        "ffn_auto": ms(lambda: plain_auto(x)),
-        "gated_ffn_e4m3": ms(lambda: gated_e4m3(x)),
-        "ffn_e4m3": ms(lambda: plain_e4m3(x)),
-        "gated_ffn_e4m3_auto": ms(lambda: gated_e4m3_auto(x)),
-        "ffn_e4m3_auto": ms(lambda: plain_e4m3_auto(x)),
-    }
-    main_rows = {
+    # Timed in rounds (Timer.interleaved): each ratio's two sides see the same drift of the clocks.
+    timed_rows = {
         "dense_gemm": dense_gemm,
         "producer": lambda: ts.linear_to_twell(x, wg),
+        "gemm_cupy_cublas": lambda: gemm_nt(x, wg),
+        "pack_relu": lambda: ts._convert.dense_to_twell(z, 256, 32, "spill", None, "relu"),
+        "spmm_down": lambda: ts.matmul(h, wd_t),
+        "dense_down": dense_down,
         "dense_ffn": dense_plain,
         "ffn": lambda: plain_plan(x),
         "dense_gated_ffn": dense_gated,
         "gated_ffn": lambda: gated_plan(x),
         "dense_gated_ffn_plan": lambda: gated_dense_plan(x),
         "dense_ffn_plan": lambda: plain_dense_plan(x),
-        # The auto rows too: their eager times at d_model 4096 ran below stage_times' for the
-        # same plan (0.78-0.91x dense against ~1.08x, 2026-12-04); host gaps or GPU time?
         "gated_ffn_auto": lambda: gated_auto(x),
         "ffn_auto": lambda: plain_auto(x),
+        "gated_ffn_e4m3": lambda: gated_e4m3(x),
+        "ffn_e4m3": lambda: plain_e4m3(x),
+        "gated_ffn_e4m3_auto": lambda: gated_e4m3_auto(x),
+        "ffn_e4m3_auto": lambda: plain_e4m3_auto(x),
     }
-    gpu_only = {name: hidden(fn)[1] for name, fn in main_rows.items()}
+    rows = {name: stats for name, (_, stats) in timer.interleaved(timed_rows, keep=False).items()}
+    main = (
+        "dense_gemm",
+        "producer",
+        "dense_ffn",
+        "ffn",
+        "dense_gated_ffn",
+        "gated_ffn",
+        "dense_gated_ffn_plan",
+        "dense_ffn_plan",
+        "gated_ffn_auto",
+        "ffn_auto",
+    )
+    gpu_only = {
+        name: stats for name, (_, stats) in hidden.interleaved({k: timed_rows[k] for k in main}, keep=False).items()
+    }
 
     def variant_rows() -> None:
         """Kernel variants under development: each checked against the default path first; a

@@ -34,7 +34,7 @@ SPIN_NS = 2_000_000
 class Timer:
     """``Timer(reps, on_gpu, warmup=3, flush_l2=False, hide_host=False)(fn)`` returns (last
     result, times in ms: ``{"median", "p10", "p90"}``, and with ``hide_host`` the
-    ``host_bound_reps``)."""
+    ``host_bound_reps``); :meth:`interleaved` times several functions in rounds."""
 
     def __init__(
         self, reps: int, on_gpu: bool, warmup: int = 3, flush_l2: bool = False, hide_host: bool = False
@@ -51,29 +51,52 @@ class Timer:
             self._spin = K.get_kernel("twell_spin")
 
     def __call__(self, fn: Callable[[], Any]) -> tuple[Any, dict[str, float]]:
-        result = None
-        for _ in range(self.warmup):
-            result = fn()
-        times = []
-        host_bound = 0
+        return self.interleaved({"fn": fn})["fn"]
+
+    def interleaved(
+        self, fns: dict[str, Callable[[], Any]], keep: bool = True
+    ) -> dict[str, tuple[Any, dict[str, float]]]:
+        """Each function timed as :meth:`__call__` times one, its repetitions taken in rounds (one
+        of each function per round, in the order given) after every function's warm-up: a drift
+        of the clocks or the card's temperature during the run then reaches every function alike
+        (timed one after the other, paths doing the same GPU work read up to ~6% apart in one run,
+        bench/NOTES.md, fortieth session). ``{name: (last result, times)}``; ``keep=False`` drops
+        each result at once (None in its place), so that large outputs are not all held at once."""
+        last: dict[str, Any] = dict.fromkeys(fns)
+        for name, fn in fns.items():
+            for _ in range(self.warmup):
+                result = fn()
+                last[name] = result if keep else None
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        late = dict.fromkeys(fns, 0)
         for i in range(self.reps):
-            if self._flush is not None:
-                self._flush.fill(i)
-            if self._cp is not None:
-                start, stop = self._cp.cuda.Event(), self._cp.cuda.Event()
-                if self._spin is not None:
-                    self._spin((1,), (1,), (np.int64(SPIN_NS),))
-                start.record()
-                result = fn()
-                if self._spin is not None and start.done:  # the GPU reached the call before its launches all came
-                    host_bound += 1
-                stop.record()
-                stop.synchronize()
-                times.append(self._cp.cuda.get_elapsed_time(start, stop))
-            else:
-                t0 = time.perf_counter()
-                result = fn()
-                times.append((time.perf_counter() - t0) * 1e3)
+            for name, fn in fns.items():
+                result, ms, host_bound = self._one(fn, i)
+                last[name] = result if keep else None
+                times[name].append(ms)
+                late[name] += host_bound
+        return {name: (last[name], self._stats(times[name], late[name])) for name in fns}
+
+    def _one(self, fn: Callable[[], Any], i: int) -> tuple[Any, float, bool]:
+        """``(result, ms, whether the GPU reached the call before its launches all came)`` of
+        repetition ``i`` of ``fn``."""
+        if self._flush is not None:
+            self._flush.fill(i)
+        if self._cp is None:
+            t0 = time.perf_counter()
+            result = fn()
+            return result, (time.perf_counter() - t0) * 1e3, False
+        start, stop = self._cp.cuda.Event(), self._cp.cuda.Event()
+        if self._spin is not None:
+            self._spin((1,), (1,), (np.int64(SPIN_NS),))
+        start.record()
+        result = fn()
+        late = self._spin is not None and start.done
+        stop.record()
+        stop.synchronize()
+        return result, self._cp.cuda.get_elapsed_time(start, stop), late
+
+    def _stats(self, times: list[float], host_bound: int) -> dict[str, float]:
         t = np.asarray(times)
         stats = {
             "median": float(np.median(t)),
@@ -82,4 +105,4 @@ class Timer:
         }
         if self._spin is not None:
             stats["host_bound_reps"] = host_bound
-        return result, stats
+        return stats
