@@ -181,6 +181,26 @@ def test_auto_takes_column_bands_only_where_b_outgrows_the_l2(monkeypatch):
     assert _stationary.chosen(16384, 8192, tall, out2048, tile_n=256)
 
 
+def test_column_bands_need_more_entries_per_row_than_one_band(monkeypatch):
+    """At 4096 rows of d_ff 14336 the gathers beat the bands at 0.25% density and lost at 0.5%
+    (H100): "auto" takes the bands from BANDED_BREAKEVEN_FACTOR times the one-band break-even,
+    and at 16384 rows from 0.25% as measured."""
+    from twellsparse import _stationary
+
+    monkeypatch.setattr(_stationary, "_max_slice_bytes", lambda: 227 * 1024)
+    monkeypatch.setattr(_stationary, "_l2_bytes", lambda: 50 << 20)
+    monkeypatch.setattr(_stationary, "product_operands_aligned", lambda *operands: True)
+    monkeypatch.setattr(_stationary, "PREFERRED", None)
+    wide = np.zeros((14336, 4096), dtype=ts.bfloat16)
+    out = np.zeros((4096, 4096), dtype=ts.bfloat16)
+    taken = {}
+    for m in (4096, 16384):
+        for density in (0.0025, 0.005):
+            with _stationary.expected_density(density):
+                taken[m, density] = _stationary.chosen(m, 14336, wide, out, tile_n=256)
+    assert taken == {(4096, 0.0025): False, (4096, 0.005): True, (16384, 0.0025): True, (16384, 0.005): True}
+
+
 def test_the_dual_stationary_form_follows_the_single_forms_rule(monkeypatch):
     from twellsparse import _stationary
 

@@ -50,6 +50,13 @@ MIN_ROWS = 16384
 #: scaling by columns (the gathers' rows are longer) is from the eleventh session's 4096-column
 #: runs, not measured again.
 BREAKEVEN_ENTRIES = 23.0
+#: How much further up the break-even lies in column bands (each band's pack, the fp32
+#: workspace's round trip): at d_model 4096 / d_ff 14336 and 4096 rows (H100, efd949b,
+#: bench/results/2026-12-06-down-choice.jsonl) the gathers won at 0.25% (0.235 against 0.318
+#: ms with the pack) and lost at 0.5% (0.478 / 0.418): a crossing near 57 entries per row
+#: against :func:`breakeven_entries`' 23 there. At 16384 and 65536 rows the bands won from
+#: 0.25% (36 entries), which the factor keeps (29 and 14 entries).
+BANDED_BREAKEVEN_FACTOR = 2.5
 #: Most column bands A is cut into (:func:`band_tiles`): each band after the first reads and
 #: writes the fp32 workspace (8 bytes per output element), a cost that grows with the bands.
 MAX_BANDS = 4
@@ -145,7 +152,8 @@ def chosen(m: int, n: int, b: Any, out: Any, b2: Any = None, tile_n: int | None 
     gathers on an H100, bench/NOTES.md, thirty-ninth session). Where b fits the L2 (for instance
     d_ff 8192 at d_model 2048, or the standard widths on a GPU with less shared memory) the
     workspace's round trip has not been weighed against the gathers' L2 reads, so those keep
-    the gathers unless ``TWELL_STATIONARY=1``."""
+    the gathers unless ``TWELL_STATIONARY=1``. A banded call's break-even is
+    :data:`BANDED_BREAKEVEN_FACTOR` times the unbanded one."""
     if PREFERRED is False:
         return False
     if PREFERRED is None:
@@ -158,7 +166,10 @@ def chosen(m: int, n: int, b: Any, out: Any, b2: Any = None, tile_n: int | None 
         return False
     if PREFERRED is None and slice_bytes(n, 2) > _max_slice_bytes():  # bands needed
         weights = b.shape[0] * b.shape[1] * b.dtype.itemsize * (1 if b2 is None else 2)
-        return weights > _l2_bytes()  # else the gathers read b from the L2
+        if weights <= _l2_bytes():  # the gathers read b from the L2
+            return False
+        density = expected()
+        return density is None or density * n >= BANDED_BREAKEVEN_FACTOR * breakeven_entries(m, b.shape[1])
     return True
 
 
