@@ -126,8 +126,12 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
                     _tiled_up, "TOKENS", tokens, lambda: _gpu_ops.gated_up(g.parts, g.tile_n, x, wu, path="tiled")
                 )
             )
-            for tokens in (256, 384, 512)
+            for tokens in (192, 256, 320, 384, 448, 512)
         },
+        # As a plan runs it: its token blocks sized from the density (_tiled_up.block_tokens).
+        "gated up, tiled by density": lambda: _with_density(
+            measured, lambda: _gpu_ops.gated_up(g.parts, g.tile_n, x, wu, path="tiled")
+        ),
         "tiled up pack": lambda: _tiled_up.pack(g.parts, g.tile_n, d_ff, *_tiled_up.geometry(m, d_ff)),
         "down spmm": lambda: matmul(g, wd_t),
         "down spmm, gather": lambda: _gpu_ops.spmm(g.parts, g.tile_n, wd_t, down_out, path="gather"),
@@ -186,6 +190,14 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         "w_down transpose, kernel": lambda: _dense_transpose.transpose(wd),
         **_torch_transpose(wd),
     }
+
+
+def _with_density(density: float, fn: Any) -> Any:
+    """``fn()`` inside ``_stationary.expected_density(density)`` (as a plan's tail runs)."""
+    from twellsparse import _stationary
+
+    with _stationary.expected_density(density):
+        return fn()
 
 
 def _with(module: Any, name: str, value: Any, fn: Any) -> Any:
