@@ -169,7 +169,7 @@ TOKEN_STEP = 64
 def block_tokens(n: int, density: float | None) -> int:
     """Tokens per block for ``n`` units at an expected ``density`` (None: :data:`TOKENS`): the
     most, in steps of :data:`TOKEN_STEP` up to :data:`MAX_TOKENS`, whose items expect at most
-    :data:`ROUND_FILL` entries. At d_ff 14336 (20 parts of 717 units), d_model 4096 and 16384
+    :data:`ROUND_FILL` entries. At d_ff 14336 (20 parts of 718 units), d_model 4096 and 16384
     tokens on an H100 this picks 512 at 0.5% and 384 at 1%, the fastest of 256 / 384 / 512
     there (1.23 / 1.50 / 2.16 ms at 0.5%, 2.54 / 1.79 / 2.30 at 1% for 512 / 384 / 256;
     bench/results/2026-12-06-stages.jsonl)."""
