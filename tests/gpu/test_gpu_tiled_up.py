@@ -174,3 +174,41 @@ def test_auto_plan_takes_it_for_weights_beyond_the_l2_sized_by_the_density(cp, r
     assert rel_error(got, expected) <= 4.0 * rel_error(_round(expected, ts.bfloat16), expected) + 1e-3
     monkeypatch.setattr(_tiled_up, "PREFERRED", False)
     assert rel_error(got, cp.asnumpy(plan(x)).astype(np.float64)) <= 1e-2
+
+
+def test_torch_training_step_takes_it_beyond_the_l2_and_keeps_u(cp, monkeypatch):
+    """The torch adapter's gated forward and backward with W_up beyond a (64 KB) L2: the forward
+    keeps u from the tiled kernel for the backward; values and every gradient against float64
+    autograd, and against the same step on the row gathers."""
+    torch = pytest.importorskip("torch")
+    import twellsparse.torch as tt
+
+    monkeypatch.setattr(_tiled_up, "PREFERRED", None)
+    monkeypatch.setattr(_tiled_up._stationary, "_l2_bytes", lambda: 64 * 1024)
+    g = torch.Generator().manual_seed(3)
+    m, d, f = 700, 128, 1000
+    shapes = ((m, d), (f, d), (f, d), (d, f))
+    leaves = [torch.randn(*s, generator=g, dtype=torch.float64) / s[-1] ** 0.5 for s in shapes]
+    leaves[0] *= 4
+    inputs = [t.to("cuda", torch.bfloat16).requires_grad_() for t in leaves]
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the tiled up projection needs a compute-capability 9.0 GPU")
+    calls = []
+    real = _tiled_up.gated_up
+    monkeypatch.setattr(_tiled_up, "gated_up", lambda *a, **kw: calls.append(a[5] is not None) or real(*a, **kw))
+    grad = torch.randn(m, d, generator=g, dtype=torch.float64).to("cuda")
+    out = tt.gated_ffn(*inputs, capacity=8)
+    grads = torch.autograd.grad(out, inputs, grad.to(torch.bfloat16))
+    assert calls and all(calls)  # the tiled kernel ran, keeping u
+    ref64 = [t.detach().double().requires_grad_() for t in inputs]
+    xs, wg, wu, wd = ref64
+    ref = (torch.relu(xs @ wg.T) * (xs @ wu.T)) @ wd.T
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 3e-2
+    for a, b in zip(grads, torch.autograd.grad(ref, ref64, grad), strict=True):
+        assert ((a.double() - b).norm() / b.norm()).item() < 1.2e-1
+    monkeypatch.setattr(_tiled_up, "PREFERRED", False)
+    out_gather = tt.gated_ffn(*inputs, capacity=8)
+    grads_gather = torch.autograd.grad(out_gather, inputs, grad.to(torch.bfloat16))
+    assert ((out.double() - out_gather.double()).norm() / out_gather.double().norm()).item() < 1e-2
+    for a, b in zip(grads, grads_gather, strict=True):  # u rounded after other fp32 sums
+        assert ((a.double() - b.double()).norm() / b.double().norm()).item() < 2e-2
