@@ -212,3 +212,37 @@ def test_torch_training_step_takes_it_beyond_the_l2_and_keeps_u(cp, monkeypatch)
     assert ((out.double() - out_gather.double()).norm() / out_gather.double().norm()).item() < 1e-2
     for a, b in zip(grads, grads_gather, strict=True):  # u rounded after other fp32 sums
         assert ((a.double() - b.double()).norm() / b.double().norm()).item() < 2e-2
+
+
+def test_fixed_spill_plan_with_it_runs_inside_a_graph_capture(cp, rng, monkeypatch):
+    """A gated plan with a fixed spill_capacity (no read-back) whose W_up outgrows a (64 KB) L2
+    captured in a CUDA graph: the tiled kernel's pack and launch record and replay, and the
+    replay writes the eager call's bits (the token blocks fixed by the estimate both saw)."""
+    m, d, f = 900, 136, 2000
+    p = ffn_problem(m, d, f, 0.02, "skewed", ts.bfloat16, rng, cp)
+    x, wg, wu, wd = p["x"], p["w_gate"], p["w_up"], p["w_down"]
+    gate = ts.linear_to_twell(x, wg)
+    if not _tiled_up.applies(gate.parts, x, wu):
+        pytest.skip("the tiled up projection needs a compute-capability 9.0 GPU")
+    monkeypatch.setattr(_tiled_up, "PREFERRED", None)
+    monkeypatch.setattr(_tiled_up._stationary, "_l2_bytes", lambda: 64 * 1024)
+    calls = []
+    real = _tiled_up.gated_up
+    monkeypatch.setattr(_tiled_up, "gated_up", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    plan = ts.GatedFFN(wg, wu, wd, dispatch="sparse", spill_capacity=m * 16)
+    pool = cp.cuda.MemoryPool()  # the graph's own memory
+    stream = cp.cuda.Stream(non_blocking=True)
+    with cp.cuda.using_allocator(pool.malloc), stream:
+        for _ in range(2):  # the second call sees the first one's density estimate
+            eager = plan(x)
+        stream.synchronize()
+        out = cp.full((m, d), np.nan, dtype=ts.bfloat16)
+        stream.begin_capture()
+        plan(x, out=out)
+        graph = stream.end_capture()
+        out.fill(np.nan)
+        graph.launch(stream)
+    stream.synchronize()
+    plan.check_spill()
+    assert len(calls) == 3  # two eager calls and the captured one, each on the tiled kernel
+    np.testing.assert_array_equal(cp.asnumpy(out).view(np.uint16), cp.asnumpy(eager).view(np.uint16))
