@@ -132,6 +132,13 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         "gated up, tiled by density": lambda: _with_density(
             measured, lambda: _gpu_ops.gated_up(g.parts, g.tile_n, x, wu, path="tiled")
         ),
+        # The same with x's fragment loaded once a quad (TWELL_TILED_UP_SHARED_B, opt-in).
+        "gated up, tiled by density, shared B": lambda: _with(
+            _tiled_up,
+            "SHARED_B",
+            True,
+            lambda: _with_density(measured, lambda: _gpu_ops.gated_up(g.parts, g.tile_n, x, wu, path="tiled")),
+        ),
         "tiled up pack": lambda: _tiled_up.pack(g.parts, g.tile_n, d_ff, *_tiled_up.geometry(m, d_ff)),
         "down spmm": lambda: matmul(g, wd_t),
         "down spmm, gather": lambda: _gpu_ops.spmm(g.parts, g.tile_n, wd_t, down_out, path="gather"),

@@ -146,9 +146,16 @@ template <int OFF> __device__ __forceinline__ uint2 load_shared8(unsigned addres
 // 2j + 1 those matching row g + 8: this lane's 8 bytes of its token, the first or the second
 // half of the same 16 (g & 1). So d0 + d3 = D[g][2t] + D[g + 8][2t + 1] is entry g's dot with
 // token t of the quad over the slice.
-template <typename T, int SHIFT>
+//
+// SHARED_B = 1 loads B only where the tile's quad differs from the previous tile's: a warp's
+// tiles are consecutive in the pack, so an item's (quad's) tiles follow one another, and at 1%
+// density (~4 tiles a quad) three of every four x loads, a third of the slice's shared-memory
+// bytes, go. The test is warp-uniform (a lane's x offset is a one-to-one function of the quad).
+template <typename T, int SHIFT, int SHARED_B>
 __device__ __forceinline__ void sum_tiles(const unsigned (&where)[TILED_MAX_TILES], float (&acc)[TILED_MAX_TILES],
                                           int cnt, unsigned smem_base) {
+  uint2 b = make_uint2(0u, 0u);
+  unsigned b_at = 0xffffffffu;  // the x offset b was loaded from (none yet: no offset is all ones)
 #pragma unroll
   for (int i0 = 0; i0 < TILED_MAX_TILES; i0 += TILED_GROUP) {
     if (i0 >= cnt) break;
@@ -159,8 +166,11 @@ __device__ __forceinline__ void sum_tiles(const unsigned (&where)[TILED_MAX_TILE
       unsigned w = where[i];
       asm volatile("" : "+r"(w));
       const uint4 a = load_shared16<SHIFT>(w & 0x1ffffu);
-      const unsigned xb = smem_base + (w >> 17);  // x's rows: TILED_X_BYTE further
-      const uint2 b = load_shared8<SHIFT + TILED_X_BYTE>(xb);
+      const unsigned x_off = w >> 17;  // x's rows: TILED_X_BYTE further
+      if (!SHARED_B || x_off != b_at) {
+        b = load_shared8<SHIFT + TILED_X_BYTE>(smem_base + x_off);
+        b_at = x_off;
+      }
       float d[4] = {0.f, 0.f, 0.f, 0.f};
       mma_m16n8k16<T>(d, a.x, a.z, a.y, a.w, b.x, b.y);
       acc[i] += d[0] + d[3];
@@ -230,7 +240,7 @@ __global__ void __launch_bounds__(256) tiled_up_place(
 // buffer. U at most TILED_MAX_UNITS, T a multiple of 4 and at most TILED_MAX_TOKENS, box_w and
 // box_x even (TMA's 128-byte aligned destinations) and at most 256, with ceil(U / box_w) box_w <=
 // TILED_MAX_UNITS and ceil(T / box_x) box_x <= TILED_MAX_TOKENS. u_data null: u is not kept.
-template <typename T>
+template <typename T, int SHARED_B>
 __global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_up(
     const __grid_constant__ twell::TensorMap map_w, const __grid_constant__ twell::TensorMap map_x, int box_w,
     int box_x, const int* __restrict__ tile_ptr, const unsigned short* __restrict__ codes,
@@ -301,13 +311,13 @@ __global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_
     for (int s = 0; s < n_slices; s += 2) {
       barrier_wait(bars, phase0);
       phase0 ^= 1u;
-      sum_tiles<T, 0>(where, acc, cnt, smem_base);
+      sum_tiles<T, 0, SHARED_B>(where, acc, cnt, smem_base);
       __syncthreads();
       if (threadIdx.x == 0 && s + 2 < n_slices) stage(s + 2, 0);
       if (s + 1 >= n_slices) break;
       barrier_wait(bars + 8, phase1);
       phase1 ^= 1u;
-      sum_tiles<T, TILED_BUFFER_BYTES>(where, acc, cnt, smem_base);
+      sum_tiles<T, TILED_BUFFER_BYTES, SHARED_B>(where, acc, cnt, smem_base);
       __syncthreads();
       if (threadIdx.x == 0 && s + 3 < n_slices) stage(s + 3, 1);
     }

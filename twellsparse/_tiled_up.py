@@ -149,13 +149,19 @@ def gated_up(
     pattern = (tile_ptr, codes, dests, quads, gate.data, gate.spill_data)
     boxes = (np.int32(k), np.int32(t), np.int32(units), np.int32(parts))
     args = (*maps, np.int32(box_w), np.int32(box_x), *pattern, *boxes, h.data, h.spill_data, *kept)
-    expr = f"twell_tiled_gated_up<{K.CXX_TYPE[x.dtype]}>"
+    expr = f"twell_tiled_gated_up<{K.CXX_TYPE[x.dtype]}, {int(bool(SHARED_B))}>"
     K.launch_arch(expr, (blocks,), (WARPS * 32,), args, shared_bytes())
 
 
 #: Whether the gated consumer's "auto" up projection takes this kernel: ``TWELL_TILED_UP=1``
 #: wherever it applies, ``=0`` never, unset (None) where W_up outgrows the L2 (see :func:`chosen`).
 PREFERRED: bool | None = K.env_switch("TWELL_TILED_UP")
+
+#: Whether the kernel loads a tile's x fragment only where the tile's quad differs from the
+#: previous tile's (``TWELL_TILED_UP_SHARED_B=1``; the same sums bit for bit, a third fewer
+#: shared-memory bytes at 1% density, where the kernel is near shared-memory-bound). Opt-in
+#: until measured: its loads land in one register, so consecutive tiles' MMAs wait for them.
+SHARED_B: bool | None = K.env_switch("TWELL_TILED_UP_SHARED_B")
 
 #: Expected entries per (token block, unit part, quad) item round at most when the tokens per
 #: block are sized from a density: three quarters of a round's room (WARPS * MAX_TILES * TILE

@@ -77,6 +77,27 @@ def test_tiled_gated_up_matches_float64(cp, rng, dtype, m, n, k, tile_n, capacit
     assert rel_error(got_u, _dense(cp, u_gather, (m, n), tile_n)) <= 2 * _bound(dtype, expected)
 
 
+@pytest.mark.parametrize("m, n, k, tile_n, capacity, density, tokens", SHAPES)
+def test_x_loaded_once_a_quad_gives_the_same_bits(cp, rng, monkeypatch, m, n, k, tile_n, capacity, density, tokens):
+    """TWELL_TILED_UP_SHARED_B (x's fragment loaded only where the tile's quad changes) computes
+    the same products in the same order: u and h bitwise those of the per-tile loads, over the
+    shapes above (many tiles a quad at 8-30%, one at 0.5-1%)."""
+    g = sparse_activations(m, n, density, "skewed", ts.bfloat16, rng)
+    gate = ts.twell_array(cp.asarray(g), tile_n=tile_n, capacity=capacity)
+    x = cp.asarray(rng.standard_normal((m, k)).astype(ts.bfloat16))
+    w_up = cp.asarray((rng.standard_normal((n, k)) / np.sqrt(k)).astype(ts.bfloat16))
+    if not _tiled_up.applies(gate.parts, x, w_up):
+        pytest.skip("the tiled up projection needs a compute-capability 9.0 GPU")
+    results = []
+    for shared_b in (False, True):
+        monkeypatch.setattr(_tiled_up, "SHARED_B", shared_b)
+        h, up = _gpu_ops.gated_up(gate.parts, tile_n, x, w_up, True, path="tiled")
+        results.append([_dense(cp, parts, (m, n), tile_n) for parts in (h, up)])  # stored slots only
+    for per_tile, per_quad in zip(*results, strict=True):
+        assert np.isfinite(per_tile).all()
+        np.testing.assert_array_equal(per_quad, per_tile)
+
+
 def test_tiled_gated_up_without_u_and_strided_x(cp, rng, monkeypatch):
     """u not kept (a null pointer), x a column slice of a wider array; the auto path with the
     kernel forced gives the same bits."""
