@@ -160,13 +160,9 @@ def test_tiled_pack_holds_every_entry_once_in_parity_order(cp, rng, capacity):
     assert sorted(seen) == sorted(zip(*np.nonzero(g), strict=True))
 
 
-@pytest.mark.parametrize("density", [0.01, 0.06])
-def test_auto_plan_takes_it_for_weights_beyond_the_l2_sized_by_the_density(cp, rng, monkeypatch, density):
-    """A gated plan whose W_up outgrows the L2 (here a 64 KB one) runs its up projection on the
-    tiled kernel under "auto", with token blocks sized from the plan's density estimate (fewer
-    at the higher density), and matches float64 of the same roundings; the same plan with the
-    kernel switched off (the row gathers) agrees."""
-    m, d, f = 1500, 136, 3000
+def _beyond_a_small_l2(cp, rng, monkeypatch, m, d, f, density):
+    """A skewed gated problem, ``(x, w_gate, w_up, w_down, gate)``, with "auto" left to its rule
+    and a 64 KB L2, so that any W_up outgrows it; skipped where the tiled kernel cannot run."""
     p = ffn_problem(m, d, f, density, "skewed", ts.bfloat16, rng, cp)
     x, wg, wu, wd = p["x"], p["w_gate"], p["w_up"], p["w_down"]
     gate = ts.linear_to_twell(x, wg)
@@ -174,6 +170,17 @@ def test_auto_plan_takes_it_for_weights_beyond_the_l2_sized_by_the_density(cp, r
         pytest.skip("the tiled up projection needs a compute-capability 9.0 GPU")
     monkeypatch.setattr(_tiled_up, "PREFERRED", None)
     monkeypatch.setattr(_tiled_up._stationary, "_l2_bytes", lambda: 64 * 1024)
+    return x, wg, wu, wd, gate
+
+
+@pytest.mark.parametrize("density", [0.01, 0.06])
+def test_auto_plan_takes_it_for_weights_beyond_the_l2_sized_by_the_density(cp, rng, monkeypatch, density):
+    """A gated plan whose W_up outgrows the L2 (here a 64 KB one) runs its up projection on the
+    tiled kernel under "auto", with token blocks sized from the plan's density estimate (fewer
+    at the higher density), and matches float64 of the same roundings; the same plan with the
+    kernel switched off (the row gathers) agrees."""
+    m, d, f = 1500, 136, 3000
+    x, wg, wu, wd, gate = _beyond_a_small_l2(cp, rng, monkeypatch, m, d, f, density)
     seen = []  # (the density estimate, tokens per block) of each tiled launch
     real = _tiled_up.block_tokens
     monkeypatch.setattr(_tiled_up, "block_tokens", lambda n, e: seen.append((e, real(n, e))) or seen[-1][1])
@@ -240,13 +247,7 @@ def test_fixed_spill_plan_with_it_runs_inside_a_graph_capture(cp, rng, monkeypat
     captured in a CUDA graph: the tiled kernel's pack and launch record and replay, and the
     replay writes the eager call's bits (the token blocks fixed by the estimate both saw)."""
     m, d, f = 900, 136, 2000
-    p = ffn_problem(m, d, f, 0.02, "skewed", ts.bfloat16, rng, cp)
-    x, wg, wu, wd = p["x"], p["w_gate"], p["w_up"], p["w_down"]
-    gate = ts.linear_to_twell(x, wg)
-    if not _tiled_up.applies(gate.parts, x, wu):
-        pytest.skip("the tiled up projection needs a compute-capability 9.0 GPU")
-    monkeypatch.setattr(_tiled_up, "PREFERRED", None)
-    monkeypatch.setattr(_tiled_up._stationary, "_l2_bytes", lambda: 64 * 1024)
+    x, wg, wu, wd, _ = _beyond_a_small_l2(cp, rng, monkeypatch, m, d, f, 0.02)
     calls = []
     real = _tiled_up.gated_up
     monkeypatch.setattr(_tiled_up, "gated_up", lambda *a, **kw: calls.append(1) or real(*a, **kw))
