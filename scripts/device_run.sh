@@ -16,11 +16,13 @@ gpu_test_file() {
   timeout "${3:-240}" python3 -m pytest -m gpu -q -x -p no:cacheprovider "$1" "${@:4}" 2>&1 | tee -a "$OUT/$2.log" | tail -15
   status=$((status | ${PIPESTATUS[0]}))
 }
-# bench/stage_times.py for the stages named ONLY at each density, appended to $OUT/<log>.log and
-# $OUT/stages.jsonl; exit statuses join the run's. Usage: stage_rows ONLY "DENSITIES" LOG
+# bench/stage_times.py for the stages named ONLY at each density (and its further ARGUMENTS),
+# appended to $OUT/<log>.log and $OUT/stages.jsonl; exit statuses join the run's.
+# Usage: stage_rows ONLY "DENSITIES" LOG [ARGUMENTS...]
 stage_rows() {
   for d in $2; do
-    timeout 200 python3 bench/stage_times.py --density "$d" --only "$1" --out "$OUT/stages.jsonl" 2>&1 | tee -a "$OUT/$3.log"
+    timeout 200 python3 bench/stage_times.py --density "$d" --only "$1" --out "$OUT/stages.jsonl" "${@:4}" 2>&1 \
+      | tee -a "$OUT/$3.log"
     status=$((status | ${PIPESTATUS[0]}))
   done
 }
@@ -216,11 +218,7 @@ for step in $what; do
       # The gated up projection (row gathers, the tiled kernel at 192-512 tokens a block and as
       # block_tokens sizes it) and the backward's dX (the dual form, banded) at d_model 4096 /
       # d_ff 14336, up to 2% (the token blocks past 1% are not measured; fortieth session).
-      for d in 0.005 0.01 0.015 0.02; do
-        timeout 120 python3 bench/stage_times.py --d-model 4096 --d-ff 14336 --density $d --reps 5 \
-          --only "gated up,bwd dX" --out "$OUT/stages.jsonl" 2>&1 | tee -a "$OUT/wide.log"
-        status=$((status | ${PIPESTATUS[0]}))
-      done
+      stage_rows "gated up,bwd dX" "0.005 0.01 0.015 0.02" wide --d-model 4096 --d-ff 14336 --reps 5
       ;;&
     sharedb)
       # The tiled up projection's shared-B form (x loaded once a quad; fortieth session) beside

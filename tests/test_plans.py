@@ -166,7 +166,7 @@ def test_auto_takes_column_bands_only_where_b_outgrows_the_l2(monkeypatch):
     from twellsparse import _stationary
 
     monkeypatch.setattr(_stationary, "_max_slice_bytes", lambda: 227 * 1024)
-    monkeypatch.setattr(_stationary, "_l2_bytes", lambda: 50 << 20)
+    monkeypatch.setattr(_stationary.K, "l2_bytes", lambda: 50 << 20)
     monkeypatch.setattr(_stationary, "product_operands_aligned", lambda *operands: True)  # host arrays here
     monkeypatch.setattr(_stationary, "PREFERRED", None)
     wide = np.zeros((14336, 4096), dtype=ts.bfloat16)  # W_down.T of d_ff 14336: 117 MB
@@ -188,7 +188,7 @@ def test_column_bands_need_more_entries_per_row_than_one_band(monkeypatch):
     from twellsparse import _stationary
 
     monkeypatch.setattr(_stationary, "_max_slice_bytes", lambda: 227 * 1024)
-    monkeypatch.setattr(_stationary, "_l2_bytes", lambda: 50 << 20)
+    monkeypatch.setattr(_stationary.K, "l2_bytes", lambda: 50 << 20)
     monkeypatch.setattr(_stationary, "product_operands_aligned", lambda *operands: True)
     monkeypatch.setattr(_stationary, "PREFERRED", None)
     wide = np.zeros((14336, 4096), dtype=ts.bfloat16)

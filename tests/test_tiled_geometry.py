@@ -73,6 +73,6 @@ def test_auto_takes_the_tiled_up_projection_for_weights_beyond_the_l2(monkeypatc
     would read it from device memory); TWELL_TILED_UP=1 takes it wherever it applies, =0 never."""
     monkeypatch.setattr(_tiled_up, "PREFERRED", preferred)
     monkeypatch.setattr(_tiled_up, "applies", lambda gate, x, w_up: True)
-    monkeypatch.setattr(_tiled_up._stationary, "_l2_bytes", lambda: 50 * 2**20)
+    monkeypatch.setattr(_tiled_up.K, "l2_bytes", lambda: 50 * 2**20)
     w_up = types.SimpleNamespace(nbytes=nbytes)
     assert _tiled_up.chosen(None, None, w_up) is taken  # type: ignore[arg-type]

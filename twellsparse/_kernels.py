@@ -604,6 +604,12 @@ def sm_count() -> int:
     return device_attribute("MultiProcessorCount")
 
 
+def l2_bytes() -> int:
+    """The current device's L2 cache size in bytes: the kernel choices that read weight rows
+    once per entry (the row gathers) run at L2 speed only for weights within it."""
+    return int(device_attribute("L2CacheSize"))
+
+
 def null_pointer() -> np.uint64:
     """A null device pointer argument (a kernel's optional input that is absent)."""
     return np.uint64(0)

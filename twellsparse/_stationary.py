@@ -94,11 +94,6 @@ def band_tiles(n: int, tile_n: int | None, max_bytes: int) -> int | None:
     return per_band
 
 
-def _l2_bytes() -> int:
-    """The current device's L2 cache size in bytes."""
-    return int(K.device_attribute("L2CacheSize"))
-
-
 def _max_slice_bytes() -> int:
     """The shared memory one block may hold on the current device (the tests lower it to force
     column bands at small sizes)."""
@@ -166,7 +161,7 @@ def chosen(m: int, n: int, b: Any, out: Any, b2: Any = None, tile_n: int | None 
         return False
     if PREFERRED is None and slice_bytes(n, 2) > _max_slice_bytes():  # bands needed
         weights = b.shape[0] * b.shape[1] * b.dtype.itemsize * (1 if b2 is None else 2)
-        if weights <= _l2_bytes():  # the gathers read b from the L2
+        if weights <= K.l2_bytes():  # the gathers read b from the L2
             return False
         density = expected()
         return density is None or density * n >= BANDED_BREAKEVEN_FACTOR * breakeven_entries(m, b.shape[1])

@@ -177,7 +177,7 @@ def block_tokens(n: int, density: float | None) -> int:
     most, in steps of :data:`TOKEN_STEP` up to :data:`MAX_TOKENS`, whose items expect at most
     :data:`ROUND_FILL` entries. At d_ff 14336 (20 parts of 718 units), d_model 4096 and 16384
     tokens on an H100 this picks 512 at 0.5% and 384 at 1%, the fastest of 256 / 384 / 512
-    there (1.23 / 1.50 / 2.16 ms at 0.5%, 2.54 / 1.79 / 2.30 at 1% for 512 / 384 / 256;
+    there (1.24 / 1.50 / 2.04 ms at 0.5%, 2.55 / 1.79 / 2.23 at 1% for 512 / 384 / 256;
     bench/results/2026-12-06-stages.jsonl)."""
     if density is None or not density > 0:
         return TOKENS
@@ -195,6 +195,6 @@ def chosen(gate: TwELLParts, x: Any, w_up: Any) -> bool:
     two were within 5% at 0.5-1% (standard widths, bench/NOTES.md), so they keep it there."""
     if PREFERRED is False:
         return False
-    if PREFERRED is None and w_up.nbytes <= _stationary._l2_bytes():
+    if PREFERRED is None and w_up.nbytes <= K.l2_bytes():
         return False
     return applies(gate, x, w_up)

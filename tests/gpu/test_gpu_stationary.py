@@ -330,7 +330,7 @@ def test_auto_takes_bands_for_weights_beyond_the_l2(cp, monkeypatch):
     monkeypatch.setattr(_stationary, "PREFERRED", None)
     wide, tall = cp.zeros((14336, 4096), dtype=ts.bfloat16), cp.zeros((8192, 2048), dtype=ts.bfloat16)
     out4096, out2048 = cp.empty((16384, 4096), dtype=ts.bfloat16), cp.empty((16384, 2048), dtype=ts.bfloat16)
-    assert _stationary._l2_bytes() < wide.nbytes
+    assert _stationary.K.l2_bytes() < wide.nbytes
     assert _stationary.chosen(16384, 14336, wide, out4096, tile_n=256)
-    if _stationary._l2_bytes() >= tall.nbytes:
+    if _stationary.K.l2_bytes() >= tall.nbytes:
         assert not _stationary.chosen(16384, 8192, tall, out2048, tile_n=256)

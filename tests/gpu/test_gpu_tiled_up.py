@@ -169,7 +169,7 @@ def _beyond_a_small_l2(cp, rng, monkeypatch, m, d, f, density):
     if not _tiled_up.applies(gate.parts, x, wu):
         pytest.skip("the tiled up projection needs a compute-capability 9.0 GPU")
     monkeypatch.setattr(_tiled_up, "PREFERRED", None)
-    monkeypatch.setattr(_tiled_up._stationary, "_l2_bytes", lambda: 64 * 1024)
+    monkeypatch.setattr(_tiled_up.K, "l2_bytes", lambda: 64 * 1024)
     return x, wg, wu, wd, gate
 
 
@@ -212,7 +212,7 @@ def test_torch_training_step_takes_it_beyond_the_l2_and_keeps_u(cp, monkeypatch)
     import twellsparse.torch as tt
 
     monkeypatch.setattr(_tiled_up, "PREFERRED", None)
-    monkeypatch.setattr(_tiled_up._stationary, "_l2_bytes", lambda: 64 * 1024)
+    monkeypatch.setattr(_tiled_up.K, "l2_bytes", lambda: 64 * 1024)
     g = torch.Generator().manual_seed(3)
     m, d, f = 700, 128, 1000
     shapes = ((m, d), (f, d), (f, d), (d, f))
