@@ -11,6 +11,7 @@ the operands; :func:`gated_up` runs it.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -139,7 +140,7 @@ def gated_up(
     x, _ = row_stride(x)
     w_up, _ = row_stride(w_up)
     if tokens is None:
-        tokens = block_tokens(n, _stationary.expected())
+        tokens = block_tokens(m, n, _stationary.expected(), K.sm_count())
     t, units, parts = geometry(m, n, tokens)
     tile_ptr, codes, dests, quads = pack(gate, tile_n, n, t, units, parts)
     blocks = -(-m // t) * parts
@@ -158,43 +159,78 @@ def gated_up(
 PREFERRED: bool | None = K.env_switch("TWELL_TILED_UP")
 
 #: Whether the kernel loads a tile's x fragment only where the tile's quad differs from the
-#: previous tile's (``TWELL_TILED_UP_SHARED_B=1``; the same sums bit for bit, a third fewer
-#: shared-memory bytes at 1% density, where the kernel is near shared-memory-bound). Opt-in
-#: until measured: its loads land in one register, so consecutive tiles' MMAs wait for them.
-SHARED_B: bool | None = K.env_switch("TWELL_TILED_UP_SHARED_B")
+#: previous tile's (the same sums bit for bit, a third fewer shared-memory bytes at 1% density,
+#: where the kernel is near shared-memory-bound). On by default since the forty-first session:
+#: 0-4% faster than the per-tile loads at 0.5-2%, never slower by more than 1% (H100, standard
+#: and d_model 4096 widths, bench/results/2026-12-06-stages.jsonl); ``TWELL_TILED_UP_SHARED_B=0``
+#: loads x per tile.
+SHARED_B: bool = K.env_switch("TWELL_TILED_UP_SHARED_B") is not False
 
-#: Expected entries per (token block, unit part, quad) item round at most when the tokens per
-#: block are sized from a density: three quarters of a round's room (WARPS * MAX_TILES * TILE
-#: = 4096), leaving the rest for the spread of row lengths around the mean; a fuller item runs
-#: a second round.
-ROUND_FILL = 3072
 #: The step of the token counts chosen by density (TMA boxes of 64-byte rows fill whole lines).
 TOKEN_STEP = 64
+#: Entries a block's round holds (WARPS * MAX_TILES tiles of TILE).
+ROUND_ENTRIES = WARPS * MAX_TILES * TILE
+#: Standard deviations of a block's entries kept free of a round's room: a block whose entries
+#: overrun it runs a second round, restaging all of its rows. Fitted to the measured block sizes
+#: (bench/NOTES.md, forty-first session): a block expecting 3830 entries and pads (256 tokens
+#: at 2%, standard widths) already took about as long as two rounds.
+ROUND_MARGIN_SIGMAS = 4.5
+#: Density from which the gated consumer's "auto" up projection takes the tiled kernel even
+#: where W_up fits the L2 (a plan's estimate; see :func:`chosen`).
+IN_L2_MIN_DENSITY = 0.0075
 
 
-def block_tokens(n: int, density: float | None) -> int:
-    """Tokens per block for ``n`` units at an expected ``density`` (None: :data:`TOKENS`): the
-    most, in steps of :data:`TOKEN_STEP` up to :data:`MAX_TOKENS`, whose items expect at most
-    :data:`ROUND_FILL` entries. At d_ff 14336 (20 parts of 718 units), d_model 4096 and 16384
-    tokens on an H100 this picks 512 at 0.5% and 384 at 1%, the fastest of 256 / 384 / 512
-    there (1.24 / 1.50 / 2.04 ms at 0.5%, 2.55 / 1.79 / 2.23 at 1% for 512 / 384 / 256;
-    bench/results/2026-12-06-stages.jsonl)."""
+def expected_rounds(tokens: int, units: int, density: float) -> int:
+    """Rounds a block of ``tokens`` x ``units`` expects at ``density``: its entries, each quad's
+    padding to whole tiles (3.5 entries on average) and :data:`ROUND_MARGIN_SIGMAS` standard
+    deviations of the entries (Poisson), over a round's :data:`ROUND_ENTRIES`."""
+    entries = tokens * units * density
+    load = entries + (tokens // QUAD) * (TILE - 1) / 2 + ROUND_MARGIN_SIGMAS * math.sqrt(entries)
+    return max(1, math.ceil(load / ROUND_ENTRIES))
+
+
+def block_tokens(m: int, n: int, density: float | None, sms: int) -> int:
+    """Tokens per block for ``m`` tokens and ``n`` units at an expected ``density`` (None:
+    :data:`TOKENS`) on ``sms`` multiprocessors: the count, in steps of :data:`TOKEN_STEP` up to
+    :data:`MAX_TOKENS`, that stages the fewest rows on the busiest multiprocessor. A block runs
+    alone on its SM (its buffers fill the shared memory), streams its ``units + tokens`` rows
+    once a round (:func:`expected_rounds`), and the blocks run in waves of ``sms``; so the cost is
+    ``waves x rounds x (units + tokens)``, ties to the larger block.
+
+    This matched the order of every measured block size (192-512 tokens at 0.5-2%, 16384
+    tokens, standard and d_model 4096 widths, H100; bench/NOTES.md, forty-first session), where
+    the earlier rule (the most tokens expecting 3072 entries at most) picked 192 at 2% on the
+    standard widths (0.806 ms against 0.705 for 512: two waves of two rounds stage fewer rows
+    than six waves of one)."""
     if density is None or not density > 0:
         return TOKENS
-    units = geometry(1, n)[1]
-    fit = int(ROUND_FILL / (units * density)) // TOKEN_STEP * TOKEN_STEP
-    return max(TOKEN_STEP, min(MAX_TOKENS, fit))
+    units, parts = geometry(1, n)[1:]
+    top = min(MAX_TOKENS, -(-max(m, 1) // TOKEN_STEP) * TOKEN_STEP)
+    best, best_cost = TOKEN_STEP, math.inf
+    for tokens in range(TOKEN_STEP, top + 1, TOKEN_STEP):
+        waves = -(-(-(-m // tokens) * parts) // max(sms, 1))
+        cost = waves * expected_rounds(tokens, units, density) * (units + tokens)
+        if cost <= best_cost:
+            best, best_cost = tokens, cost
+    return best
 
 
 def chosen(gate: TwELLParts, x: Any, w_up: Any) -> bool:
-    """Whether the gated consumer's "auto" up projection takes the tiled kernel: where it applies
-    and :data:`PREFERRED` says so, or (unset) where ``w_up`` outgrows the L2, so that the row
-    gathers would read each active unit's whole row from device memory once per token. Measured
-    there (d_model 4096, d_ff 14336, 16384 tokens, H100): 1.23 / 1.79 ms against the gathers'
-    2.41 / 4.91 at 0.5 / 1%. Where W_up fits the L2 the gathers read it at L2 speed, and the
-    two were within 5% at 0.5-1% (standard widths, bench/NOTES.md), so they keep it there."""
+    """Whether the gated consumer's "auto" up projection takes the tiled kernel, where it applies:
+    as :data:`PREFERRED` says when set; unset, where ``w_up`` outgrows the L2 (the row gathers
+    would read each active unit's whole row from device memory once per entry) or where the
+    plan's density estimate (``_stationary.expected()``) is at least :data:`IN_L2_MIN_DENSITY`.
+
+    Measured (16384 tokens, H100, gpu-only ms; bench/NOTES.md, fortieth and forty-first
+    sessions): at d_model 4096 / d_ff 14336 the tiled kernel took 1.22 / 1.74 ms against the
+    gathers' 2.41 / 4.91 at 0.5 / 1%; at the standard widths, where W_up fits the L2, 0.302 /
+    0.453 / 0.705 against 0.304 / 0.519 / 0.982 at 0.5 / 1 / 2% (the H200 had given 0.288 / 0.443
+    / 0.706 against 0.277 / 0.457 / 0.855), so the gathers keep the lower densities there and
+    the calls without an estimate."""
     if PREFERRED is False:
         return False
     if PREFERRED is None and w_up.nbytes <= K.l2_bytes():
-        return False
+        density = _stationary.expected()
+        if density is None or density < IN_L2_MIN_DENSITY:
+            return False
     return applies(gate, x, w_up)

@@ -183,7 +183,9 @@ def test_auto_plan_takes_it_for_weights_beyond_the_l2_sized_by_the_density(cp, r
     x, wg, wu, wd, gate = _beyond_a_small_l2(cp, rng, monkeypatch, m, d, f, density)
     seen = []  # (the density estimate, tokens per block) of each tiled launch
     real = _tiled_up.block_tokens
-    monkeypatch.setattr(_tiled_up, "block_tokens", lambda n, e: seen.append((e, real(n, e))) or seen[-1][1])
+    monkeypatch.setattr(
+        _tiled_up, "block_tokens", lambda m, n, e, sms: seen.append((e, real(m, n, e, sms))) or seen[-1][1]
+    )
     plan = ts.GatedFFN(wg, wu, wd, dispatch="sparse")
     for _ in range(3):  # the first call has no estimate yet; later ones size the blocks by it
         out = cp.full((m, d), np.nan, dtype=ts.bfloat16)
@@ -192,7 +194,7 @@ def test_auto_plan_takes_it_for_weights_beyond_the_l2_sized_by_the_density(cp, r
     assert len(seen) >= 3 and seen[0] == (None, _tiled_up.TOKENS)
     estimate, tokens = seen[-1]
     assert estimate is not None and abs(estimate - density) < 0.5 * density
-    assert tokens == real(f, estimate) < _tiled_up.TOKENS
+    assert tokens == real(m, f, estimate, _tiled_up.K.sm_count()) < _tiled_up.TOKENS
     g = cp.asnumpy(gate.toarray()).astype(np.float64)
     xs, ws, wds = (cp.asnumpy(a).astype(np.float64) for a in (x, wu, wd))
     h = _round(g * _round(xs @ ws.T, ts.bfloat16), ts.bfloat16)
