@@ -97,27 +97,29 @@ def test_expected_rounds_count_padding_and_spread(tokens, density, rounds):
 
 
 @pytest.mark.parametrize(
-    ("preferred", "nbytes", "density", "taken"),
+    ("preferred", "nbytes", "density", "tokens", "taken"),
     [
-        (None, 2**20, None, False),
-        (None, 2**20, 0.005, False),
-        (None, 2**20, _tiled_up.IN_L2_MIN_DENSITY, True),
-        (None, 2**20, 0.02, True),
-        (None, 2**30, None, True),
-        (None, 2**30, 0.001, True),
-        (True, 2**20, None, True),
-        (False, 2**30, 0.02, False),
+        (None, 2**20, None, 16384, False),
+        (None, 2**20, 0.005, 16384, False),
+        (None, 2**20, _tiled_up.IN_L2_MIN_DENSITY, _tiled_up.IN_L2_MIN_TOKENS, True),
+        (None, 2**20, 0.02, 65536, True),
+        (None, 2**20, 0.02, _tiled_up.IN_L2_MIN_TOKENS - 1, False),
+        (None, 2**30, None, 100, True),
+        (None, 2**30, 0.001, 16384, True),
+        (True, 2**20, None, 100, True),
+        (False, 2**30, 0.02, 16384, False),
     ],
 )
 def test_auto_takes_the_tiled_up_projection_beyond_the_l2_or_from_a_density(
-    monkeypatch, preferred, nbytes, density, taken
+    monkeypatch, preferred, nbytes, density, tokens, taken
 ):
     """Unset, the tiled kernel serves "auto" where W_up outgrows the L2 (the row gathers would
-    read it from device memory) or where the plan expects at least IN_L2_MIN_DENSITY;
-    TWELL_TILED_UP=1 takes it wherever it applies, =0 never."""
+    read it from device memory) or where the plan expects at least IN_L2_MIN_DENSITY over at
+    least IN_L2_MIN_TOKENS tokens; TWELL_TILED_UP=1 takes it wherever it applies, =0 never."""
     monkeypatch.setattr(_tiled_up, "PREFERRED", preferred)
     monkeypatch.setattr(_tiled_up, "applies", lambda gate, x, w_up: True)
     monkeypatch.setattr(_tiled_up.K, "l2_bytes", lambda: 50 * 2**20)
     w_up = types.SimpleNamespace(nbytes=nbytes)
     with _tiled_up._stationary.expected_density(float("nan") if density is None else density):
-        assert _tiled_up.chosen(None, None, w_up) is taken  # type: ignore[arg-type]
+        gate = types.SimpleNamespace(data=np.empty((tokens, 0, 0)))
+        assert _tiled_up.chosen(gate, None, w_up) is taken  # type: ignore[arg-type]

@@ -176,8 +176,13 @@ ROUND_ENTRIES = WARPS * MAX_TILES * TILE
 #: at 2%, standard widths) already took about as long as two rounds.
 ROUND_MARGIN_SIGMAS = 4.5
 #: Density from which the gated consumer's "auto" up projection takes the tiled kernel even
-#: where W_up fits the L2 (a plan's estimate; see :func:`chosen`).
+#: where W_up fits the L2 (a plan's estimate), for at least :data:`IN_L2_MIN_TOKENS` tokens (see
+#: :func:`chosen`).
 IN_L2_MIN_DENSITY = 0.0075
+#: Tokens from which the density rule applies: at 4096 tokens of the standard widths a gated
+#: plan's calls are host-bound (0.47-0.68 ms a call eager at 0.75% against 0.40 ms of GPU time,
+#: H100, forty-first session), and the pack's four launches and two tensor maps add to that.
+IN_L2_MIN_TOKENS = 16384
 
 
 def expected_rounds(tokens: int, units: int, density: float) -> int:
@@ -219,7 +224,8 @@ def chosen(gate: TwELLParts, x: Any, w_up: Any) -> bool:
     """Whether the gated consumer's "auto" up projection takes the tiled kernel, where it applies:
     as :data:`PREFERRED` says when set; unset, where ``w_up`` outgrows the L2 (the row gathers
     would read each active unit's whole row from device memory once per entry) or where the
-    plan's density estimate (``_stationary.expected()``) is at least :data:`IN_L2_MIN_DENSITY`.
+    plan's density estimate (``_stationary.expected()``) is at least :data:`IN_L2_MIN_DENSITY`
+    for at least :data:`IN_L2_MIN_TOKENS` tokens.
 
     Measured (16384 tokens, H100, gpu-only ms; bench/NOTES.md, fortieth and forty-first
     sessions): at d_model 4096 / d_ff 14336 the tiled kernel took 1.22 / 1.74 ms against the
@@ -231,6 +237,6 @@ def chosen(gate: TwELLParts, x: Any, w_up: Any) -> bool:
         return False
     if PREFERRED is None and w_up.nbytes <= K.l2_bytes():
         density = _stationary.expected()
-        if density is None or density < IN_L2_MIN_DENSITY:
+        if density is None or density < IN_L2_MIN_DENSITY or gate.data.shape[0] < IN_L2_MIN_TOKENS:
             return False
     return applies(gate, x, w_up)
