@@ -132,11 +132,12 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         "gated up, tiled by density": lambda: _with_density(
             measured, lambda: _gpu_ops.gated_up(g.parts, g.tile_n, x, wu, path="tiled")
         ),
-        # The same with x's fragment loaded once a quad (TWELL_TILED_UP_SHARED_B, opt-in).
-        "gated up, tiled by density, shared B": lambda: _with(
+        # The same with x's fragment loaded per tile (TWELL_TILED_UP_SHARED_B=0; once a quad is
+        # the default since the forty-first session).
+        "gated up, tiled by density, x per tile": lambda: _with(
             _tiled_up,
             "SHARED_B",
-            True,
+            False,
             lambda: _with_density(measured, lambda: _gpu_ops.gated_up(g.parts, g.tile_n, x, wu, path="tiled")),
         ),
         "tiled up pack": lambda: _tiled_up.pack(g.parts, g.tile_n, d_ff, *_tiled_up.geometry(m, d_ff)),
