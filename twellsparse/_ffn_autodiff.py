@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ._backend import array_module
+from ._backend import array_module, is_cupy_array
 from ._errors import TwELLSpillCapacityError
 from ._ops import (
     fused_gated_backward,
@@ -35,6 +35,7 @@ from ._ops import (
     with_values,
 )
 from ._ops import values_op as _values_op
+from ._posted import PostedByKey
 from ._twell import twell_array
 from ._validation import check_activation, check_layout, check_threshold
 
@@ -91,14 +92,38 @@ def forward_arrays(
         return out, g, u
 
     first, finish = linear_to_parts_deferred(x, w_act, act, tile_n, capacity, thr)
-    if spill_capacity is not None and gather_tail_eligible(x, w_lin, w_down_t, x.dtype):
-        parts, left_out = finish("spill", spill_capacity=spill_capacity)
-        return (*tail(parts), left_out)  # the gather kernels: they read the spill by row pointers
-    result, parts = tail_then_finish(first, finish, tail)
+    from . import _stationary
+
+    # The kernel choices take the density of the previous forward with this weight, as a plan's
+    # take its own (the stationary down projection's break-even, the tiled up projection's rule
+    # and token blocks).
+    with _stationary.expected_density(_previous_density(x, w_act, finish)):
+        if spill_capacity is not None and gather_tail_eligible(x, w_lin, w_down_t, x.dtype):
+            parts, left_out = finish("spill", spill_capacity=spill_capacity)
+            return (*tail(parts), left_out)  # the gather kernels: they read the spill by row pointers
+        result, parts = tail_then_finish(first, finish, tail)
     out, g, u = result[0], twell_array._from_parts(parts, shape, tile_n), result[2]
     if spill_capacity is not None:  # the exact path, with the fixed path's array lengths
         g, u = _padded_spill(g, spill_capacity), (_padded_spill(u, spill_capacity) if u is not None else None)
     return out, g, u, 0
+
+
+#: The activation density of the last forward per (device, activation weight, tokens), posted by
+#: the producer's entry total without a host read.
+_DENSITIES = PostedByKey()
+
+
+def _previous_density(x: Any, w_act: Any, finish: Any) -> float:
+    """The density the last forward with ``w_act``'s array and as many tokens posted, if its copy
+    has landed (NaN otherwise, and on the CPU); this forward's is posted for the next."""
+    totals = getattr(finish, "totals", None)
+    if totals is None or not is_cupy_array(x):
+        return math.nan
+    key = (x.device.id, w_act.data.ptr, w_act.shape, w_act.strides, x.shape[0])
+    posted = _DENSITIES.get(key)
+    latest = posted.latest()
+    posted.post(totals()[0], scale=1.0 / max(x.shape[0] * w_act.shape[0], 1))
+    return math.nan if latest is None else latest
 
 
 def _padded_spill(a: Any, spill_capacity: int) -> Any:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
@@ -116,3 +119,26 @@ class PostedScalar:
         popped._dtype, popped._scale = self._dtype, self._scale
         self._event, self._value = None, None
         return popped
+
+
+class PostedByKey:
+    """One :class:`PostedScalar` per key for calls that recur without a plan to hold one (the
+    framework adapters' forwards, keyed by their weights): :meth:`get` returns the key's
+    scalar, made on first use; beyond ``slots`` keys the least recently used is dropped (a
+    weight copied anew every call, as under autocast, then never finds its previous value)."""
+
+    def __init__(self, slots: int = 256) -> None:
+        self._slots = slots
+        self._scalars: OrderedDict[Hashable, PostedScalar] = OrderedDict()
+        self._lock = threading.Lock()  # the adapters may call from several threads
+
+    def get(self, key: Hashable) -> PostedScalar:
+        with self._lock:
+            scalar = self._scalars.pop(key, None) or PostedScalar()
+            self._scalars[key] = scalar
+            while len(self._scalars) > self._slots:
+                self._scalars.popitem(last=False)
+            return scalar
+
+    def __len__(self) -> int:
+        return len(self._scalars)

@@ -244,6 +244,38 @@ def test_torch_training_step_takes_it_beyond_the_l2_and_keeps_u(cp, monkeypatch)
         assert ((a.double() - b.double()).norm() / b.double().norm()).item() < 2e-2
 
 
+def test_torch_forwards_size_its_blocks_from_the_previous_forward(cp, rng, monkeypatch):
+    """The torch adapter has no plan: its forward posts the producer's entry total per weight,
+    and the next forward with the same weight takes it as the density estimate (no host read),
+    so the tiled kernel's token blocks follow the data as a plan's do; another weight array
+    starts without one. The outputs stay within rounding of each other."""
+    torch = pytest.importorskip("torch")
+    import twellsparse.torch as tt
+
+    m, d, f = 1500, 136, 3000
+    arrays = _beyond_a_small_l2(cp, rng, monkeypatch, m, d, f, 0.03)
+    x, w_gate, w_up, w_down = (torch.from_dlpack(a) for a in arrays[:4])
+    density = arrays[4].nnz / (m * f)
+    seen = []
+    real = _tiled_up.block_tokens
+    monkeypatch.setattr(
+        _tiled_up, "block_tokens", lambda m, n, e, sms: seen.append((e, real(m, n, e, sms))) or seen[-1][1]
+    )
+    outs = []
+    for _ in range(3):
+        outs.append(tt.gated_ffn(x, w_gate, w_up, w_down))
+        torch.cuda.synchronize()  # the posted total lands before the next forward looks
+    assert seen[0][0] is None  # the first forward with this weight has no estimate yet
+    estimate, tokens = seen[-1]
+    assert estimate is not None and abs(estimate - density) < 0.02 * density
+    assert tokens == real(m, f, estimate, _tiled_up.K.sm_count())
+    for out in outs[1:]:  # other token blocks group the same sums differently at most
+        assert ((out.double() - outs[0].double()).norm() / outs[0].double().norm()).item() < 1e-2
+    seen.clear()
+    tt.gated_ffn(x, w_gate.clone(), w_up, w_down)  # another array: no estimate of its own yet
+    assert seen[0][0] is None
+
+
 def test_fixed_spill_plan_with_it_runs_inside_a_graph_capture(cp, rng, monkeypatch):
     """A gated plan with a fixed spill_capacity (no read-back) whose W_up outgrows a (64 KB) L2
     captured in a CUDA graph: the tiled kernel's pack and launch record and replay, and the
