@@ -180,8 +180,9 @@ ROUND_MARGIN_SIGMAS = 4.5
 #: :func:`chosen`).
 IN_L2_MIN_DENSITY = 0.0075
 #: Tokens from which the density rule applies: at 4096 tokens of the standard widths a gated
-#: plan's calls are host-bound (0.47-0.68 ms a call eager at 0.75% against 0.40 ms of GPU time,
-#: H100, forty-first session), and the pack's four launches and two tensor maps add to that.
+#: plan's calls are host-bound (0.41 ms of host a call on the row gathers, 0.40 ms of GPU time),
+#: and the pack's launches and allocations add to that: at 0.75% the block took 0.58 ms a call
+#: eager with the tiled kernel against 0.42 on the gathers (H100, forty-first session).
 IN_L2_MIN_TOKENS = 16384
 
 
