@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from . import _stationary
 from ._backend import array_module, is_cupy_array
 from ._errors import TwELLSpillCapacityError
 from ._ops import (
@@ -92,8 +93,6 @@ def forward_arrays(
         return out, g, u
 
     first, finish = linear_to_parts_deferred(x, w_act, act, tile_n, capacity, thr)
-    from . import _stationary
-
     # The kernel choices take the density of the previous forward with this weight, as a plan's
     # take its own (the stationary down projection's break-even, the tiled up projection's rule
     # and token blocks).

@@ -151,8 +151,8 @@ def chosen(m: int, n: int, b: Any, out: Any, b2: Any = None, tile_n: int | None 
     :data:`BANDED_BREAKEVEN_FACTOR` times the unbanded one."""
     if PREFERRED is False:
         return False
+    density = expected()
     if PREFERRED is None:
-        density = expected()
         if density is None and m < MIN_ROWS:
             return False
         if density is not None and density * n < breakeven_entries(m, b.shape[1]):
@@ -163,7 +163,6 @@ def chosen(m: int, n: int, b: Any, out: Any, b2: Any = None, tile_n: int | None 
         weights = b.shape[0] * b.shape[1] * b.dtype.itemsize * (1 if b2 is None else 2)
         if weights <= K.l2_bytes():  # the gathers read b from the L2
             return False
-        density = expected()
         return density is None or density * n >= BANDED_BREAKEVEN_FACTOR * breakeven_entries(m, b.shape[1])
     return True
 

@@ -150,7 +150,7 @@ def gated_up(
     pattern = (tile_ptr, codes, dests, quads, gate.data, gate.spill_data)
     boxes = (np.int32(k), np.int32(t), np.int32(units), np.int32(parts))
     args = (*maps, np.int32(box_w), np.int32(box_x), *pattern, *boxes, h.data, h.spill_data, *kept)
-    expr = f"twell_tiled_gated_up<{K.CXX_TYPE[x.dtype]}, {int(bool(SHARED_B))}>"
+    expr = f"twell_tiled_gated_up<{K.CXX_TYPE[x.dtype]}, {int(SHARED_B)}>"
     K.launch_arch(expr, (blocks,), (WARPS * 32,), args, shared_bytes())
 
 

@@ -173,6 +173,17 @@ def _beyond_a_small_l2(cp, rng, monkeypatch, m, d, f, density):
     return x, wg, wu, wd, gate
 
 
+def _spy_on_block_tokens(monkeypatch):
+    """``(seen, real)``: every later call of ``_tiled_up.block_tokens`` appends its (density
+    estimate, tokens per block) to ``seen``; ``real`` is the function itself."""
+    seen = []
+    real = _tiled_up.block_tokens
+    monkeypatch.setattr(
+        _tiled_up, "block_tokens", lambda m, n, e, sms: seen.append((e, real(m, n, e, sms))) or seen[-1][1]
+    )
+    return seen, real
+
+
 @pytest.mark.parametrize("density", [0.01, 0.06])
 def test_auto_plan_takes_it_for_weights_beyond_the_l2_sized_by_the_density(cp, rng, monkeypatch, density):
     """A gated plan whose W_up outgrows the L2 (here a 64 KB one) runs its up projection on the
@@ -181,11 +192,7 @@ def test_auto_plan_takes_it_for_weights_beyond_the_l2_sized_by_the_density(cp, r
     kernel switched off (the row gathers) agrees."""
     m, d, f = 1500, 136, 3000
     x, wg, wu, wd, gate = _beyond_a_small_l2(cp, rng, monkeypatch, m, d, f, density)
-    seen = []  # (the density estimate, tokens per block) of each tiled launch
-    real = _tiled_up.block_tokens
-    monkeypatch.setattr(
-        _tiled_up, "block_tokens", lambda m, n, e, sms: seen.append((e, real(m, n, e, sms))) or seen[-1][1]
-    )
+    seen, real = _spy_on_block_tokens(monkeypatch)
     plan = ts.GatedFFN(wg, wu, wd, dispatch="sparse")
     for _ in range(3):  # the first call has no estimate yet; later ones size the blocks by it
         out = cp.full((m, d), np.nan, dtype=ts.bfloat16)
@@ -256,11 +263,7 @@ def test_torch_forwards_size_its_blocks_from_the_previous_forward(cp, rng, monke
     arrays = _beyond_a_small_l2(cp, rng, monkeypatch, m, d, f, 0.03)
     x, w_gate, w_up, w_down = (torch.from_dlpack(a) for a in arrays[:4])
     density = arrays[4].nnz / (m * f)
-    seen = []
-    real = _tiled_up.block_tokens
-    monkeypatch.setattr(
-        _tiled_up, "block_tokens", lambda m, n, e, sms: seen.append((e, real(m, n, e, sms))) or seen[-1][1]
-    )
+    seen, real = _spy_on_block_tokens(monkeypatch)
     outs = []
     for _ in range(3):
         outs.append(tt.gated_ffn(x, w_gate, w_up, w_down))
