@@ -22,6 +22,7 @@ import argparse
 import importlib.util
 import pathlib
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -101,15 +102,16 @@ def captured_times(
     return rec
 
 
-def kernel_times(blocks: nn.ModuleList, x: torch.Tensor, top: int = 12) -> list[tuple[float, int, str]]:
-    """``(total us, calls, name)`` of the kernels of one forward of ``blocks``, largest first."""
+def kernel_times(fn: Callable[[], Any], top: int = 12) -> list[tuple[float, int, str]]:
+    """``(total us, calls, name)`` of the kernels of one call of ``fn`` (a forward, eager or a
+    graph's replay), largest first."""
     from torch.profiler import ProfilerActivity, profile
 
     with torch.no_grad():
-        run_stack(blocks, x)  # warm: compiled kernels, plans, cached maps
+        fn()  # warm: compiled kernels, plans, cached maps
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            run_stack(blocks, x)
+            fn()
             torch.cuda.synchronize()
     totals: dict[str, list[float]] = {}
     for e in prof.events():
@@ -119,6 +121,53 @@ def kernel_times(blocks: nn.ModuleList, x: torch.Tensor, top: int = 12) -> list[
             t[1] += 1
     rows = sorted(((us, int(n), name) for name, (us, n) in totals.items()), reverse=True)
     return rows[:top]
+
+
+def with_spill(blocks: nn.ModuleList, spill: int, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` run with every sparse MLP of ``blocks`` on a fixed ``spill_capacity`` (the captured
+    runs' setting), restored to the exact spill afterwards."""
+
+    def run() -> Any:
+        for block in blocks:
+            block.mlp.spill_capacity = spill
+        try:
+            return fn()
+        finally:
+            for block in blocks:
+                block.mlp.check_spill()
+                block.mlp.spill_capacity = None
+
+    return run
+
+
+def profile_forwards(
+    timer: Timer, sparse: nn.ModuleList, dense: nn.ModuleList, x: torch.Tensor, n_tokens: int, density: float
+) -> None:
+    """Where the forwards' time goes, eager and captured: the five forwards (sparse exact,
+    sparse with the fixed spill, its captured graph, dense, dense captured) timed in rounds and
+    each in a block of its own, then each one's kernels by GPU time (the captured forward had
+    read slower than the eager one in rounds, bench/NOTES.md, forty-second session)."""
+    spill = 8 * n_tokens
+    with torch.no_grad():
+        fns = {
+            "twell": lambda: run_stack(sparse, x),
+            "twell, fixed spill": with_spill(sparse, spill, lambda: run_stack(sparse, x)),
+            "dense": lambda: run_stack(dense, x),
+            "dense, captured": captured(lambda: run_stack(dense, x)),
+        }
+        for block in sparse:
+            block.mlp.spill_capacity = spill
+        fns["twell, captured"] = captured(lambda: run_stack(sparse, x))
+        for block in sparse:
+            block.mlp.spill_capacity = None
+        rounds = timer.interleaved(fns, keep=False)
+        for name, fn in fns.items():
+            in_rounds, in_block = rounds[name][1]["median"], timer(fn)[1]["median"]
+            print(f"{name} forward, {density:.2%}: {in_rounds:.2f} ms in rounds, {in_block:.2f} in a block")
+        for name, fn in fns.items():
+            print(f"{name} forward, density {density:.2%}: kernels by GPU time (us, calls)")
+            for us, calls, kernel in kernel_times(fn, top=20):
+                print(f"  {us:10.1f} {calls:4d}  {kernel[:110]}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,11 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         for block in dense:
             block.mlp.threshold = None
         if args.profile and cuda:
-            for name, blocks in (("twell", sparse), ("dense", dense)):
-                rows = kernel_times(blocks, x)
-                print(f"{name} forward, density {density:.2%}: kernels by GPU time (us, calls)")
-                for us, calls, kernel in rows:
-                    print(f"  {us:10.1f} {calls:4d}  {kernel[:110]}")
+            profile_forwards(timer, sparse, dense, x, n_tokens, density)
             continue
         x_train = x.detach().requires_grad_()
 
