@@ -167,6 +167,15 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         **{f"plan {name}": (lambda plan=plan: plan(x)) for name, plan in plans.items()},
         "bwd sddmm": lambda: sddmm(go, wd_t, g),
         "bwd value products": lambda: (product_values(g, u), product_values(d_h, u), product_values(d_h, g)),
+        # The sampled product with the three value products fused in (the training step's), by
+        # each kernel: the row gathers, and the tiled up projection's backward form (its blocks
+        # sized from the density, as the backward takes the forward's).
+        "bwd fused sddmm, gather": lambda: _gpu_ops.sddmm_gated_backward(
+            g.parts, g.tile_n, go, wd_t, u.parts, path="gather"
+        ),
+        "bwd fused sddmm, tiled by density": lambda: _with_density(
+            measured, lambda: _gpu_ops.sddmm_gated_backward(g.parts, g.tile_n, go, wd_t, u.parts, path="tiled")
+        ),
         "bwd transposed pattern": lambda: _gpu_ops.transposed_pattern(g.parts, g.tile_n, g.shape[1]),
         "bwd 3 transposed products": three_products,
         # One warp per output row (the column split is the default since the thirty-third session).

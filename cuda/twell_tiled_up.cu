@@ -1,5 +1,8 @@
 // Tiled up projection of the gated FFN: u = x[t] . W_up[j] at every stored entry (t, j) of the
 // gate, h = g * u, in the gate's layout (what twell_gather_gated_up computes), for 2-byte types.
+// The same kernel serves the gated backward's sampled product d_h = dy[t] . W_down[:, j] at the
+// gate's entries (BACKWARD = 1; what twell_gather_sddmm_gated_bwd computes): the same shapes, with
+// dy for x and W_down's transpose for W_up.
 //
 // Why tiles: the row gathers read a whole W_up row from L2 for every entry (4 KB at d = 2048 in
 // bf16; 3.7 GB at 1% density on the 2B-class FFN), and are bound by the L2's gather rate. Here a
@@ -240,13 +243,22 @@ __global__ void __launch_bounds__(256) tiled_up_place(
 // buffer. U at most TILED_MAX_UNITS, T a multiple of 4 and at most TILED_MAX_TOKENS, box_w and
 // box_x even (TMA's 128-byte aligned destinations) and at most 256, with ceil(U / box_w) box_w <=
 // TILED_MAX_UNITS and ceil(T / box_x) box_x <= TILED_MAX_TOKENS. u_data null: u is not kept.
-template <typename T, int SHARED_B>
+//
+// BACKWARD = 1 is the gated backward's sampled product with its value products fused in (what
+// twell_gather_sddmm_gated_bwd computes, the same sums on the same operand layout): map_w holds
+// W_down's transpose [N, K] and map_x dy [M, K], so each entry's sum is d_h = dy[t] . W_down[:, j];
+// u_data / u_spill are then the forward's u (read), and the epilogue writes d_z = d_h * u,
+// d_u = d_h * g and h = g * u at the entry's place, rounded as that kernel rounds them (d_h to T
+// first; each an fp32 product of rounded operands, the first zeroed unless nonzero). Padding
+// slots are not written.
+template <typename T, int SHARED_B, int BACKWARD>
 __global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_up(
     const __grid_constant__ twell::TensorMap map_w, const __grid_constant__ twell::TensorMap map_x, int box_w,
     int box_x, const int* __restrict__ tile_ptr, const unsigned short* __restrict__ codes,
     const int* __restrict__ dests, const int* __restrict__ quads, const T* __restrict__ gate,
     const T* __restrict__ gate_spill, int K, int tokens, int units, int parts, T* __restrict__ h_data,
-    T* __restrict__ h_spill, T* __restrict__ u_data, T* __restrict__ u_spill) {
+    T* __restrict__ h_spill, T* __restrict__ u_data, T* __restrict__ u_spill, T* __restrict__ dz_data,
+    T* __restrict__ dz_spill, T* __restrict__ du_data, T* __restrict__ du_spill) {
   using namespace twell;
   constexpr int MAXT = TILED_MAX_TILES;
   extern __shared__ __align__(128) uint4 staged[];
@@ -330,10 +342,19 @@ __global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_
         if (dest != TILED_PAD && (int)((codes[e] >> 12) & 3u) == t) {
           const bool spilled = dest < 0;
           const int at = spilled ? ~dest : dest;
-          const T u = from_acc<T>(acc[i]);
           const float gv = to_acc((spilled ? gate_spill : gate)[at]);
-          (spilled ? h_spill : h_data)[at] = from_acc<T>(gv * to_acc(u));
-          if (u_data != nullptr) (spilled ? u_spill : u_data)[at] = u;
+          if (BACKWARD) {
+            const auto times = [](float a, float b) { return from_acc<T>((a != 0.f ? a : 0.f) * b); };
+            const float d_h = to_acc(from_acc<T>(acc[i]));
+            const float uv = to_acc((spilled ? u_spill : u_data)[at]);
+            (spilled ? dz_spill : dz_data)[at] = times(d_h, uv);
+            (spilled ? du_spill : du_data)[at] = times(d_h, gv);
+            (spilled ? h_spill : h_data)[at] = times(gv, uv);
+          } else {
+            const T u = from_acc<T>(acc[i]);
+            (spilled ? h_spill : h_data)[at] = from_acc<T>(gv * to_acc(u));
+            if (u_data != nullptr) (spilled ? u_spill : u_data)[at] = u;
+          }
         }
       }
     }

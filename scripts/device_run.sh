@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|wide|widestages|sharedb|wide65536|gatherblocks|gatherblocksmodel|skewedtrain|segments|cuttrace|roworder|hostgap|producerncu|producerclocks|producerenergy|ffnenergy|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|wide|widestages|sharedb|wide65536|gatherblocks|gatherblocksmodel|skewedtrain|segments|cuttrace|roworder|hostgap|producerncu|producerclocks|producerenergy|ffnenergy|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledbwd|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"  # install, TWELL_COMMIT, PYTHONPATH, $OUT
 what=${*:-all}
@@ -226,6 +226,20 @@ for step in $what; do
       # "gated up" stage rows at 0.5 / 1 / 2%.
       gpu_test_file tests/gpu/test_gpu_tiled_up.py sharedb 200
       stage_rows "gated up" "0.005 0.01 0.02" sharedb
+      ;;&
+    tiledbwd)
+      # The tiled up projection's backward form (the gated backward's sampled product,
+      # forty-second session): its GPU tests and the callers' (the fused row gathers' own, the row
+      # order's, the torch adapter's gradients), its stage rows beside the gathers' at 0.5-2% on
+      # both widths, then the training step.
+      gpu_test_file tests/gpu/test_gpu_tiled_up.py tiledbwd 240
+      gpu_test_file tests/gpu/test_gpu_gather.py tiledbwd 120 -k fused_gated_backward
+      gpu_test_file tests/gpu/test_gpu_row_order.py tiledbwd 120
+      gpu_test_file tests/gpu/test_gpu_torch.py tiledbwd 240 -k "grad or training"
+      stage_rows "bwd fused sddmm" "0.005 0.01 0.02" tiledbwd
+      stage_rows "bwd fused sddmm" "0.005 0.01" tiledbwd --d-model 4096 --d-ff 14336 --reps 5
+      timeout 200 python3 bench/train_step.py --out "$OUT/train_step.jsonl" 2>&1 | grep -v Warn | tee -a "$OUT/tiledbwd.log"
+      status=$((status | ${PIPESTATUS[0]}))
       ;;&
     wide65536)
       # The same blocks at 65536 tokens (a call of its own: ~70 s per density and pattern).

@@ -36,7 +36,7 @@ from ._ops import (
     with_values,
 )
 from ._ops import values_op as _values_op
-from ._posted import PostedByKey
+from ._posted import PostedByKey, PostedScalar
 from ._twell import twell_array
 from ._validation import check_activation, check_layout, check_threshold
 
@@ -112,16 +112,32 @@ def forward_arrays(
 _DENSITIES = PostedByKey()
 
 
+def _posted_density(x: Any, w_act: Any) -> PostedScalar | None:
+    """The posted density of the forwards with ``w_act``'s array and as many tokens (None on
+    the CPU)."""
+    if not is_cupy_array(x):
+        return None
+    return _DENSITIES.get((x.device.id, w_act.data.ptr, w_act.shape, w_act.strides, x.shape[0]))
+
+
 def _previous_density(x: Any, w_act: Any, finish: Any) -> float:
     """The density the last forward with ``w_act``'s array and as many tokens posted, if its copy
     has landed (NaN otherwise, and on the CPU); this forward's is posted for the next."""
     totals = getattr(finish, "totals", None)
-    if totals is None or not is_cupy_array(x):
+    posted = _posted_density(x, w_act)
+    if totals is None or posted is None:
         return math.nan
-    key = (x.device.id, w_act.data.ptr, w_act.shape, w_act.strides, x.shape[0])
-    posted = _DENSITIES.get(key)
     latest = posted.latest()
     posted.post(totals()[0], scale=1.0 / max(x.shape[0] * w_act.shape[0], 1))
+    return math.nan if latest is None else latest
+
+
+def _forward_density(x: Any, w_act: Any) -> float:
+    """The density the forward of this backward posted (the latest forward with ``w_act``'s array
+    and as many tokens), if its copy has landed (NaN otherwise, and on the CPU): the backward's
+    kernel choices take it as the forward's did."""
+    posted = _posted_density(x, w_act)
+    latest = posted.latest() if posted is not None else None
     return math.nan if latest is None else latest
 
 
@@ -150,6 +166,14 @@ def backward_arrays(grad_out, grad_act, x, w_act, w_lin, w_down, g, u, activatio
     ``needs``: which of (dx, dw_act, dw_lin, dw_down) to compute; the others come back None and
     their products are not run (frozen weights skip the transposed products, a first layer
     skips dX)."""
+    # The kernel choices (the stationary dX, the tiled sampled product and its token blocks)
+    # take the forward's density, as the forward's did.
+    with _stationary.expected_density(_forward_density(x, w_act)):
+        return _backward(grad_out, grad_act, x, w_act, w_lin, w_down, g, u, activation, needs)
+
+
+def _backward(grad_out, grad_act, x, w_act, w_lin, w_down, g, u, activation, needs):
+    """:func:`backward_arrays` under the forward's density."""
     need_dx, need_act, need_lin, need_down = needs
 
     def weight_grads(h: Any, d_z: Any, d_u: Any) -> tuple[Any, Any, Any]:

@@ -447,27 +447,45 @@ def mask_consumer(
 
 
 def sddmm_gated_backward(
-    gate: TwELLParts, tile_n: int, dy: Any, w_down_t: Any, up: TwELLParts, variant: tuple[int, int] | None = None
+    gate: TwELLParts,
+    tile_n: int,
+    dy: Any,
+    w_down_t: Any,
+    up: TwELLParts,
+    variant: tuple[int, int] | None = None,
+    path: str = "auto",
 ) -> tuple[TwELLParts, TwELLParts, TwELLParts]:
     """The gated FFN backward's ``d_h = dy @ w_down_t.T`` at the gate's pattern and its value
     products in one kernel: returns parts of ``d_z = d_h * u``, ``d_u = d_h * g`` and
     ``h = g * u`` (g the gate's values, u ``up``'s), rounded as the unfused SDDMM and products
     round them. Every operand shares one dtype; ``dy`` and ``w_down_t`` have 16-byte rows
-    (:func:`rows_aligned`). Spill entries past the row pointers are zero."""
+    (:func:`rows_aligned`). Spill entries past the row pointers are zero.
+
+    ``path``: "gather" (``twell_gather_sddmm_gated_bwd``: one W_down column gathered per entry;
+    padding slots zero), "tiled" (``_tiled_up.gated_backward``: the tiled up projection's kernel
+    with dy and W_down's transpose; padding slots not written, which the backward's products never
+    read; 2-byte rows on Hopper only) or "auto" (the gathers, or the tiled kernel where
+    :func:`_tiled_up.chosen` takes it for the forward's up projection of the same shapes)."""
     cp = _cp()
     m, nt, cap = gate.data.shape
+    if path == "tiled" and not _tiled_up.applies(gate, dy, w_down_t):
+        raise ValueError("path: 'tiled' needs 2-byte dy and w_down_t with 16-byte rows on a compute-capability 9.0 GPU")
+    tiled = path == "tiled" or (path == "auto" and _tiled_up.chosen(gate, dy, w_down_t))
+    # The gathers write every slot (padding as zeros); the tiled kernel the stored entries only.
+    shapes = (gate.data.shape, gate.spill_data.shape)
+    results = [(cp.empty(shapes[0], dtype=dy.dtype), cp.zeros(shapes[1], dtype=dy.dtype)) for _ in range(3)]
+    d_z, d_u, h = (gate._replace(data=data, spill_data=spill) for data, spill in results)
+    if tiled:
+        _tiled_up.gated_backward(gate, tile_n, dy, w_down_t, up, d_z, d_u, h)
+        return d_z, d_u, h
     dy, lddy = row_stride(dy)
     w_down_t, ldw = row_stride(w_down_t)
-    results = [
-        (cp.empty(gate.data.shape, dtype=dy.dtype), cp.zeros(gate.spill_data.shape, dtype=dy.dtype)) for _ in range(3)
-    ]
     geometry = (np.int32(m), np.int32(nt), np.int32(tile_n), np.int32(cap))
     dense = (dy, np.int64(lddy), w_down_t, np.int64(ldw), np.int32(dy.shape[1]))
     outputs = tuple(a for pair in results for a in pair)
     args = (*_matrix_args(gate), *geometry, *dense, up.data, up.spill_data, *outputs, row_order(gate))
     kv, u = _variant(variant, "sddmm_gated_bwd")
     K.launch_grid(K.gather_expression("sddmm_gated_bwd", dy.dtype, kv, u), *_gather_grid(m), args)
-    d_z, d_u, h = (gate._replace(data=data, spill_data=spill) for data, spill in results)
     return d_z, d_u, h
 
 

@@ -236,11 +236,16 @@ ARCH_SOURCES: dict[str, tuple[str, list[str]]] = {
             )
         ],
     ),
-    # The tiled up projection (its slices staged by TMA; x loaded per tile or per quad) and its
-    # gate pack.
+    # The tiled up projection (its slices staged by TMA; x loaded per tile or per quad; the
+    # forward's up projection or the backward's sampled product) and its gate pack.
     "twell_tiled_up.cu": (
         "sm_90a",
-        [f"twell_tiled_gated_up<{CXX_TYPE[d]}, {b}>" for d in (np.dtype(np.float16), bfloat16) for b in (0, 1)]
+        [
+            f"twell_tiled_gated_up<{CXX_TYPE[d]}, {b}, {backward}>"
+            for d in (np.dtype(np.float16), bfloat16)
+            for b in (0, 1)
+            for backward in (0, 1)
+        ]
         + ["tiled_up_count", "tiled_up_place"],
     ),
     # The tiled SpMM on the tensor cores (B's chunks staged by TMA) and its pack: each operand

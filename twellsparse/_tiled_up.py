@@ -6,7 +6,8 @@ weight row gathered from L2 per entry.
 The gate is first packed on the device (four launches, no host read, so it runs inside a CUDA
 graph capture): its entries grouped per (token block, unit part, quad of tokens) into tiles of
 8 in the kernel's order against bank conflicts. :func:`applies` says whether the kernel serves
-the operands; :func:`gated_up` runs it.
+the operands; :func:`gated_up` runs it, and :func:`gated_backward` runs it for the gated
+backward's sampled product (dy and W_down's transpose in the places of x and W_up).
 """
 
 from __future__ import annotations
@@ -133,24 +134,54 @@ def gated_up(
     gate's layout; padding slots are not written. The caller has checked :func:`applies`.
     ``tokens``: tokens per block (default :func:`block_tokens` at the plan's expected density,
     :data:`TOKENS` without one)."""
+    null = (K.null_pointer(), K.null_pointer())
+    kept = (up.data, up.spill_data) if up is not None else null
+    _launch(gate, tile_n, x, w_up, (h.data, h.spill_data, *kept, *null, *null), False, tokens)
+
+
+def gated_backward(
+    gate: TwELLParts,
+    tile_n: int,
+    dy: Any,
+    w_down_t: Any,
+    up: TwELLParts,
+    d_z: TwELLParts,
+    d_u: TwELLParts,
+    h: TwELLParts,
+    tokens: int | None = None,
+) -> None:
+    """The gated backward's sampled product on the same kernel: ``d_h = dy @ w_down_t.T`` at
+    ``gate``'s stored entries, rounded to dy's dtype, and from it ``d_z = d_h * u``, ``d_u = d_h *
+    g`` and ``h = g * u`` (u ``up``'s values, g the gate's) written into the three parts' values
+    as ``_gpu_ops.sddmm_gated_backward`` rounds them; padding slots are not written. ``w_down_t``
+    is W_down's transpose ``[n, d]`` (the role of W_up); the caller has checked :func:`applies`
+    with ``dy`` and ``w_down_t``. ``tokens`` as in :func:`gated_up`."""
+    outputs = (h.data, h.spill_data, up.data, up.spill_data, d_z.data, d_z.spill_data, d_u.data, d_u.spill_data)
+    _launch(gate, tile_n, dy, w_down_t, outputs, True, tokens)
+
+
+def _launch(
+    gate: TwELLParts, tile_n: int, x: Any, w: Any, outputs: tuple[Any, ...], backward: bool, tokens: int | None
+) -> None:
+    """Pack ``gate`` for blocks of ``tokens`` and run the kernel on ``x`` and ``w``'s rows with
+    ``outputs`` (h, u, d_z, d_u values and spills; null pointers where unused)."""
     m = gate.data.shape[0]
-    n, k = w_up.shape
+    n, k = w.shape
     if m == 0 or n == 0:
         return
     x, _ = row_stride(x)
-    w_up, _ = row_stride(w_up)
+    w, _ = row_stride(w)
     if tokens is None:
         tokens = block_tokens(m, n, _stationary.expected(), K.sm_count())
     t, units, parts = geometry(m, n, tokens)
     tile_ptr, codes, dests, quads = pack(gate, tile_n, n, t, units, parts)
     blocks = -(-m // t) * parts
-    kept = (up.data, up.spill_data) if up is not None else (K.null_pointer(), K.null_pointer())
     box_w, box_x = box_rows(units), box_rows(t)
-    maps = (tensor_map(w_up, box_w, SLICE_COLS, SWIZZLE_NONE), tensor_map(x, box_x, SLICE_COLS, SWIZZLE_NONE))
+    maps = (tensor_map(w, box_w, SLICE_COLS, SWIZZLE_NONE), tensor_map(x, box_x, SLICE_COLS, SWIZZLE_NONE))
     pattern = (tile_ptr, codes, dests, quads, gate.data, gate.spill_data)
     boxes = (np.int32(k), np.int32(t), np.int32(units), np.int32(parts))
-    args = (*maps, np.int32(box_w), np.int32(box_x), *pattern, *boxes, h.data, h.spill_data, *kept)
-    expr = f"twell_tiled_gated_up<{K.CXX_TYPE[x.dtype]}, {int(SHARED_B)}>"
+    args = (*maps, np.int32(box_w), np.int32(box_x), *pattern, *boxes, *outputs)
+    expr = f"twell_tiled_gated_up<{K.CXX_TYPE[x.dtype]}, {int(SHARED_B)}, {int(backward)}>"
     K.launch_arch(expr, (blocks,), (WARPS * 32,), args, shared_bytes())
 
 

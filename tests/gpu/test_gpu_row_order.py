@@ -58,7 +58,7 @@ def test_every_row_kernel_gives_the_same_bits_in_either_order(cp, rng, monkeypat
         _gpu_ops.spmm(a.parts, 64, w, summed, path="gather", second=(up, w))
         sampled = _gpu_ops.sddmm(a.parts, 64, x, w, True, path="gather")
         h_parts, u_parts = _gpu_ops.gated_up(a.parts, 64, x, w, keep_up=True, path="gather")
-        backward = _gpu_ops.sddmm_gated_backward(a.parts, 64, dy, w, up)
+        backward = _gpu_ops.sddmm_gated_backward(a.parts, 64, dy, w, up, path="gather")
         arrays = [out, summed, sampled.data, sampled.spill_data, u_parts.data, u_parts.spill_data]
         arrays += [p.data for p in backward] + [p.spill_data for p in backward]
         bits = [cp.asnumpy(v).view(np.uint16) for v in arrays]

@@ -77,6 +77,57 @@ def test_tiled_gated_up_matches_float64(cp, rng, dtype, m, n, k, tile_n, capacit
     assert rel_error(got_u, _dense(cp, u_gather, (m, n), tile_n)) <= 2 * _bound(dtype, expected)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, n, k, tile_n, capacity, density, tokens", SHAPES)
+def test_tiled_backward_matches_float64_and_the_gathers(cp, rng, dtype, m, n, k, tile_n, capacity, density, tokens):
+    """The backward form (dy and W_down's transpose in the places of x and W_up): d_z = d_h * u
+    and d_u = d_h * g against float64 of d_h = dy . W_down[:, j] rounded to the value type, h
+    bitwise the row gathers' fused kernel's g * u, d_z and d_u within rounding of theirs; every
+    stored slot written (outputs poisoned with NaN), padding left alone, spill included."""
+    g = sparse_activations(m, n, density, "skewed", dtype, rng)
+    if m > 1:
+        g[m // 2] = 0
+    gate = ts.twell_array(cp.asarray(g), tile_n=tile_n, capacity=capacity)
+    u_dense = np.where(g != 0, rng.standard_normal((m, n)), 0.0).astype(dtype)
+    up = ts.twell_array(cp.asarray(u_dense), tile_n=tile_n, capacity=capacity)
+    assert up.nnz == gate.nnz  # u on the gate's pattern (no zero drawn there)
+    dy = rng.standard_normal((m, k)).astype(dtype)
+    w_down_t = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(dtype)
+    if m > 1:
+        dy[m // 2] = np.nan  # the empty row's dy: its quad's other tokens must not see it
+    unused = np.flatnonzero(~g.any(axis=0))
+    if unused.size:  # a W_down column no entry uses
+        w_down_t[unused[0]] = np.inf
+    d_h = _round(dy.astype(np.float64) @ np.where(np.isinf(w_down_t), 0, w_down_t).astype(np.float64).T, dtype)
+    d_h = np.where(g != 0, d_h, 0.0)
+    u64, g64 = u_dense.astype(np.float64), g.astype(np.float64)
+    dy_gpu, w_gpu = cp.asarray(dy), cp.asarray(w_down_t)
+    assert _tiled_up.applies(gate.parts, dy_gpu, w_gpu)
+    poisoned = [
+        gate.parts._replace(
+            data=cp.full(gate.parts.data.shape, np.nan, dtype=dtype),
+            spill_data=cp.full(gate.parts.spill_data.shape, np.nan, dtype=dtype),
+        )
+        for _ in range(3)
+    ]
+    d_z, d_u, h = poisoned
+    _tiled_up.gated_backward(gate.parts, tile_n, dy_gpu, w_gpu, up.parts, d_z, d_u, h, tokens=tokens)
+    got = {name: _dense(cp, parts, (m, n), tile_n) for name, parts in (("z", d_z), ("u", d_u), ("h", h))}
+    for name, values in got.items():
+        assert np.isfinite(values).all(), name
+    for name, expected in (("z", d_h * u64), ("u", d_h * g64)):
+        assert rel_error(got[name], _round(expected, dtype)) <= _bound(dtype, expected), name
+    counts = cp.asnumpy(gate.parts.counts)
+    slots = np.arange(gate.parts.data.shape[2])[None, None, :] >= counts[:, :, None]
+    for parts in poisoned:  # padding slots untouched
+        assert np.isnan(cp.asnumpy(parts.data).astype(np.float64)[slots]).all()
+    gathers = _gpu_ops.sddmm_gated_backward(gate.parts, tile_n, dy_gpu, w_gpu, up.parts, path="gather")
+    want = {name: _dense(cp, parts, (m, n), tile_n) for name, parts in zip("zuh", gathers, strict=True)}
+    np.testing.assert_array_equal(got["h"], want["h"])
+    for name in "zu":  # d_h from sums in another order: within rounding
+        assert rel_error(got[name], want[name]) <= 2 * _bound(dtype, d_h * (u64 if name == "z" else g64)), name
+
+
 @pytest.mark.parametrize("m, n, k, tile_n, capacity, density, tokens", SHAPES)
 def test_x_loaded_once_a_quad_gives_the_same_bits(cp, rng, monkeypatch, m, n, k, tile_n, capacity, density, tokens):
     """TWELL_TILED_UP_SHARED_B (x's fragment loaded only where the tile's quad changes) computes
@@ -215,8 +266,9 @@ def test_auto_plan_takes_it_for_weights_beyond_the_l2_sized_by_the_density(cp, r
 
 def test_torch_training_step_takes_it_beyond_the_l2_and_keeps_u(cp, monkeypatch):
     """The torch adapter's gated forward and backward with W_up beyond a (64 KB) L2: the forward
-    keeps u from the tiled kernel for the backward; values and every gradient against float64
-    autograd, and against the same step on the row gathers."""
+    keeps u from the tiled kernel for the backward, whose sampled product runs on its backward
+    form; values and every gradient against float64 autograd, and against the same step on the
+    row gathers."""
     torch = pytest.importorskip("torch")
     import twellsparse.torch as tt
 
@@ -230,13 +282,16 @@ def test_torch_training_step_takes_it_beyond_the_l2_and_keeps_u(cp, monkeypatch)
     inputs = [t.to("cuda", torch.bfloat16).requires_grad_() for t in leaves]
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the tiled up projection needs a compute-capability 9.0 GPU")
-    calls = []
-    real = _tiled_up.gated_up
+    calls, backward_calls = [], []
+    real, real_backward = _tiled_up.gated_up, _tiled_up.gated_backward
     monkeypatch.setattr(_tiled_up, "gated_up", lambda *a, **kw: calls.append(a[5] is not None) or real(*a, **kw))
+    spy = lambda *a, **kw: backward_calls.append(1) or real_backward(*a, **kw)  # noqa: E731
+    monkeypatch.setattr(_tiled_up, "gated_backward", spy)
     grad = torch.randn(m, d, generator=g, dtype=torch.float64).to("cuda")
     out = tt.gated_ffn(*inputs, capacity=8)
     grads = torch.autograd.grad(out, inputs, grad.to(torch.bfloat16))
     assert calls and all(calls)  # the tiled kernel ran, keeping u
+    assert backward_calls  # and the backward's sampled product on it (W_down's transpose beyond the L2 too)
     ref64 = [t.detach().double().requires_grad_() for t in inputs]
     xs, wg, wu, wd = ref64
     ref = (torch.relu(xs @ wg.T) * (xs @ wu.T)) @ wd.T
