@@ -50,9 +50,8 @@ constexpr int TILED_GROUP = 4;        // tiles summed together (their loads and 
 constexpr int TILED_QUAD = 4;         // tokens per B fragment
 constexpr int TILED_TILE = 8;         // entries per tile (each two rows of A)
 constexpr int TILED_MAX_UNITS = 1024; // W_up rows per buffer (64 KB: the tiles' 17-bit addresses)
-constexpr int TILED_MAX_TOKENS = 512;  // x rows per buffer: offsets below 2^15 (15-bit fields)
-constexpr int TILED_X_BYTE = TILED_MAX_UNITS * 64;  // x's rows in a buffer, after W_up's
-constexpr int TILED_BUFFER_BYTES = TILED_X_BYTE + TILED_MAX_TOKENS * 64;  // 96 KB; two of them
+constexpr int TILED_BUFFER_ROWS = 1536;  // staged rows per buffer: W_up's, then x's right after
+constexpr int TILED_BUFFER_BYTES = TILED_BUFFER_ROWS * 64;  // 96 KB; two of them
 constexpr int TILED_SHARED_BYTES = 2 * TILED_BUFFER_BYTES + 16;            // and their two barriers
 constexpr int TILED_PAD = (int)0x80000000;  // destination of a padding entry
 static_assert(TILED_SHARED_BYTES <= 227 * 1024, "the two buffers fit one block's shared memory");
@@ -169,9 +168,9 @@ __device__ __forceinline__ void sum_tiles(const unsigned (&where)[TILED_MAX_TILE
       unsigned w = where[i];
       asm volatile("" : "+r"(w));
       const uint4 a = load_shared16<SHIFT>(w & 0x1ffffu);
-      const unsigned x_off = w >> 17;  // x's rows: TILED_X_BYTE further
+      const unsigned x_off = w >> 17;  // in 8-byte units from the buffer's start
       if (!SHARED_B || x_off != b_at) {
-        b = load_shared8<SHIFT + TILED_X_BYTE>(smem_base + x_off);
+        b = load_shared8<SHIFT>(smem_base + (x_off << 3));
         b_at = x_off;
       }
       float d[4] = {0.f, 0.f, 0.f, 0.f};
@@ -239,10 +238,11 @@ __global__ void __launch_bounds__(256) tiled_up_place(
 // tile_ptr[(b + 1) * T / 4]. map_w and map_x: TMA descriptors of W_up [N, K] and x [M, K]
 // (boxes of 32 columns x box_w and box_x rows, no swizzle; out-of-bounds rows and columns read
 // as zeros). Dynamic shared memory (TILED_SHARED_BYTES): two buffers of TILED_BUFFER_BYTES,
-// each W_up's U 64-byte rows from byte 0 and x's T rows from TILED_X_BYTE, then a barrier per
-// buffer. U at most TILED_MAX_UNITS, T a multiple of 4 and at most TILED_MAX_TOKENS, box_w and
-// box_x even (TMA's 128-byte aligned destinations) and at most 256, with ceil(U / box_w) box_w <=
-// TILED_MAX_UNITS and ceil(T / box_x) box_x <= TILED_MAX_TOKENS. u_data null: u is not kept.
+// each W_up's U 64-byte rows (in whole boxes) from byte 0 and x's T rows right after them, then
+// a barrier per buffer. T a multiple of 4, box_w and box_x even (TMA's 128-byte aligned
+// destinations) and at most 256, with ceil(U / box_w) box_w <= TILED_MAX_UNITS and the two
+// regions' box rows together at most TILED_BUFFER_ROWS (so larger token blocks where the parts
+// have fewer units: 768 tokens beside the standard widths' 704). u_data null: u is not kept.
 //
 // BACKWARD = 1 is the gated backward's sampled product with its value products fused in (what
 // twell_gather_sddmm_gated_bwd computes, the same sums on the same operand layout): map_w holds
@@ -270,8 +270,9 @@ __global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_
   const int n_slices = (K + TILED_COLS - 1) / TILED_COLS;
   const unsigned smem_base = smem_u32(staged), bars = smem_base + 2 * TILED_BUFFER_BYTES;
   // The tiles' packed addresses hold W_up's in 17 bits: the window's base is far below 64 KB
-  // (no static shared memory), checked rather than assumed.
-  if (smem_base + TILED_X_BYTE > (1u << 17)) __trap();
+  // (no static shared memory), checked rather than assumed; x's offsets (in 8-byte units, 15
+  // bits) reach 96 KB at most.
+  if (smem_base + TILED_MAX_UNITS * 64 > (1u << 17)) __trap();
   if (threadIdx.x == 0) {
     barrier_init(bars, 1);  // the copying thread's expect_tx arrival, per buffer
     barrier_init(bars + 8, 1);
@@ -283,6 +284,7 @@ __global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_
   // last may reach past the part or the block into rows nobody reads, or past the matrices:
   // zeros), all counted by the buffer's barrier. Thread 0 only.
   const int w_boxes = (units + box_w - 1) / box_w, x_boxes = (tokens + box_x - 1) / box_x;
+  const unsigned x_at = (unsigned)(w_boxes * box_w) * 64;  // x's rows in a buffer
   const unsigned slice_bytes = (unsigned)(w_boxes * box_w + x_boxes * box_x) * TILED_COLS * 2;
   auto stage = [&](int s, int buf) {
     const unsigned bar = bars + 8 * buf, dst = smem_base + buf * TILED_BUFFER_BYTES;
@@ -290,7 +292,7 @@ __global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_
     for (int i = 0; i < w_boxes; ++i)
       tma_load_2d(dst + i * box_w * 64, &map_w, s * TILED_COLS, u_lo + i * box_w, bar);
     for (int i = 0; i < x_boxes; ++i)
-      tma_load_2d(dst + TILED_X_BYTE + i * box_x * 64, &map_x, s * TILED_COLS, tok_lo + i * box_x, bar);
+      tma_load_2d(dst + x_at + i * box_x * 64, &map_x, s * TILED_COLS, tok_lo + i * box_x, bar);
   };
 
   unsigned phase0 = 0, phase1 = 0;  // each buffer's barrier phase to wait for
@@ -304,7 +306,7 @@ __global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_
     }
     // Per tile i, the shared addresses this lane reads in buffer 0 (buffer 1's are
     // TILED_BUFFER_BYTES further): bits 0-16 its 16 bytes of entry g's W_up row (columns 8t ..
-    // 8t + 7 of the slice), bits 17-31 the offset of its 8 bytes of x past TILED_X_BYTE (token
+    // 8t + 7 of the slice), bits 17-31 the offset of its 8 bytes of x in 8-byte units (token
     // g >> 1 of the tile's quad, the first or second 8 of its 16 bytes by g & 1). Tiles past
     // cnt keep the last's (valid addresses; their sums are never written).
     unsigned where[MAXT];
@@ -314,8 +316,8 @@ __global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_
       const int tile = lo + min(i, max(cnt - 1, 0));
       const unsigned c = cnt > 0 ? codes[(long long)tile * TILED_TILE + g] : 0u;
       const int quad = cnt > 0 ? quads[tile] : 0;
-      const unsigned x_off = (unsigned)(((quad * TILED_QUAD + (g >> 1)) * 4 + t) * 16 + (g & 1) * 8);
-      where[i] = (smem_base + (c & 0xfffu) * 64 + t * 16) | (x_off << 17);
+      const unsigned x_off = x_at + (unsigned)(((quad * TILED_QUAD + (g >> 1)) * 4 + t) * 16 + (g & 1) * 8);
+      where[i] = (smem_base + (c & 0xfffu) * 64 + t * 16) | ((x_off >> 3) << 17);
       acc[i] = 0.f;
     }
     // Slices s and s + 1 from buffers 0 and 1; each buffer is refilled with the slice two ahead

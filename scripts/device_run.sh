@@ -238,6 +238,11 @@ for step in $what; do
       gpu_test_file tests/gpu/test_gpu_torch.py tiledbwd 240 -k "grad or training"
       stage_rows "bwd fused sddmm" "0.005 0.01 0.02" tiledbwd
       stage_rows "bwd fused sddmm" "0.005 0.01" tiledbwd --d-model 4096 --d-ff 14336 --reps 5
+      # Blocks of more than 512 tokens (x's rows right after the part's units): the up
+      # projection by block size at 16384 and 131072 tokens (the model's calls), 0.5 / 1%.
+      stage_rows "gated up" "0.005 0.01" tiledbwd
+      stage_rows "gated up, gather,gated up, tiled 512,gated up, tiled 640,gated up, tiled 768,gated up, tiled by" \
+        "0.005 0.01" tiledbwd --m 131072 --reps 5
       timeout 200 python3 bench/train_step.py --out "$OUT/train_step.jsonl" 2>&1 | grep -v Warn | tee -a "$OUT/tiledbwd.log"
       status=$((status | ${PIPESTATUS[0]}))
       ;;&

@@ -14,21 +14,35 @@ import twellsparse as ts
 from twellsparse import _tiled_up
 
 
-@pytest.mark.parametrize("region", [_tiled_up.MAX_UNITS, _tiled_up.MAX_TOKENS])
-def test_boxes_are_aligned_cover_the_rows_and_fit_the_region(region):
-    for rows in range(1, region + 1):
+def test_boxes_are_aligned_and_cover_the_rows():
+    for rows in range(1, _tiled_up.BUFFER_ROWS + 1):
         box = _tiled_up.box_rows(rows)
         boxes = -(-rows // box)
         assert box % 2 == 0, rows  # 64-byte rows: every box starts 128-byte aligned
         assert 0 < box <= 256, rows  # TMA's box limit
-        assert rows <= boxes * box <= region, rows  # all rows, nothing past the region
+        assert rows <= boxes * box == _tiled_up.staged_rows(rows), rows  # all rows
+
+
+def test_the_largest_token_blocks_fit_beside_every_part():
+    """For every part size the kernel takes, the units' boxes stay in the W_up region (17-bit
+    addresses) and the most tokens :func:`max_tokens` allows fit in the rest of the buffer, as
+    their x offsets' 15-bit field (8-byte units) does; one quad more would not fit."""
+    for units in range(2, _tiled_up.MAX_UNITS + 1, 2):
+        tokens = _tiled_up.max_tokens(units)
+        w_rows, x_rows = _tiled_up.staged_rows(units), _tiled_up.staged_rows(tokens)
+        assert w_rows <= _tiled_up.MAX_UNITS, units
+        assert tokens % _tiled_up.QUAD == 0 and tokens >= _tiled_up.TOKENS, units
+        assert w_rows + x_rows <= _tiled_up.BUFFER_ROWS, units
+        assert (w_rows + x_rows) * 64 // 8 < 1 << 15, units
+        assert w_rows + _tiled_up.staged_rows(tokens + _tiled_up.QUAD) > _tiled_up.BUFFER_ROWS, units
+    assert _tiled_up.max_tokens(704) == 824  # the standard widths' parts (708 rows of boxes)
 
 
 @pytest.mark.parametrize("m", [1, 3, 67, 512, 4100, 16384])
 @pytest.mark.parametrize("n", [1, 40, 704, 1408, 5632, 14336, 20000])
 def test_geometry_parts_cover_the_units_within_the_kernel_limits(m, n):
     tokens, units, parts = _tiled_up.geometry(m, n)
-    assert tokens % _tiled_up.QUAD == 0 and 0 < tokens <= _tiled_up.MAX_TOKENS
+    assert tokens % _tiled_up.QUAD == 0 and 0 < tokens <= _tiled_up.max_tokens(units)
     assert units % 2 == 0 and units <= _tiled_up.MAX_UNITS
     assert parts * units >= n > (parts - 1) * units
 
@@ -67,7 +81,7 @@ def test_block_tokens_pick_a_measured_fastest_size(n, density):
     """On the H100's 132 SMs the cost model's pick among the measured sizes runs within 5% of
     the fastest measured one (the old rule's 192 at 2% on the standard widths took 13% longer)."""
     times = MEASURED_BLOCKS[(n, density)]
-    tokens = _tiled_up.block_tokens(16384, n, density, 132)
+    tokens = _tiled_up.block_tokens(16384, n, density, 132, most=max(times))
     assert tokens in times
     assert times[tokens] <= 1.05 * min(times.values())
 
@@ -83,7 +97,7 @@ def test_block_tokens_default_without_a_density_and_fit_few_tokens():
     for m in (1, 64, 1000, 4096, 65536):
         for density in (0.001, 0.01, 0.05):
             tokens = _tiled_up.block_tokens(m, 5632, density, 132)
-            assert tokens % _tiled_up.TOKEN_STEP == 0 and _tiled_up.TOKEN_STEP <= tokens <= _tiled_up.MAX_TOKENS
+            assert tokens % _tiled_up.TOKEN_STEP == 0 and _tiled_up.TOKEN_STEP <= tokens <= _tiled_up.max_tokens(704)
 
 
 @pytest.mark.parametrize(

@@ -38,11 +38,11 @@ TARGET_UNITS = 704
 #: Tokens per block: with 704 units, 512 tokens hold about 3.6K entries at 1% density (a round
 #: holds WARPS * MAX_TILES * TILE = 4096).
 TOKENS = 512
-#: Tokens per block at most (TILED_MAX_TOKENS: the x rows' room in a buffer).
-MAX_TOKENS = 512
-#: Bytes of one of the kernel's two shared buffers (TILED_BUFFER_BYTES): room for
-#: MAX_UNITS rows of W_up and MAX_TOKENS of x, 64 bytes each, at fixed places.
-BUFFER_BYTES = (MAX_UNITS + MAX_TOKENS) * SLICE_COLS * 2
+#: Rows of 64 bytes one of the kernel's two shared buffers stages (TILED_BUFFER_ROWS): a part's
+#: W_up rows (in whole boxes), then the block's x rows right after them.
+BUFFER_ROWS = 1536
+#: Bytes of one of the kernel's two shared buffers (TILED_BUFFER_BYTES).
+BUFFER_BYTES = BUFFER_ROWS * SLICE_COLS * 2
 
 
 def _cp() -> Any:
@@ -54,8 +54,8 @@ def _cp() -> Any:
 def geometry(m: int, n: int, tokens: int | None = None) -> tuple[int, int, int]:
     """``(tokens per block, units per part, parts)`` for ``m`` tokens and ``n`` units: parts of
     about :data:`TARGET_UNITS` units (an even count, at most :data:`MAX_UNITS`), blocks of
-    ``tokens`` (default :data:`TOKENS`; a multiple of :data:`QUAD`, at most :data:`MAX_TOKENS`),
-    no more than ``m`` needs."""
+    ``tokens`` (default :data:`TOKENS`; a multiple of :data:`QUAD`, at most :func:`max_tokens`
+    beside the part's units), no more than ``m`` needs."""
     if tokens is not None and (tokens <= 0 or tokens % QUAD):
         raise ValueError(f"tokens: expected a positive multiple of {QUAD}, got {tokens}")
     parts = max(1, round(n / TARGET_UNITS), -(-n // MAX_UNITS))
@@ -63,8 +63,24 @@ def geometry(m: int, n: int, tokens: int | None = None) -> tuple[int, int, int]:
     units += units % 2
     parts = -(-n // units)
     t = TOKENS if tokens is None else tokens
-    t = min(t, MAX_TOKENS, -(-max(m, 1) // QUAD) * QUAD)
+    t = min(t, max_tokens(units), -(-max(m, 1) // QUAD) * QUAD)
     return t, units, parts
+
+
+def staged_rows(rows: int) -> int:
+    """Rows a region of ``rows`` rows takes in a buffer: its :func:`box_rows` boxes, whole."""
+    box = box_rows(rows)
+    return -(-rows // box) * box
+
+
+def max_tokens(units: int) -> int:
+    """The most tokens (a multiple of :data:`QUAD`) whose x rows fit in a buffer beside a part
+    of ``units`` units: 768 beside the standard widths' 704 (their boxes 708 rows)."""
+    room = BUFFER_ROWS - staged_rows(units)
+    t = room - room % QUAD
+    while t > QUAD and staged_rows(t) > room:
+        t -= QUAD
+    return t
 
 
 def shared_bytes() -> int:
@@ -226,10 +242,10 @@ def expected_rounds(tokens: int, units: int, density: float) -> int:
     return max(1, math.ceil(load / ROUND_ENTRIES))
 
 
-def block_tokens(m: int, n: int, density: float | None, sms: int) -> int:
+def block_tokens(m: int, n: int, density: float | None, sms: int, most: int | None = None) -> int:
     """Tokens per block for ``m`` tokens and ``n`` units at an expected ``density`` (None:
     :data:`TOKENS`) on ``sms`` multiprocessors: the count, in steps of :data:`TOKEN_STEP` up to
-    :data:`MAX_TOKENS`, that stages the fewest rows on the busiest multiprocessor. A block runs
+    :func:`max_tokens`, that stages the fewest rows on the busiest multiprocessor. A block runs
     alone on its SM (its buffers fill the shared memory), streams its ``units + tokens`` rows
     once a round (:func:`expected_rounds`), and the blocks run in waves of ``sms``; so the cost is
     ``waves x rounds x (units + tokens)``, ties to the larger block.
@@ -238,11 +254,12 @@ def block_tokens(m: int, n: int, density: float | None, sms: int) -> int:
     tokens, standard and d_model 4096 widths, H100; bench/NOTES.md, forty-first session), where
     the earlier rule (the most tokens expecting 3072 entries at most) picked 192 at 2% on the
     standard widths (0.806 ms against 0.705 for 512: two waves of two rounds stage fewer rows
-    than six waves of one)."""
+    than six waves of one). Blocks of more than 512 tokens (beside parts of up to ~1000 units
+    since the forty-second session) are not measured yet. ``most``: a lower cap on the count."""
     if density is None or not density > 0:
         return TOKENS
     units, parts = geometry(1, n)[1:]
-    top = min(MAX_TOKENS, -(-max(m, 1) // TOKEN_STEP) * TOKEN_STEP)
+    top = min(max_tokens(units), -(-max(m, 1) // TOKEN_STEP) * TOKEN_STEP, most or max_tokens(units))
     best, best_cost = TOKEN_STEP, math.inf
     for tokens in range(TOKEN_STEP, top + 1, TOKEN_STEP):
         waves = -(-(-(-m // tokens) * parts) // max(sms, 1))

@@ -23,6 +23,8 @@ SHAPES = [
     (300, 2000, 1048, 32, 2, 0.08, 64),  # heavy spill; 32.75 slices: a partial last one
     (1000, 1500, 200, 64, 4, 0.3, None),  # ~110K entries per box: many rounds of 512 tiles of 8
     (4100, 5632, 64, 256, 32, 0.005, 512),  # a partial last token block
+    (2000, 5632, 96, 256, None, 0.005, 768),  # x's rows past 512, right after 704 units' boxes
+    (1000, 600, 72, 64, 4, 0.02, 936),  # one part of 600 units: the buffer's last rows
 ]
 
 
