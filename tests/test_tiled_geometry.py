@@ -62,26 +62,41 @@ def test_applies_refuses_x_without_columns():
     assert not _tiled_up.applies(gate, x, w_up)
 
 
-#: Gated up projection by tokens per block, gpu-only ms (16384 tokens, H100, 5b212b1,
-#: bench/results/2026-12-06-stages.jsonl): {(d_ff, density): {tokens: ms}}; d_model 2048 at
-#: d_ff 5632, 4096 at 14336.
+#: Gated up projection by tokens per block, gpu-only ms (H100; 16384 tokens to 512 at 5b212b1,
+#: the rest at cc94f5e; bench/results/2026-12-06-stages.jsonl): {(tokens, d_ff, density):
+#: {tokens per block: ms}}; d_model 2048 at d_ff 5632, 4096 at 14336.
 MEASURED_BLOCKS = {
-    (5632, 0.005): {192: 0.496, 256: 0.411, 320: 0.396, 384: 0.354, 448: 0.358, 512: 0.301},
-    (5632, 0.01): {192: 0.559, 256: 0.462, 320: 0.504, 384: 0.462, 448: 0.520, 512: 0.515},
-    (5632, 0.02): {192: 0.798, 256: 0.713, 320: 0.970, 384: 0.830, 448: 0.894, 512: 0.706},
-    (14336, 0.005): {192: 2.685, 256: 2.206, 320: 1.658, 384: 1.490, 448: 1.387, 512: 1.240},
-    (14336, 0.01): {192: 3.074, 256: 2.188, 320: 1.937, 384: 1.784, 448: 1.772, 512: 2.528},
-    (14336, 0.015): {192: 2.669, 256: 2.327, 320: 2.441, 384: 3.494, 448: 3.109, 512: 2.678},
-    (14336, 0.02): {192: 2.948, 256: 3.018, 320: 3.971, 384: 3.587, 448: 3.204, 512: 2.943},
+    (16384, 5632, 0.005): {
+        **{192: 0.496, 256: 0.411, 320: 0.396, 384: 0.354, 448: 0.358, 512: 0.301},
+        **{576: 0.306, 640: 0.321, 704: 0.346, 768: 0.362},
+    },
+    (16384, 5632, 0.01): {
+        **{192: 0.559, 256: 0.462, 320: 0.504, 384: 0.462, 448: 0.520, 512: 0.515},
+        **{576: 0.597, 640: 0.589, 704: 0.600, 768: 0.615},
+    },
+    (16384, 5632, 0.02): {192: 0.798, 256: 0.713, 320: 0.970, 384: 0.830, 448: 0.894, 512: 0.706},
+    (16384, 14336, 0.005): {192: 2.685, 256: 2.206, 320: 1.658, 384: 1.490, 448: 1.387, 512: 1.240},
+    (16384, 14336, 0.01): {192: 3.074, 256: 2.188, 320: 1.937, 384: 1.784, 448: 1.772, 512: 2.528},
+    (16384, 14336, 0.015): {192: 2.669, 256: 2.327, 320: 2.441, 384: 3.494, 448: 3.109, 512: 2.678},
+    (16384, 14336, 0.02): {192: 2.948, 256: 3.018, 320: 3.971, 384: 3.587, 448: 3.204, 512: 2.943},
+    (131072, 5632, 0.005): {
+        **{192: 3.616, 256: 3.033, 320: 2.646, 384: 2.469, 448: 2.278, 512: 2.206},
+        **{576: 2.093, 640: 2.050, 704: 2.012, 768: 1.972},
+    },
+    (131072, 5632, 0.01): {
+        **{192: 3.863, 256: 3.333, 320: 3.083, 384: 2.956, 448: 2.902, 512: 3.197},
+        **{576: 3.967, 640: 3.750, 704: 3.627, 768: 3.483},
+    },
 }
 
 
-@pytest.mark.parametrize(("n", "density"), sorted(MEASURED_BLOCKS))
-def test_block_tokens_pick_a_measured_fastest_size(n, density):
+@pytest.mark.parametrize(("m", "n", "density"), sorted(MEASURED_BLOCKS))
+def test_block_tokens_pick_a_measured_fastest_size(m, n, density):
     """On the H100's 132 SMs the cost model's pick among the measured sizes runs within 5% of
-    the fastest measured one (the old rule's 192 at 2% on the standard widths took 13% longer)."""
-    times = MEASURED_BLOCKS[(n, density)]
-    tokens = _tiled_up.block_tokens(16384, n, density, 132, most=max(times))
+    the fastest measured one (the old rule's 192 at 2% on the standard widths took 13% longer;
+    at 131072 tokens and 0.5% the 768-token blocks that x's rows right after the units allow)."""
+    times = MEASURED_BLOCKS[(m, n, density)]
+    tokens = _tiled_up.block_tokens(m, n, density, 132, most=max(times))
     assert tokens in times
     assert times[tokens] <= 1.05 * min(times.values())
 
@@ -118,6 +133,9 @@ def test_expected_rounds_count_padding_and_spread(tokens, density, rounds):
         (None, 2**20, _tiled_up.IN_L2_MIN_DENSITY, _tiled_up.IN_L2_MIN_TOKENS, True),
         (None, 2**20, 0.02, 65536, True),
         (None, 2**20, 0.02, _tiled_up.IN_L2_MIN_TOKENS - 1, False),
+        (None, 2**20, 0.005, _tiled_up.LARGE_CALL_TOKENS - 4, False),
+        (None, 2**20, 0.005, _tiled_up.LARGE_CALL_TOKENS, True),
+        (None, 2**20, _tiled_up.LARGE_CALL_MIN_DENSITY * 0.99, _tiled_up.LARGE_CALL_TOKENS, False),
         (None, 2**30, None, 100, True),
         (None, 2**30, 0.001, 16384, True),
         (True, 2**20, None, 100, True),
@@ -137,3 +155,25 @@ def test_auto_takes_the_tiled_up_projection_beyond_the_l2_or_from_a_density(
     with _tiled_up._stationary.expected_density(float("nan") if density is None else density):
         gate = types.SimpleNamespace(data=np.empty((tokens, 0, 0)))
         assert _tiled_up.chosen(gate, None, w_up) is taken  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "density", "tokens", "taken"),
+    [
+        (2**20, None, 16384, False),
+        (2**20, 0.005, 16384, True),
+        (2**20, _tiled_up.BACKWARD_MIN_DENSITY * 0.99, 16384, False),
+        (2**20, 0.02, _tiled_up.IN_L2_MIN_TOKENS - 1, False),
+        (2**30, None, 100, True),
+    ],
+)
+def test_auto_takes_the_tiled_backward_from_its_own_density(monkeypatch, nbytes, density, tokens, taken):
+    """The backward's sampled product (three values written and u read per entry on the row
+    gathers) takes the tiled kernel from BACKWARD_MIN_DENSITY, lower than the forward's rule."""
+    monkeypatch.setattr(_tiled_up, "PREFERRED", None)
+    monkeypatch.setattr(_tiled_up, "applies", lambda gate, x, w_up: True)
+    monkeypatch.setattr(_tiled_up.K, "l2_bytes", lambda: 50 * 2**20)
+    w = types.SimpleNamespace(nbytes=nbytes)
+    with _tiled_up._stationary.expected_density(float("nan") if density is None else density):
+        gate = types.SimpleNamespace(data=np.empty((tokens, 0, 0)))
+        assert _tiled_up.chosen(gate, None, w, backward=True) is taken  # type: ignore[arg-type]

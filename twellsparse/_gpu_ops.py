@@ -465,12 +465,12 @@ def sddmm_gated_backward(
     padding slots zero), "tiled" (``_tiled_up.gated_backward``: the tiled up projection's kernel
     with dy and W_down's transpose; padding slots not written, which the backward's products never
     read; 2-byte rows on Hopper only) or "auto" (the gathers, or the tiled kernel where
-    :func:`_tiled_up.chosen` takes it for the forward's up projection of the same shapes)."""
+    :func:`_tiled_up.chosen` takes it for the backward)."""
     cp = _cp()
     m, nt, cap = gate.data.shape
     if path == "tiled" and not _tiled_up.applies(gate, dy, w_down_t):
         raise ValueError("path: 'tiled' needs 2-byte dy and w_down_t with 16-byte rows on a compute-capability 9.0 GPU")
-    tiled = path == "tiled" or (path == "auto" and _tiled_up.chosen(gate, dy, w_down_t))
+    tiled = path == "tiled" or (path == "auto" and _tiled_up.chosen(gate, dy, w_down_t, backward=True))
     # The gathers write every slot (padding as zeros); the tiled kernel the stored entries only.
     shapes = (gate.data.shape, gate.spill_data.shape)
     results = [(cp.empty(shapes[0], dtype=dy.dtype), cp.zeros(shapes[1], dtype=dy.dtype)) for _ in range(3)]

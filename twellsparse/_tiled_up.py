@@ -231,6 +231,19 @@ IN_L2_MIN_DENSITY = 0.0075
 #: and the pack's launches and allocations add to that: at 0.75% the block took 0.58 ms a call
 #: eager with the tiled kernel against 0.42 on the gathers (H100, forty-first session).
 IN_L2_MIN_TOKENS = 16384
+#: The same rule's density from :data:`LARGE_CALL_TOKENS` tokens: 768-token blocks there beat the
+#: gathers at 0.5% (131072 tokens, standard widths: 1.97 against 2.14 ms, H100, forty-second
+#: session; at 16384 tokens both took 0.30 ms), 5% under it so that a 0.5% estimate takes it.
+LARGE_CALL_MIN_DENSITY = 0.0045
+#: Tokens from which :data:`LARGE_CALL_MIN_DENSITY` applies (the measured 131072: a decoder
+#: batch of 64 x 2048; between 16384 and it the lower density was not measured).
+LARGE_CALL_TOKENS = 131072
+#: The backward's sampled product (:func:`gated_backward`, the fused row gathers' work: three
+#: values written and u read per entry) takes the tiled kernel from this density where W_down's
+#: transpose fits the L2, for at least :data:`IN_L2_MIN_TOKENS` tokens: 0.324 / 0.487 / 0.706
+#: ms with its pack against the gathers' 0.412 / 0.622 / 1.090 at 0.5 / 1 / 2% (16384 tokens,
+#: standard widths, H100, forty-second session); 5% under the lowest measured.
+BACKWARD_MIN_DENSITY = 0.0045
 
 
 def expected_rounds(tokens: int, units: int, density: float) -> int:
@@ -269,12 +282,14 @@ def block_tokens(m: int, n: int, density: float | None, sms: int, most: int | No
     return best
 
 
-def chosen(gate: TwELLParts, x: Any, w_up: Any) -> bool:
-    """Whether the gated consumer's "auto" up projection takes the tiled kernel, where it applies:
+def chosen(gate: TwELLParts, x: Any, w_up: Any, backward: bool = False) -> bool:
+    """Whether the gated consumer's "auto" up projection (``backward``: the gated backward's
+    sampled product, ``w_up`` then W_down's transpose) takes the tiled kernel, where it applies:
     as :data:`PREFERRED` says when set; unset, where ``w_up`` outgrows the L2 (the row gathers
     would read each active unit's whole row from device memory once per entry) or where the
     plan's density estimate (``_stationary.expected()``) is at least :data:`IN_L2_MIN_DENSITY`
-    for at least :data:`IN_L2_MIN_TOKENS` tokens.
+    (:data:`LARGE_CALL_MIN_DENSITY` from :data:`LARGE_CALL_TOKENS` tokens;
+    :data:`BACKWARD_MIN_DENSITY` for the backward) for at least :data:`IN_L2_MIN_TOKENS` tokens.
 
     Measured (16384 tokens, H100, gpu-only ms; bench/NOTES.md, fortieth and forty-first
     sessions): at d_model 4096 / d_ff 14336 the tiled kernel took 1.22 / 1.74 ms against the
@@ -285,7 +300,13 @@ def chosen(gate: TwELLParts, x: Any, w_up: Any) -> bool:
     if PREFERRED is False:
         return False
     if PREFERRED is None and w_up.nbytes <= K.l2_bytes():
-        density = _stationary.expected()
-        if density is None or density < IN_L2_MIN_DENSITY or gate.data.shape[0] < IN_L2_MIN_TOKENS:
+        density, m = _stationary.expected(), gate.data.shape[0]
+        if density is None or m < IN_L2_MIN_TOKENS:
+            return False
+        if backward:
+            least = BACKWARD_MIN_DENSITY
+        else:
+            least = LARGE_CALL_MIN_DENSITY if m >= LARGE_CALL_TOKENS else IN_L2_MIN_DENSITY
+        if density < least:
             return False
     return applies(gate, x, w_up)
