@@ -300,7 +300,10 @@ def test_device_run_stage_filters_name_existing_stages():
     root = Path(__file__).resolve().parents[1]
     source = (root / "bench" / "stage_times.py").read_text()
     names = set(re.findall(r'^\s*"([^"\n]+)": (?:lambda|three_products)', source, re.MULTILINE))
-    names |= {f"gated up, tiled {t}" for t in (256, 384, 512)} | {"plan gated", "fused producer, pass 1"}
+    sizes = re.search(r"for tokens in \(([\d, ]+)\)", source)
+    assert sizes is not None
+    names |= {f"gated up, tiled {t.strip()}" for t in sizes.group(1).split(",")}
+    names |= {"plan gated", "fused producer, pass 1"}
     script = (root / "scripts" / "device_run.sh").read_text()
     filters = re.findall(r'stage_rows "([^"$]+)"', script) + re.findall(r'ncu_rows \S+ "([^"]+)"', script)
     assert len(filters) >= 5
