@@ -148,13 +148,19 @@ def test_auto_takes_the_tiled_up_projection_beyond_the_l2_or_from_a_density(
     """Unset, the tiled kernel serves "auto" where W_up outgrows the L2 (the row gathers would
     read it from device memory) or where the plan expects at least IN_L2_MIN_DENSITY over at
     least IN_L2_MIN_TOKENS tokens; TWELL_TILED_UP=1 takes it wherever it applies, =0 never."""
+    assert _chosen(monkeypatch, preferred, nbytes, density, tokens) is taken
+
+
+def _chosen(monkeypatch, preferred, nbytes, density, tokens, backward=False):
+    """``_tiled_up.chosen`` for a weight of ``nbytes`` beside a 50 MB L2, ``tokens`` tokens and
+    an expected ``density`` (None: no estimate), the kernel taken to apply."""
     monkeypatch.setattr(_tiled_up, "PREFERRED", preferred)
     monkeypatch.setattr(_tiled_up, "applies", lambda gate, x, w_up: True)
     monkeypatch.setattr(_tiled_up.K, "l2_bytes", lambda: 50 * 2**20)
-    w_up = types.SimpleNamespace(nbytes=nbytes)
+    w = types.SimpleNamespace(nbytes=nbytes)
     with _tiled_up._stationary.expected_density(float("nan") if density is None else density):
         gate = types.SimpleNamespace(data=np.empty((tokens, 0, 0)))
-        assert _tiled_up.chosen(gate, None, w_up) is taken  # type: ignore[arg-type]
+        return _tiled_up.chosen(gate, None, w, backward=backward)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -170,10 +176,4 @@ def test_auto_takes_the_tiled_up_projection_beyond_the_l2_or_from_a_density(
 def test_auto_takes_the_tiled_backward_from_its_own_density(monkeypatch, nbytes, density, tokens, taken):
     """The backward's sampled product (three values written and u read per entry on the row
     gathers) takes the tiled kernel from BACKWARD_MIN_DENSITY, lower than the forward's rule."""
-    monkeypatch.setattr(_tiled_up, "PREFERRED", None)
-    monkeypatch.setattr(_tiled_up, "applies", lambda gate, x, w_up: True)
-    monkeypatch.setattr(_tiled_up.K, "l2_bytes", lambda: 50 * 2**20)
-    w = types.SimpleNamespace(nbytes=nbytes)
-    with _tiled_up._stationary.expected_density(float("nan") if density is None else density):
-        gate = types.SimpleNamespace(data=np.empty((tokens, 0, 0)))
-        assert _tiled_up.chosen(gate, None, w, backward=True) is taken  # type: ignore[arg-type]
+    assert _chosen(monkeypatch, None, nbytes, density, tokens, backward=True) is taken
