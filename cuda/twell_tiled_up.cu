@@ -242,7 +242,7 @@ __global__ void __launch_bounds__(256) tiled_up_place(
 // a barrier per buffer. T a multiple of 4, box_w and box_x even (TMA's 128-byte aligned
 // destinations) and at most 256, with ceil(U / box_w) box_w <= TILED_MAX_UNITS and the two
 // regions' box rows together at most TILED_BUFFER_ROWS (so larger token blocks where the parts
-// have fewer units: 768 tokens beside the standard widths' 704). u_data null: u is not kept.
+// have fewer units: up to 824 tokens beside the standard widths' 704). u_data null: u is not kept.
 //
 // BACKWARD = 1 is the gated backward's sampled product with its value products fused in (what
 // twell_gather_sddmm_gated_bwd computes, the same sums on the same operand layout): map_w holds

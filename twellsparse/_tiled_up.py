@@ -75,7 +75,8 @@ def staged_rows(rows: int) -> int:
 
 def max_tokens(units: int) -> int:
     """The most tokens (a multiple of :data:`QUAD`) whose x rows fit in a buffer beside a part
-    of ``units`` units: 768 beside the standard widths' 704 (their boxes 708 rows)."""
+    of ``units`` units: 824 beside the standard widths' 704 (whose boxes take 708 rows), so 768
+    in :func:`block_tokens`' steps."""
     room = BUFFER_ROWS - staged_rows(units)
     t = room - room % QUAD
     while t > QUAD and staged_rows(t) > room:
@@ -267,12 +268,16 @@ def block_tokens(m: int, n: int, density: float | None, sms: int, most: int | No
     tokens, standard and d_model 4096 widths, H100; bench/NOTES.md, forty-first session), where
     the earlier rule (the most tokens expecting 3072 entries at most) picked 192 at 2% on the
     standard widths (0.806 ms against 0.705 for 512: two waves of two rounds stage fewer rows
-    than six waves of one). Blocks of more than 512 tokens (beside parts of up to ~1000 units
-    since the forty-second session) are not measured yet. ``most``: a lower cap on the count."""
+    than six waves of one); and the order of 384-768 token blocks at 16384 and 131072 tokens on
+    the standard widths (forty-second session: 768 at 131072 tokens and 0.5%, 8% faster than 512;
+    larger blocks than 512 are not measured at d_model 4096). ``most``: a lower cap on the
+    count."""
     if density is None or not density > 0:
         return TOKENS
     units, parts = geometry(1, n)[1:]
-    top = min(max_tokens(units), -(-max(m, 1) // TOKEN_STEP) * TOKEN_STEP, most or max_tokens(units))
+    top = min(max_tokens(units), -(-max(m, 1) // TOKEN_STEP) * TOKEN_STEP)
+    if most is not None:
+        top = min(top, most)
     best, best_cost = TOKEN_STEP, math.inf
     for tokens in range(TOKEN_STEP, top + 1, TOKEN_STEP):
         waves = -(-(-(-m // tokens) * parts) // max(sms, 1))
