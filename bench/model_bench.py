@@ -79,27 +79,26 @@ def captured_times(
     """Forward and training step of both stacks captured whole in CUDA graphs (the host's
     launches gone). The sparse MLPs get a fixed ``spill_capacity`` (8 entries per token), so
     nothing is read back; the entries they left out are checked after the replays."""
-    for block in sparse:
-        block.mlp.spill_capacity = 8 * n_tokens
-    for blocks in (sparse, dense):
-        fresh_leaves(blocks)
-    x_train = x.detach().clone().requires_grad_()
-    rec = {}
-    stacks = (("dense", dense), ("twell", sparse))
-    # The two forwards' graphs timed in rounds (Timer.interleaved); the training steps' graphs one
-    # after the other, so that only one holds its saved activations at a time.
-    with torch.no_grad():
-        forwards = {name: captured(lambda b=blocks: run_stack(b, x)) for name, blocks in stacks}
-        for name, (_, stats) in timer.interleaved(forwards, keep=False).items():
-            rec[f"{name}_forward_graph_ms"] = stats["median"]
-    del forwards
-    for name, blocks in stacks:
-        rec[f"{name}_train_graph_ms"] = timer(captured(lambda b=blocks: train_step(b, x_train)))[1]["median"]
-    torch.cuda.synchronize()
-    for block in sparse:
-        block.mlp.check_spill()
-        block.mlp.spill_capacity = None
-    return rec
+
+    def times() -> dict[str, float]:
+        for blocks in (sparse, dense):
+            fresh_leaves(blocks)
+        x_train = x.detach().clone().requires_grad_()
+        rec = {}
+        stacks = (("dense", dense), ("twell", sparse))
+        # The two forwards' graphs timed in rounds (Timer.interleaved); the training steps' graphs
+        # one after the other, so that only one holds its saved activations at a time.
+        with torch.no_grad():
+            forwards = {name: captured(lambda b=blocks: run_stack(b, x)) for name, blocks in stacks}
+            for name, (_, stats) in timer.interleaved(forwards, keep=False).items():
+                rec[f"{name}_forward_graph_ms"] = stats["median"]
+        del forwards
+        for name, blocks in stacks:
+            rec[f"{name}_train_graph_ms"] = timer(captured(lambda b=blocks: train_step(b, x_train)))[1]["median"]
+        check_spills(sparse)
+        return rec
+
+    return with_spill(sparse, 8 * n_tokens, times)()
 
 
 def kernel_times(fn: Callable[[], Any], top: int = 12) -> list[tuple[float, int, str]]:
@@ -125,7 +124,8 @@ def kernel_times(fn: Callable[[], Any], top: int = 12) -> list[tuple[float, int,
 
 def with_spill(blocks: nn.ModuleList, spill: int, fn: Callable[[], Any]) -> Callable[[], Any]:
     """``fn`` run with every sparse MLP of ``blocks`` on a fixed ``spill_capacity`` (the captured
-    runs' setting), restored to the exact spill afterwards."""
+    runs' setting), restored to the exact spill afterwards. Nothing is read back: each such
+    forward checks the previous one's entries left out, and :func:`check_spills` the last's."""
 
     def run() -> Any:
         for block in blocks:
@@ -134,10 +134,17 @@ def with_spill(blocks: nn.ModuleList, spill: int, fn: Callable[[], Any]) -> Call
             return fn()
         finally:
             for block in blocks:
-                block.mlp.check_spill()
                 block.mlp.spill_capacity = None
 
     return run
+
+
+def check_spills(blocks: nn.ModuleList) -> None:
+    """Raise if the last fixed-spill forward (or graph replay) of a sparse MLP of ``blocks`` left
+    entries out (after the GPU's work)."""
+    torch.cuda.synchronize()
+    for block in blocks:
+        block.mlp.check_spill()
 
 
 def profile_forwards(
@@ -149,17 +156,14 @@ def profile_forwards(
     read slower than the eager one in rounds, bench/NOTES.md, forty-second session)."""
     spill = 8 * n_tokens
     with torch.no_grad():
+        fixed = with_spill(sparse, spill, lambda: run_stack(sparse, x))
         fns = {
             "twell": lambda: run_stack(sparse, x),
-            "twell, fixed spill": with_spill(sparse, spill, lambda: run_stack(sparse, x)),
+            "twell, fixed spill": fixed,
+            "twell, captured": captured(fixed),
             "dense": lambda: run_stack(dense, x),
             "dense, captured": captured(lambda: run_stack(dense, x)),
         }
-        for block in sparse:
-            block.mlp.spill_capacity = spill
-        fns["twell, captured"] = captured(lambda: run_stack(sparse, x))
-        for block in sparse:
-            block.mlp.spill_capacity = None
         rounds = timer.interleaved(fns, keep=False)
         for name, fn in fns.items():
             in_rounds, in_block = rounds[name][1]["median"], timer(fn)[1]["median"]
@@ -168,6 +172,7 @@ def profile_forwards(
             print(f"{name} forward, density {density:.2%}: kernels by GPU time (us, calls)")
             for us, calls, kernel in kernel_times(fn, top=20):
                 print(f"  {us:10.1f} {calls:4d}  {kernel[:110]}")
+    with_spill(sparse, spill, lambda: check_spills(sparse))()
 
 
 def main(argv: list[str] | None = None) -> int:

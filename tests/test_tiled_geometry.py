@@ -177,3 +177,17 @@ def test_auto_takes_the_tiled_backward_from_its_own_density(monkeypatch, nbytes,
     """The backward's sampled product (three values written and u read per entry on the row
     gathers) takes the tiled kernel from BACKWARD_MIN_DENSITY, lower than the forward's rule."""
     assert _chosen(monkeypatch, None, nbytes, density, tokens, backward=True) is taken
+
+
+def test_the_tiled_up_products_check_their_path(monkeypatch):
+    """The gated up projection and the backward's sampled product take "auto", "gather" or
+    "tiled": another path, or "tiled" where the kernel cannot run (fp8 weight rows here), is a
+    one-line error naming the argument; "gather" never asks the rule."""
+    from twellsparse import _gpu_ops
+
+    with pytest.raises(ValueError, match="path: expected 'auto', 'gather' or 'tiled', got 'portable'"):
+        _gpu_ops._takes_tiled_up("portable", None, None, None, "x and w_up")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="path: 'tiled' needs 2-byte x and w_up with 16-byte rows"):
+        _gpu_ops._takes_tiled_up("tiled", None, None, None, "x and w_up", quantized=True)  # type: ignore[arg-type]
+    monkeypatch.setattr(_tiled_up, "chosen", lambda *a, **kw: pytest.fail("the rule was asked"))
+    assert not _gpu_ops._takes_tiled_up("gather", None, None, None, "dy and w_down_t")  # type: ignore[arg-type]

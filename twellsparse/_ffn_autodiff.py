@@ -120,25 +120,29 @@ def _posted_density(x: Any, w_act: Any) -> PostedScalar | None:
     return _DENSITIES.get((x.device.id, w_act.data.ptr, w_act.shape, w_act.strides, x.shape[0]))
 
 
+def _landed(posted: PostedScalar | None) -> float:
+    """``posted``'s latest value if its copy has landed (NaN otherwise, and without one)."""
+    latest = posted.latest() if posted is not None else None
+    return math.nan if latest is None else latest
+
+
 def _previous_density(x: Any, w_act: Any, finish: Any) -> float:
     """The density the last forward with ``w_act``'s array and as many tokens posted, if its copy
-    has landed (NaN otherwise, and on the CPU); this forward's is posted for the next."""
-    totals = getattr(finish, "totals", None)
+    has landed (NaN otherwise, and on the CPU); this forward's is posted for the next (from the
+    producer's entry total, without a host read)."""
     posted = _posted_density(x, w_act)
-    if totals is None or posted is None:
-        return math.nan
-    latest = posted.latest()
-    posted.post(totals()[0], scale=1.0 / max(x.shape[0] * w_act.shape[0], 1))
-    return math.nan if latest is None else latest
+    density = _landed(posted)
+    totals = getattr(finish, "totals", None)
+    if posted is not None and totals is not None:
+        posted.post(totals()[0], scale=1.0 / max(x.shape[0] * w_act.shape[0], 1))
+    return density
 
 
 def _forward_density(x: Any, w_act: Any) -> float:
     """The density the forward of this backward posted (the latest forward with ``w_act``'s array
     and as many tokens), if its copy has landed (NaN otherwise, and on the CPU): the backward's
     kernel choices take it as the forward's did."""
-    posted = _posted_density(x, w_act)
-    latest = posted.latest() if posted is not None else None
-    return math.nan if latest is None else latest
+    return _landed(_posted_density(x, w_act))
 
 
 def _padded_spill(a: Any, spill_capacity: int) -> Any:

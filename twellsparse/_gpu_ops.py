@@ -446,6 +446,22 @@ def mask_consumer(
     return out
 
 
+def _takes_tiled_up(
+    path: str, gate: TwELLParts, x: Any, w: Any, operands: str, backward: bool = False, quantized: bool = False
+) -> bool:
+    """Whether a product of the tiled up projection's shape (the gated up projection, or with
+    ``backward`` the backward's sampled product) runs on ``_tiled_up``'s kernel: ``path`` "tiled"
+    always (a ValueError naming ``operands`` where it cannot), "gather" never, "auto" where
+    :func:`_tiled_up.chosen` takes it (never for ``quantized`` weight rows)."""
+    if path not in ("auto", "gather", "tiled"):
+        raise ValueError(f"path: expected 'auto', 'gather' or 'tiled', got {path!r}")
+    if path == "tiled":
+        if quantized or not _tiled_up.applies(gate, x, w):
+            raise ValueError(f"path: 'tiled' needs 2-byte {operands} with 16-byte rows on a compute-capability 9.0 GPU")
+        return True
+    return path == "auto" and not quantized and _tiled_up.chosen(gate, x, w, backward=backward)
+
+
 def sddmm_gated_backward(
     gate: TwELLParts,
     tile_n: int,
@@ -468,9 +484,7 @@ def sddmm_gated_backward(
     :func:`_tiled_up.chosen` takes it for the backward)."""
     cp = _cp()
     m, nt, cap = gate.data.shape
-    if path == "tiled" and not _tiled_up.applies(gate, dy, w_down_t):
-        raise ValueError("path: 'tiled' needs 2-byte dy and w_down_t with 16-byte rows on a compute-capability 9.0 GPU")
-    tiled = path == "tiled" or (path == "auto" and _tiled_up.chosen(gate, dy, w_down_t, backward=True))
+    tiled = _takes_tiled_up(path, gate, dy, w_down_t, "dy and w_down_t", backward=True)
     # The gathers write every slot (padding as zeros); the tiled kernel the stored entries only.
     shapes = (gate.data.shape, gate.spill_data.shape)
     results = [(cp.empty(shapes[0], dtype=dy.dtype), cp.zeros(shapes[1], dtype=dy.dtype)) for _ in range(3)]
@@ -565,6 +579,8 @@ def gated_up(
     """
     cp = _cp()
     m, nt, cap = gate.data.shape
+    quantized = isinstance(w_up, QuantizedRows)
+    tiled = _takes_tiled_up(path, gate, x, w_up, "x and w_up", quantized=quantized)
     x, ldx = row_stride(x)
 
     # The kernels write the stored slots only: h's padding is never read (the SpMMs walk the
@@ -577,10 +593,7 @@ def gated_up(
 
     h = values(cp.empty)
     up = values(cp.zeros) if keep_up else None
-    quantized = isinstance(w_up, QuantizedRows)
-    if path == "tiled" and (quantized or not _tiled_up.applies(gate, x, w_up)):
-        raise ValueError("path: 'tiled' needs 2-byte x and w_up with 16-byte rows on a compute-capability 9.0 GPU")
-    if path == "tiled" or (path == "auto" and not quantized and _tiled_up.chosen(gate, x, w_up)):
+    if tiled:
         _tiled_up.gated_up(gate, tile_n, x, w_up, h, up)
         return h, up
     up_rows: tuple[Any, ...]

@@ -12,6 +12,7 @@ backward's sampled product (dy and W_down's transpose in the places of x and W_u
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -73,6 +74,7 @@ def staged_rows(rows: int) -> int:
     return -(-rows // box) * box
 
 
+@functools.cache
 def max_tokens(units: int) -> int:
     """The most tokens (a multiple of :data:`QUAD`) whose x rows fit in a buffer beside a part
     of ``units`` units: 824 beside the standard widths' 704 (whose boxes take 708 rows), so 768
