@@ -137,15 +137,15 @@ __global__ void __launch_bounds__(256, 4) dense_to_twell(
 // slots), pass 1 assembles each row-tile's slots in shared memory and writes them out as whole
 // 16-byte vectors: a row-tile's slots are contiguous, and two-byte stores scattered over them
 // would cost the L2 partial-sector writes.
+// One (row-tile, word) unit of relu_mask_to_twell (every lane of a warp calls it together).
 template <typename T>
-__global__ void __launch_bounds__(256) relu_mask_to_twell(
-    const T* __restrict__ h, long long ldh, const unsigned* __restrict__ mask, long long ld_words, int M, int N,
-    int tile_n, int n_tiles, int capacity, int staged, T* __restrict__ data, short* __restrict__ indices,
-    int* __restrict__ counts, int* __restrict__ row_tile_nnz, const long long* __restrict__ spill_offsets,
-    int* __restrict__ spill_indices, T* __restrict__ spill_data) {
+__device__ __forceinline__ void relu_mask_unit(
+    long long unit, const T* __restrict__ h, long long ldh, const unsigned* __restrict__ mask, long long ld_words,
+    int M, int N, int tile_n, int n_tiles, int capacity, int staged, T* __restrict__ data,
+    short* __restrict__ indices, int* __restrict__ counts, int* __restrict__ row_tile_nnz,
+    const long long* __restrict__ spill_offsets, int* __restrict__ spill_indices, T* __restrict__ spill_data) {
   const int lane = threadIdx.x & 31;
   const int W = tile_n >> 5;  // words per tile: a power of two from 1 to 32
-  const long long unit = (blockIdx.x * (long long)blockDim.x + threadIdx.x);  // (row-tile, word)
   const long long rt = unit / W;
   const int sub = (int)(unit % W);
   const bool live = rt < (long long)M * n_tiles;  // whole segments are live or not (W divides 32)
@@ -229,6 +229,24 @@ __global__ void __launch_bounds__(256) relu_mask_to_twell(
       row_tile_nnz[rt] = total;
     }
   }
+}
+
+// The pack's kernel: pass 1 takes a thread per (row-tile, word) unit; pass 2, which only the
+// overflowing row-tiles need, a grid of a few blocks per SM whose warps stride over the units
+// (at 131072 tokens a thread per unit made pass 2 cost 0.14 ms even with nothing to spill: 23M
+// threads that each read one count, bench/NOTES.md, forty-second session). The stride is a
+// multiple of 32 and the loop runs to a multiple of 32, so a warp's lanes stay together.
+template <typename T>
+__global__ void __launch_bounds__(256) relu_mask_to_twell(
+    const T* __restrict__ h, long long ldh, const unsigned* __restrict__ mask, long long ld_words, int M, int N,
+    int tile_n, int n_tiles, int capacity, int staged, T* __restrict__ data, short* __restrict__ indices,
+    int* __restrict__ counts, int* __restrict__ row_tile_nnz, const long long* __restrict__ spill_offsets,
+    int* __restrict__ spill_indices, T* __restrict__ spill_data) {
+  const long long units = (long long)M * n_tiles * (tile_n >> 5), end = (units + 31) & ~31LL;
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  for (long long unit = blockIdx.x * (long long)blockDim.x + threadIdx.x; unit < end; unit += stride)
+    relu_mask_unit(unit, h, ldh, mask, ld_words, M, N, tile_n, n_tiles, capacity, staged, data, indices, counts,
+                   row_tile_nnz, spill_offsets, spill_indices, spill_data);
 }
 
 // Largest r in [0, n) with a[r] <= v (a non-decreasing, a[0] <= v).
@@ -366,38 +384,44 @@ __global__ void __launch_bounds__(256) twell_spill_to_csr(
 // rows of its block in the word: each column's tokens come out increasing, as a sort by (column,
 // row) orders them, which keeps the transposed products' fp32 sums deterministic. An entry's
 // source is its position in the slots followed by the spill, through which the products read
-// the values of any matrix of this structure. Both passes take one thread per slot, then one per
-// allocated spill entry (those past spill_indptr[M], a fixed spill's padding, do nothing).
+// the values of any matrix of this structure. Both passes take one thread per row-tile, then one
+// per allocated spill entry (transpose_item).
 
-// Row and column of entry i (a slot, or spill entry i - n_slots), or false for an empty slot.
-__device__ __forceinline__ bool transpose_entry(
-    long long i, const short* __restrict__ indices, const int* __restrict__ counts,
+// Visit work item j's entries as visit(row, col, source): items 0 .. M * n_tiles - 1 are the
+// row-tiles (each of its stored slots; source = slot index), the items after them the allocated
+// spill entries (source = n_slots + spill index; those past spill_indptr[M], a fixed spill's
+// padding, have none). A thread per row-tile rather than per slot: at 1% density ~2.5 of a
+// tile's 32 slots hold an entry, so a thread per slot left ~92% of the warps' lanes idle and
+// the two passes took 0.15 ms at 16384 tokens (bench/NOTES.md, forty-second session).
+template <typename Visit>
+__device__ __forceinline__ void transpose_item(
+    long long j, const short* __restrict__ indices, const int* __restrict__ counts,
     const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols, int M, int n_tiles,
-    int tile_n, int capacity, int& row, int& col) {
-  const long long n_slots = (long long)M * n_tiles * capacity;
-  if (i < n_slots) {
-    const long long rt = i / capacity;
-    if ((int)(i - rt * capacity) >= counts[rt]) return false;
-    row = (int)(rt / n_tiles);
-    col = (int)(rt % n_tiles) * tile_n + indices[i];
-    return true;
+    int tile_n, int capacity, Visit visit) {
+  const long long n_row_tiles = (long long)M * n_tiles;
+  if (j < n_row_tiles) {
+    const int row = (int)(j / n_tiles), col0 = (int)(j % n_tiles) * tile_n, n = counts[j];
+    for (int s = 0; s < n; ++s) {
+      const long long slot = j * capacity + s;
+      visit(row, col0 + indices[slot], slot);
+    }
+    return;
   }
-  const long long s = i - n_slots;
-  if (s >= spill_indptr[M]) return false;
-  row = last_le(spill_indptr, M + 1, s);
-  col = spill_cols[s];
-  return true;
+  const long long s = j - n_row_tiles;
+  if (s >= spill_indptr[M]) return;
+  visit(last_le(spill_indptr, M + 1, s), spill_cols[s], n_row_tiles * capacity + s);
 }
 
 __global__ void __launch_bounds__(256) twell_transpose_mark(
     const short* __restrict__ indices, const int* __restrict__ counts,
     const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols, int M, int n_tiles,
-    int tile_n, int capacity, long long n_entries, int n_blocks, unsigned* __restrict__ bits) {
-  const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-  int row, col;
-  if (i >= n_entries || !transpose_entry(i, indices, counts, spill_indptr, spill_cols, M, n_tiles, tile_n, capacity, row, col))
-    return;
-  atomicOr(bits + (long long)col * n_blocks + (row >> 5), 1u << (row & 31));
+    int tile_n, int capacity, long long n_items, int n_blocks, unsigned* __restrict__ bits) {
+  const long long j = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (j >= n_items) return;
+  transpose_item(j, indices, counts, spill_indptr, spill_cols, M, n_tiles, tile_n, capacity,
+                 [&](int row, int col, long long) {
+                   atomicOr(bits + (long long)col * n_blocks + (row >> 5), 1u << (row & 31));
+                 });
 }
 
 // The exclusive scan of the pairs' counts (popcount of each word) in two launches
@@ -426,16 +450,17 @@ __global__ void __launch_bounds__(SCAN_THREADS) twell_transpose_first(
 __global__ void __launch_bounds__(256) twell_transpose_place(
     const short* __restrict__ indices, const int* __restrict__ counts,
     const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols, int M, int n_tiles,
-    int tile_n, int capacity, long long n_entries, int n_blocks, const unsigned* __restrict__ bits,
+    int tile_n, int capacity, long long n_items, int n_blocks, const unsigned* __restrict__ bits,
     const int* __restrict__ first, int* __restrict__ rows_t, int* __restrict__ sources_t) {
-  const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-  int row, col;
-  if (i >= n_entries || !transpose_entry(i, indices, counts, spill_indptr, spill_cols, M, n_tiles, tile_n, capacity, row, col))
-    return;
-  const long long w = (long long)col * n_blocks + (row >> 5);
-  const int pos = first[w] + __popc(bits[w] & ((1u << (row & 31)) - 1u));
-  rows_t[pos] = row;
-  sources_t[pos] = (int)i;  // slots first, then the spill: the products' value positions
+  const long long j = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (j >= n_items) return;
+  transpose_item(j, indices, counts, spill_indptr, spill_cols, M, n_tiles, tile_n, capacity,
+                 [&](int row, int col, long long source) {
+                   const long long w = (long long)col * n_blocks + (row >> 5);
+                   const int pos = first[w] + __popc(bits[w] & ((1u << (row & 31)) - 1u));
+                   rows_t[pos] = row;
+                   sources_t[pos] = (int)source;  // slots first, then the spill: the products' value positions
+                 });
 }
 
 // The segments of A.T's long rows for the transposed products (twell_gather_csr_spmm_cut): a

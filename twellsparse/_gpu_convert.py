@@ -206,6 +206,8 @@ def dense_to_parts_deferred(
 
 #: Largest shared-memory stage of the relu-mask pack's vector stores (bytes per block).
 _STAGE_LIMIT = 32 * 1024
+#: Blocks per SM of the relu-mask pack's spill pass (256 threads each: a full SM).
+_SPILL_BLOCKS_PER_SM = 8
 
 
 def relu_mask_to_parts_deferred(
@@ -248,8 +250,14 @@ def _relu_mask_launch(
     head = (h, np.int64(ldh), mask, np.int64(mask_words), *shape_args, np.int32(stage_bytes > 0))
     expr = f"relu_mask_to_twell<{K.CXX_TYPE[h.dtype]}>"
 
+    units = m * nt * (tile_n // 32)
+
     def launch(*outputs: Any) -> None:
-        K.launch(expr, m * nt * (tile_n // 32), _BLOCK, (*head, *outputs), shared_mem=stage_bytes)
+        if K.is_null(outputs[4]):  # pass 1: a thread per (row-tile, word)
+            K.launch(expr, units, _BLOCK, (*head, *outputs), shared_mem=stage_bytes)
+        else:  # pass 2: a few blocks per SM striding over the units (most have nothing to spill)
+            blocks = max(1, min(-(-units // _BLOCK), K.sm_count() * _SPILL_BLOCKS_PER_SM))
+            K.launch_grid(expr, (blocks,), (_BLOCK,), (*head, *outputs))
 
     return launch
 
@@ -514,6 +522,7 @@ def transposed_pattern(parts: TwELLParts, tile_n: int, n_cols: int, slots: int |
             f"({m} rows x {nt} tiles x capacity {cap}); split the rows into several calls"
         )
     n_blocks = -(-m // 32)
+    items = m * nt + int(parts.spill_data.shape[0])  # a thread per row-tile, then per spill entry
     structure = (
         parts.indices,
         parts.counts,
@@ -523,11 +532,11 @@ def transposed_pattern(parts: TwELLParts, tile_n: int, n_cols: int, slots: int |
         np.int32(nt),
         np.int32(tile_n),
         np.int32(cap),
-        np.int64(room),
+        np.int64(items),
         np.int32(n_blocks),
     )
     bits = cp.zeros(n_cols * n_blocks, dtype=cp.uint32)
-    K.launch("twell_transpose_mark", room, _BLOCK, (*structure, bits))
+    K.launch("twell_transpose_mark", items, _BLOCK, (*structure, bits))
     first = cp.empty(bits.size, dtype=cp.int32)  # each (column, block)'s first position
     if bits.size:
         indptr = cp.empty(n_cols + 1, dtype=cp.int32)
@@ -538,7 +547,7 @@ def transposed_pattern(parts: TwELLParts, tile_n: int, n_cols: int, slots: int |
         indptr = cp.zeros(n_cols + 1, dtype=cp.int32)
     rows = cp.empty(room, dtype=cp.int32)
     sources = cp.empty(room, dtype=cp.int32)
-    K.launch("twell_transpose_place", room, _BLOCK, (*structure, bits, first, rows, sources))
+    K.launch("twell_transpose_place", items, _BLOCK, (*structure, bits, first, rows, sources))
     segments = None
     if slots and n_cols:
         split_base = cp.empty(n_cols, dtype=cp.int32)
