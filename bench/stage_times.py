@@ -77,6 +77,11 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
             packs["down"] = _tiled_spmm.pack(g.parts, g.tile_n, g.shape[1])
         return packs["down"]
 
+    def fixed_spill_finish() -> Any:  # the fused producer's fixed-spill finish (layout, pass 2) alone
+        if "finish" not in packs:
+            packs["finish"] = _hopper_producer.linear_to_parts_deferred(x, wg, "relu", 256, 32, None)[1]
+        return packs["finish"]("spill", spill_capacity=m * 8)
+
     def three_products() -> Any:  # the backward's dW_down, dW_gate and dW_up on one pattern
         return transposed_products(g, [(h, go), (d_z, x), (d_u, x)])
 
@@ -95,6 +100,7 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         )[1]("spill"),
         "spill layout (two launches)": lambda: _gpu_convert.spill_layout(g.parts.counts, 32, m * 64),
         "spill layout (CuPy operations)": lambda: fixed_spill_layout(g.parts.counts, 32, m * 64, xp=cp),
+        "fused producer, fixed-spill finish": fixed_spill_finish,
         "linear_to_twell": lambda: ts.linear_to_twell(x, wg),
         "fused producer, pass 1": lambda: _hopper_producer.linear_to_parts_deferred(x, wg, "relu", 256, 32, None),
         # The other schedules of the same kernel (the default is in the line above).
