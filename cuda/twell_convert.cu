@@ -231,22 +231,44 @@ __device__ __forceinline__ void relu_mask_unit(
   }
 }
 
-// The pack's kernel: pass 1 takes a thread per (row-tile, word) unit; pass 2, which only the
-// overflowing row-tiles need, a grid of a few blocks per SM whose warps stride over the units
-// (at 131072 tokens a thread per unit made pass 2 cost 0.14 ms even with nothing to spill: 23M
-// threads that each read one count, bench/NOTES.md, forty-second session). The stride is a
-// multiple of 32 and the loop runs to a multiple of 32, so a warp's lanes stay together.
+// The pack's kernel: a thread per (row-tile, word) unit (pass 1, and pass 2 before the
+// forty-third session; relu_mask_spill_pass now runs pass 2).
 template <typename T>
 __global__ void __launch_bounds__(256) relu_mask_to_twell(
     const T* __restrict__ h, long long ldh, const unsigned* __restrict__ mask, long long ld_words, int M, int N,
     int tile_n, int n_tiles, int capacity, int staged, T* __restrict__ data, short* __restrict__ indices,
     int* __restrict__ counts, int* __restrict__ row_tile_nnz, const long long* __restrict__ spill_offsets,
     int* __restrict__ spill_indices, T* __restrict__ spill_data) {
-  const long long units = (long long)M * n_tiles * (tile_n >> 5), end = (units + 31) & ~31LL;
-  const long long stride = (long long)gridDim.x * blockDim.x;
-  for (long long unit = blockIdx.x * (long long)blockDim.x + threadIdx.x; unit < end; unit += stride)
-    relu_mask_unit(unit, h, ldh, mask, ld_words, M, N, tile_n, n_tiles, capacity, staged, data, indices, counts,
-                   row_tile_nnz, spill_offsets, spill_indices, spill_data);
+  relu_mask_unit(blockIdx.x * (long long)blockDim.x + threadIdx.x, h, ldh, mask, ld_words, M, N, tile_n, n_tiles,
+                 capacity, staged, data, indices, counts, row_tile_nnz, spill_offsets, spill_indices, spill_data);
+}
+
+// The pack's pass 2 (spill_offsets given), which concerns only the row-tiles that overflow,
+// usually none: a grid of a few blocks per SM whose warps stride over the row-tiles 32 at a time,
+// one count per lane, and run the units of the overflowing ones only, 32 / W row-tiles per round
+// (a lane group each). A thread per unit cost 0.13 ms at 131072 tokens with nothing to spill
+// (23M units, each waiting on one count; bench/NOTES.md, forty-second and forty-third sessions).
+template <typename T>
+__global__ void __launch_bounds__(256) relu_mask_spill_pass(
+    const T* __restrict__ h, long long ldh, const unsigned* __restrict__ mask, long long ld_words, int M, int N,
+    int tile_n, int n_tiles, int capacity, int staged, T* __restrict__ data, short* __restrict__ indices,
+    int* __restrict__ counts, int* __restrict__ row_tile_nnz, const long long* __restrict__ spill_offsets,
+    int* __restrict__ spill_indices, T* __restrict__ spill_data) {
+  const int lane = threadIdx.x & 31, W = tile_n >> 5, group = lane / W;
+  const long long n_rt = (long long)M * n_tiles, warps = ((long long)gridDim.x * blockDim.x) >> 5;
+  const long long warp = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  for (long long base = warp * 32; base < n_rt; base += warps * 32) {  // uniform per warp
+    const long long mine = base + lane;
+    unsigned over = __ballot_sync(0xffffffffu, mine < n_rt && row_tile_nnz[mine] > capacity);
+    while (over) {
+      int pick = -1;  // lane group g takes the g-th overflowing row-tile left
+      for (int g = 0; g < 32 / W && over; ++g, over &= over - 1)
+        if (g == group) pick = __ffs(over) - 1;
+      const long long rt = pick >= 0 ? base + pick : n_rt;  // n_rt: a dead unit
+      relu_mask_unit(rt * W + (lane & (W - 1)), h, ldh, mask, ld_words, M, N, tile_n, n_tiles, capacity, 0, data,
+                     indices, counts, row_tile_nnz, spill_offsets, spill_indices, spill_data);
+    }
+  }
 }
 
 // Largest r in [0, n) with a[r] <= v (a non-decreasing, a[0] <= v).

@@ -242,22 +242,22 @@ def relu_mask_spill_pass(h: Any, mask: Any, mask_words: int, tile_n: int, capaci
 def _relu_mask_launch(
     h: Any, ldh: int, mask: Any, mask_words: int, tile_n: int, capacity: int, stage_bytes: int
 ) -> Callable[..., None]:
-    """``relu_mask_to_twell``'s launch over every (row-tile, mask word); ``stage_bytes`` > 0
-    assembles pass 1's slots in that much shared memory per block."""
+    """``relu_mask_to_twell``'s launch over every (row-tile, mask word) for pass 1
+    (``stage_bytes`` > 0 assembles its slots in that much shared memory per block), and
+    ``relu_mask_spill_pass``'s over the overflowing row-tiles for pass 2."""
     m, n = h.shape
     nt = n_tiles(n, tile_n)
     shape_args = (np.int32(m), np.int32(n), np.int32(tile_n), np.int32(nt), np.int32(capacity))
     head = (h, np.int64(ldh), mask, np.int64(mask_words), *shape_args, np.int32(stage_bytes > 0))
     expr = f"relu_mask_to_twell<{K.CXX_TYPE[h.dtype]}>"
-
-    units = m * nt * (tile_n // 32)
+    spill_expr = f"relu_mask_spill_pass<{K.CXX_TYPE[h.dtype]}>"
 
     def launch(*outputs: Any) -> None:
         if K.is_null(outputs[4]):  # pass 1: a thread per (row-tile, word)
-            K.launch(expr, units, _BLOCK, (*head, *outputs), shared_mem=stage_bytes)
-        else:  # pass 2: a few blocks per SM striding over the units (most have nothing to spill)
-            blocks = max(1, min(-(-units // _BLOCK), K.sm_count() * _SPILL_BLOCKS_PER_SM))
-            K.launch_grid(expr, (blocks,), (_BLOCK,), (*head, *outputs))
+            K.launch(expr, m * nt * (tile_n // 32), _BLOCK, (*head, *outputs), shared_mem=stage_bytes)
+        else:  # pass 2: a few blocks per SM striding over the row-tiles (most have nothing to spill)
+            blocks = max(1, min(-(-m * nt // _BLOCK), K.sm_count() * _SPILL_BLOCKS_PER_SM))
+            K.launch_grid(spill_expr, (blocks,), (_BLOCK,), (*head, *outputs))
 
     return launch
 
