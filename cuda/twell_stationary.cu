@@ -309,6 +309,10 @@ __global__ void __launch_bounds__(twell::STATIONARY_PACK_WARPS * 32) stationary_
   const int row = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (row >= M) return;
+  // The spill row pointers and the first 32 tiles' counts load beside the packed row pointers
+  // (after them they were further round trips to L2 in every row's chain of dependent loads).
+  const int s0 = spill_indptr[row], s1 = spill_indptr[row + 1];
+  const int first_counts = t_lo + lane < t_hi ? counts[(long long)row * n_tiles + t_lo + lane] : 0;  // likewise
   const int pos = indptr[row];
   const int size = (indptr[row + 1] - pos) / (DUAL ? 2 : 1);  // entry positions, rounded up to a batch
   unsigned *walked = staged[warp][0], *bucketed = staged[warp][1];
@@ -323,7 +327,7 @@ __global__ void __launch_bounds__(twell::STATIONARY_PACK_WARPS * 32) stationary_
     for (int t0 = t_lo; t0 < t_hi; t0 += 32) {  // a lane per tile
       const int t = t0 + lane;
       const long long rt = (long long)row * n_tiles + t;
-      const int n = t < t_hi ? counts[rt] : 0;
+      const int n = t0 == t_lo ? first_counts : t < t_hi ? counts[rt] : 0;
       const int first = entries + (int)warp_inclusive_sum(n) - n;
       for (int s = 0; s < n; ++s) {
         const long long slot = rt * capacity + s;
@@ -332,7 +336,6 @@ __global__ void __launch_bounds__(twell::STATIONARY_PACK_WARPS * 32) stationary_
       }
       entries = __shfl_sync(0xffffffffu, first + n, 31);
     }
-    const int s0 = spill_indptr[row], s1 = spill_indptr[row + 1];
     for (int i0 = s0; i0 < s1; i0 += 32) {  // the band's spill entries, in order
       const int i = i0 + lane;
       const bool live = i < s1 && in_band(spill_cols[i], col_lo, col_hi);

@@ -86,6 +86,9 @@ __device__ __forceinline__ unsigned long long walk_item(const Item& it, const sh
                                                         const int* __restrict__ spill_cols, int M, int n_tiles,
                                                         int tile_n, int capacity, Visit visit) {
   const int lane = threadIdx.x & 31;
+  // The quad's spill row pointers, one load for all five (issued first: they overlap the tiles'
+  // loads; one load per token after the tiles kept ~8 round trips to L2 in every item's chain).
+  const int spill_at = lane <= TILED_QUAD ? spill_indptr[min(it.tok0 + lane, M)] : 0;
   unsigned long long base = 0;  // every part holds at least one unit (_tiled_up.geometry)
   const int t_lo = it.u_lo / tile_n, span = (it.u_hi - 1) / tile_n - t_lo + 1;
   const int pairs = TILED_QUAD * span;
@@ -111,8 +114,9 @@ __device__ __forceinline__ unsigned long long walk_item(const Item& it, const sh
     }
     base += __shfl_sync(0xffffffffu, incl, 31);
   }
-  for (int j = 0; j < TILED_QUAD && it.tok0 + j < M; ++j) {
-    const int s0 = spill_indptr[it.tok0 + j], s1 = spill_indptr[it.tok0 + j + 1];
+  if (__shfl_sync(0xffffffffu, spill_at, 0) == __shfl_sync(0xffffffffu, spill_at, TILED_QUAD)) return base;
+  for (int j = 0; j < TILED_QUAD; ++j) {  // tokens past M have empty spill rows (clamped above)
+    const int s0 = __shfl_sync(0xffffffffu, spill_at, j), s1 = __shfl_sync(0xffffffffu, spill_at, j + 1);
     for (int i0 = s0; i0 < s1; i0 += 32) {  // a lane per entry
       const int i = i0 + lane;
       const int col = i < s1 ? spill_cols[i] : -1;
