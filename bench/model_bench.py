@@ -7,10 +7,13 @@ measured density is the requested one. The dense twin first applies the same mas
 one function: the recorded ``rel_error``, which must be below 2e-2), then is timed with plain
 relu, as a dense model runs (the mask's compare is no dense model's work). Reports forward and
 training-step tokens per ms for both, per layer and for the stack, as JSON lines (``--out``).
-``--quick`` runs a tiny CPU case (smoke test).
+``--quick`` runs a tiny CPU case (smoke test). RMSNorm is torch's fused ``F.rms_norm`` in both
+stacks; ``--composite-norm`` writes it out in six elementwise and reduction passes, the form
+timed until the forty-third session (the shared part of the stack then costs ~12 ms more in a
+4-layer forward, which lowers the ratio; each record says which, ``"norm"``).
 
 Usage: python bench/model_bench.py [--quick] [--layers 4] [--densities 0.005,0.01] [--out FILE]
-                                   [--profile]
+                                   [--profile] [--composite-norm]
 
 ``--profile`` prints, per density, the GPU time of each kernel in one forward of both stacks
 (torch.profiler; summed over the layers, largest first) instead of timing them.
@@ -186,13 +189,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph-captured runs (GPU)")
     ap.add_argument("--out")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of one forward (GPU)")
+    ap.add_argument(
+        "--composite-norm",
+        action="store_true",
+        help="RMSNorm written out in six passes (the model's form until the forty-third session), not F.rms_norm",
+    )
     args = ap.parse_args(argv)
     ex = _example()
     cuda = torch.cuda.is_available() and not args.quick
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    cfg = ex.Config(vocab=32000, d_model=2048, d_ff=5632, n_heads=32, seq=args.seq, tile_n=256)
+    fused_norm = not args.composite_norm
+    cfg = ex.Config(vocab=32000, d_model=2048, d_ff=5632, n_heads=32, seq=args.seq, tile_n=256, fused_norm=fused_norm)
     if args.quick:
-        cfg = ex.Config(vocab=128, d_model=32, d_ff=256, n_heads=4, seq=16, tile_n=32)
+        cfg = ex.Config(vocab=128, d_model=32, d_ff=256, n_heads=4, seq=16, tile_n=32, fused_norm=fused_norm)
         args.layers, args.batch, args.reps = 2, 4, 1
     n_tokens = args.batch * cfg.seq
     # The decoder stack alone is timed: the embedding and LM head are the same in both models.
@@ -233,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             "density_per_layer": measured,
             "rel_error": err,
             "dense_gate": "relu",
+            "norm": "fused" if fused_norm else "composite",
             "reps": args.reps,
             **({"smoke": True} if args.quick else {}),
         }
