@@ -72,6 +72,8 @@ def _field(r: dict[str, Any], name: str) -> Any:
     (records from before it was stored)."""
     if name == "density_target" and name not in r:
         return float(f"{r['density']:.2g}")
+    if name == "norm" and r.get("kind") == "model":  # the model's RMSNorm was written out until it said
+        return r.get(name, "composite")
     return r.get(name)
 
 
@@ -277,16 +279,17 @@ def training_table(steps: list[dict[str, Any]], models: list[dict[str, Any]]) ->
             f"d_ff {r0['d_ff']}, {r0['dtype']}), TwELL MLPs vs dense MLPs; {_provenance(models)}; the newest run "
             "per density, its commit in the last column.",
             "",
-            "| density | run | forward tokens/ms: dense / TwELL (speed-up) | train step tokens/ms: dense / TwELL "
-            "(speed-up) | commit |",
-            "|---|---|---|---|---|",
+            "| density | RMSNorm | run | forward tokens/ms: dense / TwELL (speed-up) | train step tokens/ms: "
+            "dense / TwELL (speed-up) | commit |",
+            "|---|---|---|---|---|---|",
         ]
-        for r in sorted(models, key=lambda r: r["density_target"]):
+        for r in sorted(models, key=lambda r: (r["density_target"], _field(r, "norm") != "fused")):
+            norm = "F.rms_norm" if _field(r, "norm") == "fused" else "written out"
             for run, key in (("eager", ""), ("captured", "_graph")):
                 if f"forward{key}_speedup" not in r:
                     continue
                 lines.append(
-                    f"| {r['density_target']:.2%} | {run} | {r[f'dense_forward{key}_tokens_per_ms']:.0f} / "
+                    f"| {r['density_target']:.2%} | {norm} | {run} | {r[f'dense_forward{key}_tokens_per_ms']:.0f} / "
                     f"{r[f'twell_forward{key}_tokens_per_ms']:.0f} ({r[f'forward{key}_speedup']:.2f}x) | "
                     f"{r[f'dense_train{key}_tokens_per_ms']:.0f} / {r[f'twell_train{key}_tokens_per_ms']:.0f} "
                     f"({r[f'train{key}_speedup']:.2f}x) | {_run(r, models)} |"
@@ -452,7 +455,7 @@ def tables(records: list[dict[str, Any]]) -> str:
     ffn = latest_per_case(records, "ffn", ("shape", "pattern", "density_target"))
     shapes = sorted({tuple(r["shape"]) for r in ffn}, key=lambda s: (s != STANDARD_SHAPE, s))
     parts = [ffn_table([r for r in ffn if tuple(r["shape"]) == shape]) for shape in shapes] or [ffn_table([])]
-    models = latest_per_case(records, "model", ("density_target", "layers", "tokens"))
+    models = latest_per_case(records, "model", ("density_target", "layers", "tokens", "norm"))
     training = training_table(latest(records, "train_step"), models)
     text = "\n\n".join(parts) + ("\n" + training if training else "")
     extras = (
