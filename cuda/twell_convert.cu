@@ -231,29 +231,25 @@ __device__ __forceinline__ void relu_mask_unit(
   }
 }
 
-// The pack's kernel: a thread per (row-tile, word) unit (pass 1, and pass 2 before the
-// forty-third session; relu_mask_spill_pass now runs pass 2).
-template <typename T>
+// The pack's kernel. Pass 1 (SPILL_PASS = 0): a thread per (row-tile, word) unit. Pass 2
+// (SPILL_PASS = 1, spill_offsets given) concerns only the row-tiles that overflow, usually none:
+// a grid of a few blocks per SM whose warps stride over the row-tiles 32 at a time, one count
+// per lane, and run the units of the overflowing ones only, 32 / W row-tiles per round (a lane
+// group each). A thread per unit there cost 0.13 ms at 131072 tokens with nothing to spill (23M
+// units, each waiting on one count; bench/NOTES.md, forty-second and forty-third sessions). Two
+// instantiations rather than one kernel with a run-time branch: the branch cost pass 1 registers
+// and stack spills.
+template <typename T, int SPILL_PASS>
 __global__ void __launch_bounds__(256) relu_mask_to_twell(
     const T* __restrict__ h, long long ldh, const unsigned* __restrict__ mask, long long ld_words, int M, int N,
     int tile_n, int n_tiles, int capacity, int staged, T* __restrict__ data, short* __restrict__ indices,
     int* __restrict__ counts, int* __restrict__ row_tile_nnz, const long long* __restrict__ spill_offsets,
     int* __restrict__ spill_indices, T* __restrict__ spill_data) {
-  relu_mask_unit(blockIdx.x * (long long)blockDim.x + threadIdx.x, h, ldh, mask, ld_words, M, N, tile_n, n_tiles,
-                 capacity, staged, data, indices, counts, row_tile_nnz, spill_offsets, spill_indices, spill_data);
-}
-
-// The pack's pass 2 (spill_offsets given), which concerns only the row-tiles that overflow,
-// usually none: a grid of a few blocks per SM whose warps stride over the row-tiles 32 at a time,
-// one count per lane, and run the units of the overflowing ones only, 32 / W row-tiles per round
-// (a lane group each). A thread per unit cost 0.13 ms at 131072 tokens with nothing to spill
-// (23M units, each waiting on one count; bench/NOTES.md, forty-second and forty-third sessions).
-template <typename T>
-__global__ void __launch_bounds__(256) relu_mask_spill_pass(
-    const T* __restrict__ h, long long ldh, const unsigned* __restrict__ mask, long long ld_words, int M, int N,
-    int tile_n, int n_tiles, int capacity, int staged, T* __restrict__ data, short* __restrict__ indices,
-    int* __restrict__ counts, int* __restrict__ row_tile_nnz, const long long* __restrict__ spill_offsets,
-    int* __restrict__ spill_indices, T* __restrict__ spill_data) {
+  if constexpr (!SPILL_PASS) {
+    relu_mask_unit(blockIdx.x * (long long)blockDim.x + threadIdx.x, h, ldh, mask, ld_words, M, N, tile_n, n_tiles,
+                   capacity, staged, data, indices, counts, row_tile_nnz, spill_offsets, spill_indices, spill_data);
+    return;
+  }
   const int lane = threadIdx.x & 31, W = tile_n >> 5, group = lane / W;
   const long long n_rt = (long long)M * n_tiles, warps = ((long long)gridDim.x * blockDim.x) >> 5;
   const long long warp = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;

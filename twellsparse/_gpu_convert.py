@@ -243,14 +243,14 @@ def _relu_mask_launch(
     h: Any, ldh: int, mask: Any, mask_words: int, tile_n: int, capacity: int, stage_bytes: int
 ) -> Callable[..., None]:
     """``relu_mask_to_twell``'s launch over every (row-tile, mask word) for pass 1
-    (``stage_bytes`` > 0 assembles its slots in that much shared memory per block), and
-    ``relu_mask_spill_pass``'s over the overflowing row-tiles for pass 2."""
+    (``stage_bytes`` > 0 assembles its slots in that much shared memory per block), and its
+    ``SPILL_PASS`` form's over the overflowing row-tiles for pass 2."""
     m, n = h.shape
     nt = n_tiles(n, tile_n)
     shape_args = (np.int32(m), np.int32(n), np.int32(tile_n), np.int32(nt), np.int32(capacity))
     head = (h, np.int64(ldh), mask, np.int64(mask_words), *shape_args, np.int32(stage_bytes > 0))
-    expr = f"relu_mask_to_twell<{K.CXX_TYPE[h.dtype]}>"
-    spill_expr = f"relu_mask_spill_pass<{K.CXX_TYPE[h.dtype]}>"
+    expr = f"relu_mask_to_twell<{K.CXX_TYPE[h.dtype]}, 0>"
+    spill_expr = f"relu_mask_to_twell<{K.CXX_TYPE[h.dtype]}, 1>"
 
     def launch(*outputs: Any) -> None:
         if K.is_null(outputs[4]):  # pass 1: a thread per (row-tile, word)

@@ -130,8 +130,7 @@ def _instantiations() -> dict[str, list[str]]:
             f"twell_slots_to_csr<{t}>",
             f"twell_spill_to_csr<{t}>",
         ]
-    relu_mask = ("relu_mask_to_twell", "relu_mask_spill_pass")
-    convert += [f"{k}<{CXX_TYPE[d]}>" for k in relu_mask for d in VALUE_DTYPES if d.itemsize <= 4]
+    convert += [f"relu_mask_to_twell<{CXX_TYPE[d]}, {p}>" for d in VALUE_DTYPES if d.itemsize <= 4 for p in (0, 1)]
     convert += ["twell_tile_totals", "twell_transpose_mark", "twell_transpose_sums", "twell_transpose_first"]
     convert += ["twell_transpose_place", "spill_layout_sums", "spill_layout_place", "row_tile_entry_totals"]
     convert += ["twell_segment_plan"]
