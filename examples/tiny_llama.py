@@ -44,8 +44,8 @@ class Config:
 class RMSNorm(nn.Module):
     """RMSNorm through torch's own ``F.rms_norm`` (one fused kernel on CUDA, fp32 statistics), or
     with ``fused=False`` written out as ``x * rsqrt(mean(x^2) + eps) * w`` in x's dtype: six passes
-    over the activations, ~15 ms of a 4-layer forward of 131072 tokens on an H100 where the
-    fused kernel needs ~3 (bench/NOTES.md, forty-third session)."""
+    over the activations, ~15.6 ms of the GPU time of a 4-layer forward of 131072 tokens on an
+    H100 (bench/NOTES.md, forty-third session)."""
 
     def __init__(self, d: int, fused: bool = True) -> None:
         super().__init__()
