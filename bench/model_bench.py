@@ -76,12 +76,18 @@ def run_stack(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+#: The captured and fixed-spill runs' spill capacity per token (``spill_capacity`` of each sparse
+#: MLP: nothing read back; entries left out raise).
+SPILL_PER_TOKEN = 8
+
+
 def captured_times(
     timer: Timer, sparse: nn.ModuleList, dense: nn.ModuleList, x: torch.Tensor, train_step: Any, n_tokens: int
 ) -> dict[str, float]:
     """Forward and training step of both stacks captured whole in CUDA graphs (the host's
-    launches gone). The sparse MLPs get a fixed ``spill_capacity`` (8 entries per token), so
-    nothing is read back; the entries they left out are checked after the replays."""
+    launches gone). The sparse MLPs get a fixed ``spill_capacity`` (:data:`SPILL_PER_TOKEN`
+    entries a token), so nothing is read back; the entries they left out are checked after the
+    replays."""
 
     def times() -> dict[str, float]:
         for blocks in (sparse, dense):
@@ -101,7 +107,7 @@ def captured_times(
         check_spills(sparse)
         return rec
 
-    return with_spill(sparse, 8 * n_tokens, times)()
+    return with_spill(sparse, SPILL_PER_TOKEN * n_tokens, times)()
 
 
 def kernel_times(fn: Callable[[], Any], top: int = 12) -> list[tuple[float, int, str]]:
@@ -157,7 +163,7 @@ def profile_forwards(
     sparse with the fixed spill, its captured graph, dense, dense captured) timed in rounds and
     each in a block of its own, then each one's kernels by GPU time (the captured forward had
     read slower than the eager one in rounds, bench/NOTES.md, forty-second session)."""
-    spill = 8 * n_tokens
+    spill = SPILL_PER_TOKEN * n_tokens
     with torch.no_grad():
         fixed = with_spill(sparse, spill, lambda: run_stack(sparse, x))
         fns = {

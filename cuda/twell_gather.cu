@@ -769,8 +769,7 @@ __global__ void __launch_bounds__(128) twell_gather_sddmm(
 // The gated FFN backward's sampled product with its three value products fused in: at each
 // stored entry (j, g) of the gate pattern, d_h = dy[row] . w_down_t[j] rounded to T, then, with
 // the up value u of the same slot, d_z = d_h * u, d_u = d_h * g and h = g * u, each as the
-// unfused path computes it (ffn_act_mul with the identity: an fp32 product of the rounded
-// operands, the first zeroed unless nonzero, rounded to T). One launch instead of the SDDMM and
+// unfused path computes it (kept_product). One launch instead of the SDDMM and
 // six elementwise passes. Padding slots of the three outputs get 0; spill entries past the
 // row pointers are not written.
 template <typename T, int KV, int U>
@@ -789,7 +788,6 @@ __global__ void __launch_bounds__(128) twell_gather_sddmm_gated_bwd(
   if (warp_index >= M) return;  // warp-uniform
   const long long row = ordered_row(order, warp_index);
   const T* dy_row = dy + row * lddy;
-  const auto times = [](A a, A b) { return from_acc<T>((a != A(0) ? a : A(0)) * b); };
   for_each_batch<true>(gate, indices, counts, spill_indptr, spill_cols, gate_spill, row, n_tiles, tile_n,
                        capacity, lane, [&](int n, int col, A g, long long where) {
                          const A d_h = to_acc(from_acc<T>(gather_dots<T, KV, U>(dy_row, w_down_t, ldw, K, n, col, lane)));
@@ -797,9 +795,9 @@ __global__ void __launch_bounds__(128) twell_gather_sddmm_gated_bwd(
                            const bool spilled = in_spill(where);
                            const long long i = spilled ? ~where : where;
                            const A u = to_acc(spilled ? u_spill[i] : u_data[i]);
-                           (spilled ? dz_spill : dz_data)[i] = times(d_h, u);
-                           (spilled ? du_spill : du_data)[i] = times(d_h, g);
-                           (spilled ? h_spill : h_data)[i] = times(g, u);
+                           (spilled ? dz_spill : dz_data)[i] = kept_product<T>(d_h, u);
+                           (spilled ? du_spill : du_data)[i] = kept_product<T>(d_h, g);
+                           (spilled ? h_spill : h_data)[i] = kept_product<T>(g, u);
                          }
                        });
   zero_padding(dz_data, counts, row, n_tiles, capacity, lane);

@@ -247,16 +247,14 @@ __device__ __forceinline__ void tiled_ffn_up_body(TFFN_ARGS) {
               out_words[e] = ((unsigned)hv.bits << 16) | (w & 0xffffu);
               if (u_data != nullptr && !pad) (dest >= 0 ? u_data : u_spill)[where] = from_acc<T>(dot);
             } else {
-              // The fused row-gather kernel's products: the first factor's -0 taken as +0.
-              const auto times = [](float a, float b) { return from_acc<T>((a != 0.f ? a : 0.f) * b); };
               const float u = pad ? 0.f : to_acc((dest >= 0 ? u_data : u_spill)[where]);
-              const T dz = pad ? from_acc<T>(0.f) : times(dot, u), du = pad ? from_acc<T>(0.f) : times(dot, gf);
+              const T dz = pad ? from_acc<T>(0.f) : kept_product<T>(dot, u), du = pad ? from_acc<T>(0.f) : kept_product<T>(dot, gf);
               out_words[e] = ((unsigned)dz.bits << 16) | (w & 0xffffu);
               out_words2[e] = ((unsigned)du.bits << 16) | (w & 0xffffu);
               if (!pad) {
                 (dest >= 0 ? dz_data : dz_spill)[where] = dz;
                 (dest >= 0 ? du_data : du_spill)[where] = du;
-                (dest >= 0 ? h_data : h_spill)[where] = times(gf, u);
+                (dest >= 0 ? h_data : h_spill)[where] = kept_product<T>(gf, u);
               }
             }
           }

@@ -253,8 +253,7 @@ __global__ void __launch_bounds__(256) tiled_up_place(
 // W_down's transpose [N, K] and map_x dy [M, K], so each entry's sum is d_h = dy[t] . W_down[:, j];
 // u_data / u_spill are then the forward's u (read), and the epilogue writes d_z = d_h * u,
 // d_u = d_h * g and h = g * u at the entry's place, rounded as that kernel rounds them (d_h to T
-// first; each an fp32 product of rounded operands, the first zeroed unless nonzero). Padding
-// slots are not written.
+// first, each product by kept_product). Padding slots are not written.
 template <typename T, int SHARED_B, int BACKWARD>
 __global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_up(
     const __grid_constant__ twell::TensorMap map_w, const __grid_constant__ twell::TensorMap map_x, int box_w,
@@ -350,12 +349,11 @@ __global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_
           const int at = spilled ? ~dest : dest;
           const float gv = to_acc((spilled ? gate_spill : gate)[at]);
           if (BACKWARD) {
-            const auto times = [](float a, float b) { return from_acc<T>((a != 0.f ? a : 0.f) * b); };
             const float d_h = to_acc(from_acc<T>(acc[i]));
             const float uv = to_acc((spilled ? u_spill : u_data)[at]);
-            (spilled ? dz_spill : dz_data)[at] = times(d_h, uv);
-            (spilled ? du_spill : du_data)[at] = times(d_h, gv);
-            (spilled ? h_spill : h_data)[at] = times(gv, uv);
+            (spilled ? dz_spill : dz_data)[at] = kept_product<T>(d_h, uv);
+            (spilled ? du_spill : du_data)[at] = kept_product<T>(d_h, gv);
+            (spilled ? h_spill : h_data)[at] = kept_product<T>(gv, uv);
           } else {
             const T u = from_acc<T>(acc[i]);
             (spilled ? h_spill : h_data)[at] = from_acc<T>(gv * to_acc(u));

@@ -42,6 +42,16 @@ template <> __device__ __forceinline__ f16 from_acc<f16>(float v) {
 
 template <typename T> __device__ __forceinline__ T zero_value() { return from_acc<T>(0); }
 
+// The unfused backward's value product (ffn_act_mul with the identity: a kept, nonzero first
+// factor times the second) of two rounded values, in the accumulator type, rounded to T: the
+// first factor's -0 taken as +0. The fused backward kernels (the row gathers', the tiled up
+// projection's and the tiled FFN's) write d_z, d_u and h with it, so their bits match.
+template <typename T>
+__device__ __forceinline__ T kept_product(typename acc_of<T>::type a, typename acc_of<T>::type b) {
+  using A = typename acc_of<T>::type;
+  return from_acc<T>((a != A(0) ? a : A(0)) * b);
+}
+
 // Whether an fp32 value is finite (neither Inf nor NaN), from its exponent bits.
 __device__ __forceinline__ bool finite_bits(float v) { return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u; }
 
