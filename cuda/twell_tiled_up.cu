@@ -74,26 +74,60 @@ __device__ __forceinline__ Item item_box(int item, int tokens, int units, int pa
   return it;
 }
 
+// The pack's segments: WIDTH lanes per item (32, or 16 for two items a warp, one on each half;
+// at the standard widths an item has at most 16 (token, tile) pairs, so a whole warp left half
+// its lanes idle in a kernel bound by its chain of L2 loads). Every lane of the warp runs the
+// loops below the same number of times (the larger of its segments' counts), so the shuffles
+// and ballots take the full mask; a segment's shuffles stay within it (width WIDTH).
+template <int WIDTH>
+__device__ __forceinline__ unsigned long long segment_inclusive_sum(unsigned long long v) {
+  const int sl = threadIdx.x & (WIDTH - 1);
+#pragma unroll
+  for (int d = 1; d < WIDTH; d <<= 1) {
+    const unsigned long long up = __shfl_up_sync(0xffffffffu, v, d, WIDTH);
+    if (sl >= d) v += up;
+  }
+  return v;
+}
+
+// ballot_rank (twell_slot_class.cuh) within this lane's segment.
+template <int WIDTH>
+__device__ __forceinline__ int segment_ballot_rank(bool live, int q, unsigned long long& base) {
+  const int lane = threadIdx.x & 31;
+  const unsigned seg = WIDTH == 32 ? 0xffffffffu : 0xffffu << (lane & 16);
+  const unsigned below = ((1u << lane) - 1u) & seg;
+  int k = 0;
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {  // two classes: the local unit's parity
+    const unsigned same = __ballot_sync(0xffffffffu, live && q == c) & seg;
+    if (q == c) k = class_field(base, c) + __popc(same & below);
+    base += class_unit(c) * __popc(same);
+  }
+  return k;
+}
+
 // Visit every stored entry of the gate in an item's box as visit(q, k, code, dest): its class
 // q (the local unit's parity), its rank k among the item's entries of that class, its code
 // (local unit | token in quad << 12) and where it sits in the gate (slot index, or ~spill
 // index). Tiles' slots first (a lane per (token, tile) pair), then each token's spill entries.
-// Returns the class totals (class_field 0 and 1).
-template <typename Visit>
+// Returns the class totals (class_field 0 and 1). The whole warp calls it, each segment of
+// WIDTH lanes with its own item.
+template <int WIDTH, typename Visit>
 __device__ __forceinline__ unsigned long long walk_item(const Item& it, const short* __restrict__ indices,
                                                         const int* __restrict__ counts,
                                                         const int* __restrict__ spill_indptr,
                                                         const int* __restrict__ spill_cols, int M, int n_tiles,
                                                         int tile_n, int capacity, Visit visit) {
-  const int lane = threadIdx.x & 31;
+  const int sl = threadIdx.x & (WIDTH - 1);
   // The quad's spill row pointers, one load for all five (issued first: they overlap the tiles'
   // loads; one load per token after the tiles kept ~8 round trips to L2 in every item's chain).
-  const int spill_at = lane <= TILED_QUAD ? spill_indptr[min(it.tok0 + lane, M)] : 0;
+  const int spill_at = sl <= TILED_QUAD ? spill_indptr[min(it.tok0 + sl, M)] : 0;
   unsigned long long base = 0;  // every part holds at least one unit (_tiled_up.geometry)
   const int t_lo = it.u_lo / tile_n, span = (it.u_hi - 1) / tile_n - t_lo + 1;
   const int pairs = TILED_QUAD * span;
-  for (int p0 = 0; p0 < pairs; p0 += 32) {
-    const int p = p0 + lane, j = p / span, t = t_lo + p % span, tok = it.tok0 + j;
+  const int rounds = (int)__reduce_max_sync(0xffffffffu, (unsigned)((pairs + WIDTH - 1) / WIDTH));
+  for (int r = 0; r < rounds; ++r) {
+    const int p = r * WIDTH + sl, j = p / span, t = t_lo + p % span, tok = it.tok0 + j;
     const bool live = p < pairs && tok < M;
     const long long rt = (long long)tok * n_tiles + t;
     const int n = live ? counts[rt] : 0;
@@ -102,7 +136,7 @@ __device__ __forceinline__ unsigned long long walk_item(const Item& it, const sh
       const int col = t * tile_n + indices[rt * capacity + s];
       if (col >= it.u_lo && col < it.u_hi) mine += class_unit((col - it.u_lo) & 1);
     }
-    const unsigned long long incl = (unsigned long long)warp_inclusive_sum((long long)mine);
+    const unsigned long long incl = segment_inclusive_sum<WIDTH>(mine);
     unsigned long long rank = base + incl - mine;
     for (int s = 0; s < n; ++s) {
       const long long slot = rt * capacity + s;
@@ -112,21 +146,40 @@ __device__ __forceinline__ unsigned long long walk_item(const Item& it, const sh
       visit(q, class_field(rank, q), (unsigned)(col - it.u_lo) | ((unsigned)j << 12), (int)slot);
       rank += class_unit(q);
     }
-    base += __shfl_sync(0xffffffffu, incl, 31);
+    base += __shfl_sync(0xffffffffu, incl, WIDTH - 1, WIDTH);
   }
-  if (__shfl_sync(0xffffffffu, spill_at, 0) == __shfl_sync(0xffffffffu, spill_at, TILED_QUAD)) return base;
+  const int s_first = __shfl_sync(0xffffffffu, spill_at, 0, WIDTH);
+  if (__all_sync(0xffffffffu, s_first == __shfl_sync(0xffffffffu, spill_at, TILED_QUAD, WIDTH))) return base;
   for (int j = 0; j < TILED_QUAD; ++j) {  // tokens past M have empty spill rows (clamped above)
-    const int s0 = __shfl_sync(0xffffffffu, spill_at, j), s1 = __shfl_sync(0xffffffffu, spill_at, j + 1);
-    for (int i0 = s0; i0 < s1; i0 += 32) {  // a lane per entry
-      const int i = i0 + lane;
+    const int s0 = __shfl_sync(0xffffffffu, spill_at, j, WIDTH), s1 = __shfl_sync(0xffffffffu, spill_at, j + 1, WIDTH);
+    const int steps = (int)__reduce_max_sync(0xffffffffu, (unsigned)((s1 - s0 + WIDTH - 1) / WIDTH));
+    for (int k0 = 0; k0 < steps; ++k0) {  // a lane per entry
+      const int i = s0 + k0 * WIDTH + sl;
       const int col = i < s1 ? spill_cols[i] : -1;
       const bool live = col >= it.u_lo && col < it.u_hi;
       const int q = (col - it.u_lo) & 1;
-      const int k = ballot_rank(live, q, base);
+      const int k = segment_ballot_rank<WIDTH>(live, q, base);
       if (live) visit(q, k, (unsigned)(col - it.u_lo) | ((unsigned)j << 12), ~i);
     }
   }
   return base;
+}
+
+// This lane's item in a pack kernel of WIDTH lanes per item, and whether it is past the last
+// (then it walks the last item again, writing nothing: its segment must still take part in the
+// warp's shuffles). The caller returns first when the warp's first item is past the last.
+template <int WIDTH>
+__device__ __forceinline__ int segment_item(int items, bool& dead) {
+  const long long warp = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  const int item = (int)(warp * (32 / WIDTH)) + (int)((threadIdx.x & 31) / WIDTH);
+  dead = item >= items;
+  return dead ? items - 1 : item;
+}
+
+// Whether the warp's first item is past the last (a warp-uniform exit).
+template <int WIDTH>
+__device__ __forceinline__ bool warp_past_items(int items) {
+  return ((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5) * (32 / WIDTH) >= items;
 }
 
 // 16 and 8 bytes from the shared window at address + OFF (OFF folded into the instruction:
@@ -187,19 +240,21 @@ __device__ __forceinline__ void sum_tiles(const unsigned (&where)[TILED_MAX_TILE
 }  // namespace twell
 
 // Pack, launch 1: each item's tile count (its entries rounded up to whole tiles) and its two
-// class totals (n0 | n1 << 16); one warp per item.
+// class totals (n0 | n1 << 16); WIDTH lanes per item (see walk_item).
+template <int WIDTH>
 __global__ void __launch_bounds__(256) tiled_up_count(
     const short* __restrict__ indices, const int* __restrict__ counts, const int* __restrict__ spill_indptr,
     const int* __restrict__ spill_cols, int M, int N, int n_tiles, int tile_n, int capacity, int tokens, int units,
     int parts, int items, int* __restrict__ sizes, unsigned* __restrict__ classes) {
   using namespace twell;
-  const int item = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5);
-  if (item >= items) return;
+  if (warp_past_items<WIDTH>(items)) return;
+  bool dead;
+  const int item = segment_item<WIDTH>(items, dead);
   const Item it = item_box(item, tokens, units, parts, N);
-  const unsigned long long totals = walk_item(it, indices, counts, spill_indptr, spill_cols, M, n_tiles, tile_n,
-                                              capacity, [](int, int, unsigned, int) {});
+  const unsigned long long totals = walk_item<WIDTH>(it, indices, counts, spill_indptr, spill_cols, M, n_tiles,
+                                                     tile_n, capacity, [](int, int, unsigned, int) {});
   const int n0 = class_field(totals, 0), n1 = class_field(totals, 1);
-  if ((threadIdx.x & 31) == 0) {
+  if ((threadIdx.x & (WIDTH - 1)) == 0 && !dead) {
     sizes[item] = (n0 + n1 + TILED_TILE - 1) / TILED_TILE;
     classes[item] = (unsigned)n0 | ((unsigned)n1 << 16);
   }
@@ -209,32 +264,36 @@ __global__ void __launch_bounds__(256) tiled_up_count(
 // codes (local unit | token in quad << 12) and destinations, the parities alternating while
 // both last (position 2k + q for entry k of class q, k below the smaller class's count, then the
 // larger class's rest in order), padding entries (unit p & 1, destination TILED_PAD) to a whole
-// tile, and each tile's quad.
+// tile, and each tile's quad; WIDTH lanes per item.
+template <int WIDTH>
 __global__ void __launch_bounds__(256) tiled_up_place(
     const short* __restrict__ indices, const int* __restrict__ counts, const int* __restrict__ spill_indptr,
     const int* __restrict__ spill_cols, int M, int N, int n_tiles, int tile_n, int capacity, int tokens, int units,
     int parts, int items, const int* __restrict__ tile_ptr, const unsigned* __restrict__ classes,
     unsigned short* __restrict__ codes, int* __restrict__ dests, int* __restrict__ quads) {
   using namespace twell;
-  const int item = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5);
-  const int lane = threadIdx.x & 31;
-  if (item >= items) return;
+  if (warp_past_items<WIDTH>(items)) return;
+  bool dead;
+  const int item = segment_item<WIDTH>(items, dead);
+  const int sl = threadIdx.x & (WIDTH - 1);
   const Item it = item_box(item, tokens, units, parts, N);
   const int first = tile_ptr[item], n_tiles_item = tile_ptr[item + 1] - first;
   const long long at = (long long)first * TILED_TILE;
   const int n0 = (int)(classes[item] & 0xffffu), n1 = (int)(classes[item] >> 16);
   const int m = min(n0, n1);
-  walk_item(it, indices, counts, spill_indptr, spill_cols, M, n_tiles, tile_n, capacity,
-            [&](int q, int k, unsigned code, int dest) {
-              const int p = k < m ? 2 * k + q : m + k;
-              codes[at + p] = (unsigned short)code;
-              dests[at + p] = dest;
-            });
-  for (int p = n0 + n1 + lane; p < n_tiles_item * TILED_TILE; p += 32) {
+  walk_item<WIDTH>(it, indices, counts, spill_indptr, spill_cols, M, n_tiles, tile_n, capacity,
+                   [&](int q, int k, unsigned code, int dest) {
+                     if (dead) return;
+                     const int p = k < m ? 2 * k + q : m + k;
+                     codes[at + p] = (unsigned short)code;
+                     dests[at + p] = dest;
+                   });
+  if (dead) return;  // after the walk: no shuffles follow
+  for (int p = n0 + n1 + sl; p < n_tiles_item * TILED_TILE; p += WIDTH) {
     codes[at + p] = (unsigned short)(p & 1);
     dests[at + p] = TILED_PAD;
   }
-  for (int i = lane; i < n_tiles_item; i += 32) quads[first + i] = it.quad;
+  for (int i = sl; i < n_tiles_item; i += WIDTH) quads[first + i] = it.quad;
 }
 
 // The tiled up projection (see the top of this file). Block b = tb * parts + up owns tokens

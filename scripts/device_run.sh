@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|wide|widestages|sharedb|wide65536|gatherblocks|gatherblocksmodel|skewedtrain|segments|cuttrace|roworder|hostgap|producerncu|producerclocks|producerenergy|ffnenergy|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|tiledbwd|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|wide|widestages|sharedb|wide65536|gatherblocks|gatherblocksmodel|skewedtrain|segments|cuttrace|roworder|hostgap|producerncu|producerclocks|producerenergy|ffnenergy|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|halfpack|tiledbwd|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"  # install, TWELL_COMMIT, PYTHONPATH, $OUT
 what=${*:-all}
@@ -226,6 +226,18 @@ for step in $what; do
       # "gated up" stage rows at 0.5 / 1 / 2%.
       gpu_test_file tests/gpu/test_gpu_tiled_up.py sharedb 200
       stage_rows "gated up" "0.005 0.01 0.02" sharedb
+      ;;&
+    halfpack)
+      # The tiled up pack's items on half-warps (forty-third session, branch tiled-up-half-warps):
+      # the pack against the whole-warp form bit for bit and the tiled up tests, memcheck and
+      # racecheck on the new test, then the pack's stage rows both ways at 16384 and 131072 tokens.
+      gpu_test_file tests/gpu/test_gpu_tiled_up.py halfpack 240
+      sanitize_tests tests/gpu/test_gpu_tiled_up.py "half_warps" halfpack
+      for width in 32 16; do
+        echo "TWELL_TILED_UP_PACK_WIDTH=$width" | tee -a "$OUT/halfpack.log"
+        TWELL_TILED_UP_PACK_WIDTH=$width stage_rows "tiled up pack" "0.005 0.01" halfpack
+        TWELL_TILED_UP_PACK_WIDTH=$width stage_rows "tiled up pack" "0.005" halfpack --m 131072 --reps 5
+      done
       ;;&
     tiledbwd)
       # The tiled up projection's backward form (the gated backward's sampled product,

@@ -121,6 +121,15 @@ def test_tiled_switches_are_validated(monkeypatch):
     expected = "TWELL_TILED_OPERAND: expected one of 'fragments', 'shuffles', 'prefetched', got 'words'"
     with pytest.raises(ValueError, match=expected):
         _tiled_spmm._operand()
+    from twellsparse import _tiled_up
+
+    monkeypatch.setenv("TWELL_TILED_UP_PACK_WIDTH", "32")
+    assert _tiled_up._pack_width() == 32
+    monkeypatch.setenv("TWELL_TILED_UP_PACK_WIDTH", "")
+    assert _tiled_up._pack_width() == 16
+    monkeypatch.setenv("TWELL_TILED_UP_PACK_WIDTH", "8")
+    with pytest.raises(ValueError, match="TWELL_TILED_UP_PACK_WIDTH: expected 16 or 32, got '8'"):
+        _tiled_up._pack_width()
 
 
 def test_local_includes_expanded():

@@ -55,6 +55,12 @@ def test_geometry_refuses_token_blocks_off_the_quads(tokens):
         _tiled_up.geometry(100, 704, tokens)
 
 
+@pytest.mark.parametrize("width", [0, 8, 64, "16"])
+def test_pack_refuses_other_widths_before_any_work(width):
+    with pytest.raises(ValueError, match=f"width: expected 16 or 32, got {width!r}"):
+        _tiled_up.pack(None, 256, 5632, 512, 704, 8, width=width)  # type: ignore[arg-type]
+
+
 def test_applies_refuses_x_without_columns():
     """x with no columns: nothing to stage (a TMA descriptor needs a column), so the gathers serve it."""
     gate = ts.twell_array(np.eye(8, 64, dtype=ts.bfloat16), tile_n=64).parts

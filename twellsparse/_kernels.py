@@ -246,7 +246,7 @@ ARCH_SOURCES: dict[str, tuple[str, list[str]]] = {
             for b in (0, 1)
             for backward in (0, 1)
         ]
-        + ["tiled_up_count", "tiled_up_place"],
+        + [f"{k}<{w}>" for k in ("tiled_up_count", "tiled_up_place") for w in (16, 32)],
     ),
     # The tiled SpMM on the tensor cores (B's chunks staged by TMA) and its pack: each operand
     # choice of TILED_OPERANDS at both warp counts.

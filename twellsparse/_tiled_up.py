@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -119,11 +120,17 @@ def applies(gate: TwELLParts, x: Any, w_up: Any) -> bool:
     return shared_bytes() <= K.device_attribute("MaxSharedMemoryPerBlockOptin")
 
 
-def pack(gate: TwELLParts, tile_n: int, n: int, tokens: int, units: int, parts: int) -> tuple[Any, Any, Any, Any]:
+def pack(
+    gate: TwELLParts, tile_n: int, n: int, tokens: int, units: int, parts: int, width: int | None = None
+) -> tuple[Any, Any, Any, Any]:
     """The gate's entries as the kernel's tiles: (int32 tile pointers per item, uint16 codes,
     int32 destinations, int32 quad per tile). An item is a quad of tokens in one unit part of
     one token block, in the order (block, part, quad); the arrays have room for every slot and
-    spill entry plus each item's padding, and the first ``tile_ptr[-1]`` tiles are written."""
+    spill entry plus each item's padding, and the first ``tile_ptr[-1]`` tiles are written.
+    ``width``: lanes per item of the pack's kernels (16 or 32, default :data:`PACK_WIDTH`; the
+    same arrays either way)."""
+    if width not in (None, 16, 32):
+        raise ValueError(f"width: expected 16 or 32, got {width!r}")
     cp = _cp()
     m, nt, cap = gate.data.shape
     items = -(-m // tokens) * parts * (tokens // QUAD)
@@ -137,11 +144,13 @@ def pack(gate: TwELLParts, tile_n: int, n: int, tokens: int, units: int, parts: 
     shape = (np.int32(m), np.int32(n), np.int32(nt), np.int32(tile_n), np.int32(cap))
     boxes = (np.int32(tokens), np.int32(units), np.int32(parts), np.int32(items))
     structure = (gate.indices, gate.counts, gate.spill_indptr, gate.spill_indices, *shape, *boxes)
-    warps_grid = (-(-32 * items // 256),)
-    K.launch_arch("tiled_up_count", warps_grid, (256,), (*structure, sizes, classes), 0)
+    width = PACK_WIDTH if width is None else width
+    warps_grid = (-(-32 * -(-items // (32 // width)) // 256),)
+    K.launch_arch(f"tiled_up_count<{width}>", warps_grid, (256,), (*structure, sizes, classes), 0)
     head = (sizes, np.int64(items))
     two_launch_scan(items, "stationary_row_sums", head, "stationary_row_place", head, (tile_ptr,))
-    K.launch_arch("tiled_up_place", warps_grid, (256,), (*structure, tile_ptr, classes, codes, dests, quads), 0)
+    place_args = (*structure, tile_ptr, classes, codes, dests, quads)
+    K.launch_arch(f"tiled_up_place<{width}>", warps_grid, (256,), place_args, 0)
     return tile_ptr, codes, dests, quads
 
 
@@ -215,6 +224,20 @@ PREFERRED: bool | None = K.env_switch("TWELL_TILED_UP")
 #: and d_model 4096 widths, bench/results/2026-12-06-stages.jsonl); ``TWELL_TILED_UP_SHARED_B=0``
 #: loads x per tile.
 SHARED_B: bool = K.env_switch("TWELL_TILED_UP_SHARED_B") is not False
+
+
+def _pack_width() -> int:
+    value = os.environ.get("TWELL_TILED_UP_PACK_WIDTH", "") or "16"
+    if value not in ("16", "32"):
+        raise ValueError(f"TWELL_TILED_UP_PACK_WIDTH: expected 16 or 32, got {value!r}")
+    return int(value)
+
+
+#: Lanes per item of the pack's kernels: 16 (two items a warp; an item of the standard widths
+#: has at most 16 (token, tile) pairs, and the kernels are bound by each item's chain of L2
+#: loads, so half the warps take about half the time) or 32 (one item a warp, the form before
+#: the forty-third session); ``TWELL_TILED_UP_PACK_WIDTH`` picks. The packs are the same.
+PACK_WIDTH = _pack_width()
 
 #: The step of the token counts chosen by density (TMA boxes of 64-byte rows fill whole lines).
 TOKEN_STEP = 64

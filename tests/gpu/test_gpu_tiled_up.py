@@ -213,6 +213,27 @@ def test_tiled_pack_holds_every_entry_once_in_parity_order(cp, rng, capacity):
     assert sorted(seen) == sorted(zip(*np.nonzero(g), strict=True))
 
 
+@pytest.mark.parametrize(
+    "m, n, tile_n, capacity, density, pattern, tokens",
+    [
+        (203, 600, 64, 2, 0.05, "skewed", 68),  # one part, 17 quads a block: 51 items, the last warp half empty
+        (203, 1500, 64, None, 0.05, "skewed", 64),  # two parts of 750 units
+        (300, 2000, 32, 2, 0.08, "uniform", 64),  # heavy spill: the halves' spill loops differ in length
+        (1000, 5632, 256, None, 0.01, "uniform", 768),  # the standard widths' parts and blocks
+    ],
+)
+def test_pack_on_half_warps_is_the_whole_warps_pack(cp, rng, m, n, tile_n, capacity, density, pattern, tokens):
+    g = sparse_activations(m, n, density, pattern, ts.bfloat16, rng)
+    parts = ts.twell_array(cp.asarray(g), tile_n=tile_n, capacity=capacity).parts
+    t, units, n_parts = _tiled_up.geometry(m, n, tokens)
+    half, whole = (_tiled_up.pack(parts, tile_n, n, t, units, n_parts, width=w) for w in (16, 32))
+    tiles = int(whole[0][-1])
+    assert int(half[0][-1]) == tiles > 0
+    np.testing.assert_array_equal(cp.asnumpy(half[0]), cp.asnumpy(whole[0]))
+    for a, b, size in zip(half[1:], whole[1:], (8 * tiles, 8 * tiles, tiles), strict=True):
+        np.testing.assert_array_equal(cp.asnumpy(a[:size]), cp.asnumpy(b[:size]))
+
+
 def _beyond_a_small_l2(cp, rng, monkeypatch, m, d, f, density):
     """A skewed gated problem, ``(x, w_gate, w_up, w_down, gate)``, with "auto" left to its rule
     and a 64 KB L2, so that any W_up outgrows it; skipped where the tiled kernel cannot run."""
