@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -101,35 +102,28 @@ def test_tiled_pack_constants_match_the_kernels():
     _compiles_with("twell_tiled_spmm.cu", "\n".join(checks), "pack constants disagree with the kernels")
 
 
-def test_tiled_switches_are_validated(monkeypatch):
-    from twellsparse import _tiled_spmm
+@pytest.mark.parametrize(
+    ("module", "reader", "variable", "values", "default"),
+    [
+        ("_tiled_spmm", "_warps", "TWELL_TILED_WARPS", ("16", "32"), "16"),
+        ("_tiled_spmm", "_operand", "TWELL_TILED_OPERAND", ("fragments", "shuffles", "prefetched"), "prefetched"),
+        ("_tiled_up", "_pack_width", "TWELL_TILED_UP_PACK_WIDTH", ("16", "32"), "16"),
+    ],
+)
+def test_tiled_switches_are_validated(monkeypatch, module, reader, variable, values, default):
+    import importlib
 
-    monkeypatch.setenv("TWELL_TILED_WARPS", "32")
-    assert _tiled_spmm._warps() == 32
-    monkeypatch.setenv("TWELL_TILED_WARPS", "")
-    assert _tiled_spmm._warps() == 16
-    monkeypatch.setenv("TWELL_TILED_WARPS", "8")
-    with pytest.raises(ValueError, match="TWELL_TILED_WARPS: expected 16 or 32, got '8'"):
-        _tiled_spmm._warps()
-    monkeypatch.setenv("TWELL_TILED_OPERAND", "shuffles")
-    assert _tiled_spmm._operand() == "shuffles"
-    monkeypatch.setenv("TWELL_TILED_OPERAND", "")
-    assert _tiled_spmm._operand() == "prefetched"
-    monkeypatch.setenv("TWELL_TILED_OPERAND", "fragments")
-    assert _tiled_spmm._operand() == "fragments"
-    monkeypatch.setenv("TWELL_TILED_OPERAND", "words")
-    expected = "TWELL_TILED_OPERAND: expected one of 'fragments', 'shuffles', 'prefetched', got 'words'"
-    with pytest.raises(ValueError, match=expected):
-        _tiled_spmm._operand()
-    from twellsparse import _tiled_up
-
-    monkeypatch.setenv("TWELL_TILED_UP_PACK_WIDTH", "32")
-    assert _tiled_up._pack_width() == 32
-    monkeypatch.setenv("TWELL_TILED_UP_PACK_WIDTH", "")
-    assert _tiled_up._pack_width() == 16
-    monkeypatch.setenv("TWELL_TILED_UP_PACK_WIDTH", "8")
-    with pytest.raises(ValueError, match="TWELL_TILED_UP_PACK_WIDTH: expected 16 or 32, got '8'"):
-        _tiled_up._pack_width()
+    read = getattr(importlib.import_module(f"twellsparse.{module}"), reader)
+    as_read = int if values[0].isdigit() else str
+    for value in values:
+        monkeypatch.setenv(variable, value)
+        assert read() == as_read(value)
+    monkeypatch.setenv(variable, "")
+    assert read() == as_read(default)
+    monkeypatch.setenv(variable, "8")
+    listed = ", ".join(map(repr, values))
+    with pytest.raises(ValueError, match=re.escape(f"{variable}: expected one of {listed}, got '8'")):
+        read()
 
 
 def test_local_includes_expanded():

@@ -341,6 +341,15 @@ def env_switch(name: str) -> bool | None:
     return None if value == "" else value == "1"
 
 
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """A setting from the environment, one of ``choices`` (``default`` when unset or empty);
+    anything else raises ``ValueError`` naming the variable and the choices."""
+    value = os.environ.get(name, "") or default
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
 #: Whether the row-gather kernels over TwELL rows read their row from an order
 #: (``TWELL_GATHER_ROW_ORDER=1``, read once at import so that the build and
 #: ``_gpu_ops.row_order``, which must hand such a build an order, always agree).

@@ -17,7 +17,6 @@ not finite and a second launch recomputes them exactly, so the results are the o
 
 from __future__ import annotations
 
-import os
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -63,10 +62,7 @@ KGROUP = 16
 
 
 def _warps() -> int:
-    value = os.environ.get("TWELL_TILED_WARPS", "") or "16"
-    if value not in ("16", "32"):
-        raise ValueError(f"TWELL_TILED_WARPS: expected 16 or 32, got {value!r}")
-    return int(value)
+    return int(K.env_choice("TWELL_TILED_WARPS", ("16", "32"), "16"))
 
 
 #: Warps per block of the product (its template argument): 16 warps of 4 row groups (128
@@ -77,10 +73,7 @@ WARPS = _warps()
 
 
 def _operand() -> str:
-    value = os.environ.get("TWELL_TILED_OPERAND", "") or "prefetched"
-    if value not in OPERANDS:
-        raise ValueError(f"TWELL_TILED_OPERAND: expected one of {', '.join(map(repr, OPERANDS))}, got {value!r}")
-    return value
+    return K.env_choice("TWELL_TILED_OPERAND", OPERANDS, "prefetched")
 
 
 #: The product's operand choices (see :data:`OPERAND`).

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Any
 
 import numpy as np
@@ -227,10 +226,7 @@ SHARED_B: bool = K.env_switch("TWELL_TILED_UP_SHARED_B") is not False
 
 
 def _pack_width() -> int:
-    value = os.environ.get("TWELL_TILED_UP_PACK_WIDTH", "") or "16"
-    if value not in ("16", "32"):
-        raise ValueError(f"TWELL_TILED_UP_PACK_WIDTH: expected 16 or 32, got {value!r}")
-    return int(value)
+    return int(K.env_choice("TWELL_TILED_UP_PACK_WIDTH", ("16", "32"), "16"))
 
 
 #: Lanes per item of the pack's kernels: 16 (two items a warp; an item of the standard widths
