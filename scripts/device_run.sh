@@ -49,14 +49,19 @@ sanitize_tests() {
     status=$((status | ${PIPESTATUS[0]}))
   done
 }
-# Nsight Compute on one launch of KERNEL (a regex) in bench/stage_times.py's row ROW at 1%:
-# throughput, warp states, shared-memory wavefronts and conflicts, instructions; the lines of
-# note to the terminal, all of it to $OUT/<log>_ncu.log. Usage: ncu_rows KERNEL ROW LOG
+# Nsight Compute on one launch of KERNEL (a regex) in bench/stage_times.py's row ROW (at 1% and
+# its default tokens unless ARGUMENTS say otherwise): throughput, warp states, shared-memory
+# wavefronts and conflicts, instructions; the lines of note to the terminal, all of it to
+# $OUT/<log>_ncu.log. Usage: ncu_rows KERNEL ROW LOG [ARGUMENTS...]
 ncu_rows() {
-  timeout 150 ncu --kernel-name regex:"$1" --launch-skip 3 --launch-count 1 --section SpeedOfLight \
+  local kernel=$1 row=$2 log=$3
+  shift 3
+  local args=("$@")
+  [ ${#args[@]} -gt 0 ] || args=(--density 0.01)
+  timeout 150 ncu --kernel-name regex:"$kernel" --launch-skip 3 --launch-count 1 --section SpeedOfLight \
     --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
     --metrics smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__data_pipe_lsu_wavefronts.sum,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio \
-    python3 bench/stage_times.py --density 0.01 --reps 3 --only "$2" 2>&1 | tail -150 | tee -a "$OUT/$3_ncu.log" \
+    python3 bench/stage_times.py "${args[@]}" --reps 3 --only "$row" 2>&1 | tail -150 | tee -a "$OUT/${log}_ncu.log" \
     | grep -E "Duration|Throughput|Issued|Stall|stalled|wavefronts|conflicts|sectors|inst_executed|Eligible" | head -50
 }
 # A branch packed by scripts/bundle_branches.sh unpacked into TREE (a fresh directory); a
@@ -570,6 +575,14 @@ for step in $what; do
       TWELL_TILED_FFN=1 TWELL_TILED_SPMM=1 timeout 300 python3 bench/ffn_bench.py --densities 0.005,0.01,0.02 \
         --patterns uniform,skewed --out "$OUT/ffn_bench.jsonl" 2>&1 | tee -a "$OUT/tiledffn.log"
       ncu_rows twell_tiled_ffn_up "gated up, one pack, packed" tiledffn
+      ;;&
+    decoderncu)
+      # Where the decoder batch's up and down projections wait (forty-fourth session): Nsight
+      # Compute on the tiled up projection and the stationary SpMM at 131072 tokens, 0.5% (the
+      # model's calls; is the up projection's TMA staging, W_up per token block and x per unit
+      # part, bound by L2 bandwidth there?).
+      ncu_rows twell_tiled_gated_up "gated up, tiled by density" decoderncu --m 131072 --density 0.005
+      ncu_rows twell_stationary_spmm "down spmm, stationary" decoderncu --m 131072 --density 0.005
       ;;&
     tiledcheck)
       # compute-sanitizer memcheck and racecheck on the tiled kernels' small test cases.
