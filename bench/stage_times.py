@@ -146,6 +146,13 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
             False,
             lambda: _with_density(measured, lambda: _gpu_ops.gated_up(g.parts, g.tile_n, x, wu, path="tiled")),
         ),
+        # In clusters of two blocks sharing x's slices (TWELL_TILED_UP_PAIRS, forty-fourth session).
+        "gated up, tiled by density, pairs": lambda: _with(
+            _tiled_up,
+            "PAIRS",
+            True,
+            lambda: _with_density(measured, lambda: _gpu_ops.gated_up(g.parts, g.tile_n, x, wu, path="tiled")),
+        ),
         "tiled up pack": lambda: _tiled_up.pack(g.parts, g.tile_n, d_ff, *_tiled_up.geometry(m, d_ff)),
         "down spmm": lambda: matmul(g, wd_t),
         "down spmm, gather": lambda: _gpu_ops.spmm(g.parts, g.tile_n, wd_t, down_out, path="gather"),
@@ -181,6 +188,14 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         ),
         "bwd fused sddmm, tiled by density": lambda: _with_density(
             measured, lambda: _gpu_ops.sddmm_gated_backward(g.parts, g.tile_n, go, wd_t, u.parts, path="tiled")
+        ),
+        "bwd fused sddmm, tiled by density, pairs": lambda: _with(
+            _tiled_up,
+            "PAIRS",
+            True,
+            lambda: _with_density(
+                measured, lambda: _gpu_ops.sddmm_gated_backward(g.parts, g.tile_n, go, wd_t, u.parts, path="tiled")
+            ),
         ),
         "bwd transposed pattern": lambda: _gpu_ops.transposed_pattern(g.parts, g.tile_n, g.shape[1]),
         "bwd 3 transposed products": three_products,

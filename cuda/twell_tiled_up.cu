@@ -35,6 +35,17 @@
 // Rounds: a warp holds at most TILED_MAX_TILES tiles' sums, the block TILED_WARPS times that;
 // a box with more tiles is done in several rounds, each streaming d again (exact at any
 // density, slower where a dense GEMM would win anyway).
+//
+// Pairs (twell_tiled_gated_up_pair, CLUSTER = 2): the blocks of two consecutive unit parts of
+// one token block form a cluster and share x's slices, each copying half of x's boxes into both
+// CTAs (TMA multicast). At a decoder batch (131072 tokens, 768-token blocks) the single blocks
+// stage ~8 GB a layer from L2 at ~4.8 TB/s, about the L2's rate: W_up once per token block and
+// x once per unit part, half each; the pairs send x once per pair. A buffer is then refilled
+// only once both CTAs have released it (an empty barrier per buffer counting one arrival from
+// each CTA), both stream as many rounds as the busier of the two needs, and neither exits
+// before the other is done (the peer may still copy into it or arrive on its barriers). The grid
+// then has an even count of parts per token block: with an odd `parts` the last is a pad block
+// that owns no tiles and only copies its share of x.
 #include "twell_mma.cuh"
 #include "twell_scan.cuh"
 #include "twell_slot_class.cuh"
@@ -52,7 +63,7 @@ constexpr int TILED_TILE = 8;         // entries per tile (each two rows of A)
 constexpr int TILED_MAX_UNITS = 1024; // W_up rows per buffer (64 KB: the tiles' 17-bit addresses)
 constexpr int TILED_BUFFER_ROWS = 1536;  // staged rows per buffer: W_up's, then x's right after
 constexpr int TILED_BUFFER_BYTES = TILED_BUFFER_ROWS * 64;  // 96 KB; two of them
-constexpr int TILED_SHARED_BYTES = 2 * TILED_BUFFER_BYTES + 16;            // and their two barriers
+constexpr int TILED_SHARED_BYTES = 2 * TILED_BUFFER_BYTES + 32;  // and four barriers: full and empty per buffer
 constexpr int TILED_PAD = (int)0x80000000;  // destination of a padding entry
 static_assert(TILED_SHARED_BYTES <= 227 * 1024, "the two buffers fit one block's shared memory");
 
@@ -313,55 +324,102 @@ __global__ void __launch_bounds__(256) tiled_up_place(
 // u_data / u_spill are then the forward's u (read), and the epilogue writes d_z = d_h * u,
 // d_u = d_h * g and h = g * u at the entry's place, rounded as that kernel rounds them (d_h to T
 // first, each product by kept_product). Padding slots are not written.
-template <typename T, int SHARED_B, int BACKWARD>
-__global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_up(
-    const __grid_constant__ twell::TensorMap map_w, const __grid_constant__ twell::TensorMap map_x, int box_w,
-    int box_x, const int* __restrict__ tile_ptr, const unsigned short* __restrict__ codes,
-    const int* __restrict__ dests, const int* __restrict__ quads, const T* __restrict__ gate,
-    const T* __restrict__ gate_spill, int K, int tokens, int units, int parts, T* __restrict__ h_data,
-    T* __restrict__ h_spill, T* __restrict__ u_data, T* __restrict__ u_spill, T* __restrict__ dz_data,
-    T* __restrict__ dz_spill, T* __restrict__ du_data, T* __restrict__ du_spill) {
+#define TILED_UP_PARAMS                                                                                            \
+  const __grid_constant__ twell::TensorMap map_w, const __grid_constant__ twell::TensorMap map_x, int box_w,        \
+      int box_x, const int *__restrict__ tile_ptr, const unsigned short *__restrict__ codes,                         \
+      const int *__restrict__ dests, const int *__restrict__ quads, const T *__restrict__ gate,                      \
+      const T *__restrict__ gate_spill, int K, int tokens, int units, int parts, T *__restrict__ h_data,             \
+      T *__restrict__ h_spill, T *__restrict__ u_data, T *__restrict__ u_spill, T *__restrict__ dz_data,             \
+      T *__restrict__ dz_spill, T *__restrict__ du_data, T *__restrict__ du_spill
+#define TILED_UP_ARGS                                                                                              \
+  const twell::TensorMap &map_w, const twell::TensorMap &map_x, int box_w, int box_x,                              \
+      const int *__restrict__ tile_ptr, const unsigned short *__restrict__ codes, const int *__restrict__ dests,    \
+      const int *__restrict__ quads, const T *__restrict__ gate, const T *__restrict__ gate_spill, int K,            \
+      int tokens, int units, int parts, T *__restrict__ h_data, T *__restrict__ h_spill, T *__restrict__ u_data,   \
+      T *__restrict__ u_spill, T *__restrict__ dz_data, T *__restrict__ dz_spill, T *__restrict__ du_data,         \
+      T *__restrict__ du_spill
+#define TILED_UP_FORWARD                                                                                           \
+  map_w, map_x, box_w, box_x, tile_ptr, codes, dests, quads, gate, gate_spill, K, tokens, units, parts, h_data,    \
+      h_spill, u_data, u_spill, dz_data, dz_spill, du_data, du_spill
+
+template <typename T, int SHARED_B, int BACKWARD, int CLUSTER>
+__device__ __forceinline__ void tiled_gated_up_body(TILED_UP_ARGS) {
   using namespace twell;
-  constexpr int MAXT = TILED_MAX_TILES;
+  constexpr int MAXT = TILED_MAX_TILES, ROUND_TILES = TILED_WARPS * MAXT;
   extern __shared__ __align__(128) uint4 staged[];
-  const int blk = blockIdx.x, up = blk % parts, tb = blk / parts;
+  // A pair's parts per token block are even: a pad part (up == parts) past an odd count.
+  const int grid_parts = CLUSTER > 1 ? parts + (parts & 1) : parts;
+  const int up = blockIdx.x % grid_parts, tb = blockIdx.x / grid_parts;
   const int u_lo = up * units, tok_lo = tb * tokens;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int quads_per_block = tokens / TILED_QUAD;
-  const int t_begin = tile_ptr[blk * quads_per_block], t_end = tile_ptr[(blk + 1) * quads_per_block];
+  // This block's tiles (the pack's block tb * parts + up; none for a pad part).
+  auto tiles_of = [&](int part, int& begin, int& end) {
+    const int blk = tb * parts + part;
+    begin = part < parts ? tile_ptr[blk * quads_per_block] : 0;
+    end = part < parts ? tile_ptr[(blk + 1) * quads_per_block] : 0;
+  };
+  int t_begin, t_end;
+  tiles_of(up, t_begin, t_end);
+  // Rounds streamed: a pair streams as many as the busier block needs.
+  int rounds = (t_end - t_begin + ROUND_TILES - 1) / ROUND_TILES;
+  const unsigned rank = CLUSTER > 1 ? cluster_rank() : 0u;
+  if (CLUSTER > 1) {
+    int p_begin, p_end;
+    tiles_of(up ^ 1, p_begin, p_end);
+    rounds = max(rounds, (p_end - p_begin + ROUND_TILES - 1) / ROUND_TILES);
+  }
   const int n_slices = (K + TILED_COLS - 1) / TILED_COLS;
-  const unsigned smem_base = smem_u32(staged), bars = smem_base + 2 * TILED_BUFFER_BYTES;
+  const unsigned smem_base = smem_u32(staged), full = smem_base + 2 * TILED_BUFFER_BYTES, empty = full + 16;
   // The tiles' packed addresses hold W_up's in 17 bits: the window's base is far below 64 KB
   // (no static shared memory), checked rather than assumed; x's offsets (in 8-byte units, 15
   // bits) reach 96 KB at most.
   if (smem_base + TILED_MAX_UNITS * 64 > (1u << 17)) __trap();
   if (threadIdx.x == 0) {
-    barrier_init(bars, 1);  // the copying thread's expect_tx arrival, per buffer
-    barrier_init(bars + 8, 1);
+    barrier_init(full, 1);  // the copying thread's expect_tx arrival, per buffer
+    barrier_init(full + 8, 1);
+    barrier_init(empty, CLUSTER);  // pairs: each CTA's release of the buffer (after its block sync)
+    barrier_init(empty + 8, CLUSTER);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();
+  if (CLUSTER > 1) cluster_sync();  // the peer's barriers exist before any copy or arrival
+  else __syncthreads();
 
   // Slice s of W_up's and x's rows into buffer `buf` by the copy engine: whole boxes (the
   // last may reach past the part or the block into rows nobody reads, or past the matrices:
-  // zeros), all counted by the buffer's barrier. Thread 0 only.
+  // zeros), all counted by the buffer's barrier. Pairs: x's boxes of this CTA's parity to both
+  // CTAs, once both have released the buffer's last use (parity trick: a fresh barrier's
+  // "previous phase" counts as done, so each buffer's first fill passes at once). Thread 0 only.
   const int w_boxes = (units + box_w - 1) / box_w, x_boxes = (tokens + box_x - 1) / box_x;
   const unsigned x_at = (unsigned)(w_boxes * box_w) * 64;  // x's rows in a buffer
   const unsigned slice_bytes = (unsigned)(w_boxes * box_w + x_boxes * box_x) * TILED_COLS * 2;
+  unsigned fills[2] = {0u, 0u};  // each buffer's fills so far (thread 0)
   auto stage = [&](int s, int buf) {
-    const unsigned bar = bars + 8 * buf, dst = smem_base + buf * TILED_BUFFER_BYTES;
+    const unsigned bar = full + 8 * buf, dst = smem_base + buf * TILED_BUFFER_BYTES;
+    if (CLUSTER > 1) barrier_wait(empty + 8 * buf, (fills[buf] & 1u) ^ 1u);
+    ++fills[buf];
     barrier_expect_bytes(bar, slice_bytes);
     for (int i = 0; i < w_boxes; ++i)
       tma_load_2d(dst + i * box_w * 64, &map_w, s * TILED_COLS, u_lo + i * box_w, bar);
-    for (int i = 0; i < x_boxes; ++i)
-      tma_load_2d(dst + x_at + i * box_x * 64, &map_x, s * TILED_COLS, tok_lo + i * box_x, bar);
+    for (int i = 0; i < x_boxes; ++i) {
+      if (CLUSTER == 1)
+        tma_load_2d(dst + x_at + i * box_x * 64, &map_x, s * TILED_COLS, tok_lo + i * box_x, bar);
+      else if ((unsigned)(i & 1) == rank)
+        tma_load_2d_multicast(dst + x_at + i * box_x * 64, &map_x, s * TILED_COLS, tok_lo + i * box_x, bar, 3);
+    }
+  };
+  // After every thread's __syncthreads that follows a buffer's sums: pairs release it in both
+  // CTAs (the single blocks' sync alone frees it). Thread 0 only.
+  auto release = [&](int buf) {
+    if (CLUSTER > 1) release_stage<CLUSTER>(empty + 8 * buf);
   };
 
-  unsigned phase0 = 0, phase1 = 0;  // each buffer's barrier phase to wait for
-  for (int r0 = t_begin; r0 < t_end; r0 += TILED_WARPS * MAXT) {
-    const int n = min(TILED_WARPS * MAXT, t_end - r0);
+  unsigned phase0 = 0, phase1 = 0;  // each buffer's full barrier phase to wait for
+  for (int round = 0; round < rounds; ++round) {
+    const int r0 = t_begin + round * ROUND_TILES, n = max(0, min(ROUND_TILES, t_end - r0));
     const int lo = r0 + warp * n / TILED_WARPS, cnt = r0 + (warp + 1) * n / TILED_WARPS - lo;
-    // Both buffers are free here (every thread passed the last slice's __syncthreads).
+    // Both buffers are free here in this CTA (every thread passed the last slice's
+    // __syncthreads); a pair's stage() also waits for the peer's release.
     if (threadIdx.x == 0) {
       stage(0, 0);
       if (n_slices > 1) stage(1, 1);
@@ -385,17 +443,23 @@ __global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_
     // Slices s and s + 1 from buffers 0 and 1; each buffer is refilled with the slice two ahead
     // once every warp has summed it.
     for (int s = 0; s < n_slices; s += 2) {
-      barrier_wait(bars, phase0);
+      barrier_wait(full, phase0);
       phase0 ^= 1u;
       sum_tiles<T, 0, SHARED_B>(where, acc, cnt, smem_base);
       __syncthreads();
-      if (threadIdx.x == 0 && s + 2 < n_slices) stage(s + 2, 0);
+      if (threadIdx.x == 0) {
+        release(0);
+        if (s + 2 < n_slices) stage(s + 2, 0);
+      }
       if (s + 1 >= n_slices) break;
-      barrier_wait(bars + 8, phase1);
+      barrier_wait(full + 8, phase1);
       phase1 ^= 1u;
       sum_tiles<T, TILED_BUFFER_BYTES, SHARED_B>(where, acc, cnt, smem_base);
       __syncthreads();
-      if (threadIdx.x == 0 && s + 3 < n_slices) stage(s + 3, 1);
+      if (threadIdx.x == 0) {
+        release(1);
+        if (s + 3 < n_slices) stage(s + 3, 1);
+      }
     }
     // The lane whose t is entry g's token writes its sum: u rounded, h = g * u rounded.
 #pragma unroll
@@ -422,4 +486,19 @@ __global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_
       }
     }
   }
+  // The peer may still copy into this CTA's buffers or arrive on its barriers until it is done.
+  if (CLUSTER > 1) cluster_sync();
+}
+
+template <typename T, int SHARED_B, int BACKWARD>
+__global__ void __launch_bounds__(twell::TILED_WARPS * 32, 1) twell_tiled_gated_up(TILED_UP_PARAMS) {
+  tiled_gated_up_body<T, SHARED_B, BACKWARD, 1>(TILED_UP_FORWARD);
+}
+
+// The same in clusters of two CTAs (consecutive unit parts of one token block) sharing x's
+// slices; the grid holds an even count of parts per token block (see "Pairs" at the top).
+template <typename T, int SHARED_B, int BACKWARD>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(twell::TILED_WARPS * 32, 1)
+    twell_tiled_gated_up_pair(TILED_UP_PARAMS) {
+  tiled_gated_up_body<T, SHARED_B, BACKWARD, 2>(TILED_UP_FORWARD);
 }

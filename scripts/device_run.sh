@@ -244,6 +244,22 @@ for step in $what; do
         TWELL_TILED_UP_PACK_WIDTH=$width stage_rows "tiled up pack" "0.005" halfpack --m 131072 --reps 5
       done
       ;;&
+    pairs)
+      # The tiled up projection in clusters of two sharing x's slices (forty-fourth session,
+      # TWELL_TILED_UP_PAIRS): the same bits as the single blocks, the whole test file with the
+      # pairs on, memcheck and racecheck on the new test's small shapes, then the forward's and
+      # the backward's stage rows both ways at 16384 tokens and at the decoder batch, and the
+      # decoder stack both ways.
+      gpu_test_file tests/gpu/test_gpu_tiled_up.py pairs 240 -k pairs
+      TWELL_TILED_UP_PAIRS=1 gpu_test_file tests/gpu/test_gpu_tiled_up.py pairs 240
+      sanitize_tests tests/gpu/test_gpu_tiled_up.py "pairs and (1-40 or 300-2000 or 1000-600)" pairs
+      stage_rows "tiled by density" "0.005 0.01" pairs  # single blocks and pairs side by side
+      stage_rows "tiled by density" "0.005" pairs --m 131072 --reps 5
+      for pairs in 1 0; do
+        TWELL_TILED_UP_PAIRS=$pairs timeout 150 python3 bench/model_bench.py --densities 0.005 \
+          --out "$OUT/model_bench.jsonl" 2>&1 | grep -E "density|captured" | sed "s/^/pairs=$pairs: /" | tee -a "$OUT/pairs.log"
+      done
+      ;;&
     tiledbwd)
       # The tiled up projection's backward form (the gated backward's sampled product,
       # forty-second session): its GPU tests and the callers' (the fused row gathers' own, the row

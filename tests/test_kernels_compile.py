@@ -102,6 +102,28 @@ def test_tiled_pack_constants_match_the_kernels():
     _compiles_with("twell_tiled_spmm.cu", "\n".join(checks), "pack constants disagree with the kernels")
 
 
+def test_tiled_up_constants_match_the_kernel():
+    """The tiled up projection's geometry and shared memory as Python sizes its launches against
+    the kernel's own constants (NVRTC, at compile time)."""
+    _nvrtc_or_skip()
+
+    from twellsparse import _tiled_up as U
+
+    constants = {
+        "TILED_COLS": U.SLICE_COLS,
+        "TILED_WARPS": U.WARPS,
+        "TILED_MAX_TILES": U.MAX_TILES,
+        "TILED_QUAD": U.QUAD,
+        "TILED_TILE": U.TILE,
+        "TILED_MAX_UNITS": U.MAX_UNITS,
+        "TILED_BUFFER_ROWS": U.BUFFER_ROWS,
+        "TILED_BUFFER_BYTES": U.BUFFER_BYTES,
+        "TILED_SHARED_BYTES": U.shared_bytes(),
+    }
+    checks = "\n".join(f'static_assert(twell::{k} == {v}, "{k}");' for k, v in constants.items())
+    _compiles_with("twell_tiled_up.cu", checks, "launch constants disagree with the kernel")
+
+
 @pytest.mark.parametrize(
     ("module", "reader", "variable", "values", "default"),
     [

@@ -237,11 +237,13 @@ ARCH_SOURCES: dict[str, tuple[str, list[str]]] = {
         ],
     ),
     # The tiled up projection (its slices staged by TMA; x loaded per tile or per quad; the
-    # forward's up projection or the backward's sampled product) and its gate pack.
+    # forward's up projection or the backward's sampled product; single blocks or pairs sharing
+    # x's slices) and its gate pack.
     "twell_tiled_up.cu": (
         "sm_90a",
         [
-            f"twell_tiled_gated_up<{CXX_TYPE[d]}, {b}, {backward}>"
+            f"{kernel}<{CXX_TYPE[d]}, {b}, {backward}>"
+            for kernel in ("twell_tiled_gated_up", "twell_tiled_gated_up_pair")
             for d in (np.dtype(np.float16), bfloat16)
             for b in (0, 1)
             for backward in (0, 1)

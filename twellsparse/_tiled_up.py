@@ -88,8 +88,8 @@ def max_tokens(units: int) -> int:
 
 def shared_bytes() -> int:
     """Dynamic shared memory of one block (TILED_SHARED_BYTES): two buffers of
-    :data:`BUFFER_BYTES` (192 KB) and a barrier for each."""
-    return 2 * BUFFER_BYTES + 16
+    :data:`BUFFER_BYTES` (192 KB) and two barriers for each (full and, in pairs, empty)."""
+    return 2 * BUFFER_BYTES + 32
 
 
 def box_rows(rows: int) -> int:
@@ -202,13 +202,17 @@ def _launch(
         tokens = block_tokens(m, n, _stationary.expected(), K.sm_count())
     t, units, parts = geometry(m, n, tokens)
     tile_ptr, codes, dests, quads = pack(gate, tile_n, n, t, units, parts)
-    blocks = -(-m // t) * parts
+    # Pairs: an even count of parts per token block (a pad part past an odd count copies only
+    # its share of x), so that each cluster of two consecutive blocks shares one token block.
+    grid_parts = parts + parts % 2 if PAIRS else parts
+    blocks = -(-m // t) * grid_parts
     box_w, box_x = box_rows(units), box_rows(t)
     maps = (tensor_map(w, box_w, SLICE_COLS, SWIZZLE_NONE), tensor_map(x, box_x, SLICE_COLS, SWIZZLE_NONE))
     pattern = (tile_ptr, codes, dests, quads, gate.data, gate.spill_data)
     boxes = (np.int32(k), np.int32(t), np.int32(units), np.int32(parts))
     args = (*maps, np.int32(box_w), np.int32(box_x), *pattern, *boxes, *outputs)
-    expr = f"twell_tiled_gated_up<{K.CXX_TYPE[x.dtype]}, {int(SHARED_B)}, {int(backward)}>"
+    kernel = "twell_tiled_gated_up_pair" if PAIRS else "twell_tiled_gated_up"
+    expr = f"{kernel}<{K.CXX_TYPE[x.dtype]}, {int(SHARED_B)}, {int(backward)}>"
     K.launch_arch(expr, (blocks,), (WARPS * 32,), args, shared_bytes())
 
 
@@ -223,6 +227,13 @@ PREFERRED: bool | None = K.env_switch("TWELL_TILED_UP")
 #: and d_model 4096 widths, bench/results/2026-12-06-stages.jsonl); ``TWELL_TILED_UP_SHARED_B=0``
 #: loads x per tile.
 SHARED_B: bool = K.env_switch("TWELL_TILED_UP_SHARED_B") is not False
+
+
+#: Whether the kernel runs in clusters of two blocks (consecutive unit parts of one token
+#: block) that share x's slices by TMA multicast (``TWELL_TILED_UP_PAIRS=1``; opt-in until
+#: measured): at a decoder batch the single blocks stage ~8 GB a layer from L2 at about the
+#: L2's rate, half of it x once per unit part (bench/NOTES.md, forty-fourth session).
+PAIRS: bool = K.env_switch("TWELL_TILED_UP_PAIRS") is True
 
 
 def _pack_width() -> int:

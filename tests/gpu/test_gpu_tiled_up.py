@@ -151,6 +151,42 @@ def test_x_loaded_once_a_quad_gives_the_same_bits(cp, rng, monkeypatch, m, n, k,
         np.testing.assert_array_equal(per_quad, per_tile)
 
 
+@pytest.mark.parametrize("m, n, k, tile_n, capacity, density, tokens", SHAPES)
+def test_pairs_sharing_x_give_the_same_bits(cp, rng, monkeypatch, m, n, k, tile_n, capacity, density, tokens):
+    """TWELL_TILED_UP_PAIRS (clusters of two blocks, consecutive unit parts of one token block,
+    each copying half of x's boxes into both by TMA multicast) computes the same sums in the
+    same order: the forward's u and h and the backward's d_z, d_u and h bitwise the single
+    blocks', over the shapes above (an odd count of parts, whose pad part owns no tiles; boxes
+    of many rounds, where a pair streams the busier block's; a partial last token block and
+    slice; heavy spill)."""
+    g = sparse_activations(m, n, density, "skewed", ts.bfloat16, rng)
+    gate = ts.twell_array(cp.asarray(g), tile_n=tile_n, capacity=capacity)
+    u_dense = np.where(g != 0, rng.standard_normal((m, n)), 0.0).astype(ts.bfloat16)
+    up = ts.twell_array(cp.asarray(u_dense), tile_n=tile_n, capacity=capacity)
+    x = cp.asarray(rng.standard_normal((m, k)).astype(ts.bfloat16))
+    w = cp.asarray((rng.standard_normal((n, k)) / np.sqrt(k)).astype(ts.bfloat16))
+    if not _tiled_up.applies(gate.parts, x, w):
+        pytest.skip("the tiled up projection needs a compute-capability 9.0 GPU")
+
+    def poisoned():
+        return gate.parts._replace(
+            data=cp.full(gate.parts.data.shape, np.nan, dtype=ts.bfloat16),
+            spill_data=cp.full(gate.parts.spill_data.shape, np.nan, dtype=ts.bfloat16),
+        )
+
+    results = []
+    for pairs in (False, True):
+        monkeypatch.setattr(_tiled_up, "PAIRS", pairs)
+        h, u = poisoned(), poisoned()
+        _tiled_up.gated_up(gate.parts, tile_n, x, w, h, u, tokens=tokens)
+        d_z, d_u, h_bwd = poisoned(), poisoned(), poisoned()
+        _tiled_up.gated_backward(gate.parts, tile_n, x, w, up.parts, d_z, d_u, h_bwd, tokens=tokens)
+        results.append([_dense(cp, parts, (m, n), tile_n) for parts in (h, u, d_z, d_u, h_bwd)])
+    for single, paired in zip(*results, strict=True):
+        assert np.isfinite(single).all()
+        np.testing.assert_array_equal(paired, single)
+
+
 def test_tiled_gated_up_without_u_and_strided_x(cp, rng, monkeypatch):
     """u not kept (a null pointer), x a column slice of a wider array; the auto path with the
     kernel forced gives the same bits."""
