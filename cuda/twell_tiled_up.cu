@@ -226,6 +226,9 @@ __device__ __forceinline__ void sum_tiles(const unsigned (&where)[TILED_MAX_TILE
                                           int cnt, unsigned smem_base) {
   uint2 b = make_uint2(0u, 0u);
   unsigned b_at = 0xffffffffu;  // the x offset b was loaded from (none yet: no offset is all ones)
+  // The window's bits above the 17 the tiles hold (0 for a single block; a cluster's CTA of rank
+  // 1 sees its own shared memory higher up): OR-ed back in, one LOP3 with the mask.
+  const unsigned high = smem_base & ~0x1ffffu;
 #pragma unroll
   for (int i0 = 0; i0 < TILED_MAX_TILES; i0 += TILED_GROUP) {
     if (i0 >= cnt) break;
@@ -235,7 +238,7 @@ __device__ __forceinline__ void sum_tiles(const unsigned (&where)[TILED_MAX_TILE
       // the registers (an empty asm hides that the packed word does not change).
       unsigned w = where[i];
       asm volatile("" : "+r"(w));
-      const uint4 a = load_shared16<SHIFT>(w & 0x1ffffu);
+      const uint4 a = load_shared16<SHIFT>((w & 0x1ffffu) | high);
       const unsigned x_off = w >> 17;  // in 8-byte units from the buffer's start
       if (!SHARED_B || x_off != b_at) {
         b = load_shared8<SHIFT>(smem_base + (x_off << 3));
@@ -371,10 +374,11 @@ __device__ __forceinline__ void tiled_gated_up_body(TILED_UP_ARGS) {
   }
   const int n_slices = (K + TILED_COLS - 1) / TILED_COLS;
   const unsigned smem_base = smem_u32(staged), full = smem_base + 2 * TILED_BUFFER_BYTES, empty = full + 16;
-  // The tiles' packed addresses hold W_up's in 17 bits: the window's base is far below 64 KB
-  // (no static shared memory), checked rather than assumed; x's offsets (in 8-byte units, 15
-  // bits) reach 96 KB at most.
-  if (smem_base + TILED_MAX_UNITS * 64 > (1u << 17)) __trap();
+  // The tiles' packed addresses hold W_up's low 17 bits (sum_tiles ORs the window's higher bits
+  // back in): the buffers' start is far below 64 KB into its 128 KB-aligned span (no static
+  // shared memory), checked rather than assumed; x's offsets (in 8-byte units, 15 bits) reach
+  // 96 KB at most.
+  if ((smem_base & 0x1ffffu) + TILED_MAX_UNITS * 64 > (1u << 17)) __trap();
   if (threadIdx.x == 0) {
     barrier_init(full, 1);  // the copying thread's expect_tx arrival, per buffer
     barrier_init(full + 8, 1);
@@ -437,7 +441,7 @@ __device__ __forceinline__ void tiled_gated_up_body(TILED_UP_ARGS) {
       const unsigned c = cnt > 0 ? codes[(long long)tile * TILED_TILE + g] : 0u;
       const int quad = cnt > 0 ? quads[tile] : 0;
       const unsigned x_off = x_at + (unsigned)(((quad * TILED_QUAD + (g >> 1)) * 4 + t) * 16 + (g & 1) * 8);
-      where[i] = (smem_base + (c & 0xfffu) * 64 + t * 16) | ((x_off >> 3) << 17);
+      where[i] = ((smem_base & 0x1ffffu) + (c & 0xfffu) * 64 + t * 16) | ((x_off >> 3) << 17);
       acc[i] = 0.f;
     }
     // Slices s and s + 1 from buffers 0 and 1; each buffer is refilled with the slice two ahead
