@@ -39,8 +39,9 @@
 // Pairs (twell_tiled_gated_up_pair, CLUSTER = 2): the blocks of two consecutive unit parts of
 // one token block form a cluster and share x's slices, each copying half of x's boxes into both
 // CTAs (TMA multicast). At a decoder batch (131072 tokens, 768-token blocks) the single blocks
-// stage ~8 GB a layer from L2 at ~4.8 TB/s, about the L2's rate: W_up once per token block and
-// x once per unit part, half each; the pairs send x once per pair. A buffer is then refilled
+// stage ~8 GB a layer from L2, W_up once per token block and x once per unit part, half each;
+// the pairs send x once per pair. Measured 2-5% slower on an H100 (the single blocks wait on
+// their staging's latency, not on the L2's bandwidth): opt-in. A buffer is then refilled
 // only once both CTAs have released it (an empty barrier per buffer counting one arrival from
 // each CTA), both stream as many rounds as the busier of the two needs, and neither exits
 // before the other is done (the peer may still copy into it or arrive on its barriers). The grid

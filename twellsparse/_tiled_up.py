@@ -230,9 +230,11 @@ SHARED_B: bool = K.env_switch("TWELL_TILED_UP_SHARED_B") is not False
 
 
 #: Whether the kernel runs in clusters of two blocks (consecutive unit parts of one token
-#: block) that share x's slices by TMA multicast (``TWELL_TILED_UP_PAIRS=1``; opt-in until
-#: measured): at a decoder batch the single blocks stage ~8 GB a layer from L2 at about the
-#: L2's rate, half of it x once per unit part (bench/NOTES.md, forty-fourth session).
+#: block) that share x's slices by TMA multicast (``TWELL_TILED_UP_PAIRS=1``, opt-in): a
+#: quarter less L2 traffic, but measured 2-5% slower than the single blocks on an H100 (1.91
+#: against 1.87 ms forward, 2.20 against 2.09 backward at 131072 tokens, 0.5%): the kernel
+#: waits on its staging's latency there, not on the L2's bandwidth (bench/NOTES.md,
+#: forty-fourth session, item 5).
 PAIRS: bool = K.env_switch("TWELL_TILED_UP_PAIRS") is True
 
 
