@@ -599,6 +599,15 @@ for step in $what; do
       # part, bound by L2 bandwidth there?).
       ncu_rows twell_tiled_gated_up "gated up, tiled by density" decoderncu --m 131072 --density 0.005
       ncu_rows twell_stationary_spmm "down spmm, stationary" decoderncu --m 131072 --density 0.005
+      # Latency or delivery (bench/NOTES.md, forty-fourth session, item 6): the memory chart and
+      # tables (bytes between L2 and the SMs, L2 reads) of the single blocks and of the pairs,
+      # whose multicast halves x's L2 reads but not the bytes each SM receives.
+      for row in "gated up, tiled by density" "gated up, tiled by density, pairs"; do
+        timeout 150 ncu --kernel-name regex:twell_tiled_gated_up --launch-skip 3 --launch-count 1 \
+          --section SpeedOfLight --section MemoryWorkloadAnalysis_Chart --section MemoryWorkloadAnalysis_Tables \
+          python3 bench/stage_times.py --m 131072 --density 0.005 --reps 3 --only "$row" 2>&1 \
+          | tee -a "$OUT/decoderncu_memory.log" | grep -E "Duration|Throughput|L2|Shared|bytes|Bytes" | head -30
+      done
       ;;&
     tiledcheck)
       # compute-sanitizer memcheck and racecheck on the tiled kernels' small test cases.
