@@ -82,6 +82,14 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
             packs["finish"] = _hopper_producer.linear_to_parts_deferred(x, wg, "relu", 256, 32, None)[1]
         return packs["finish"]("spill", spill_capacity=m * 8)
 
+    def tiled_up_by_density() -> Any:  # as a plan runs it: token blocks sized from the density
+        return _with_density(measured, lambda: _gpu_ops.gated_up(g.parts, g.tile_n, x, wu, path="tiled"))
+
+    def tiled_bwd_by_density() -> Any:  # the backward takes its forward's density likewise
+        return _with_density(
+            measured, lambda: _gpu_ops.sddmm_gated_backward(g.parts, g.tile_n, go, wd_t, u.parts, path="tiled")
+        )
+
     def three_products() -> Any:  # the backward's dW_down, dW_gate and dW_up on one pattern
         return transposed_products(g, [(h, go), (d_z, x), (d_u, x)])
 
@@ -135,24 +143,12 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
             for tokens in (192, 256, 320, 384, 448, 512, 576, 640, 704, 768)
         },
         # As a plan runs it: its token blocks sized from the density (_tiled_up.block_tokens).
-        "gated up, tiled by density": lambda: _with_density(
-            measured, lambda: _gpu_ops.gated_up(g.parts, g.tile_n, x, wu, path="tiled")
-        ),
+        "gated up, tiled by density": tiled_up_by_density,
         # The same with x's fragment loaded per tile (TWELL_TILED_UP_SHARED_B=0; once a quad is
         # the default since the forty-first session).
-        "gated up, tiled by density, x per tile": lambda: _with(
-            _tiled_up,
-            "SHARED_B",
-            False,
-            lambda: _with_density(measured, lambda: _gpu_ops.gated_up(g.parts, g.tile_n, x, wu, path="tiled")),
-        ),
+        "gated up, tiled by density, x per tile": lambda: _with(_tiled_up, "SHARED_B", False, tiled_up_by_density),
         # In clusters of two blocks sharing x's slices (TWELL_TILED_UP_PAIRS, forty-fourth session).
-        "gated up, tiled by density, pairs": lambda: _with(
-            _tiled_up,
-            "PAIRS",
-            True,
-            lambda: _with_density(measured, lambda: _gpu_ops.gated_up(g.parts, g.tile_n, x, wu, path="tiled")),
-        ),
+        "gated up, tiled by density, pairs": lambda: _with(_tiled_up, "PAIRS", True, tiled_up_by_density),
         "tiled up pack": lambda: _tiled_up.pack(g.parts, g.tile_n, d_ff, *_tiled_up.geometry(m, d_ff)),
         "down spmm": lambda: matmul(g, wd_t),
         "down spmm, gather": lambda: _gpu_ops.spmm(g.parts, g.tile_n, wd_t, down_out, path="gather"),
@@ -186,17 +182,8 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         "bwd fused sddmm, gather": lambda: _gpu_ops.sddmm_gated_backward(
             g.parts, g.tile_n, go, wd_t, u.parts, path="gather"
         ),
-        "bwd fused sddmm, tiled by density": lambda: _with_density(
-            measured, lambda: _gpu_ops.sddmm_gated_backward(g.parts, g.tile_n, go, wd_t, u.parts, path="tiled")
-        ),
-        "bwd fused sddmm, tiled by density, pairs": lambda: _with(
-            _tiled_up,
-            "PAIRS",
-            True,
-            lambda: _with_density(
-                measured, lambda: _gpu_ops.sddmm_gated_backward(g.parts, g.tile_n, go, wd_t, u.parts, path="tiled")
-            ),
-        ),
+        "bwd fused sddmm, tiled by density": tiled_bwd_by_density,
+        "bwd fused sddmm, tiled by density, pairs": lambda: _with(_tiled_up, "PAIRS", True, tiled_bwd_by_density),
         "bwd transposed pattern": lambda: _gpu_ops.transposed_pattern(g.parts, g.tile_n, g.shape[1]),
         "bwd 3 transposed products": three_products,
         # One warp per output row (the column split is the default since the thirty-third session).

@@ -40,8 +40,9 @@
 // one token block form a cluster and share x's slices, each copying half of x's boxes into both
 // CTAs (TMA multicast). At a decoder batch (131072 tokens, 768-token blocks) the single blocks
 // stage ~8 GB a layer from L2, W_up once per token block and x once per unit part, half each;
-// the pairs send x once per pair. Measured 2-5% slower on an H100 (the single blocks wait on
-// their staging's latency, not on the L2's bandwidth): opt-in. A buffer is then refilled
+// the pairs send x once per pair. Measured 2-5% slower on an H100 (a multicast halves the
+// L2's reads, not the bytes each SM receives, and those bound the single blocks): opt-in. A
+// buffer is then refilled
 // only once both CTAs have released it (an empty barrier per buffer counting one arrival from
 // each CTA), both stream as many rounds as the busier of the two needs, and neither exits
 // before the other is done (the peer may still copy into it or arrive on its barriers). The grid

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|wide|widestages|sharedb|wide65536|gatherblocks|gatherblocksmodel|skewedtrain|segments|cuttrace|roworder|hostgap|producerncu|producerclocks|producerenergy|ffnenergy|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|halfpack|tiledbwd|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|wide|widestages|sharedb|wide65536|gatherblocks|gatherblocksmodel|skewedtrain|segments|cuttrace|roworder|hostgap|producerncu|producerclocks|producerenergy|ffnenergy|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|halfpack|pairs|decoderncu|tiledbwd|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"  # install, TWELL_COMMIT, PYTHONPATH, $OUT
 what=${*:-all}
@@ -51,16 +51,18 @@ sanitize_tests() {
 }
 # Nsight Compute on one launch of KERNEL (a regex) in bench/stage_times.py's row ROW (at 1% and
 # its default tokens unless ARGUMENTS say otherwise): throughput, warp states, shared-memory
-# wavefronts and conflicts, instructions; the lines of note to the terminal, all of it to
-# $OUT/<log>_ncu.log. Usage: ncu_rows KERNEL ROW LOG [ARGUMENTS...]
+# wavefronts and conflicts, instructions (NCU_SECTIONS, when set, replaces those sections and
+# metrics); the lines of note to the terminal, all of it to $OUT/<log>_ncu.log.
+# Usage: [NCU_SECTIONS="--section ..."] ncu_rows KERNEL ROW LOG [ARGUMENTS...]
 ncu_rows() {
   local kernel=$1 row=$2 log=$3
   shift 3
   local args=("$@")
   [ ${#args[@]} -gt 0 ] || args=(--density 0.01)
+  # shellcheck disable=SC2086  # NCU_SECTIONS is a list of options
   timeout 150 ncu --kernel-name regex:"$kernel" --launch-skip 3 --launch-count 1 --section SpeedOfLight \
-    --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
-    --metrics smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__data_pipe_lsu_wavefronts.sum,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio \
+    ${NCU_SECTIONS:---section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+    --metrics smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__data_pipe_lsu_wavefronts.sum,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio} \
     python3 bench/stage_times.py "${args[@]}" --reps 3 --only "$row" 2>&1 | tail -150 | tee -a "$OUT/${log}_ncu.log" \
     | grep -E "Duration|Throughput|Issued|Stall|stalled|wavefronts|conflicts|sectors|inst_executed|Eligible" | head -50
 }
@@ -602,12 +604,11 @@ for step in $what; do
       # Latency or delivery (bench/NOTES.md, forty-fourth session, item 6): the memory chart and
       # tables (bytes between L2 and the SMs, L2 reads) of the single blocks and of the pairs,
       # whose multicast halves x's L2 reads but not the bytes each SM receives.
-      for row in "gated up, tiled by density" "gated up, tiled by density, pairs"; do
-        timeout 150 ncu --kernel-name regex:twell_tiled_gated_up --launch-skip 3 --launch-count 1 \
-          --section SpeedOfLight --section MemoryWorkloadAnalysis_Chart --section MemoryWorkloadAnalysis_Tables \
-          python3 bench/stage_times.py --m 131072 --density 0.005 --reps 3 --only "$row" 2>&1 \
-          | tee -a "$OUT/decoderncu_memory.log" | grep -E "Duration|Throughput|L2|Shared|bytes|Bytes" | head -30
-      done
+      memory="--section MemoryWorkloadAnalysis_Chart --section MemoryWorkloadAnalysis_Tables"
+      NCU_SECTIONS=$memory ncu_rows twell_tiled_gated_up "gated up, tiled by density" decoderncu_memory \
+        --m 131072 --density 0.005
+      NCU_SECTIONS=$memory ncu_rows twell_tiled_gated_up "gated up, tiled by density, pairs" decoderncu_memory \
+        --m 131072 --density 0.005
       ;;&
     tiledcheck)
       # compute-sanitizer memcheck and racecheck on the tiled kernels' small test cases.
