@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|wide|widestages|sharedb|wide65536|gatherblocks|gatherblocksmodel|skewedtrain|segments|cuttrace|roworder|hostgap|producerncu|producerclocks|producerenergy|ffnenergy|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|halfpack|pairs|decoderncu|tiledbwd|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|wide|widestages|sharedb|wide65536|gatherblocks|gatherblocksmodel|skewedtrain|segments|cuttrace|roworder|hostgap|producerncu|producerclocks|producerenergy|ffnenergy|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|halfpack|pairs|decoderncu|decodermemory|tiledbwd|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"  # install, TWELL_COMMIT, PYTHONPATH, $OUT
 what=${*:-all}
@@ -601,10 +601,16 @@ for step in $what; do
       # part, bound by L2 bandwidth there?).
       ncu_rows twell_tiled_gated_up "gated up, tiled by density" decoderncu --m 131072 --density 0.005
       ncu_rows twell_stationary_spmm "down spmm, stationary" decoderncu --m 131072 --density 0.005
+      ;;&
+    decoderncu|decodermemory)
       # Latency or delivery (bench/NOTES.md, forty-fourth session, item 6): the memory chart and
       # tables (bytes between L2 and the SMs, L2 reads) of the single blocks and of the pairs,
       # whose multicast halves x's L2 reads but not the bytes each SM receives.
-      memory="--section MemoryWorkloadAnalysis_Chart --section MemoryWorkloadAnalysis_Tables"
+      # The metrics: sectors the L2 served to the SMs' L1/TEX units and bytes over the crossbar
+      # into them, the TMA's (shared-memory) share, and the kernel's time and clock.
+      memory="--section MemoryWorkloadAnalysis_Chart --section MemoryWorkloadAnalysis_Tables --metrics \
+lts__t_sectors_srcunit_tex_op_read.sum,l1tex__m_xbar2l1tex_read_bytes.sum,l1tex__m_xbar2l1tex_read_bytes.sum.per_second,\
+smsp__sass_inst_executed_op_shared_ld.sum,gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second"
       NCU_SECTIONS=$memory ncu_rows twell_tiled_gated_up "gated up, tiled by density" decoderncu_memory \
         --m 131072 --density 0.005
       NCU_SECTIONS=$memory ncu_rows twell_tiled_gated_up "gated up, tiled by density, pairs" decoderncu_memory \
