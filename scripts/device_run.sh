@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|wide|widestages|sharedb|wide65536|gatherblocks|gatherblocksmodel|skewedtrain|segments|cuttrace|roworder|hostgap|producerncu|producerclocks|producerenergy|ffnenergy|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|halfpack|pairs|decoderncu|decodermemory|tiledbwd|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|wide|widestages|sharedb|wide65536|gatherblocks|gatherblocksmodel|skewedtrain|segments|cuttrace|roworder|hostgap|producerncu|producerclocks|producerenergy|ffnenergy|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|halfpack|pairs|decoderncu|decodermemory|tmaprobe|tiledbwd|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"  # install, TWELL_COMMIT, PYTHONPATH, $OUT
 what=${*:-all}
@@ -615,6 +615,12 @@ smsp__sass_inst_executed_op_shared_ld.sum,gpu__time_duration.sum,sm__cycles_elap
         --m 131072 --density 0.005
       NCU_SECTIONS=$memory ncu_rows twell_tiled_gated_up "gated up, tiled by density, pairs" decoderncu_memory \
         --m 131072 --density 0.005
+      ;;&
+    tmaprobe)
+      # The copy engine's rate into one SM by the shape of its copies (rows of 64, 128 or 256
+      # bytes, slices laid out contiguously, bulk chunks) and bytes in flight: is the tiled up
+      # projection's staging at ~36 GB/s per SM its 64-byte rows' limit?
+      timeout 120 python3 bench/tma_probe.py --out "$OUT/tma_probe.jsonl" 2>&1 | tee -a "$OUT/tmaprobe.log"
       ;;&
     tiledcheck)
       # compute-sanitizer memcheck and racecheck on the tiled kernels' small test cases.
