@@ -174,7 +174,7 @@ for step in $what; do
     producerncu)
       # Where the fused producer's pass 1 loses to cuBLASLt's GEMM at 16384 tokens (1.14x; not the
       # ring depth: thirty-second session, item 6): Nsight Compute on one launch of each.
-      ncu_rows twell_gemm_pack "fused producer" producerncu
+      ncu_rows twell_gemm_pack "fused producer, pass 1" producerncu
       ncu_rows "gemm|sm90|cutlass" "gemm (cuBLASLt)" producerncu
       ;;&
     producerclocks)

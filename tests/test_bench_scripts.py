@@ -305,11 +305,37 @@ def test_device_run_stage_filters_name_existing_stages():
     names |= {f"gated up, tiled {t.strip()}" for t in sizes.group(1).split(",")}
     names |= {"plan gated", "fused producer, pass 1"}
     script = (root / "scripts" / "device_run.sh").read_text()
-    filters = re.findall(r'stage_rows "([^"$]+)"', script) + re.findall(r'ncu_rows \S+ "([^"]+)"', script)
+    profiled = re.findall(r'ncu_rows \S+ "([^"]+)"', script)
+    filters = re.findall(r'stage_rows "([^"$]+)"', script) + profiled
     assert len(filters) >= 5
     for spec in filters:
         for part in spec.split(","):
             assert any(part in name for name in names), f"device_run.sh filter {part!r} names no stage"
+    # A profiled row is one stage's whole name: Nsight Compute's launch count then catches that
+    # stage's kernel, not another row's launch of the same kernel.
+    for row in profiled:
+        assert row in names, f"device_run.sh profiles {row!r}, which is not a stage's whole name"
+
+
+def test_stage_filter_takes_whole_names_before_pieces():
+    """stage_times.py --only: a stage's whole name (names hold commas) picks that stage alone;
+    otherwise comma-separated pieces pick every stage containing one; empty picks all."""
+    import importlib.util
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "stage_times.py"
+    spec = importlib.util.spec_from_file_location("stage_times_under_test", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    names = ["gated up, tiled by density", "gated up, tiled by density, pairs", "gated up, gather", "down spmm"]
+
+    def picked(only):
+        return [n for n in names if module.selected(n, only, names)]
+
+    assert picked("gated up, tiled by density") == ["gated up, tiled by density"]
+    assert picked("gated up, tiled by density, pairs") == ["gated up, tiled by density, pairs"]
+    assert picked("gather,down") == ["gated up, gather", "down spmm"]
+    assert picked("") == names
 
 
 def test_records_carry_the_checkouts_commit(monkeypatch):
