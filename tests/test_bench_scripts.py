@@ -299,7 +299,7 @@ def test_device_run_stage_filters_name_existing_stages():
 
     root = Path(__file__).resolve().parents[1]
     source = (root / "bench" / "stage_times.py").read_text()
-    names = set(re.findall(r'^\s*"([^"\n]+)": (?:lambda|three_products)', source, re.MULTILINE))
+    names = set(re.findall(r'^\s*"([^"\n]+)": ', source, re.MULTILINE))  # the stages' dict entries
     sizes = re.search(r"for tokens in \(([\d, ]+)\)", source)
     assert sizes is not None
     names |= {f"gated up, tiled {t.strip()}" for t in sizes.group(1).split(",")}
