@@ -140,7 +140,7 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
                     _tiled_up, "TOKENS", tokens, lambda: _gpu_ops.gated_up(g.parts, g.tile_n, x, wu, path="tiled")
                 )
             )
-            for tokens in (192, 256, 320, 384, 448, 512, 576, 640, 704, 768)
+            for tokens in (192, 208, 256, 320, 336, 384, 448, 512, 576, 640, 704, 768, 800)
         },
         # As a plan runs it: its token blocks sized from the density (_tiled_up.block_tokens).
         "gated up, tiled by density": tiled_up_by_density,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|wide|widestages|sharedb|wide65536|gatherblocks|gatherblocksmodel|skewedtrain|segments|cuttrace|roworder|hostgap|producerncu|producerclocks|producerenergy|ffnenergy|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|halfpack|pairs|decoderncu|decodermemory|tmaprobe|tiledbwd|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|wide|widestages|sharedb|wide65536|gatherblocks|gatherblocksmodel|skewedtrain|segments|cuttrace|roworder|hostgap|producerncu|producerclocks|producerenergy|ffnenergy|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|halfpack|pairs|decoderncu|decodermemory|tmaprobe|tokenstep|tiledbwd|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"  # install, TWELL_COMMIT, PYTHONPATH, $OUT
 what=${*:-all}
@@ -615,6 +615,13 @@ smsp__sass_inst_executed_op_shared_ld.sum,gpu__time_duration.sum,sm__cycles_elap
         --m 131072 --density 0.005
       NCU_SECTIONS=$memory ncu_rows twell_tiled_gated_up "gated up, tiled by density, pairs" decoderncu_memory \
         --m 131072 --density 0.005
+      ;;&
+    tokenstep)
+      # Token blocks in steps of 16 instead of 64 (the block count's waves: at 131072 tokens,
+      # 0.5%, 800 tokens run 10 waves of 8 parts where 768 run 11): the block sizes each step picks
+      # at 16384 (0.5 / 1 / 2%: 512 / 336 or 384 / 208 or 512) and at 131072 tokens (800 or 768).
+      stage_rows "tiled 208,tiled 336,tiled 384,tiled 512,tiled by density" "0.005 0.01 0.02" tokenstep
+      stage_rows "tiled 768,tiled 800,tiled by density" "0.005" tokenstep --m 131072
       ;;&
     tmaprobe)
       # The copy engine's rate into one SM by the shape of its copies (rows of 64, 128 or 256
