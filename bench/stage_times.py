@@ -301,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         "stages": rows,
         "l2_hints": os.environ.get("TWELL_L2_HINTS", "default"),  # the gather kernels' build
         "hopper_pack": os.environ.get("TWELL_HOPPER_PACK", "default"),  # 0: the fused GEMM alone
+        # 1: the tiled up projection's A fragments in load order (wrong sums, a time only)
+        "tiled_up_ordered_a": os.environ.get("TWELL_TILED_UP_ORDERED_A", "default"),
         "fused_producer": os.environ.get("TWELL_FUSED_PRODUCER", "default"),
         # the tiled product's build as resolved (rows of its variants are otherwise alike)
         "tiled_warps": _tiled_spmm.WARPS,

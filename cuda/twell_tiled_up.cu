@@ -54,6 +54,14 @@
 #include "twell_tma.cuh"
 #include "twell_types.cuh"
 
+// A measurement switch (TWELL_TILED_UP_ORDERED_A=1, read by _kernels.compile_options): the A
+// fragment passed to the MMA in the order it was loaded, with no register moves. The sums are
+// then wrong; the kernel takes the time it would with W_up stored with the middle two words of
+// each 16-byte group swapped (the fragment's order), which would give the right sums.
+#ifndef TWELL_TILED_UP_ORDERED_A
+#define TWELL_TILED_UP_ORDERED_A 0
+#endif
+
 namespace twell {
 
 constexpr int TILED_COLS = 32;        // d columns per slice: 64 bytes of each staged row
@@ -247,7 +255,10 @@ __device__ __forceinline__ void sum_tiles(const unsigned (&where)[TILED_MAX_TILE
         b_at = x_off;
       }
       float d[4] = {0.f, 0.f, 0.f, 0.f};
-      mma_m16n8k16<T>(d, a.x, a.z, a.y, a.w, b.x, b.y);
+      if (TWELL_TILED_UP_ORDERED_A)  // a measurement switch: wrong sums (see its definition)
+        mma_m16n8k16<T>(d, a.x, a.y, a.z, a.w, b.x, b.y);
+      else
+        mma_m16n8k16<T>(d, a.x, a.z, a.y, a.w, b.x, b.y);
       acc[i] += d[0] + d[3];
     }
   }

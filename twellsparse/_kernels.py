@@ -305,21 +305,29 @@ def source_hash() -> str:
 
 
 def compile_options() -> tuple[str, ...]:
-    """NVRTC options. Seven measurement switches are read from the environment when a module is
+    """NVRTC options. Eight measurement switches are read from the environment when a module is
     first compiled, one at import: ``TWELL_GATHER_ROW_ORDER=1`` (:data:`GATHER_ROW_ORDER`) has the
     row-gather kernels over TwELL rows read their row from an order (``_gpu_ops.row_order``),
     ``TWELL_L2_HINTS=0`` turns off the gather kernels' L2 eviction hint (cuda/twell_gather.cu),
     ``TWELL_MMA_DOTS=0`` gives their dot products to the FMA pipes instead of the tensor cores,
     ``TWELL_HOPPER_PACK=0`` leaves the fused producer's epilogue out (cuda/twell_hopper_gemm.cu:
     wrong results, the GEMM's time alone), ``TWELL_HOPPER_TILE256=0`` sends relu on 256-column
-    row-tiles through the fused producer's run-time geometry epilogue, and
+    row-tiles through the fused producer's run-time geometry epilogue,
+    ``TWELL_TILED_UP_ORDERED_A=1`` has the tiled up projection pass its A fragments in load order
+    (cuda/twell_tiled_up.cu: wrong sums, the time of a W_up stored in the fragment's order), and
     ``TWELL_GATHER_MIN_BLOCKS=N`` replaces the launch bounds of the 2-byte SpMM and
     transposed-product kernels (by default a minimum of 1 block per
     SM for the single-output ones, none for dX's dual pass): N blocks per SM for all of them, 0
     for no minimum; ``TWELL_CUT_MAX_REGS=N`` caps the 2-byte single-output cut transposed product
     at N registers instead of 152 (cuda/twell_gather.cu, ``twell_gather_csr_spmm_cut_capped``)."""
     switches = []
-    for name in ("TWELL_L2_HINTS", "TWELL_MMA_DOTS", "TWELL_HOPPER_PACK", "TWELL_HOPPER_TILE256"):
+    for name in (
+        "TWELL_L2_HINTS",
+        "TWELL_MMA_DOTS",
+        "TWELL_HOPPER_PACK",
+        "TWELL_HOPPER_TILE256",
+        "TWELL_TILED_UP_ORDERED_A",
+    ):
         value = env_switch(name)
         switches += [f"-D{name}={int(value)}"] if value is not None else []
     switches += ["-DTWELL_GATHER_ROW_ORDER=1"] if GATHER_ROW_ORDER else []
