@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|wide|widestages|sharedb|wide65536|gatherblocks|gatherblocksmodel|skewedtrain|segments|cuttrace|roworder|hostgap|producerncu|producerclocks|producerenergy|ffnenergy|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|halfpack|pairs|decoderncu|decodermemory|tmaprobe|tokenstep|ordereda|tiledbwd|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|wide|widestages|sharedb|wide65536|gatherblocks|gatherblocksmodel|skewedtrain|segments|cuttrace|roworder|hostgap|producerncu|producerclocks|producerenergy|ffnenergy|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|halfpack|pairs|decoderncu|decodermemory|tmaprobe|tokenstep|ordereda|upab|upncu|tiledbwd|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"  # install, TWELL_COMMIT, PYTHONPATH, $OUT
 what=${*:-all}
@@ -623,14 +623,23 @@ smsp__sass_inst_executed_op_shared_ld.sum,gpu__time_duration.sum,sm__cycles_elap
       stage_rows "tiled 208,tiled 336,tiled 384,tiled 512,tiled by density" "0.005 0.01 0.02" tokenstep
       stage_rows "tiled 768,tiled 800,tiled by density" "0.005" tokenstep --m 131072
       ;;&
+    ordereda|upab)
+      # The tiled up projection's block sizes at the decoder batch (131072 tokens, 0.5%) and at
+      # 16384 tokens, 1%: an A/B row set for kernel variants (branches).
+      stage_rows "tiled 768,tiled 800" "0.005" "$step" --m 131072
+      stage_rows "tiled 384,tiled 512" "0.01" "$step"
+      ;;&
     ordereda)
-      # The tiled up projection without the 4 register moves a tile spends ordering its A fragment
+      # The same without the 4 register moves a tile spends ordering its A fragment
       # (TWELL_TILED_UP_ORDERED_A=1: wrong sums, the time a W_up stored in the fragment's order
-      # would take), against the default in the same call.
-      stage_rows "tiled 768,tiled 800" "0.005" ordereda --m 131072
+      # would take), after the default rows above in the same call.
       TWELL_TILED_UP_ORDERED_A=1 stage_rows "tiled 768,tiled 800" "0.005" ordereda --m 131072
-      TWELL_TILED_UP_ORDERED_A=1 stage_rows "tiled 384,tiled 512" "0.005 0.01" ordereda
-      stage_rows "tiled 384,tiled 512" "0.005 0.01" ordereda
+      TWELL_TILED_UP_ORDERED_A=1 stage_rows "tiled 384,tiled 512" "0.01" ordereda
+      ;;&
+    upncu)
+      # Nsight Compute's stall and memory sections on the tiled up projection as the decoder
+      # batch's plan runs it (131072 tokens, 0.5%).
+      ncu_rows twell_tiled_gated_up "gated up, tiled by density" upncu --m 131072 --density 0.005
       ;;&
     tmaprobe)
       # The copy engine's rate into one SM by the shape of its copies (rows of 64, 128 or 256
