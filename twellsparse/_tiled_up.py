@@ -77,7 +77,7 @@ def staged_rows(rows: int) -> int:
 @functools.cache
 def max_tokens(units: int) -> int:
     """The most tokens (a multiple of :data:`QUAD`) whose x rows fit in a buffer beside a part
-    of ``units`` units: 824 beside the standard widths' 704 (whose boxes take 708 rows), so 768
+    of ``units`` units: 824 beside the standard widths' 704 (whose boxes take 708 rows), so 816
     in :func:`block_tokens`' steps."""
     room = BUFFER_ROWS - staged_rows(units)
     t = room - room % QUAD
@@ -248,8 +248,19 @@ def _pack_width() -> int:
 #: the forty-third session); ``TWELL_TILED_UP_PACK_WIDTH`` picks. The packs are the same.
 PACK_WIDTH = _pack_width()
 
-#: The step of the token counts chosen by density (TMA boxes of 64-byte rows fill whole lines).
-TOKEN_STEP = 64
+#: The step of the token counts chosen by density: a multiple of :data:`QUAD` whose boxes have an
+#: even row count (:func:`box_rows`). 16 since the forty-fifth session (64 before): at 131072
+#: tokens and 0.5% on the standard widths, 800-token blocks run 10 waves of 8 parts where 768 run
+#: 11, 1.77 against 1.86 ms (H100); at 16384 tokens and 1%, 336 tokens 0.417 against 384's 0.436.
+TOKEN_STEP = 16
+#: A round's cost beyond its staged rows, in staged rows: what a block pays once a round however
+#: many rows it stages (its ring's first slices landing with nothing to sum, the tiles' setup, the
+#: epilogue). Fitted to the block sizes measured in the forty-fifth session (bench/NOTES.md): with
+#: it the cost model orders all 69 measured pairs of sizes that differ by more than 2% (16384 and
+#: 131072 tokens, 0.5-2%), without it two (at 16384 tokens and 2%, 208 tokens in five waves of one
+#: round took 0.693 ms against 512's 0.673 in two waves of two rounds). Any value from 384 to
+#: 1024 orders them all.
+ROUND_FIXED_ROWS = 512
 #: Entries a block's round holds (WARPS * MAX_TILES tiles of TILE).
 ROUND_ENTRIES = WARPS * MAX_TILES * TILE
 #: Standard deviations of a block's entries kept free of a round's room: a block whose entries
@@ -293,10 +304,7 @@ def expected_rounds(tokens: int, units: int, density: float) -> int:
 def block_tokens(m: int, n: int, density: float | None, sms: int, most: int | None = None) -> int:
     """Tokens per block for ``m`` tokens and ``n`` units at an expected ``density`` (None:
     :data:`TOKENS`) on ``sms`` multiprocessors: the count, in steps of :data:`TOKEN_STEP` up to
-    :func:`max_tokens`, that stages the fewest rows on the busiest multiprocessor. A block runs
-    alone on its SM (its buffers fill the shared memory), streams its ``units + tokens`` rows
-    once a round (:func:`expected_rounds`), and the blocks run in waves of ``sms``; so the cost is
-    ``waves x rounds x (units + tokens)``, ties to the larger block.
+    :func:`max_tokens`, with the lowest :func:`block_cost`, ties to the larger block.
 
     This matched the order of every measured block size (192-512 tokens at 0.5-2%, 16384
     tokens, standard and d_model 4096 widths, H100; bench/NOTES.md, forty-first session), where
@@ -304,10 +312,13 @@ def block_tokens(m: int, n: int, density: float | None, sms: int, most: int | No
     standard widths (0.806 ms against 0.705 for 512: two waves of two rounds stage fewer rows
     than six waves of one); and the order of 384-768 token blocks at 16384 and 131072 tokens on
     the standard widths (forty-second session: 768 at 131072 tokens and 0.5%, 8% faster than 512;
-    larger blocks than 512 are not measured at d_model 4096). ``most``: a lower cap on the
-    count.
+    larger blocks than 512 are not measured at d_model 4096); and, in steps of 16 with the
+    round's fixed cost (forty-fifth session), the order of every pair of the 192-800 token
+    blocks measured then at 16384 and 131072 tokens, 0.5-2% (800 at 131072 tokens and 0.5%, 4%
+    faster than 768).
+    ``most``: a lower cap on the count.
 
-    The search (~25 us of host time a call) is cached per shape and per density to three
+    The search (~100 us of host time a call, 51 sizes) is cached per shape and per density to three
     significant digits: the count is a step function of the density, and the estimate moves
     from call to call by less than that."""
     if density is None or not density > 0:
@@ -318,17 +329,27 @@ def block_tokens(m: int, n: int, density: float | None, sms: int, most: int | No
 @functools.lru_cache(maxsize=256)
 def _searched_block_tokens(m: int, n: int, density: float, sms: int, most: int | None) -> int:
     """:func:`block_tokens`' search (a positive ``density``)."""
-    units, parts = geometry(1, n)[1:]
+    units = geometry(1, n)[1]
     top = min(max_tokens(units), -(-max(m, 1) // TOKEN_STEP) * TOKEN_STEP)
     if most is not None:
         top = min(top, most)
     best, best_cost = TOKEN_STEP, math.inf
     for tokens in range(TOKEN_STEP, top + 1, TOKEN_STEP):
-        waves = -(-(-(-m // tokens) * parts) // max(sms, 1))
-        cost = waves * expected_rounds(tokens, units, density) * (units + tokens)
+        cost = block_cost(m, n, density, tokens, sms)
         if cost <= best_cost:
             best, best_cost = tokens, cost
     return best
+
+
+def block_cost(m: int, n: int, density: float, tokens: int, sms: int) -> float:
+    """The cost model of :func:`block_tokens`: rows staged on the busiest multiprocessor with
+    blocks of ``tokens``. A block runs alone on its SM (its buffers fill the shared memory),
+    streams its ``units + tokens`` rows once a round (:func:`expected_rounds`) and pays
+    :data:`ROUND_FIXED_ROWS` a round; the blocks run in waves of ``sms``. So the cost is
+    ``waves x rounds x (units + tokens + ROUND_FIXED_ROWS)``."""
+    units, parts = geometry(1, n)[1:]
+    waves = -(-(-(-m // tokens) * parts) // max(sms, 1))
+    return waves * expected_rounds(tokens, units, density) * (units + tokens + ROUND_FIXED_ROWS)
 
 
 def chosen(gate: TwELLParts, x: Any, w_up: Any, backward: bool = False) -> bool:
