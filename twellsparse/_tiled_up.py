@@ -257,7 +257,7 @@ TOKEN_STEP = 16
 #: many rows it stages (its ring's first slices landing with nothing to sum, the tiles' setup, the
 #: epilogue). Fitted to the block sizes measured in the forty-fifth session (bench/NOTES.md): with
 #: it the cost model orders all 69 pairs of them that differ by more than 2% (16384 and 131072
-#: tokens, 0.5-2%), without it not two (at 16384 tokens and 2%, 208 tokens in five waves of one
+#: tokens, 0.5-2%), without it it misorders two (at 16384 tokens and 2%, 208 tokens in five waves of one
 #: round took 0.693 ms against 512's 0.673 in two waves of two rounds); any value from 384 to 1024
 #: orders them all. Of the 241 such pairs measured in the forty-first and forty-second sessions it
 #: misorders 23 (20 without it), none moving a pick beyond 5% of the fastest (tests).
