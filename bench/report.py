@@ -74,6 +74,8 @@ def _field(r: dict[str, Any], name: str) -> Any:
         return float(f"{r['density']:.2g}")
     if name == "norm" and r.get("kind") == "model":  # the model's RMSNorm was written out until it said
         return r.get(name, "composite")
+    if name == "captured" and r.get("kind") == "model":  # whether the run timed CUDA graphs too
+        return "forward_graph_speedup" in r
     return r.get(name)
 
 
@@ -271,29 +273,35 @@ def training_table(steps: list[dict[str, Any]], models: list[dict[str, Any]]) ->
                 f"({r['speedup']:.2f}x) | "
                 f"{b2b} | {graph} | {r['saved_ratio']:.2f} |"
             )
-    if models:
-        r0 = models[0]
+    # Each model row from the newest run that timed it (a run without graphs leaves the captured
+    # row to the newest run with them); the caption names the runs shown.
+    rows: dict[tuple, tuple[dict[str, Any], str, str]] = {}
+    for r in models:
+        for run, key in (("eager", ""), ("captured", "_graph")):
+            case = (r["tokens"], r["layers"], r["density_target"], _field(r, "norm") != "fused", run == "captured")
+            if f"forward{key}_speedup" in r and (case not in rows or r["date"] > rows[case][0]["date"]):
+                rows[case] = (r, run, key)
+    shown = list({id(r): r for r, _, _ in rows.values()}.values())
+    if shown:
+        r0 = shown[0]
         lines += [
             "",
             f"Decoder stack of the 2B shape ({r0['layers']} layers, {r0['tokens']} tokens, d_model {r0['d_model']}, "
-            f"d_ff {r0['d_ff']}, {r0['dtype']}), TwELL MLPs vs dense MLPs; {_provenance(models)}; the newest run "
-            "per density, its commit in the last column.",
+            f"d_ff {r0['d_ff']}, {r0['dtype']}), TwELL MLPs vs dense MLPs; {_provenance(shown)}; the newest run "
+            "per density and run, its commit in the last column.",
             "",
             "| density | RMSNorm | run | forward tokens/ms: dense / TwELL (speed-up) | train step tokens/ms: "
             "dense / TwELL (speed-up) | commit |",
             "|---|---|---|---|---|---|",
         ]
-        for r in sorted(models, key=lambda r: (r["density_target"], _field(r, "norm") != "fused")):
+        for _, (r, run, key) in sorted(rows.items(), key=lambda item: item[0]):
             norm = "F.rms_norm" if _field(r, "norm") == "fused" else "written out"
-            for run, key in (("eager", ""), ("captured", "_graph")):
-                if f"forward{key}_speedup" not in r:
-                    continue
-                lines.append(
-                    f"| {r['density_target']:.2%} | {norm} | {run} | {r[f'dense_forward{key}_tokens_per_ms']:.0f} / "
-                    f"{r[f'twell_forward{key}_tokens_per_ms']:.0f} ({r[f'forward{key}_speedup']:.2f}x) | "
-                    f"{r[f'dense_train{key}_tokens_per_ms']:.0f} / {r[f'twell_train{key}_tokens_per_ms']:.0f} "
-                    f"({r[f'train{key}_speedup']:.2f}x) | {_run(r, models)} |"
-                )
+            lines.append(
+                f"| {r['density_target']:.2%} | {norm} | {run} | {r[f'dense_forward{key}_tokens_per_ms']:.0f} / "
+                f"{r[f'twell_forward{key}_tokens_per_ms']:.0f} ({r[f'forward{key}_speedup']:.2f}x) | "
+                f"{r[f'dense_train{key}_tokens_per_ms']:.0f} / {r[f'twell_train{key}_tokens_per_ms']:.0f} "
+                f"({r[f'train{key}_speedup']:.2f}x) | {_run(r, shown)} |"
+            )
     return "\n".join(lines)
 
 
@@ -455,7 +463,7 @@ def tables(records: list[dict[str, Any]]) -> str:
     ffn = latest_per_case(records, "ffn", ("shape", "pattern", "density_target"))
     shapes = sorted({tuple(r["shape"]) for r in ffn}, key=lambda s: (s != STANDARD_SHAPE, s))
     parts = [ffn_table([r for r in ffn if tuple(r["shape"]) == shape]) for shape in shapes] or [ffn_table([])]
-    models = latest_per_case(records, "model", ("density_target", "layers", "tokens", "norm"))
+    models = latest_per_case(records, "model", ("density_target", "layers", "tokens", "norm", "captured"))
     training = training_table(latest(records, "train_step"), models)
     text = "\n\n".join(parts) + ("\n" + training if training else "")
     extras = (
