@@ -289,73 +289,84 @@ __global__ void __launch_bounds__(twell::SCAN_THREADS) stationary_row_place(
   if (threadIdx.x == 0 && blockIdx.x == 0) indptr[0] = 0;
 }
 
-// Pack A's rows (their entries in the band of tiles t_lo .. t_hi - 1, columns counted from the
-// band's first; N the band's width) as words at the scanned pointers, in the order of the slot
-// classes (see the top of this file); one warp per row. A row of up to STATIONARY_STAGE_WORDS
-// entries is read once into shared memory in walk order (its tiles' slots, then its spill),
-// bucketed there by class, and read out in the greedy order; a longer one is walked twice (class
-// totals, then each entry to compact_position's place). Entry position P is word P, or (DUAL) word P % 8 of the 16-word
-// batch P / 8, with A2's word 8 after it.
-template <typename T, int DUAL>
-__global__ void __launch_bounds__(twell::STATIONARY_PACK_WARPS * 32) stationary_pack(
-    const T* __restrict__ data, const T* __restrict__ data2, const short* __restrict__ indices,
-    const int* __restrict__ counts, const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
-    const T* __restrict__ spill_vals, const T* __restrict__ spill_vals2, int M, int n_tiles, int tile_n,
-    int capacity, int t_lo, int t_hi, int N, const int* __restrict__ indptr, unsigned* __restrict__ words) {
-  using namespace twell;
-  constexpr int W = STATIONARY_PACK_WARPS, S = STATIONARY_STAGE_WORDS;
-  __shared__ unsigned staged[W][2][S];
-  __shared__ unsigned short staged2[DUAL ? W : 1][2][DUAL ? S : 1];  // A2's value bits (DUAL)
-  const int row = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (row >= M) return;
-  // The spill row pointers and the first 32 tiles' counts load beside the packed row pointers
+namespace twell {
+
+// The arguments every row of one pack launch shares.
+template <typename T> struct PackArgs {
+  const T* __restrict__ data;
+  const T* __restrict__ data2;
+  const short* __restrict__ indices;
+  const int* __restrict__ counts;
+  const int* __restrict__ spill_indptr;
+  const int* __restrict__ spill_cols;
+  const T* __restrict__ spill_vals;
+  const T* __restrict__ spill_vals2;
+  int M, n_tiles, tile_n, capacity, t_lo, t_hi, N;
+  const int* __restrict__ indptr;
+  unsigned* __restrict__ words;
+};
+
+// Pack row `row` of A on this lane's segment of WIDTH lanes (see stationary_pack), with
+// `room` words of each staging array (walked, bucketed and, DUAL, their A2 halves). Every lane
+// of the warp calls it at once (the other segment with its own row): loops that shuffle run
+// the warp's largest trip count. A `dead` segment (a row past the last: `row` is then a real row
+// read again) writes nothing. WIDTH 16 needs every row of the warp to fit `room`; WIDTH 32 walks
+// a longer row twice instead.
+template <typename T, int DUAL, int WIDTH>
+__device__ __forceinline__ void pack_row(const PackArgs<T>& a, int row, bool dead, unsigned* walked,
+                                         unsigned* bucketed, unsigned short* walked2, unsigned short* bucketed2,
+                                         int room) {
+  const int lane = threadIdx.x & (WIDTH - 1);  // within the segment
+  const unsigned seg = segment_mask<WIDTH>(), below = ((1u << (threadIdx.x & 31)) - 1u) & seg;
+  // The spill row pointers and the first tiles' counts load beside the packed row pointers
   // (after them they were further round trips to L2 in every row's chain of dependent loads).
-  const int s0 = spill_indptr[row], s1 = spill_indptr[row + 1];
-  const int first_counts = t_lo + lane < t_hi ? counts[(long long)row * n_tiles + t_lo + lane] : 0;  // likewise
-  const int pos = indptr[row];
-  const int size = (indptr[row + 1] - pos) / (DUAL ? 2 : 1);  // entry positions, rounded up to a batch
-  unsigned *walked = staged[warp][0], *bucketed = staged[warp][1];
-  unsigned short *walked2 = staged2[DUAL ? warp : 0][0], *bucketed2 = staged2[DUAL ? warp : 0][1];
-  const bool staging = size <= S;
+  const int s0 = a.spill_indptr[row], s1 = a.spill_indptr[row + 1];
+  const int first_counts =
+      a.t_lo + lane < a.t_hi ? a.counts[(long long)row * a.n_tiles + a.t_lo + lane] : 0;  // likewise
+  const int pos = a.indptr[row];
+  const int size = (a.indptr[row + 1] - pos) / (DUAL ? 2 : 1);  // entry positions, rounded up to a batch
+  const bool staging = WIDTH < 32 || size <= room;
   // Word offset of entry position P (its A2 word is 8 further in the dual form).
   auto at = [](int P) { return DUAL ? 16 * (P >> 3) + (P & 7) : P; };
-  const int col_lo = t_lo * tile_n, col_hi = t_hi * tile_n;
+  const int col_lo = a.t_lo * a.tile_n, col_hi = a.t_hi * a.tile_n;
   unsigned long long totals = 0;
   int entries = 0;
   if (staging) {
-    for (int t0 = t_lo; t0 < t_hi; t0 += 32) {  // a lane per tile
+    for (int t0 = a.t_lo; t0 < a.t_hi; t0 += WIDTH) {  // a lane per tile (one band: the same trips)
       const int t = t0 + lane;
-      const long long rt = (long long)row * n_tiles + t;
-      const int n = t0 == t_lo ? first_counts : t < t_hi ? counts[rt] : 0;
-      const int first = entries + (int)warp_inclusive_sum(n) - n;
+      const long long rt = (long long)row * a.n_tiles + t;
+      const int n = t0 == a.t_lo ? first_counts : t < a.t_hi ? a.counts[rt] : 0;
+      const int first = entries + segment_inclusive_sum<WIDTH>(n) - n;
       for (int s = 0; s < n; ++s) {
-        const long long slot = rt * capacity + s;
-        walked[first + s] = ((unsigned)(t * tile_n + indices[slot] - col_lo) << 16) | data[slot].bits;
-        if (DUAL) walked2[first + s] = data2[slot].bits;
+        const long long slot = rt * a.capacity + s;
+        walked[first + s] = ((unsigned)(t * a.tile_n + a.indices[slot] - col_lo) << 16) | a.data[slot].bits;
+        if (DUAL) walked2[first + s] = a.data2[slot].bits;
       }
-      entries = __shfl_sync(0xffffffffu, first + n, 31);
+      entries = __shfl_sync(0xffffffffu, first + n, WIDTH - 1, WIDTH);
     }
-    for (int i0 = s0; i0 < s1; i0 += 32) {  // the band's spill entries, in order
-      const int i = i0 + lane;
-      const bool live = i < s1 && in_band(spill_cols[i], col_lo, col_hi);
-      const unsigned taken = __ballot_sync(0xffffffffu, live);
-      const int place = entries + __popc(taken & ((1u << lane) - 1u));
+    // The band's spill entries, in order, a lane per entry.
+    const int spill_steps = (int)__reduce_max_sync(0xffffffffu, (unsigned)((s1 - s0 + WIDTH - 1) / WIDTH));
+    for (int k = 0; k < spill_steps; ++k) {
+      const int i = s0 + k * WIDTH + lane;
+      const bool live = i < s1 && in_band(a.spill_cols[i], col_lo, col_hi);
+      const unsigned taken = __ballot_sync(0xffffffffu, live) & seg;
+      const int place = entries + __popc(taken & below);
       if (live) {
-        walked[place] = ((unsigned)(spill_cols[i] - col_lo) << 16) | spill_vals[i].bits;
-        if (DUAL) walked2[place] = spill_vals2[i].bits;
+        walked[place] = ((unsigned)(a.spill_cols[i] - col_lo) << 16) | a.spill_vals[i].bits;
+        if (DUAL) walked2[place] = a.spill_vals2[i].bits;
       }
       entries += __popc(taken);
     }
     __syncwarp();
     unsigned long long mine = 0;
-    for (int i = lane; i < entries; i += 32) mine += class_unit(((int)(walked[i] >> 16) - row) & 3);
+    for (int i = lane; i < entries; i += WIDTH) mine += class_unit(((int)(walked[i] >> 16) - row) & 3);
 #pragma unroll
-    for (int d = 16; d > 0; d >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, d);
+    for (int d = WIDTH / 2; d > 0; d >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, d);  // within the segment
     totals = mine;
-  } else {
-    totals = walk_row<T, DUAL>(data, data2, indices, counts, spill_indptr, spill_cols, spill_vals, spill_vals2, row,
-                               n_tiles, tile_n, capacity, t_lo, t_hi, [](int, int, unsigned, unsigned) {});
+  } else if constexpr (WIDTH == 32) {
+    totals = walk_row<T, DUAL>(a.data, a.data2, a.indices, a.counts, a.spill_indptr, a.spill_cols, a.spill_vals,
+                               a.spill_vals2, row, a.n_tiles, a.tile_n, a.capacity, a.t_lo, a.t_hi,
+                               [](int, int, unsigned, unsigned) {});
   }
   int n[4], start[4], rem[4], taken[4];
   entries = 0;
@@ -367,41 +378,44 @@ __global__ void __launch_bounds__(twell::STATIONARY_PACK_WARPS * 32) stationary_
   }
   if (staging) {
     unsigned long long base = 0;
-    for (int i0 = 0; i0 < entries; i0 += 32) {  // bucketed by class, walk order within each
-      const int i = i0 + lane;
+    const int steps = (int)__reduce_max_sync(0xffffffffu, (unsigned)((entries + WIDTH - 1) / WIDTH));
+    for (int k0 = 0; k0 < steps; ++k0) {  // bucketed by class, walk order within each
+      const int i = k0 * WIDTH + lane;
       const bool live = i < entries;
       const unsigned word = live ? walked[i] : 0u;
       const int q = ((int)(word >> 16) - row) & 3;
-      const int k = ballot_rank(live, q, base);
+      const int k = segment_ballot_rank<WIDTH, 4>(live, q, base);
       if (live) {
         bucketed[pick4(start, q) + k] = word;
         if (DUAL) bucketed2[pick4(start, q) + k] = walked2[i];
       }
     }
     __syncwarp();
-  } else {
-    walk_row<T, DUAL>(data, data2, indices, counts, spill_indptr, spill_cols, spill_vals, spill_vals2, row, n_tiles,
-                      tile_n, capacity, t_lo, t_hi, [&](int q, int k, unsigned word, unsigned bits2) {
+  } else if constexpr (WIDTH == 32) {
+    walk_row<T, DUAL>(a.data, a.data2, a.indices, a.counts, a.spill_indptr, a.spill_cols, a.spill_vals,
+                      a.spill_vals2, row, a.n_tiles, a.tile_n, a.capacity, a.t_lo, a.t_hi,
+                      [&](int q, int k, unsigned word, unsigned bits2) {
                         const int w = pos + at(compact_position(n, q, k));
-                        words[w] = word;
-                        if (DUAL) words[w + 8] = (word & 0xffff0000u) | bits2;
+                        a.words[w] = word;
+                        if (DUAL) a.words[w + 8] = (word & 0xffff0000u) | bits2;
                       });
   }
   // The greedy order: while every class lasts (the first 4 * m positions) position P takes entry
-  // P / 4 of class P % 4; after that the warp walks the positions in step (the same state in
-  // every lane) and each lane keeps the source of its own position.
+  // P / 4 of class P % 4; after that the segment walks the positions in step (the same state in
+  // each of its lanes) and each lane keeps the source of its own position. No shuffles: each
+  // segment runs its own row's trips.
   const int m = min(min(n[0], n[1]), min(n[2], n[3]));
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     rem[c] = n[c] - m;
     taken[c] = m;
   }
-  for (int w0 = 0; w0 < size; w0 += 32) {
+  for (int w0 = 0; w0 < size; w0 += WIDTH) {
     const int p_mine = w0 + lane;
     int src = pick4(start, p_mine & 3) + (p_mine >> 2);
     if (staging) {
       // The tail starts at a multiple of 4, so each step of a round wants a class known here.
-      for (int p0 = max(w0, 4 * m); p0 < min(w0 + 32, entries); p0 += 4) {
+      for (int p0 = max(w0, 4 * m); p0 < min(w0 + WIDTH, entries); p0 += 4) {
 #pragma unroll
         for (int want = 0; want < 4; ++want) {
           if (p0 + want >= entries) break;
@@ -420,13 +434,68 @@ __global__ void __launch_bounds__(twell::STATIONARY_PACK_WARPS * 32) stationary_
         }
       }
     }
-    if (p_mine >= size || (!staging && p_mine < entries)) continue;
+    if (dead || p_mine >= size || (!staging && p_mine < entries)) continue;
     // Padding: a zero row of the position's class (rows N .. N + 3 cover the four), value 0.
-    const unsigned zero = (unsigned)(N + ((row + p_mine - N) & 3)) << 16;
+    const unsigned zero = (unsigned)(a.N + ((row + p_mine - a.N) & 3)) << 16;
     const int w = pos + at(p_mine);
     const bool real = p_mine < entries;
-    words[w] = real ? bucketed[src] : zero;
-    if (DUAL) words[w + 8] = real ? (bucketed[src] & 0xffff0000u) | bucketed2[src] : zero;
+    a.words[w] = real ? bucketed[src] : zero;
+    if (DUAL) a.words[w + 8] = real ? (bucketed[src] & 0xffff0000u) | bucketed2[src] : zero;
+  }
+}
+
+}  // namespace twell
+
+// Pack A's rows (their entries in the band of tiles t_lo .. t_hi - 1, columns counted from the
+// band's first; N the band's width) as words at the scanned pointers, in the order of the slot
+// classes (see the top of this file). A row of up to STATIONARY_STAGE_WORDS entries is read once
+// into shared memory in walk order (its tiles' slots, then its spill), bucketed there by class,
+// and read out in the greedy order; a longer one is walked twice (class totals, then each entry
+// to compact_position's place). Entry position P is word P, or (DUAL) word P % 8 of the 16-word
+// batch P / 8, with A2's word 8 after it.
+//
+// WIDTH 32: one warp per row. WIDTH 16: two rows per warp, one on each half, each with half of
+// the warp's staging (at 0.5-1% density a standard row holds 28-56 entries, so a whole warp
+// left most lanes idle in a kernel bound by each row's chain of L2 loads, as the tiled up
+// pack's items were, forty-fourth session); a warp whose rows do not both fit their halves packs
+// them one after the other on the whole warp. Both widths write the same words.
+template <typename T, int DUAL, int WIDTH>
+__global__ void __launch_bounds__(twell::STATIONARY_PACK_WARPS * 32) stationary_pack(
+    const T* __restrict__ data, const T* __restrict__ data2, const short* __restrict__ indices,
+    const int* __restrict__ counts, const int* __restrict__ spill_indptr, const int* __restrict__ spill_cols,
+    const T* __restrict__ spill_vals, const T* __restrict__ spill_vals2, int M, int n_tiles, int tile_n,
+    int capacity, int t_lo, int t_hi, int N, const int* __restrict__ indptr, unsigned* __restrict__ words) {
+  using namespace twell;
+  constexpr int W = STATIONARY_PACK_WARPS, S = STATIONARY_STAGE_WORDS;
+  __shared__ unsigned staged[W][2][S];
+  __shared__ unsigned short staged2[DUAL ? W : 1][2][DUAL ? S : 1];  // A2's value bits (DUAL)
+  const PackArgs<T> a{data, data2, indices, counts, spill_indptr, spill_cols, spill_vals, spill_vals2, M,
+                      n_tiles, tile_n, capacity, t_lo, t_hi, N, indptr, words};
+  const long long warp_id = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+  const int warp = threadIdx.x >> 5, w2 = DUAL ? warp : 0;
+  // The whole warp on one row, in this warp's staging.
+  auto whole = [&](int row) {
+    pack_row<T, DUAL, 32>(a, row, false, staged[warp][0], staged[warp][1], staged2[w2][0], staged2[w2][1], S);
+  };
+  if constexpr (WIDTH == 32) {
+    if (warp_id < M) whole((int)warp_id);
+  } else {
+    static_assert(WIDTH == 16, "rows on whole warps or half-warps");
+    const long long first = 2 * warp_id;
+    if (first >= M) return;
+    const int half = (threadIdx.x >> 4) & 1;
+    const bool dead = first + half >= M;
+    const int row = (int)(dead ? first : first + half);
+    const int size = (indptr[row + 1] - indptr[row]) / (DUAL ? 2 : 1);
+    if (__any_sync(0xffffffffu, size > S / 2)) {  // a row too long for half the staging
+      whole((int)first);
+      __syncwarp();  // the staging is the next row's
+      if (first + 1 < M) whole((int)first + 1);
+      return;
+    }
+    const int h = half * (S / 2), h2 = DUAL ? h : 0;
+    pack_row<T, DUAL, 16>(a, row, dead, staged[warp][0] + h, staged[warp][1] + h, staged2[w2][0] + h2,
+                          staged2[w2][1] + h2, S / 2);
   }
 }
 

@@ -99,33 +99,8 @@ __device__ __forceinline__ Item item_box(int item, int tokens, int units, int pa
 // at the standard widths an item has at most 16 (token, tile) pairs, so a whole warp left half
 // its lanes idle in a kernel bound by its chain of L2 loads). Every lane of the warp runs the
 // loops below the same number of times (the larger of its segments' counts), so the shuffles
-// and ballots take the full mask; a segment's shuffles stay within it (width WIDTH).
-template <int WIDTH>
-__device__ __forceinline__ unsigned long long segment_inclusive_sum(unsigned long long v) {
-  const int sl = threadIdx.x & (WIDTH - 1);
-#pragma unroll
-  for (int d = 1; d < WIDTH; d <<= 1) {
-    const unsigned long long up = __shfl_up_sync(0xffffffffu, v, d, WIDTH);
-    if (sl >= d) v += up;
-  }
-  return v;
-}
-
-// ballot_rank (twell_slot_class.cuh) within this lane's segment.
-template <int WIDTH>
-__device__ __forceinline__ int segment_ballot_rank(bool live, int q, unsigned long long& base) {
-  const int lane = threadIdx.x & 31;
-  const unsigned seg = WIDTH == 32 ? 0xffffffffu : 0xffffu << (lane & 16);
-  const unsigned below = ((1u << lane) - 1u) & seg;
-  int k = 0;
-#pragma unroll
-  for (int c = 0; c < 2; ++c) {  // two classes: the local unit's parity
-    const unsigned same = __ballot_sync(0xffffffffu, live && q == c) & seg;
-    if (q == c) k = class_field(base, c) + __popc(same & below);
-    base += class_unit(c) * __popc(same);
-  }
-  return k;
-}
+// and ballots take the full mask; a segment's shuffles stay within it (width WIDTH; the
+// helpers are twell_slot_class.cuh's).
 
 // Visit every stored entry of the gate in an item's box as visit(q, k, code, dest): its class
 // q (the local unit's parity), its rank k among the item's entries of that class, its code
@@ -179,7 +154,7 @@ __device__ __forceinline__ unsigned long long walk_item(const Item& it, const sh
       const int col = i < s1 ? spill_cols[i] : -1;
       const bool live = col >= it.u_lo && col < it.u_hi;
       const int q = (col - it.u_lo) & 1;
-      const int k = segment_ballot_rank<WIDTH>(live, q, base);
+      const int k = segment_ballot_rank<WIDTH, 2>(live, q, base);  // classes: the unit's parity
       if (live) visit(q, k, (unsigned)(col - it.u_lo) | ((unsigned)j << 12), ~i);
     }
   }

@@ -130,6 +130,7 @@ def test_tiled_up_constants_match_the_kernel():
         ("_tiled_spmm", "_warps", "TWELL_TILED_WARPS", ("16", "32"), "16"),
         ("_tiled_spmm", "_operand", "TWELL_TILED_OPERAND", ("fragments", "shuffles", "prefetched"), "prefetched"),
         ("_tiled_up", "_pack_width", "TWELL_TILED_UP_PACK_WIDTH", ("16", "32"), "16"),
+        ("_stationary", "_pack_width", "TWELL_STATIONARY_PACK_WIDTH", ("16", "32"), "32"),
     ],
 )
 def test_tiled_switches_are_validated(monkeypatch, module, reader, variable, values, default):

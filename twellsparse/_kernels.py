@@ -193,10 +193,11 @@ def _instantiations() -> dict[str, list[str]]:
         "twell_quantize.cu": [f"twell_quantize_rows_e4m3<{t}>" for t in types],
         "twell_dense_transpose.cu": [f"dense_transpose<{t}>" for t in types],
         "twell_stationary.cu": [
-            f"stationary_pack<{CXX_TYPE[d]}, {dual}>"
+            f"stationary_pack<{CXX_TYPE[d]}, {dual}, {width}>"
             for d in VALUE_DTYPES
             if d.itemsize == 2  # the packed words hold 16-bit values
             for dual in (0, 1)  # one product, or the sum of two (A @ B + A2 @ B2)
+            for width in (16, 32)  # lanes per row: half-warps or whole warps
         ]
         + [
             f"twell_stationary_spmm<{CXX_TYPE[d]}, {dual}, {mode}>"

@@ -60,6 +60,20 @@ BANDED_BREAKEVEN_FACTOR = 2.5
 #: Most column bands A is cut into (:func:`band_tiles`): each band after the first reads and
 #: writes the fp32 workspace (8 bytes per output element), a cost that grows with the bands.
 MAX_BANDS = 4
+
+
+def _pack_width() -> int:
+    """``TWELL_STATIONARY_PACK_WIDTH`` (16 or 32; unset: 32), read once at import."""
+    return int(K.env_choice("TWELL_STATIONARY_PACK_WIDTH", ("16", "32"), "32"))
+
+
+#: Lanes per row of the pack's kernel (``TWELL_STATIONARY_PACK_WIDTH``): 32 (one row a warp) or
+#: 16 (two rows a warp, one on each half; a warp whose rows do not both fit half its staging
+#: packs them on the whole warp in turn). The words are the same. 16 is opt-in until measured: the
+#: tiled up pack's items on half-warps took 0.201 against 0.328 ms at 131072 tokens (forty-fourth
+#: session), and this pack is bound the same way (each row's chain of L2 loads); the half-warp
+#: form was written in the forty-fifth session and has not yet run on a GPU.
+PACK_WIDTH = _pack_width()
 _expected_density: contextvars.ContextVar[float | None] = contextvars.ContextVar("expected_density", default=None)
 #: Whether ``matmul`` takes this kernel where it applies: True (``TWELL_STATIONARY=1``: always),
 #: False (``TWELL_STATIONARY=0``: never), None (unset: from :data:`MIN_ROWS` rows on).
@@ -218,9 +232,10 @@ def pack(
     data2, spill2 = (K.null_pointer(),) * 2 if second is None else (second.data, second.spill_data)
     args = (parts.data, data2, parts.indices, parts.counts, parts.spill_indptr, parts.spill_indices)
     geometry = (np.int32(m), np.int32(nt), np.int32(tile_n), np.int32(cap), np.int32(t_lo), np.int32(t_hi))
+    rows_per_warp = 32 // PACK_WIDTH
     K.launch(
-        f"stationary_pack<{t}, {int(dual)}>",
-        32 * m,
+        f"stationary_pack<{t}, {int(dual)}, {PACK_WIDTH}>",
+        32 * -(-m // rows_per_warp),
         256,
         (*args, parts.spill_data, spill2, *geometry, np.int32(width), indptr, words),
     )

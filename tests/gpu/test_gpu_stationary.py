@@ -334,3 +334,60 @@ def test_auto_takes_bands_for_weights_beyond_the_l2(cp, monkeypatch):
     assert _stationary.chosen(16384, 14336, wide, out4096, tile_n=256)
     if _stationary.K.l2_bytes() >= tall.nbytes:
         assert not _stationary.chosen(16384, 8192, tall, out2048, tile_n=256)
+
+
+def _mixed_rows(rng, m, n, dtype):
+    """Rows of about 4 and about 300 entries at random (a warp of two rows then packs on its
+    halves, or both on the whole warp when one outgrows half the staging)."""
+    h = np.zeros((m, n), dtype=np.float64)
+    for row in range(m):
+        k = 300 if rng.random() < 0.3 else 4
+        cols = rng.choice(n, size=k, replace=False)
+        h[row, cols] = rng.uniform(0.5, 2.0, k) * rng.choice([-1, 1], k)
+    return h.astype(dtype)
+
+
+@pytest.mark.parametrize(
+    "m, n, tile_n, capacity, density, case",
+    [
+        (301, 2000, 32, 2, 0.08, "one"),  # heavy spill, an odd row count (the last half-warp idle)
+        (301, 2000, 32, 2, 0.08, "dual"),
+        (301, 2000, 32, 2, 0.08, "band"),
+        (41, 3000, 64, 8, 0.3, "one"),  # rows over 512 entries: the whole warp, walked twice
+        (4099, 5632, 256, 32, 0.005, "one"),  # the standard widths
+        (4099, 5632, 256, 32, 0.005, "dual"),
+        (257, 1000, 64, 16, None, "one"),  # rows of 4 and of 300 entries mixed
+        (257, 1000, 64, 16, None, "dual"),
+    ],
+)
+def test_pack_on_half_warps_writes_the_whole_warps_words(cp, rng, monkeypatch, m, n, tile_n, capacity, density, case):
+    """TWELL_STATIONARY_PACK_WIDTH=16 (two rows a warp) writes the same row pointers and words as
+    the whole-warp pack, whose order the tests above check against the reference: one product,
+    the dual form, a band; rows that fit half a warp's staging, rows that do not (their warp packs
+    both on the whole warp in turn), and a last warp with one row."""
+    if density is None:
+        h = _mixed_rows(rng, m, n, ts.bfloat16)
+        a = ts.twell_array(cp.asarray(h), tile_n=tile_n, capacity=capacity)
+    else:
+        h, a = _problem(cp, rng, m, n, tile_n, capacity, density, ts.bfloat16)
+    second = _twin(cp, rng, h, a, ts.bfloat16)[1].parts if case == "dual" else None
+    band = (20, 41) if case == "band" else None
+
+    class Poisoned:
+        """CuPy whose ``empty`` arrays come poisoned: every word the pack leaves unwritten shows."""
+
+        def __getattr__(self, name):
+            return getattr(cp, name)
+
+        def empty(self, shape, dtype):
+            return cp.full(shape, 0xDEADBEEF if np.dtype(dtype) == np.uint32 else -7, dtype=dtype)
+
+    monkeypatch.setattr(_stationary, "_cp", Poisoned)
+    packs = {}
+    for width in (32, 16):
+        monkeypatch.setattr(_stationary, "PACK_WIDTH", width)
+        indptr, words = (cp.asnumpy(v) for v in _stationary.pack(a.parts, tile_n, n, second=second, band=band))
+        packs[width] = (indptr, words[: indptr[-1]])
+    assert np.array_equal(packs[16][0], packs[32][0])
+    assert np.array_equal(packs[16][1], packs[32][1])
+    assert (packs[16][1] != 0xDEADBEEF).all()
