@@ -205,6 +205,7 @@ def stages(density: float, m: int, pattern: str, d_model: int = 2048, d_ff: int 
         # Its two kernels, each forced: the row gathers' dual pass and the stationary dual form.
         "bwd dX, gather": lambda: _gpu_ops.spmm(d_z.parts, d_z.tile_n, wg, dx_out, path="gather", second=dual),
         "bwd dX, stationary dual": lambda: _stationary.spmm(d_z.parts, d_z.tile_n, wg, dx_out, second=dual),
+        "stationary pack, dual": lambda: _stationary.pack(d_z.parts, d_z.tile_n, d_z.shape[1], second=dual[0]),
         "bwd dX, tiled dual": lambda: _tiled_spmm.spmm(d_z.parts, d_z.tile_n, wg, dx_out, second=dual),
         # The gated backward on one pack (opt-in): d_h, d_z, d_u, h and dX (the gathers' fused
         # SDDMM and "bwd dX" above do the same work).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine (the `device` tool): install, GPU tests, demo, benchmarks.
-# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|wide|widestages|sharedb|wide65536|gatherblocks|gatherblocksmodel|skewedtrain|segments|cuttrace|roworder|hostgap|producerncu|producerclocks|producerenergy|ffnenergy|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|halfpack|pairs|decoderncu|decodermemory|tmaprobe|tokenstep|ordereda|upab|upncu|tiledbwd|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
+# Writes logs and JSON under $OUT (default ./out). Usage: bash scripts/device_run.sh [branch=NAME:STEP,STEP|branchrows=NAME|tests|demo|bench|training|widths|smallm|wide|widestages|sharedb|wide65536|gatherblocks|gatherblocksmodel|skewedtrain|segments|cuttrace|roworder|hostgap|producerncu|producerclocks|producerenergy|ffnenergy|transposeab|jax|micro|stages|hints|trainprofile|benchquick|profile|hostprofile|hostphases|fp8|minblocks|probe|producerab|modelschedule|producerprobe|stationary|tiled|tiledspmm|tiledquick|tiledwarps|tiledffn|multigpu|multigputests|tiledcheck|halfpack|stationaryhalf|pairs|decoderncu|decodermemory|tmaprobe|tokenstep|ordereda|upab|upncu|tiledbwd|tiledforced|tiledmodel|dual|downchoice|transposedprobe|sanitize|all]...
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"  # install, TWELL_COMMIT, PYTHONPATH, $OUT
 what=${*:-all}
@@ -244,6 +244,20 @@ for step in $what; do
         echo "TWELL_TILED_UP_PACK_WIDTH=$width" | tee -a "$OUT/halfpack.log"
         TWELL_TILED_UP_PACK_WIDTH=$width stage_rows "tiled up pack" "0.005 0.01" halfpack
         TWELL_TILED_UP_PACK_WIDTH=$width stage_rows "tiled up pack" "0.005" halfpack --m 131072 --reps 5
+      done
+      ;;&
+    stationaryhalf)
+      # The stationary pack on half-warps (forty-fifth session; opt-in TWELL_STATIONARY_PACK_WIDTH=16,
+      # never run on a GPU before this step): both widths' words equal, the stationary tests with
+      # the half-warps on, memcheck and racecheck on the new test, then the pack's stage rows (one
+      # product and dX's dual form) both ways at 16384 and 131072 tokens.
+      gpu_test_file tests/gpu/test_gpu_stationary.py stationaryhalf 240 -k half_warps
+      TWELL_STATIONARY_PACK_WIDTH=16 gpu_test_file tests/gpu/test_gpu_stationary.py stationaryhalf 240
+      sanitize_tests tests/gpu/test_gpu_stationary.py "half_warps and (301 or 257)" stationaryhalf
+      for width in 32 16; do
+        echo "TWELL_STATIONARY_PACK_WIDTH=$width" | tee -a "$OUT/stationaryhalf.log"
+        TWELL_STATIONARY_PACK_WIDTH=$width stage_rows "stationary pack" "0.005 0.01" stationaryhalf
+        TWELL_STATIONARY_PACK_WIDTH=$width stage_rows "stationary pack" "0.005" stationaryhalf --m 131072 --reps 5
       done
       ;;&
     pairs)
