@@ -26,6 +26,29 @@ stage_rows() {
     status=$((status | ${PIPESTATUS[0]}))
   done
 }
+# A kernel form behind a setting: FILE's tests named KEYWORD, the whole FILE with SETTING
+# (VARIABLE=VALUE) in the environment, then memcheck and racecheck on the tests SANITIZED picks
+# (with the setting too), appended to $OUT/<log>.log. Usage: switch_tests FILE LOG KEYWORD SETTING SANITIZED
+switch_tests() {
+  gpu_test_file "$1" "$2" 240 -k "$3"
+  export "${4?}"
+  gpu_test_file "$1" "$2" 240
+  sanitize_tests "$1" "$5" "$2"
+  unset "${4%%=*}"
+}
+# The stage rows ONLY at 16384 tokens (0.5 / 1%) and 131072 tokens (0.5%) with VARIABLE=32, then
+# =16 (a pack's whole-warp and half-warp forms), appended to $OUT/<log>.log.
+# Usage: width_rows VARIABLE ONLY LOG
+width_rows() {
+  local width
+  for width in 32 16; do
+    echo "$1=$width" | tee -a "$OUT/$3.log"
+    export "$1=$width"
+    stage_rows "$2" "0.005 0.01" "$3"
+    stage_rows "$2" "0.005" "$3" --m 131072 --reps 5
+  done
+  unset "$1"
+}
 # The row gathers under the TWELL_GATHER_* settings in the environment (named in the log): their
 # stages (" gather", "up sddmm", "bwd sddmm") and one gated plan call's kernels (bench/plan_trace.py)
 # at 0.5 / 1%, 16384 tokens, appended to $OUT/<log>.log. Usage: gather_layout_rows LOG
@@ -240,25 +263,16 @@ for step in $what; do
       # racecheck on the new test, then the pack's stage rows both ways at 16384 and 131072 tokens.
       gpu_test_file tests/gpu/test_gpu_tiled_up.py halfpack 240
       sanitize_tests tests/gpu/test_gpu_tiled_up.py "half_warps" halfpack
-      for width in 32 16; do
-        echo "TWELL_TILED_UP_PACK_WIDTH=$width" | tee -a "$OUT/halfpack.log"
-        TWELL_TILED_UP_PACK_WIDTH=$width stage_rows "tiled up pack" "0.005 0.01" halfpack
-        TWELL_TILED_UP_PACK_WIDTH=$width stage_rows "tiled up pack" "0.005" halfpack --m 131072 --reps 5
-      done
+      width_rows TWELL_TILED_UP_PACK_WIDTH "tiled up pack" halfpack
       ;;&
     stationaryhalf)
       # The stationary pack on half-warps (forty-fifth session; opt-in TWELL_STATIONARY_PACK_WIDTH=16,
       # never run on a GPU before this step): both widths' words equal, the stationary tests with
       # the half-warps on, memcheck and racecheck on the new test, then the pack's stage rows (one
       # product and dX's dual form) both ways at 16384 and 131072 tokens.
-      gpu_test_file tests/gpu/test_gpu_stationary.py stationaryhalf 240 -k half_warps
-      TWELL_STATIONARY_PACK_WIDTH=16 gpu_test_file tests/gpu/test_gpu_stationary.py stationaryhalf 240
-      sanitize_tests tests/gpu/test_gpu_stationary.py "half_warps and (301 or 257)" stationaryhalf
-      for width in 32 16; do
-        echo "TWELL_STATIONARY_PACK_WIDTH=$width" | tee -a "$OUT/stationaryhalf.log"
-        TWELL_STATIONARY_PACK_WIDTH=$width stage_rows "stationary pack" "0.005 0.01" stationaryhalf
-        TWELL_STATIONARY_PACK_WIDTH=$width stage_rows "stationary pack" "0.005" stationaryhalf --m 131072 --reps 5
-      done
+      switch_tests tests/gpu/test_gpu_stationary.py stationaryhalf half_warps TWELL_STATIONARY_PACK_WIDTH=16 \
+        "half_warps and (301 or 257)"
+      width_rows TWELL_STATIONARY_PACK_WIDTH "stationary pack" stationaryhalf
       ;;&
     pairs)
       # The tiled up projection in clusters of two sharing x's slices (forty-fourth session,
@@ -266,9 +280,8 @@ for step in $what; do
       # pairs on, memcheck and racecheck on the new test's small shapes, then the forward's and
       # the backward's stage rows both ways at 16384 tokens and at the decoder batch, and the
       # decoder stack both ways.
-      gpu_test_file tests/gpu/test_gpu_tiled_up.py pairs 240 -k pairs
-      TWELL_TILED_UP_PAIRS=1 gpu_test_file tests/gpu/test_gpu_tiled_up.py pairs 240
-      sanitize_tests tests/gpu/test_gpu_tiled_up.py "pairs and (1-40 or 300-2000 or 1000-600)" pairs
+      switch_tests tests/gpu/test_gpu_tiled_up.py pairs pairs TWELL_TILED_UP_PAIRS=1 \
+        "pairs and (1-40 or 300-2000 or 1000-600)"
       stage_rows "tiled by density" "0.005 0.01" pairs  # single blocks and pairs side by side
       stage_rows "tiled by density" "0.005" pairs --m 131072 --reps 5
       for pairs in 1 0; do

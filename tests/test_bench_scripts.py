@@ -306,7 +306,8 @@ def test_device_run_stage_filters_name_existing_stages():
     names |= {"plan gated", "fused producer, pass 1"}
     script = (root / "scripts" / "device_run.sh").read_text()
     profiled = re.findall(r'ncu_rows \S+ "([^"]+)"', script)
-    filters = re.findall(r'stage_rows "([^"$]+)"', script) + profiled
+    filters = re.findall(r'stage_rows "([^"$]+)"', script) + re.findall(r'width_rows \S+ "([^"$]+)"', script)
+    filters += profiled
     assert len(filters) >= 5
     for spec in filters:
         for part in spec.split(","):
