@@ -256,10 +256,13 @@ def _without_fused_producer(fn: Any) -> Any:
 
 
 def selected(name: str, only: str, names: Any) -> bool:
-    """Whether ``--only`` picks stage ``name``: a stage's whole name picks that stage alone (a
-    profiler run after its kernel's launches must not catch another stage's: "gated up, tiled by
-    density" split at its comma would pick every "gated up" row); otherwise each comma-separated
-    piece picks the stages whose names contain it (none: every stage)."""
+    """Whether ``--only`` picks stage ``name``: whole stage names separated by semicolons pick
+    those stages alone, as does one whole name (a profiler run after its kernel's launches must
+    not catch another stage's: "gated up, tiled by density" split at its comma would pick every
+    "gated up" row); otherwise each comma-separated piece picks the stages whose names contain it
+    (none: every stage)."""
+    if ";" in only:
+        return name in only.split(";")
     if only in names:
         return name == only
     wanted = [w for w in only.split(",") if w]
@@ -278,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--only",
         default="",
-        help="one stage's whole name (names hold commas), else comma-separated substrings: time only those stages",
+        help="whole stage names separated by ';' (names hold commas), or comma-separated substrings: "
+        "time only those stages",
     )
     args = ap.parse_args(argv)
     eager = Timer(args.reps, on_gpu=True, flush_l2=True)

@@ -272,7 +272,7 @@ for step in $what; do
       # product and dX's dual form) both ways at 16384 and 131072 tokens.
       switch_tests tests/gpu/test_gpu_stationary.py stationaryhalf half_warps TWELL_STATIONARY_PACK_WIDTH=16 \
         "half_warps and (301 or 257)"
-      width_rows TWELL_STATIONARY_PACK_WIDTH "stationary pack" stationaryhalf
+      width_rows TWELL_STATIONARY_PACK_WIDTH "stationary pack;stationary pack, dual" stationaryhalf
       ;;&
     pairs)
       # The tiled up projection in clusters of two sharing x's slices (forty-fourth session,

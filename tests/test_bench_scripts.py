@@ -310,6 +310,9 @@ def test_device_run_stage_filters_name_existing_stages():
     filters += profiled
     assert len(filters) >= 5
     for spec in filters:
+        if ";" in spec:  # whole names
+            assert all(part in names for part in spec.split(";")), f"device_run.sh filter {spec!r} names no stage"
+            continue
         for part in spec.split(","):
             assert any(part in name for name in names), f"device_run.sh filter {part!r} names no stage"
     # A profiled row is one stage's whole name: Nsight Compute's launch count then catches that
@@ -319,8 +322,9 @@ def test_device_run_stage_filters_name_existing_stages():
 
 
 def test_stage_filter_takes_whole_names_before_pieces():
-    """stage_times.py --only: a stage's whole name (names hold commas) picks that stage alone;
-    otherwise comma-separated pieces pick every stage containing one; empty picks all."""
+    """stage_times.py --only: whole names separated by semicolons, or one whole name (names hold
+    commas), pick those stages alone; otherwise comma-separated pieces pick every stage
+    containing one; empty picks all."""
     import importlib.util
 
     path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "stage_times.py"
@@ -336,6 +340,7 @@ def test_stage_filter_takes_whole_names_before_pieces():
     assert picked("gated up, tiled by density") == ["gated up, tiled by density"]
     assert picked("gated up, tiled by density, pairs") == ["gated up, tiled by density, pairs"]
     assert picked("gather,down") == ["gated up, gather", "down spmm"]
+    assert picked("gated up, tiled by density;down spmm") == ["gated up, tiled by density", "down spmm"]
     assert picked("") == names
 
 
