@@ -74,8 +74,6 @@ def _field(r: dict[str, Any], name: str) -> Any:
         return float(f"{r['density']:.2g}")
     if name == "norm" and r.get("kind") == "model":  # the model's RMSNorm was written out until it said
         return r.get(name, "composite")
-    if name == "captured" and r.get("kind") == "model":  # whether the run timed CUDA graphs too
-        return "forward_graph_speedup" in r
     return r.get(name)
 
 
@@ -463,7 +461,7 @@ def tables(records: list[dict[str, Any]]) -> str:
     ffn = latest_per_case(records, "ffn", ("shape", "pattern", "density_target"))
     shapes = sorted({tuple(r["shape"]) for r in ffn}, key=lambda s: (s != STANDARD_SHAPE, s))
     parts = [ffn_table([r for r in ffn if tuple(r["shape"]) == shape]) for shape in shapes] or [ffn_table([])]
-    models = latest_per_case(records, "model", ("density_target", "layers", "tokens", "norm", "captured"))
+    models = [r for r in records if publishable(r, "model")]  # training_table takes each row's newest
     training = training_table(latest(records, "train_step"), models)
     text = "\n\n".join(parts) + ("\n" + training if training else "")
     extras = (

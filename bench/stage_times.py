@@ -21,7 +21,7 @@ import os
 import sys
 from typing import Any
 
-from twellsparse import _tiled_spmm, _tiled_up
+from twellsparse import _stationary, _tiled_spmm, _tiled_up
 from twellsparse._environment import append_records, environment
 from twellsparse._timing import Timer
 from twellsparse.testing import ffn_problem
@@ -313,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         "tiled_warps": _tiled_spmm.WARPS,
         "tiled_operand": _tiled_spmm.OPERAND,
         "tiled_up_pack_width": _tiled_up.PACK_WIDTH,
+        "stationary_pack_width": _stationary.PACK_WIDTH,
         **environment(),
     }
     if args.out:

@@ -80,20 +80,10 @@ SHAPES = [
 
 
 def cubin() -> bytes:
-    """The probe compiled by NVRTC for sm_90a (no GPU needed)."""
-    from cupy_backends.cuda.libs import nvrtc
-
+    """The probe compiled by NVRTC for sm_90a (no GPU needed), as the library compiles its own."""
     from twellsparse import _kernels as K
 
-    prog = nvrtc.createProgram(K.read_source("twell_tma.cuh") + SOURCE, "tma_probe.cu", [], [])
-    try:
-        try:
-            nvrtc.compileProgram(prog, ["-arch=sm_90a", "-std=c++17"])
-        except nvrtc.NVRTCError as exc:
-            raise RuntimeError(f"tma_probe: NVRTC failed:\n{nvrtc.getProgramLog(prog)}") from exc
-        return nvrtc.getCUBIN(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
+    return K._nvrtc_cubin("tma_probe.cu", [], "sm_90a", code=K.read_source("twell_tma.cuh") + SOURCE)[0]
 
 
 def measure(cp: Any, fn: Any, shape: tuple, iters: int, sms: int) -> dict[str, Any]:

@@ -22,6 +22,25 @@ template <int WIDTH> __device__ __forceinline__ unsigned segment_mask() {
   return WIDTH == 32 ? 0xffffffffu : 0xffffu << (threadIdx.x & 16);
 }
 
+// The first item of this warp in a kernel of WIDTH lanes per item (32 / WIDTH items a warp).
+template <int WIDTH> __device__ __forceinline__ long long warp_first_item() {
+  return ((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5) * (32 / WIDTH);
+}
+
+// Whether the warp's first item is past the last (a warp-uniform exit).
+template <int WIDTH> __device__ __forceinline__ bool warp_past_items(long long items) {
+  return warp_first_item<WIDTH>() >= items;
+}
+
+// This lane's item, and whether it is past the last (then it is the last item again, to be
+// walked without writing: its segment must still take part in the warp's shuffles). The caller
+// has returned first where the warp's first item is past the last.
+template <int WIDTH> __device__ __forceinline__ int segment_item(int items, bool& dead) {
+  const long long item = warp_first_item<WIDTH>() + (threadIdx.x & 31) / WIDTH;
+  dead = item >= items;
+  return dead ? items - 1 : (int)item;
+}
+
 // The inclusive sum of v over this lane's segment, in lane order.
 template <int WIDTH, typename V> __device__ __forceinline__ V segment_inclusive_sum(V v) {
   const int sl = threadIdx.x & (WIDTH - 1);

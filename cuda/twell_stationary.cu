@@ -471,29 +471,27 @@ __global__ void __launch_bounds__(twell::STATIONARY_PACK_WARPS * 32) stationary_
   __shared__ unsigned short staged2[DUAL ? W : 1][2][DUAL ? S : 1];  // A2's value bits (DUAL)
   const PackArgs<T> a{data, data2, indices, counts, spill_indptr, spill_cols, spill_vals, spill_vals2, M,
                       n_tiles, tile_n, capacity, t_lo, t_hi, N, indptr, words};
-  const long long warp_id = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
   const int warp = threadIdx.x >> 5, w2 = DUAL ? warp : 0;
   // The whole warp on one row, in this warp's staging.
   auto whole = [&](int row) {
     pack_row<T, DUAL, 32>(a, row, false, staged[warp][0], staged[warp][1], staged2[w2][0], staged2[w2][1], S);
   };
+  if (warp_past_items<WIDTH>(M)) return;
+  const int first = (int)warp_first_item<WIDTH>();
   if constexpr (WIDTH == 32) {
-    if (warp_id < M) whole((int)warp_id);
+    whole(first);
   } else {
     static_assert(WIDTH == 16, "rows on whole warps or half-warps");
-    const long long first = 2 * warp_id;
-    if (first >= M) return;
-    const int half = (threadIdx.x >> 4) & 1;
-    const bool dead = first + half >= M;
-    const int row = (int)(dead ? first : first + half);
+    bool dead;
+    const int row = segment_item<16>(M, dead);
     const int size = (indptr[row + 1] - indptr[row]) / (DUAL ? 2 : 1);
     if (__any_sync(0xffffffffu, size > S / 2)) {  // a row too long for half the staging
-      whole((int)first);
+      whole(first);
       __syncwarp();  // the staging is the next row's
-      if (first + 1 < M) whole((int)first + 1);
+      if (first + 1 < M) whole(first + 1);
       return;
     }
-    const int h = half * (S / 2), h2 = DUAL ? h : 0;
+    const int h = (threadIdx.x & 16) ? S / 2 : 0, h2 = DUAL ? h : 0;
     pack_row<T, DUAL, 16>(a, row, dead, staged[warp][0] + h, staged[warp][1] + h, staged2[w2][0] + h2,
                           staged2[w2][1] + h2, S / 2);
   }

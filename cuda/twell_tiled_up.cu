@@ -40,10 +40,9 @@
 // one token block form a cluster and share x's slices, each copying half of x's boxes into both
 // CTAs (TMA multicast). At a decoder batch (131072 tokens, 768-token blocks) the single blocks
 // stage ~8 GB a layer from L2, W_up once per token block and x once per unit part, half each;
-// the pairs send x once per pair. Measured 2-5% slower on an H100 (a multicast halves the
-// L2's reads, not the bytes each SM receives, and those bound the single blocks): opt-in. A
-// buffer is then refilled
-// only once both CTAs have released it (an empty barrier per buffer counting one arrival from
+// the pairs send x once per pair. Measured 2-5% slower on an H100, opt-in: the single blocks are
+// bound neither by the L2 nor by the copy engine (bench/NOTES.md, forty-fifth session, items 2
+// and 3). A buffer is then refilled only once both CTAs have released it (an empty barrier per buffer counting one arrival from
 // each CTA), both stream as many rounds as the busier of the two needs, and neither exits
 // before the other is done (the peer may still copy into it or arrive on its barriers). The grid
 // then has an even count of parts per token block: with an odd `parts` the last is a pad block
@@ -160,23 +159,6 @@ __device__ __forceinline__ unsigned long long walk_item(const Item& it, const sh
     }
   }
   return base;
-}
-
-// This lane's item in a pack kernel of WIDTH lanes per item, and whether it is past the last
-// (then it walks the last item again, writing nothing: its segment must still take part in the
-// warp's shuffles). The caller returns first when the warp's first item is past the last.
-template <int WIDTH>
-__device__ __forceinline__ int segment_item(int items, bool& dead) {
-  const long long warp = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
-  const int item = (int)(warp * (32 / WIDTH)) + (int)((threadIdx.x & 31) / WIDTH);
-  dead = item >= items;
-  return dead ? items - 1 : item;
-}
-
-// Whether the warp's first item is past the last (a warp-uniform exit).
-template <int WIDTH>
-__device__ __forceinline__ bool warp_past_items(int items) {
-  return ((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5) * (32 / WIDTH) >= items;
 }
 
 // 16 and 8 bytes from the shared window at address + OFF (OFF folded into the instruction:

@@ -26,6 +26,12 @@ stage_rows() {
     status=$((status | ${PIPESTATUS[0]}))
   done
 }
+# The tiled up projection's block sizes at the decoder batch (131072 tokens, 0.5%) and at 16384
+# tokens, 1%: an A/B row set for kernel variants (settings, branches). Usage: up_ab_rows LOG
+up_ab_rows() {
+  stage_rows "tiled 768,tiled 800" "0.005" "$1" --m 131072
+  stage_rows "tiled 384,tiled 512" "0.01" "$1"
+}
 # A kernel form behind a setting: FILE's tests named KEYWORD, the whole FILE with SETTING
 # (VARIABLE=VALUE) in the environment, then memcheck and racecheck on the tests SANITIZED picks
 # (with the setting too), appended to $OUT/<log>.log. Usage: switch_tests FILE LOG KEYWORD SETTING SANITIZED
@@ -626,8 +632,12 @@ for step in $what; do
       # Compute on the tiled up projection and the stationary SpMM at 131072 tokens, 0.5% (the
       # model's calls; is the up projection's TMA staging, W_up per token block and x per unit
       # part, bound by L2 bandwidth there?).
-      ncu_rows twell_tiled_gated_up "gated up, tiled by density" decoderncu --m 131072 --density 0.005
       ncu_rows twell_stationary_spmm "down spmm, stationary" decoderncu --m 131072 --density 0.005
+      ;;&
+    decoderncu|upncu)
+      # Nsight Compute's stall and memory sections on the tiled up projection as the decoder
+      # batch's plan runs it.
+      ncu_rows twell_tiled_gated_up "gated up, tiled by density" "$step" --m 131072 --density 0.005
       ;;&
     decoderncu|decodermemory)
       # Latency or delivery (bench/NOTES.md, forty-fourth session, item 6): the memory chart and
@@ -650,23 +660,15 @@ smsp__sass_inst_executed_op_shared_ld.sum,gpu__time_duration.sum,sm__cycles_elap
       stage_rows "tiled 208,tiled 336,tiled 384,tiled 512,tiled by density" "0.005 0.01 0.02" tokenstep
       stage_rows "tiled 768,tiled 800,tiled by density" "0.005" tokenstep --m 131072
       ;;&
-    ordereda|upab)
-      # The tiled up projection's block sizes at the decoder batch (131072 tokens, 0.5%) and at
-      # 16384 tokens, 1%: an A/B row set for kernel variants (branches).
-      stage_rows "tiled 768,tiled 800" "0.005" "$step" --m 131072
-      stage_rows "tiled 384,tiled 512" "0.01" "$step"
+    upab)
+      up_ab_rows upab
       ;;&
     ordereda)
-      # The same without the 4 register moves a tile spends ordering its A fragment
+      # The default, then without the 4 register moves a tile spends ordering its A fragment
       # (TWELL_TILED_UP_ORDERED_A=1: wrong sums, the time a W_up stored in the fragment's order
-      # would take), after the default rows above in the same call.
-      TWELL_TILED_UP_ORDERED_A=1 stage_rows "tiled 768,tiled 800" "0.005" ordereda --m 131072
-      TWELL_TILED_UP_ORDERED_A=1 stage_rows "tiled 384,tiled 512" "0.01" ordereda
-      ;;&
-    upncu)
-      # Nsight Compute's stall and memory sections on the tiled up projection as the decoder
-      # batch's plan runs it (131072 tokens, 0.5%).
-      ncu_rows twell_tiled_gated_up "gated up, tiled by density" upncu --m 131072 --density 0.005
+      # would take).
+      up_ab_rows ordereda
+      TWELL_TILED_UP_ORDERED_A=1 up_ab_rows ordereda
       ;;&
     tmaprobe)
       # The copy engine's rate into one SM by the shape of its copies (rows of 64, 128 or 256

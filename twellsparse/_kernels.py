@@ -403,9 +403,10 @@ def _module(name: str, value_type: str, device_id: int) -> Any:
     return mod
 
 
-def _nvrtc_cubin(name: str, expressions: list[str], arch: str) -> tuple[bytes, dict[str, str]]:
+def _nvrtc_cubin(name: str, expressions: list[str], arch: str, code: str | None = None) -> tuple[bytes, dict[str, str]]:
     """Compile one source's instantiations with NVRTC for ``arch`` (no GPU needed): the cubin
-    and each expression's lowered (mangled) name.
+    and each expression's lowered (mangled) name. ``code``: the source's text, when it is not
+    the shipped source ``name`` (bench/tma_probe.py's kernel).
 
     Raises
     ------
@@ -414,7 +415,7 @@ def _nvrtc_cubin(name: str, expressions: list[str], arch: str) -> tuple[bytes, d
     """
     from cupy_backends.cuda.libs import nvrtc
 
-    prog = nvrtc.createProgram(read_source(name), name, [], [])
+    prog = nvrtc.createProgram(read_source(name) if code is None else code, name, [], [])
     try:
         for expr in expressions:
             nvrtc.addNameExpression(prog, expr)

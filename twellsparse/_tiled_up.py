@@ -233,8 +233,9 @@ SHARED_B: bool = K.env_switch("TWELL_TILED_UP_SHARED_B") is not False
 #: block) that share x's slices by TMA multicast (``TWELL_TILED_UP_PAIRS=1``, opt-in): a
 #: quarter less L2 traffic, but measured 2-5% slower than the single blocks on an H100 (1.91
 #: against 1.87 ms forward, 2.20 against 2.09 backward at 131072 tokens, 0.5%): the single
-#: blocks wait on their slices' staging there, whose bound is not the L2's reads
-#: (bench/NOTES.md, forty-fourth session, items 5 and 6).
+#: blocks are bound neither by the L2 nor by the copy engine there, but by the latency of their
+#: tiles' shared loads and MMAs (bench/NOTES.md, forty-fourth session, item 5; forty-fifth,
+#: items 2 and 3).
 PAIRS: bool = K.env_switch("TWELL_TILED_UP_PAIRS") is True
 
 
